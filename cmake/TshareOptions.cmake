@@ -1,0 +1,51 @@
+# Build options. TSHARE_WITH_CUDA and TSHARE_WITH_TORCH take AUTO, ON or OFF:
+# AUTO uses what it finds and says what it found; ON fails when it is missing.
+set(TSHARE_WITH_CUDA AUTO CACHE STRING "CUDA IPC shares: AUTO, ON or OFF")
+set(TSHARE_WITH_TORCH AUTO CACHE STRING "LibTorch bridge: AUTO, ON or OFF")
+set_property(CACHE TSHARE_WITH_CUDA PROPERTY STRINGS AUTO ON OFF)
+set_property(CACHE TSHARE_WITH_TORCH PROPERTY STRINGS AUTO ON OFF)
+option(TSHARE_BUILD_TESTS "Build the tests" ON)
+set(TSHARE_SANITIZE "" CACHE STRING "Sanitizers to build with, e.g. address,undefined")
+option(TSHARE_WERROR "Treat warnings as errors (CI)" OFF)
+
+foreach(opt TSHARE_WITH_CUDA TSHARE_WITH_TORCH)
+  string(TOUPPER "${${opt}}" _v)
+  if(NOT _v MATCHES "^(AUTO|ON|OFF)$")
+    message(FATAL_ERROR "${opt}=${${opt}}: use AUTO, ON or OFF")
+  endif()
+  set(${opt} ${_v})
+endforeach()
+
+# CUDA: the toolkit is looked for now; CUDA shares build on it.
+set(TSHARE_HAVE_CUDA OFF)
+if(NOT TSHARE_WITH_CUDA STREQUAL "OFF")
+  find_package(CUDAToolkit QUIET)
+  if(CUDAToolkit_FOUND)
+    set(TSHARE_HAVE_CUDA ON)
+    message(STATUS "tshare: CUDA toolkit ${CUDAToolkit_VERSION} found at ${CUDAToolkit_BIN_DIR}")
+  elseif(TSHARE_WITH_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "tshare: TSHARE_WITH_CUDA=ON but no CUDA toolkit was found. "
+                        "Install the CUDA toolkit or set CUDAToolkit_ROOT, or use TSHARE_WITH_CUDA=AUTO/OFF.")
+  else()
+    message(STATUS "tshare: CUDA toolkit not found; building host-memory shares only")
+  endif()
+else()
+  message(STATUS "tshare: CUDA disabled (TSHARE_WITH_CUDA=OFF)")
+endif()
+
+# LibTorch: the bridge builds on it.
+set(TSHARE_HAVE_TORCH OFF)
+if(NOT TSHARE_WITH_TORCH STREQUAL "OFF")
+  find_package(Torch QUIET)
+  if(Torch_FOUND)
+    set(TSHARE_HAVE_TORCH ON)
+    message(STATUS "tshare: LibTorch found at ${Torch_DIR}")
+  elseif(TSHARE_WITH_TORCH STREQUAL "ON")
+    message(FATAL_ERROR "tshare: TSHARE_WITH_TORCH=ON but LibTorch was not found. "
+                        "Set Torch_DIR to LibTorch's share/cmake/Torch, or use TSHARE_WITH_TORCH=AUTO/OFF.")
+  else()
+    message(STATUS "tshare: LibTorch not found; the torch bridge is not built")
+  endif()
+else()
+  message(STATUS "tshare: LibTorch bridge disabled (TSHARE_WITH_TORCH=OFF)")
+endif()

@@ -1,0 +1,93 @@
+/* tshare/channel.h - a connected, framed endpoint between two processes.
+ *
+ * A channel is either one end of a Unix stream socketpair (frames can carry
+ * fds with SCM_RIGHTS) or a pair of pipes (no fds). Opening a channel runs the
+ * hello exchange: both ends send versions, pid, uid, boot id, capabilities and
+ * a name, and a peer on another major version or another boot is refused with
+ * TSHARE_E_VERSION or TSHARE_E_PEER_MISMATCH.
+ *
+ * Sends and receives are blocking with a timeout in milliseconds (< 0 waits
+ * forever, 0 never waits), retry on EINTR, and never raise SIGPIPE: a dead
+ * peer is TSHARE_E_PEER_CLOSED. The lifetime protocol (share.h) runs on top.
+ *
+ * Threads: one thread drives a channel (send, receive, poll). Releasing a view
+ * (share.h) is the exception: it is safe from any thread and never blocks.
+ */
+#ifndef TSHARE_CHANNEL_H
+#define TSHARE_CHANNEL_H
+
+#include "tshare/errors.h"
+#include "tshare/wire.h"
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tshare_channel tshare_channel;
+
+typedef enum tshare_channel_kind {
+  TSHARE_CHANNEL_SOCKET = 1, /* Unix stream socket: frames may carry fds */
+  TSHARE_CHANNEL_PIPES = 2   /* a read pipe and a write pipe: no fds */
+} tshare_channel_kind;
+
+/* Called on the driving thread when a share this end sent is released by the
+ * peer (status TSHARE_OK) or dropped because the peer went away
+ * (TSHARE_E_PEER_CLOSED). user_data is what the share call was given. */
+typedef void (*tshare_release_cb)(void *cb_user, uint64_t share_id, void *user_data, int status);
+
+typedef struct tshare_channel_options {
+  const char *name;         /* sent in the hello and used in messages; default "tshare" */
+  int handshake_timeout_ms; /* default 10000 */
+  const tshare_wire_limits *limits; /* NULL: tshare_wire_limits_default() */
+  tshare_release_cb on_release;     /* optional */
+  void *cb_user;
+} tshare_channel_options;
+
+void tshare_channel_options_init(tshare_channel_options *opts);
+
+/* Open a channel on one end of a connected Unix stream socket. The channel
+ * owns fd from this call on, also when it fails (fd is closed). opts may be
+ * NULL. On failure *out is NULL and err (optional) says why. */
+int tshare_channel_open_socket(int fd, const tshare_channel_options *opts, tshare_channel **out,
+                               tshare_error *err);
+
+/* Same over two pipes: read_fd carries frames from the peer, write_fd to it. */
+int tshare_channel_open_pipes(int read_fd, int write_fd, const tshare_channel_options *opts,
+                              tshare_channel **out, tshare_error *err);
+
+/* A connected socketpair for two channel ends, both close-on-exec. */
+int tshare_socketpair(int fds[2], tshare_error *err);
+
+/* Close the channel: pending releases are flushed (briefly), every share the
+ * peer still holds is dropped as if released, and the fds are closed. Views
+ * received on it stay valid until released. NULL is a no-op. */
+void tshare_channel_close(tshare_channel *ch);
+
+tshare_channel_kind tshare_channel_kind_of(const tshare_channel *ch);
+const tshare_hello *tshare_channel_peer(const tshare_channel *ch); /* the peer's hello */
+const char *tshare_channel_last_error(const tshare_channel *ch);    /* never NULL */
+
+/* Low-level frame I/O. fd is -1 or an fd to pass beside the frame (sockets
+ * only; the frame must carry TSHARE_FRAME_FLAG_FD_ATTACHED). The caller keeps
+ * its fd. On receive *fd_out gets the attached fd (the caller owns it) or -1.
+ * Received release frames are applied to the lifetime tables before they are
+ * returned, so low-level readers do not break the accounting. */
+int tshare_channel_send_frame(tshare_channel *ch, const tshare_frame *frame, int fd, int timeout_ms);
+int tshare_channel_recv_frame(tshare_channel *ch, tshare_frame *frame, int *fd_out, int timeout_ms);
+
+/* Tell the peer the stream is over (reason 0: done). */
+int tshare_channel_send_bye(tshare_channel *ch, uint32_t reason, int timeout_ms);
+
+/* Tell the peer about an error (best effort, never waits long). */
+int tshare_channel_send_error(tshare_channel *ch, int code, const char *message);
+
+/* The fd a poll loop should watch for readability, e.g. to drive several
+ * channels from one thread (tshare_channel_poll then does the work). */
+int tshare_channel_fd(const tshare_channel *ch);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TSHARE_CHANNEL_H */

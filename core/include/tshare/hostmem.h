@@ -1,0 +1,46 @@
+/* tshare/hostmem.h - host memory that can be shared: sealed memfd buffers.
+ *
+ * A host buffer is a memfd mapped read-write in the creating process. It is
+ * sealed against shrinking, growing and further sealing once sized, so a
+ * consumer that maps it can never be made to fault by a truncation. Tensors
+ * are shared out of it with tshare_share_host() (share.h); the fd travels
+ * beside each share frame.
+ *
+ * Lifetime: the creator holds one reference, every share not yet released
+ * holds one. tshare_host_buffer_destroy() drops the creator's; the memory is
+ * unmapped and the fd closed when the last share is released (or its channel
+ * closed). After destroy the creator must not touch the buffer again.
+ */
+#ifndef TSHARE_HOSTMEM_H
+#define TSHARE_HOSTMEM_H
+
+#include "tshare/errors.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tshare_host_buffer tshare_host_buffer;
+
+/* Create a buffer of size bytes (rounded up to the page size), zero-filled.
+ * name shows in /proc/PID/fd and may be NULL. On failure *out is NULL. */
+int tshare_host_buffer_create(size_t size, const char *name, tshare_host_buffer **out, tshare_error *err);
+
+void *tshare_host_buffer_data(const tshare_host_buffer *buf);
+size_t tshare_host_buffer_size(const tshare_host_buffer *buf);   /* after rounding */
+uint64_t tshare_host_buffer_id(const tshare_host_buffer *buf);   /* allocation identity, unique in the process */
+int tshare_host_buffer_fd(const tshare_host_buffer *buf);        /* the memfd; still owned by the buffer */
+
+/* Shares of this buffer, on all channels, that are not yet released. */
+size_t tshare_host_buffer_outstanding(const tshare_host_buffer *buf);
+
+/* Drop the creator's reference. NULL is a no-op. */
+void tshare_host_buffer_destroy(tshare_host_buffer *buf);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TSHARE_HOSTMEM_H */

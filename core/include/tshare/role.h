@@ -1,0 +1,66 @@
+/* tshare/role.h - the environment contract between tshare-launch and roles.
+ *
+ * tshare-launch starts every role with these variables set:
+ *
+ *   TSHARE_ROLE           "producer" or "consumer"
+ *   TSHARE_RANK           0 for the producer; 0..K-1 for the consumers
+ *   TSHARE_NUM_CONSUMERS  K
+ *   TSHARE_CHANNEL_FDS    the role's channels, comma-separated, in order:
+ *                         "N" is a Unix socket at fd N, "R:W" a pipe pair
+ *                         (read fd R, write fd W). The producer has K, one per
+ *                         consumer rank; a consumer has 1, to the producer.
+ *   TSHARE_REPORT_FD      optional: write "key=value" lines here to have them
+ *                         shown in the launcher's summary (shared, verified)
+ *
+ * The channel fds are dup2'd to these numbers (from 3 up) and are the only
+ * fds the role inherits besides stdio.
+ */
+#ifndef TSHARE_ROLE_H
+#define TSHARE_ROLE_H
+
+#include "tshare/channel.h"
+#include "tshare/errors.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TSHARE_ENV_ROLE "TSHARE_ROLE"
+#define TSHARE_ENV_RANK "TSHARE_RANK"
+#define TSHARE_ENV_NUM_CONSUMERS "TSHARE_NUM_CONSUMERS"
+#define TSHARE_ENV_CHANNEL_FDS "TSHARE_CHANNEL_FDS"
+#define TSHARE_ENV_REPORT_FD "TSHARE_REPORT_FD"
+
+#define TSHARE_ROLE_CHANNELS_MAX 64
+
+typedef struct tshare_role_channel {
+  tshare_channel_kind kind;
+  int read_fd, write_fd; /* equal for sockets; -1 once opened */
+} tshare_role_channel;
+
+typedef struct tshare_role {
+  char name[32];
+  int rank;
+  int num_consumers;
+  int nchannels;
+  tshare_role_channel channels[TSHARE_ROLE_CHANNELS_MAX];
+  int report_fd; /* -1 when not set */
+} tshare_role;
+
+/* Parse the variables above. TSHARE_E_NOT_FOUND when TSHARE_ROLE is unset
+ * (not started by tshare-launch); TSHARE_E_MALFORMED naming the variable when
+ * one does not parse or names an fd that is not open. */
+int tshare_role_from_env(tshare_role *role, tshare_error *err);
+
+/* Open channel index (0-based) of the role; the channel takes its fds. opts
+ * may be NULL; its name defaults to "<role> <rank>". */
+int tshare_role_open_channel(tshare_role *role, int index, const tshare_channel_options *opts,
+                             tshare_channel **out, tshare_error *err);
+
+/* Write "key=value\n" to the report fd, if there is one. */
+void tshare_role_report(const tshare_role *role, const char *key, long long value);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TSHARE_ROLE_H */

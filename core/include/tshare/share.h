@@ -1,0 +1,77 @@
+/* tshare/share.h - the lifetime protocol: sharing tensors and releasing them.
+ *
+ * Producer: tshare_share_host() sends a share frame describing a tensor inside
+ * a host buffer and keeps a reference on the buffer until the peer releases
+ * that share or the channel ends. Incoming releases are applied whenever the
+ * channel is driven: tshare_channel_poll(), tshare_channel_wait_released(),
+ * tshare_view_recv() or any low-level receive.
+ *
+ * Consumer: tshare_view_recv() takes the next share and maps its memory. Each
+ * allocation is mapped once per channel however many shares point into it
+ * (keyed by the producer's allocation id and checked against the fd's inode);
+ * it is unmapped when its last view is released. tshare_view_release() sends
+ * the release frame; it is safe from any thread and never blocks: if the
+ * channel cannot take the frame right now, it is queued and sent by the next
+ * call that drives the channel (or by close). A view's memory is the
+ * producer's: writes through a view are visible to the producer.
+ *
+ * Either end of a channel may share and receive.
+ */
+#ifndef TSHARE_SHARE_H
+#define TSHARE_SHARE_H
+
+#include "tshare/channel.h"
+#include "tshare/hostmem.h"
+#include "tshare/tensor.h"
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Share a tensor that lives in buf (desc->byte_offset is relative to the start
+ * of buf). tag is optional (at most TSHARE_TAG_MAX bytes) and arrives with the
+ * view; user_data comes back in the channel's on_release callback. Needs a
+ * socket channel (TSHARE_E_UNSUPPORTED on pipes). *share_id (optional) gets
+ * the id of the share. */
+int tshare_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_tensor_desc *desc,
+                      const char *tag, void *user_data, int timeout_ms, uint64_t *share_id);
+
+/* Shares sent on this channel that the peer has not yet released. */
+size_t tshare_channel_outstanding(const tshare_channel *ch);
+
+/* 1 if share_id was sent on ch and has been released (or dropped), 0 if it is
+ * still held, -1 if ch never sent it. */
+int tshare_share_is_released(const tshare_channel *ch, uint64_t share_id);
+
+/* Process incoming frames, waiting up to timeout_ms for the first. TSHARE_OK
+ * if something was processed, TSHARE_AGAIN if nothing came in time,
+ * TSHARE_END once the peer said bye, negative on errors. Incoming shares are
+ * queued for tshare_view_recv(). */
+int tshare_channel_poll(tshare_channel *ch, int timeout_ms);
+
+/* Drive the channel until share_id (or, with 0, every share sent on it) has
+ * been released. TSHARE_E_TIMEOUT if that takes longer than timeout_ms;
+ * TSHARE_OK also when the peer closed, since its shares are then dropped. */
+int tshare_channel_wait_released(tshare_channel *ch, uint64_t share_id, int timeout_ms);
+
+typedef struct tshare_view tshare_view;
+
+/* Receive the next share as a view. TSHARE_END when the peer said bye,
+ * TSHARE_E_TIMEOUT when nothing came in time. On any non-OK return *out is NULL. */
+int tshare_view_recv(tshare_channel *ch, int timeout_ms, tshare_view **out);
+
+void *tshare_view_data(const tshare_view *view); /* address of element [0,...,0] */
+const tshare_tensor_desc *tshare_view_desc(const tshare_view *view);
+const char *tshare_view_tag(const tshare_view *view); /* "" when none */
+uint64_t tshare_view_share_id(const tshare_view *view);
+int tshare_view_device_type(const tshare_view *view); /* TSHARE_DEVICE_* */
+
+/* Release the view: exactly once per view, from any thread, never blocking. */
+void tshare_view_release(tshare_view *view);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TSHARE_SHARE_H */

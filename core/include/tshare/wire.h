@@ -1,0 +1,187 @@
+/* tshare/wire.h - the versioned wire format, as a sans-IO encoder and decoder.
+ *
+ * Every frame is a 12-byte header followed by a payload, all little-endian:
+ *
+ *   offset size field
+ *   0      4    magic "TSHR" (0x54 0x53 0x48 0x52)
+ *   4      1    major version
+ *   5      1    minor version
+ *   6      1    frame type (TSHARE_FRAME_*)
+ *   7      1    flags (TSHARE_FRAME_FLAG_*)
+ *   8      4    payload length in bytes
+ *
+ * Versioning rule. The major version changes when an existing field changes
+ * meaning, size or position; a reader rejects any other major with
+ * TSHARE_E_VERSION before it reads anything else, and may only report the error.
+ * The minor version grows when fields are appended to the end of a payload or a
+ * frame type is added. A reader accepts a newer minor: it reads the fields it
+ * knows and ignores trailing payload bytes. Both ends send their minor in the
+ * hello and afterwards send nothing newer than the smaller of the two, so a frame
+ * type a reader does not know (TSHARE_E_UNKNOWN_TYPE) is always a peer's bug.
+ *
+ * The decoder does no I/O (like hiredis' reader): feed it bytes, take frames.
+ * Every length and count is checked against a named limit before it is used,
+ * and a share's layout is checked to stay inside its allocation. After any
+ * error the decoder stays failed: framing is lost, the stream must be closed.
+ */
+#ifndef TSHARE_WIRE_H
+#define TSHARE_WIRE_H
+
+#include "tshare/tensor.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TSHARE_WIRE_MAGIC_0 0x54 /* 'T' */
+#define TSHARE_WIRE_MAGIC_1 0x53 /* 'S' */
+#define TSHARE_WIRE_MAGIC_2 0x48 /* 'H' */
+#define TSHARE_WIRE_MAGIC_3 0x52 /* 'R' */
+#define TSHARE_WIRE_MAJOR 1
+#define TSHARE_WIRE_MINOR 0
+#define TSHARE_WIRE_HEADER_SIZE 12
+
+/* Hard maxima of the frame structs below; tshare_wire_limits can only lower them. */
+#define TSHARE_HANDLE_MAX 64      /* bytes of an inline memory handle (a CUDA IPC handle is 64) */
+#define TSHARE_TAG_MAX 64         /* bytes of a share's tag, not counting the NUL kept after it */
+#define TSHARE_ERROR_TEXT_MAX 200 /* bytes of an error frame's message */
+#define TSHARE_RELEASE_MAX 256    /* share ids in one release frame */
+#define TSHARE_HELLO_DEVICES_MAX 16
+#define TSHARE_HELLO_NAME_MAX 32
+
+typedef enum tshare_frame_type {
+  TSHARE_FRAME_HELLO = 1,
+  TSHARE_FRAME_SHARE = 2,
+  TSHARE_FRAME_RELEASE = 3,
+  TSHARE_FRAME_BYE = 4,
+  TSHARE_FRAME_ERROR = 5
+} tshare_frame_type;
+
+/* Header flags. */
+#define TSHARE_FRAME_FLAG_FD_ATTACHED (1u << 0) /* one fd travels beside this frame (SCM_RIGHTS) */
+#define TSHARE_FRAME_FLAG_HAS_EVENT (1u << 1)   /* share: event_slot/event_generation are meaningful */
+#define TSHARE_FRAME_FLAGS_KNOWN (TSHARE_FRAME_FLAG_FD_ATTACHED | TSHARE_FRAME_FLAG_HAS_EVENT)
+
+/* Hello capabilities. */
+#define TSHARE_CAP_FD_PASSING (1u << 0) /* the channel can carry fds */
+#define TSHARE_CAP_HOST_MEMFD (1u << 1) /* can import host memfd shares */
+#define TSHARE_CAP_CUDA_IPC (1u << 2)   /* can import legacy CUDA IPC shares */
+
+/* Memory kinds of a share. */
+typedef enum tshare_mem_kind {
+  TSHARE_MEM_HOST_MEMFD = 1, /* a sealed memfd; the fd is attached to the frame */
+  TSHARE_MEM_CUDA_IPC = 2,   /* a cudaIpcMemHandle_t in handle[] */
+  TSHARE_MEM_CUDA_FD = 3     /* a CUDA VMM POSIX-fd handle; the fd is attached */
+} tshare_mem_kind;
+
+typedef struct tshare_hello {
+  uint8_t major, minor;   /* the sender's own versions (copied from the header) */
+  uint32_t pid;
+  uint32_t uid;
+  uint8_t boot_id[16];    /* /proc/sys/kernel/random/boot_id */
+  uint64_t capabilities;  /* TSHARE_CAP_* */
+  char name[TSHARE_HELLO_NAME_MAX + 1]; /* role or program name, NUL-terminated */
+  uint32_t device_count;
+  uint8_t device_uuids[TSHARE_HELLO_DEVICES_MAX][16];
+} tshare_hello;
+
+typedef struct tshare_share_frame {
+  uint64_t share_id;      /* unique per sender and channel, never 0 */
+  uint64_t alloc_id;      /* identity of the allocation in the sender's process */
+  uint8_t mem_kind;       /* tshare_mem_kind */
+  uint8_t device_type;    /* TSHARE_DEVICE_* */
+  uint8_t handle_len;     /* bytes used in handle[] (0 when an fd carries the memory) */
+  uint8_t handle[TSHARE_HANDLE_MAX];
+  uint8_t device_uuid[16];/* all zero for host memory */
+  uint64_t alloc_size;    /* bytes of the whole allocation */
+  uint32_t event_slot;    /* with TSHARE_FRAME_FLAG_HAS_EVENT */
+  uint32_t event_generation;
+  tshare_tensor_desc tensor;
+  uint8_t tag_len;
+  char tag[TSHARE_TAG_MAX + 1]; /* NUL-terminated, tag_len bytes */
+} tshare_share_frame;
+
+typedef struct tshare_release_frame {
+  uint32_t count;
+  uint64_t share_ids[TSHARE_RELEASE_MAX];
+} tshare_release_frame;
+
+typedef struct tshare_error_frame {
+  int32_t code;           /* a tshare_status */
+  char message[TSHARE_ERROR_TEXT_MAX + 1];
+} tshare_error_frame;
+
+typedef struct tshare_bye_frame {
+  uint32_t reason;        /* 0: done; other values are application-defined */
+} tshare_bye_frame;
+
+typedef struct tshare_frame {
+  uint8_t type;           /* tshare_frame_type */
+  uint8_t flags;          /* TSHARE_FRAME_FLAG_* */
+  uint8_t major, minor;   /* as read from the header (encoding ignores them) */
+  union {
+    tshare_hello hello;
+    tshare_share_frame share;
+    tshare_release_frame release;
+    tshare_error_frame error;
+    tshare_bye_frame bye;
+  } u;
+} tshare_frame;
+
+/* Limits on untrusted input. tshare_wire_limits_default() gives the documented
+ * defaults; a value above the hard maximum above is clamped to it. */
+typedef struct tshare_wire_limits {
+  uint32_t max_payload;     /* default 4096: the largest valid frame is well under 2 KiB */
+  uint32_t max_ndim;        /* default 32 (TSHARE_MAX_NDIM) */
+  uint32_t max_tag;         /* default 64 (TSHARE_TAG_MAX) */
+  uint32_t max_release_ids; /* default 256 (TSHARE_RELEASE_MAX) */
+  uint64_t max_alloc_size;  /* default 2^48 bytes (256 TiB): more than any device or host has */
+} tshare_wire_limits;
+
+tshare_wire_limits tshare_wire_limits_default(void);
+
+/* Encode frame into buf (cap bytes); *len gets the frame's size. The frame is
+ * validated with the same rules the decoder applies, so a sender never emits
+ * what a peer would reject. Returns TSHARE_E_TOO_LARGE when cap is too small;
+ * TSHARE_WIRE_FRAME_MAX bytes always suffice. */
+#define TSHARE_WIRE_FRAME_MAX 4096
+int tshare_wire_encode(const tshare_frame *frame, uint8_t *buf, size_t cap, size_t *len,
+                       char *err, size_t err_cap);
+
+typedef struct tshare_decoder tshare_decoder;
+
+/* limits may be NULL for the defaults. Returns NULL when out of memory. */
+tshare_decoder *tshare_decoder_create(const tshare_wire_limits *limits);
+void tshare_decoder_destroy(tshare_decoder *dec); /* NULL is a no-op */
+
+/* Copy n bytes into the decoder. TSHARE_E_TOO_LARGE if more is buffered than
+ * one header plus max_payload could need. */
+int tshare_decoder_feed(tshare_decoder *dec, const void *bytes, size_t n);
+
+/* Zero-copy variant for readers: get space to read into, then commit what was read. */
+int tshare_decoder_space(tshare_decoder *dec, uint8_t **ptr, size_t *avail);
+void tshare_decoder_commit(tshare_decoder *dec, size_t n);
+
+/* Take the next complete frame. TSHARE_OK: *out holds it. TSHARE_AGAIN: feed
+ * more bytes (out untouched). Negative: the stream is invalid (see
+ * tshare_decoder_last_error); every later call returns the same status. */
+int tshare_decoder_next(tshare_decoder *dec, tshare_frame *out);
+
+/* Bytes buffered that do not yet form a frame (nonzero at EOF = peer closed mid-frame). */
+size_t tshare_decoder_pending(const tshare_decoder *dec);
+
+const char *tshare_decoder_last_error(const tshare_decoder *dec); /* never NULL */
+
+/* Validate a share frame as the decoder does (limits may be NULL). */
+int tshare_wire_check_share(const tshare_share_frame *share, const tshare_wire_limits *limits,
+                            char *err, size_t err_cap);
+
+const char *tshare_frame_type_name(int type); /* never NULL */
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TSHARE_WIRE_H */

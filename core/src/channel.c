@@ -1,0 +1,482 @@
+/* Framed, EINTR-safe, SIGPIPE-safe I/O over sockets and pipes, and the hello. */
+#include "channel_internal.h"
+
+#include "error_detail.h"
+#include "tshare/share.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+void tshare_channel_options_init(tshare_channel_options *o) {
+  memset(o, 0, sizeof *o);
+  o->name = "tshare";
+  o->handshake_timeout_ms = 10000;
+}
+
+int tshare_socketpair(int fds[2], tshare_error *err) {
+  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) {
+    char msg[TSHARE_ERROR_MSG_MAX];
+    ts_error_fill(err, ts_errsys(msg, sizeof msg, TSHARE_E_SYSTEM, errno, "socketpair"), msg);
+    return TSHARE_E_SYSTEM;
+  }
+  return TSHARE_OK;
+}
+
+tshare_channel_kind tshare_channel_kind_of(const tshare_channel *ch) { return ch->kind; }
+const tshare_hello *tshare_channel_peer(const tshare_channel *ch) { return &ch->peer; }
+const char *tshare_channel_last_error(const tshare_channel *ch) {
+  if (!ch) return "channel is NULL";
+  return ch->err[0] ? ch->err : "no error";
+}
+int tshare_channel_fd(const tshare_channel *ch) { return ch->rfd; }
+
+/* Wait until fd is ready for events or the deadline passes. */
+static int wait_fd(tshare_channel *ch, int fd, short events, int64_t deadline, const char *what) {
+  for (;;) {
+    struct pollfd p = {.fd = fd, .events = events, .revents = 0};
+    int n = poll(&p, 1, ts_remaining(deadline));
+    if (n > 0) return TSHARE_OK; /* errors and hangups surface in the read/write */
+    if (n == 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TIMEOUT, "%s: timed out", what);
+    if (errno != EINTR) return ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "poll (%s)", what);
+  }
+}
+
+/* write() to a pipe whose reader is gone raises SIGPIPE. Block it on this
+ * thread for the write and swallow the one we caused, leaving any SIGPIPE
+ * that was already pending for the application. */
+static ssize_t pipe_write_nosigpipe(int fd, const void *buf, size_t n) {
+  sigset_t pipe_set, old_set, pending;
+  sigemptyset(&pipe_set);
+  sigaddset(&pipe_set, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &pipe_set, &old_set);
+  sigpending(&pending);
+  int was_pending = sigismember(&pending, SIGPIPE);
+  ssize_t r = write(fd, buf, n);
+  int saved = errno;
+  if (r < 0 && saved == EPIPE && !was_pending) {
+    struct timespec zero = {0, 0};
+    while (sigtimedwait(&pipe_set, NULL, &zero) < 0 && errno == EINTR) {
+    }
+  }
+  pthread_sigmask(SIG_SETMASK, &old_set, NULL);
+  errno = saved;
+  return r;
+}
+
+static int send_bytes(tshare_channel *ch, const uint8_t *buf, size_t len, int fd, int64_t deadline) {
+  size_t off = 0;
+  while (off < len) {
+    ssize_t r;
+    if (ch->kind == TSHARE_CHANNEL_SOCKET) {
+      struct iovec iov = {.iov_base = (void *)(buf + off), .iov_len = len - off};
+      struct msghdr msg = {0};
+      union {
+        char space[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+      } ctl;
+      msg.msg_iov = &iov;
+      msg.msg_iovlen = 1;
+      if (fd >= 0 && off == 0) { /* the fd rides on the frame's first byte */
+        memset(&ctl, 0, sizeof ctl);
+        msg.msg_control = ctl.space;
+        msg.msg_controllen = sizeof ctl.space;
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(c), &fd, sizeof fd);
+      }
+      r = sendmsg(ch->wfd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    } else {
+      r = pipe_write_nosigpipe(ch->wfd, buf + off, len - off);
+    }
+    if (r > 0) {
+      off += (size_t)r;
+      continue;
+    }
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      int rc = wait_fd(ch, ch->wfd, POLLOUT, deadline, "send");
+      if (rc != TSHARE_OK) {
+        /* A partly written frame cannot be taken back: the stream is lost. */
+        if (off > 0) ch->broken = rc;
+        return rc;
+      }
+      continue;
+    }
+    if (r < 0 && (errno == EPIPE || errno == ECONNRESET))
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED, "send: peer '%s' (pid %u) closed the channel",
+                     ch->peer.name, ch->peer.pid);
+    return ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "send");
+  }
+  return TSHARE_OK;
+}
+
+int ts_channel_send(tshare_channel *ch, const tshare_frame *f, int fd, int timeout_ms) {
+  if (ch->wfd < 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "send: channel is closed");
+  if (fd >= 0 && ch->kind != TSHARE_CHANNEL_SOCKET)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED, "send: a pipe channel cannot carry fds");
+  if ((fd >= 0) != ((f->flags & TSHARE_FRAME_FLAG_FD_ATTACHED) != 0))
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG,
+                   "send: the fd-attached flag and the fd argument disagree");
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len;
+  int rc = tshare_wire_encode(f, buf, sizeof buf, &len, ch->err, sizeof ch->err);
+  if (rc != TSHARE_OK) return rc;
+  pthread_mutex_lock(&ch->send_lock);
+  rc = send_bytes(ch, buf, len, fd, ts_deadline(timeout_ms));
+  pthread_mutex_unlock(&ch->send_lock);
+  return rc;
+}
+
+static void fdq_push(tshare_channel *ch, int fd) {
+  if (ch->fdq_len == TS_FD_QUEUE_MAX) { /* a peer flooding fds without frames */
+    close(fd);
+    if (!ch->broken)
+      ch->broken = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "receive: more than %d unclaimed fds",
+                           TS_FD_QUEUE_MAX);
+    return;
+  }
+  ch->fdq[(ch->fdq_head + ch->fdq_len++) % TS_FD_QUEUE_MAX] = fd;
+}
+
+static int fdq_pop(tshare_channel *ch) {
+  if (ch->fdq_len == 0) return -1;
+  int fd = ch->fdq[ch->fdq_head];
+  ch->fdq_head = (ch->fdq_head + 1) % TS_FD_QUEUE_MAX;
+  ch->fdq_len--;
+  return fd;
+}
+
+/* Wait for bytes from the peer. A view released on another thread meanwhile
+ * wakes the wait so its release goes out now: the peer may be waiting for it
+ * before it sends what this thread is waiting for. */
+static int wait_readable(tshare_channel *ch, int64_t deadline) {
+  for (;;) {
+    struct pollfd p[2] = {{.fd = ch->rfd, .events = POLLIN, .revents = 0},
+                          {.fd = ch->wake_fd, .events = POLLIN, .revents = 0}};
+    int n = poll(p, 2, ts_remaining(deadline));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "poll (receive)");
+    if (n == 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TIMEOUT, "receive: timed out");
+    if (p[1].revents & POLLIN) {
+      uint64_t count;
+      if (read(ch->wake_fd, &count, sizeof count) < 0) {
+        /* EAGAIN: another reader drained it; nothing to do */
+      }
+      int rc = ts_share_flush_pending(ch, ts_remaining(deadline));
+      if (rc != TSHARE_OK) return rc;
+    }
+    if (p[0].revents) return TSHARE_OK;
+  }
+}
+
+/* Read what is available into the decoder. TSHARE_OK when bytes came. */
+static int read_some(tshare_channel *ch, int64_t deadline) {
+  for (;;) {
+    uint8_t *space;
+    size_t avail;
+    int rc = tshare_decoder_space(ch->dec, &space, &avail);
+    if (rc != TSHARE_OK)
+      return ts_errf(ch->err, sizeof ch->err, rc, "receive: %s", tshare_decoder_last_error(ch->dec));
+    ssize_t r;
+    if (ch->kind == TSHARE_CHANNEL_SOCKET) {
+      struct iovec iov = {.iov_base = space, .iov_len = avail};
+      union {
+        char space[CMSG_SPACE(sizeof(int) * 8)];
+        struct cmsghdr align;
+      } ctl;
+      struct msghdr msg = {0};
+      msg.msg_iov = &iov;
+      msg.msg_iovlen = 1;
+      msg.msg_control = ctl.space;
+      msg.msg_controllen = sizeof ctl.space;
+      r = recvmsg(ch->rfd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+      if (r >= 0) {
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+          if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+          size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+          for (size_t i = 0; i < n; i++) {
+            int fd;
+            memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+            fdq_push(ch, fd);
+          }
+        }
+        if (msg.msg_flags & MSG_CTRUNC)
+          return ch->broken = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                                      "receive: peer sent more fds than one frame may carry");
+      }
+    } else {
+      r = read(ch->rfd, space, avail);
+    }
+    if (r > 0) {
+      tshare_decoder_commit(ch->dec, (size_t)r);
+      return TSHARE_OK;
+    }
+    if (r == 0) {
+      size_t pending = tshare_decoder_pending(ch->dec);
+      if (pending)
+        return ch->broken = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED,
+                                    "receive: peer '%s' (pid %u) closed the channel mid-frame (%zu bytes of a frame read)",
+                                    ch->peer.name, ch->peer.pid, pending);
+      return ch->broken = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED,
+                                  "receive: peer '%s' (pid %u) closed the channel", ch->peer.name, ch->peer.pid);
+    }
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      rc = wait_readable(ch, deadline);
+      if (rc != TSHARE_OK) return rc;
+      continue;
+    }
+    if (errno == ECONNRESET)
+      return ch->broken = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED,
+                                  "receive: connection reset by peer '%s' (pid %u)", ch->peer.name, ch->peer.pid);
+    return ch->broken = ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "receive");
+  }
+}
+
+int ts_channel_recv_raw(tshare_channel *ch, tshare_frame *f, int *fd_out, int timeout_ms) {
+  *fd_out = -1;
+  if (ch->rfd < 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "receive: channel is closed");
+  int64_t deadline = ts_deadline(timeout_ms);
+  for (;;) {
+    if (ch->broken) return ch->broken;
+    int rc = tshare_decoder_next(ch->dec, f);
+    if (rc == TSHARE_OK) {
+      if (f->flags & TSHARE_FRAME_FLAG_FD_ATTACHED) {
+        *fd_out = fdq_pop(ch);
+        if (*fd_out < 0)
+          return ch->broken = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                                      "receive: %s frame says an fd is attached but none arrived",
+                                      tshare_frame_type_name(f->type));
+      }
+      return TSHARE_OK;
+    }
+    if (rc < 0) {
+      ch->broken = ts_errf(ch->err, sizeof ch->err, rc, "receive from '%s' (pid %u): %s", ch->peer.name,
+                           ch->peer.pid, tshare_decoder_last_error(ch->dec));
+      /* Tell the peer why we are hanging up; it may be a version skew. */
+      tshare_channel_send_error(ch, rc, ch->err);
+      return rc;
+    }
+    rc = read_some(ch, deadline);
+    if (rc != TSHARE_OK) return rc;
+  }
+}
+
+static int read_boot_id(uint8_t out[16]) {
+  memset(out, 0, 16);
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "re");
+  if (!f) return -1;
+  char text[64] = {0};
+  size_t n = fread(text, 1, sizeof text - 1, f);
+  fclose(f);
+  int k = 0;
+  for (size_t i = 0; i < n && k < 32; i++) {
+    char c = text[i];
+    int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+    if (v < 0) continue;
+    out[k / 2] = (uint8_t)(out[k / 2] | (k % 2 ? v : v << 4));
+    k++;
+  }
+  return k == 32 ? 0 : -1;
+}
+
+static bool all_zero(const uint8_t *p, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (p[i]) return false;
+  return true;
+}
+
+static int handshake(tshare_channel *ch) {
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_HELLO;
+  ch->self.major = TSHARE_WIRE_MAJOR;
+  ch->self.minor = TSHARE_WIRE_MINOR;
+  ch->self.pid = (uint32_t)getpid();
+  ch->self.uid = (uint32_t)getuid();
+  read_boot_id(ch->self.boot_id);
+  ch->self.capabilities = ch->kind == TSHARE_CHANNEL_SOCKET ? (TSHARE_CAP_FD_PASSING | TSHARE_CAP_HOST_MEMFD) : 0;
+  snprintf(ch->self.name, sizeof ch->self.name, "%s", ch->name);
+  f.u.hello = ch->self;
+  int64_t deadline = ts_deadline(ch->opts.handshake_timeout_ms);
+  int rc = ts_channel_send(ch, &f, -1, ts_remaining(deadline));
+  if (rc != TSHARE_OK) {
+    char why[TSHARE_ERROR_MSG_MAX];
+    snprintf(why, sizeof why, "%s", ch->err);
+    return ts_errf(ch->err, sizeof ch->err, rc, "hello: %s", why);
+  }
+  int fd;
+  rc = ts_channel_recv_raw(ch, &f, &fd, ts_remaining(deadline));
+  if (rc != TSHARE_OK) {
+    char why[TSHARE_ERROR_MSG_MAX];
+    snprintf(why, sizeof why, "%s", ch->err);
+    return ts_errf(ch->err, sizeof ch->err, rc, "hello: %s", why);
+  }
+  if (fd >= 0) close(fd);
+  if (f.type == TSHARE_FRAME_ERROR)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_ERROR, "hello: peer refused the channel: %s (%s)",
+                   f.u.error.message, tshare_status_name(f.u.error.code));
+  if (f.type != TSHARE_FRAME_HELLO) {
+    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "hello: expected a hello frame, got %s",
+                 tshare_frame_type_name(f.type));
+    tshare_channel_send_error(ch, rc, ch->err);
+    return rc;
+  }
+  ch->peer = f.u.hello;
+  if (!all_zero(ch->self.boot_id, 16) && !all_zero(ch->peer.boot_id, 16) &&
+      memcmp(ch->self.boot_id, ch->peer.boot_id, 16) != 0) {
+    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_MISMATCH,
+                 "hello: peer '%s' (pid %u) runs under another boot id: shares cannot cross machines or boots",
+                 ch->peer.name, ch->peer.pid);
+    tshare_channel_send_error(ch, rc, ch->err);
+    return rc;
+  }
+  const uint8_t ours = TSHARE_WIRE_MINOR;
+  ch->minor = ch->peer.minor < ours ? ch->peer.minor : ours;
+  return TSHARE_OK;
+}
+
+static int set_nonblocking(int fd) {
+  int fl = fcntl(fd, F_GETFL);
+  if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0) return -1;
+  return 0;
+}
+
+static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare_channel_options *opts,
+                        tshare_channel **out, tshare_error *err) {
+  *out = NULL;
+  tshare_channel *ch = calloc(1, sizeof *ch);
+  if (!ch) {
+    close(rfd);
+    if (wfd != rfd) close(wfd);
+    ts_error_fill(err, TSHARE_E_NOMEM, "channel: out of memory");
+    return TSHARE_E_NOMEM;
+  }
+  atomic_init(&ch->refs, 1);
+  pthread_mutex_init(&ch->send_lock, NULL);
+  pthread_mutex_init(&ch->lock, NULL);
+  ch->kind = kind;
+  ch->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  ch->rfd = rfd;
+  ch->wfd = wfd;
+  ch->next_share_id = 1;
+  if (opts) ch->opts = *opts;
+  else tshare_channel_options_init(&ch->opts);
+  snprintf(ch->name, sizeof ch->name, "%s", ch->opts.name ? ch->opts.name : "tshare");
+  ch->limits = ch->opts.limits ? *ch->opts.limits : tshare_wire_limits_default();
+  ch->opts.limits = NULL; /* the caller's struct need not outlive this call */
+  snprintf(ch->peer.name, sizeof ch->peer.name, "?");
+  int rc = TSHARE_OK;
+  ch->dec = tshare_decoder_create(&ch->limits);
+  if (!ch->dec) rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "channel: out of memory");
+  else if (ch->wake_fd < 0) rc = ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "channel: eventfd");
+  else if (rfd < 0 || wfd < 0) rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "channel: bad fd");
+  else if (set_nonblocking(rfd) != 0 || set_nonblocking(wfd) != 0)
+    rc = ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "channel: fcntl(O_NONBLOCK) on fd %d/%d",
+                   rfd, wfd);
+  else if (kind == TSHARE_CHANNEL_SOCKET) {
+    int type = 0;
+    socklen_t len = sizeof type;
+    if (getsockopt(rfd, SOL_SOCKET, SO_TYPE, &type, &len) != 0 || type != SOCK_STREAM)
+      rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "channel: fd %d is not a stream socket", rfd);
+  }
+  if (rc == TSHARE_OK) rc = handshake(ch);
+  if (rc != TSHARE_OK) {
+    ts_error_fill(err, rc, ch->err);
+    tshare_channel_close(ch);
+    return rc;
+  }
+  ts_error_fill(err, TSHARE_OK, "");
+  *out = ch;
+  return TSHARE_OK;
+}
+
+int tshare_channel_open_socket(int fd, const tshare_channel_options *opts, tshare_channel **out,
+                               tshare_error *err) {
+  return open_channel(TSHARE_CHANNEL_SOCKET, fd, fd, opts, out, err);
+}
+
+int tshare_channel_open_pipes(int read_fd, int write_fd, const tshare_channel_options *opts,
+                              tshare_channel **out, tshare_error *err) {
+  return open_channel(TSHARE_CHANNEL_PIPES, read_fd, write_fd, opts, out, err);
+}
+
+int tshare_channel_send_frame(tshare_channel *ch, const tshare_frame *f, int fd, int timeout_ms) {
+  if (!ch || !f) return TSHARE_E_INVALID_ARG;
+  return ts_channel_send(ch, f, fd, timeout_ms);
+}
+
+int tshare_channel_recv_frame(tshare_channel *ch, tshare_frame *f, int *fd_out, int timeout_ms) {
+  if (!ch || !f || !fd_out) return TSHARE_E_INVALID_ARG;
+  int rc = ts_channel_recv_raw(ch, f, fd_out, timeout_ms);
+  if (rc == TSHARE_OK && f->type == TSHARE_FRAME_RELEASE) ts_share_apply_release(ch, &f->u.release);
+  if (rc == TSHARE_E_PEER_CLOSED) ts_share_drop_all(ch, TSHARE_E_PEER_CLOSED);
+  return rc;
+}
+
+int tshare_channel_send_bye(tshare_channel *ch, uint32_t reason, int timeout_ms) {
+  if (!ch) return TSHARE_E_INVALID_ARG;
+  int64_t deadline = ts_deadline(timeout_ms);
+  int rc = ts_share_flush_pending(ch, ts_remaining(deadline));
+  if (rc != TSHARE_OK) return rc;
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_BYE;
+  f.u.bye.reason = reason;
+  return ts_channel_send(ch, &f, -1, ts_remaining(deadline));
+}
+
+int tshare_channel_send_error(tshare_channel *ch, int code, const char *message) {
+  if (!ch) return TSHARE_E_INVALID_ARG;
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_ERROR;
+  f.u.error.code = code;
+  snprintf(f.u.error.message, sizeof f.u.error.message, "%s", message ? message : tshare_status_str(code));
+  char keep[TSHARE_ERROR_MSG_MAX]; /* sending must not overwrite the error being reported */
+  memcpy(keep, ch->err, sizeof keep);
+  int rc = ts_channel_send(ch, &f, -1, 100);
+  memcpy(ch->err, keep, sizeof keep);
+  return rc;
+}
+
+void ts_channel_unref(tshare_channel *ch) {
+  if (atomic_fetch_sub(&ch->refs, 1) != 1) return;
+  ts_share_free_mappings(ch);
+  pthread_mutex_destroy(&ch->send_lock);
+  pthread_mutex_destroy(&ch->lock);
+  free(ch->pending);
+  free(ch);
+}
+
+void tshare_channel_close(tshare_channel *ch) {
+  if (!ch) return;
+  if (ch->wfd >= 0 && !ch->broken) ts_share_flush_pending(ch, 100);
+  ts_share_drop_all(ch, TSHARE_E_PEER_CLOSED);
+  ts_share_free_incoming(ch);
+  while (ch->fdq_len) close(fdq_pop(ch));
+  pthread_mutex_lock(&ch->lock);
+  ch->closed = true;
+  pthread_mutex_lock(&ch->send_lock);
+  if (ch->rfd >= 0) close(ch->rfd);
+  if (ch->wfd >= 0 && ch->wfd != ch->rfd) close(ch->wfd);
+  ch->rfd = ch->wfd = -1;
+  if (ch->wake_fd >= 0) close(ch->wake_fd);
+  ch->wake_fd = -1;
+  pthread_mutex_unlock(&ch->send_lock);
+  pthread_mutex_unlock(&ch->lock);
+  tshare_decoder_destroy(ch->dec);
+  ch->dec = NULL;
+  ts_channel_unref(ch);
+}

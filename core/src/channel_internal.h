@@ -1,0 +1,99 @@
+/* Internal layout of a channel, shared by channel.c (framed I/O, hello) and
+ * share.c (the lifetime protocol). */
+#ifndef TSHARE_CHANNEL_INTERNAL_H
+#define TSHARE_CHANNEL_INTERNAL_H
+
+#include "tshare/channel.h"
+#include "u64map.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define TS_FD_QUEUE_MAX 64       /* fds received but not yet claimed by a frame */
+#define TS_INCOMING_MAX 4096     /* shares received but not yet taken by view_recv */
+
+/* What a sent share keeps alive; release() runs once when the peer releases it
+ * or the channel ends. */
+typedef struct ts_export {
+  uint64_t share_id;
+  void *user_data;
+  void (*release)(void *owner);
+  void *owner;
+} ts_export;
+
+/* One mapped allocation on the consumer side. */
+typedef struct ts_mapping {
+  uint64_t alloc_id;
+  void *base;
+  size_t size;
+  unsigned long ino, dev; /* of the memfd: a reused alloc_id cannot alias another file */
+  size_t views;           /* live views into it */
+} ts_mapping;
+
+typedef struct ts_incoming {
+  tshare_frame frame;
+  int fd;
+} ts_incoming;
+
+struct tshare_channel {
+  atomic_int refs;          /* the user's handle + one per live view */
+  pthread_mutex_t send_lock;/* one frame write at a time */
+  pthread_mutex_t lock;     /* mappings, pending releases, closed flag */
+
+  tshare_channel_kind kind;
+  int rfd, wfd;             /* equal for sockets; -1 once closed */
+  int wake_fd;              /* eventfd: a release is queued; written and closed under lock */
+  bool closed;              /* the user closed it; views may still live */
+  int broken;               /* sticky receive-side failure, 0 if none */
+  bool peer_bye;
+  char err[TSHARE_ERROR_MSG_MAX];
+
+  tshare_decoder *dec;
+  tshare_wire_limits limits;
+  tshare_hello self, peer;
+  uint8_t minor;            /* agreed: min(ours, peer's) */
+  tshare_channel_options opts;
+  char name[TSHARE_HELLO_NAME_MAX + 1];
+
+  int fdq[TS_FD_QUEUE_MAX];
+  size_t fdq_head, fdq_len;
+
+  /* producer side: shares sent and not yet released */
+  uint64_t next_share_id;
+  ts_u64map exports;
+  uint64_t shares_sent;
+
+  /* consumer side */
+  ts_u64map mappings;       /* alloc_id -> ts_mapping, under lock */
+  uint64_t *pending;        /* share ids released but not yet sent, under lock */
+  size_t npending, pending_cap;
+  ts_incoming *incoming;    /* ring of received shares */
+  size_t in_head, in_len, in_cap;
+};
+
+/* channel.c */
+int ts_channel_send(tshare_channel *ch, const tshare_frame *f, int fd, int timeout_ms);
+int ts_channel_recv_raw(tshare_channel *ch, tshare_frame *f, int *fd_out, int timeout_ms);
+void ts_channel_unref(tshare_channel *ch);
+
+/* share.c */
+void ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r);
+void ts_share_drop_all(tshare_channel *ch, int status); /* peer gone or channel closed */
+int ts_share_flush_pending(tshare_channel *ch, int timeout_ms);
+void ts_share_free_incoming(tshare_channel *ch);
+void ts_share_free_mappings(tshare_channel *ch);
+
+/* hostmem.c: references held by shares */
+struct tshare_host_buffer;
+void ts_host_buffer_retain(struct tshare_host_buffer *buf);
+void ts_host_buffer_release(void *buf);
+
+/* time.c */
+int64_t ts_now_ms(void);
+int64_t ts_deadline(int timeout_ms);       /* -1: none */
+int ts_remaining(int64_t deadline);        /* -1 none, 0 expired, else ms */
+
+#endif

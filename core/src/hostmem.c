@@ -1,0 +1,98 @@
+#include "tshare/hostmem.h"
+
+#include "channel_internal.h"
+#include "error_detail.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+struct tshare_host_buffer {
+  atomic_size_t refs;        /* creator + outstanding shares */
+  atomic_size_t outstanding; /* shares not yet released */
+  int fd;
+  void *data;
+  size_t size;
+  uint64_t id;
+};
+
+/* Allocation ids only need to be unique within this process; a counter is the
+ * cheapest such identity and is never reused, unlike addresses or inodes. */
+static atomic_uint_fast64_t next_buffer_id = 1;
+
+int tshare_host_buffer_create(size_t size, const char *name, tshare_host_buffer **out, tshare_error *err) {
+  char msg[TSHARE_ERROR_MSG_MAX];
+  if (!out) return TSHARE_E_INVALID_ARG;
+  *out = NULL;
+  long page = sysconf(_SC_PAGESIZE);
+  size_t rounded = size == 0 ? (size_t)page : (size + (size_t)page - 1) / (size_t)page * (size_t)page;
+  if (rounded < size || rounded > ((size_t)1 << 48)) {
+    ts_error_fill(err, ts_errf(msg, sizeof msg, TSHARE_E_TOO_LARGE, "host buffer: size %zu too large", size), msg);
+    return TSHARE_E_TOO_LARGE;
+  }
+  tshare_host_buffer *b = calloc(1, sizeof *b);
+  if (!b) {
+    ts_error_fill(err, TSHARE_E_NOMEM, "host buffer: out of memory");
+    return TSHARE_E_NOMEM;
+  }
+  int rc = TSHARE_OK;
+  b->fd = memfd_create(name ? name : "tshare", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (b->fd < 0) rc = ts_errsys(msg, sizeof msg, TSHARE_E_SYSTEM, errno, "host buffer: memfd_create");
+  else if (ftruncate(b->fd, (off_t)rounded) != 0)
+    rc = ts_errsys(msg, sizeof msg, TSHARE_E_SYSTEM, errno, "host buffer: ftruncate(%zu)", rounded);
+  /* Sealed so no process holding the fd can shrink it under another's mapping. */
+  else if (fcntl(b->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)
+    rc = ts_errsys(msg, sizeof msg, TSHARE_E_SYSTEM, errno, "host buffer: F_ADD_SEALS");
+  else {
+    b->data = mmap(NULL, rounded, PROT_READ | PROT_WRITE, MAP_SHARED, b->fd, 0);
+    if (b->data == MAP_FAILED) {
+      b->data = NULL;
+      rc = ts_errsys(msg, sizeof msg, TSHARE_E_SYSTEM, errno, "host buffer: mmap(%zu)", rounded);
+    }
+  }
+  if (rc != TSHARE_OK) {
+    if (b->fd >= 0) close(b->fd);
+    free(b);
+    ts_error_fill(err, rc, msg);
+    return rc;
+  }
+  b->size = rounded;
+  b->id = atomic_fetch_add(&next_buffer_id, 1);
+  atomic_init(&b->refs, 1);
+  atomic_init(&b->outstanding, 0);
+  ts_error_fill(err, TSHARE_OK, "");
+  *out = b;
+  return TSHARE_OK;
+}
+
+void *tshare_host_buffer_data(const tshare_host_buffer *b) { return b ? b->data : NULL; }
+size_t tshare_host_buffer_size(const tshare_host_buffer *b) { return b ? b->size : 0; }
+uint64_t tshare_host_buffer_id(const tshare_host_buffer *b) { return b ? b->id : 0; }
+int tshare_host_buffer_fd(const tshare_host_buffer *b) { return b ? b->fd : -1; }
+size_t tshare_host_buffer_outstanding(const tshare_host_buffer *b) { return b ? atomic_load(&b->outstanding) : 0; }
+
+static void unref(tshare_host_buffer *b) {
+  if (atomic_fetch_sub(&b->refs, 1) != 1) return;
+  munmap(b->data, b->size);
+  close(b->fd);
+  free(b);
+}
+
+void ts_host_buffer_retain(tshare_host_buffer *b) {
+  atomic_fetch_add(&b->refs, 1);
+  atomic_fetch_add(&b->outstanding, 1);
+}
+
+void ts_host_buffer_release(void *owner) {
+  tshare_host_buffer *b = owner;
+  atomic_fetch_sub(&b->outstanding, 1);
+  unref(b);
+}
+
+void tshare_host_buffer_destroy(tshare_host_buffer *b) {
+  if (b) unref(b);
+}

@@ -1,0 +1,116 @@
+#include "tshare/role.h"
+
+#include "error_detail.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static int parse_int(const char *s, long min, long max, int *out) {
+  if (!s || !*s) return -1;
+  char *end;
+  errno = 0;
+  long v = strtol(s, &end, 10);
+  if (errno || *end || v < min || v > max) return -1;
+  *out = (int)v;
+  return 0;
+}
+
+static int bad(tshare_error *err, const char *var, const char *value, const char *why) {
+  char msg[TSHARE_ERROR_MSG_MAX];
+  ts_errf(msg, sizeof msg, TSHARE_E_MALFORMED, "%s='%s': %s", var, value ? value : "", why);
+  ts_error_fill(err, TSHARE_E_MALFORMED, msg);
+  return TSHARE_E_MALFORMED;
+}
+
+static bool fd_open(int fd) { return fcntl(fd, F_GETFD) >= 0; }
+
+int tshare_role_from_env(tshare_role *role, tshare_error *err) {
+  memset(role, 0, sizeof *role);
+  role->report_fd = -1;
+  const char *name = getenv(TSHARE_ENV_ROLE);
+  if (!name) {
+    ts_error_fill(err, TSHARE_E_NOT_FOUND,
+                  TSHARE_ENV_ROLE " is not set: this program expects to be started by tshare-launch");
+    return TSHARE_E_NOT_FOUND;
+  }
+  if (!name[0] || strlen(name) >= sizeof role->name) return bad(err, TSHARE_ENV_ROLE, name, "empty or too long");
+  snprintf(role->name, sizeof role->name, "%s", name);
+  const char *v = getenv(TSHARE_ENV_RANK);
+  if (parse_int(v, 0, INT_MAX, &role->rank) != 0) return bad(err, TSHARE_ENV_RANK, v, "not a rank");
+  v = getenv(TSHARE_ENV_NUM_CONSUMERS);
+  if (parse_int(v, 0, TSHARE_ROLE_CHANNELS_MAX, &role->num_consumers) != 0)
+    return bad(err, TSHARE_ENV_NUM_CONSUMERS, v, "not a consumer count");
+  v = getenv(TSHARE_ENV_REPORT_FD);
+  if (v && (parse_int(v, 0, INT_MAX, &role->report_fd) != 0 || !fd_open(role->report_fd)))
+    return bad(err, TSHARE_ENV_REPORT_FD, v, "not an open fd");
+  const char *list = getenv(TSHARE_ENV_CHANNEL_FDS);
+  if (!list) return bad(err, TSHARE_ENV_CHANNEL_FDS, "", "not set");
+  char copy[1024];
+  if (strlen(list) >= sizeof copy) return bad(err, TSHARE_ENV_CHANNEL_FDS, list, "too long");
+  snprintf(copy, sizeof copy, "%s", list);
+  char *save = NULL;
+  for (char *item = strtok_r(copy, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
+    if (role->nchannels == TSHARE_ROLE_CHANNELS_MAX) return bad(err, TSHARE_ENV_CHANNEL_FDS, list, "too many channels");
+    tshare_role_channel *c = &role->channels[role->nchannels];
+    char *colon = strchr(item, ':');
+    if (colon) {
+      *colon = '\0';
+      c->kind = TSHARE_CHANNEL_PIPES;
+      if (parse_int(item, 0, INT_MAX, &c->read_fd) || parse_int(colon + 1, 0, INT_MAX, &c->write_fd))
+        return bad(err, TSHARE_ENV_CHANNEL_FDS, list, "an entry is not N or R:W");
+    } else {
+      c->kind = TSHARE_CHANNEL_SOCKET;
+      if (parse_int(item, 0, INT_MAX, &c->read_fd)) return bad(err, TSHARE_ENV_CHANNEL_FDS, list, "an entry is not N or R:W");
+      c->write_fd = c->read_fd;
+    }
+    if (!fd_open(c->read_fd) || !fd_open(c->write_fd))
+      return bad(err, TSHARE_ENV_CHANNEL_FDS, list, "names an fd that is not open in this process");
+    role->nchannels++;
+  }
+  if (role->nchannels == 0) return bad(err, TSHARE_ENV_CHANNEL_FDS, list, "no channels");
+  ts_error_fill(err, TSHARE_OK, "");
+  return TSHARE_OK;
+}
+
+int tshare_role_open_channel(tshare_role *role, int index, const tshare_channel_options *opts,
+                             tshare_channel **out, tshare_error *err) {
+  *out = NULL;
+  if (!role || index < 0 || index >= role->nchannels) {
+    ts_error_fill(err, TSHARE_E_INVALID_ARG, "role: no such channel index");
+    return TSHARE_E_INVALID_ARG;
+  }
+  tshare_role_channel *c = &role->channels[index];
+  if (c->read_fd < 0) {
+    ts_error_fill(err, TSHARE_E_STATE, "role: channel already opened");
+    return TSHARE_E_STATE;
+  }
+  tshare_channel_options o;
+  char name[48];
+  if (opts) o = *opts;
+  else tshare_channel_options_init(&o);
+  if (!opts || !opts->name) {
+    snprintf(name, sizeof name, "%s %d", role->name, role->rank);
+    o.name = name;
+  }
+  int rfd = c->read_fd, wfd = c->write_fd;
+  c->read_fd = c->write_fd = -1;
+  if (c->kind == TSHARE_CHANNEL_SOCKET) return tshare_channel_open_socket(rfd, &o, out, err);
+  return tshare_channel_open_pipes(rfd, wfd, &o, out, err);
+}
+
+void tshare_role_report(const tshare_role *role, const char *key, long long value) {
+  if (!role || role->report_fd < 0 || !key) return;
+  char line[128];
+  int n = snprintf(line, sizeof line, "%s=%lld\n", key, value);
+  if (n <= 0 || (size_t)n >= sizeof line) return;
+  /* One short write: lines under PIPE_BUF arrive whole. */
+  ssize_t w;
+  do w = write(role->report_fd, line, (size_t)n);
+  while (w < 0 && errno == EINTR);
+}

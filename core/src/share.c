@@ -1,0 +1,410 @@
+/* The lifetime protocol: shares sent and the references they hold, views
+ * received and the mappings they hold, and the releases between them. */
+#include "tshare/share.h"
+
+#include "channel_internal.h"
+#include "error_detail.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+struct tshare_view {
+  tshare_channel *ch; /* holds a reference */
+  ts_mapping *mapping;
+  uint64_t share_id;
+  int device_type;
+  void *data;
+  tshare_tensor_desc desc;
+  char tag[TSHARE_TAG_MAX + 1];
+};
+
+/* ---- producer side ------------------------------------------------------ */
+
+int tshare_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_tensor_desc *desc,
+                      const char *tag, void *user_data, int timeout_ms, uint64_t *share_id) {
+  if (share_id) *share_id = 0;
+  if (!ch || !buf || !desc) return TSHARE_E_INVALID_ARG;
+  if (ch->closed || ch->wfd < 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: channel is closed");
+  if (ch->kind != TSHARE_CHANNEL_SOCKET || !(ch->peer.capabilities & TSHARE_CAP_HOST_MEMFD))
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
+                   "share: host memory travels as an fd and needs a socket channel whose peer imports memfds");
+  size_t tag_len = tag ? strlen(tag) : 0;
+  if (tag_len > TSHARE_TAG_MAX)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TOO_LARGE, "share: tag of %zu bytes over %d", tag_len,
+                   TSHARE_TAG_MAX);
+
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_SHARE;
+  f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+  tshare_share_frame *s = &f.u.share;
+  s->share_id = ch->next_share_id;
+  s->alloc_id = tshare_host_buffer_id(buf);
+  s->mem_kind = TSHARE_MEM_HOST_MEMFD;
+  s->device_type = TSHARE_DEVICE_CPU;
+  s->alloc_size = tshare_host_buffer_size(buf);
+  s->tensor = *desc;
+  s->tag_len = (uint8_t)tag_len;
+  if (tag_len) memcpy(s->tag, tag, tag_len);
+  int rc = tshare_wire_check_share(s, &ch->limits, ch->err, sizeof ch->err);
+  if (rc != TSHARE_OK) return rc;
+
+  ts_export *e = malloc(sizeof *e);
+  if (!e || ts_u64map_put(&ch->exports, s->share_id, e) != 0) {
+    free(e);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
+  }
+  e->share_id = s->share_id;
+  e->user_data = user_data;
+  e->release = ts_host_buffer_release;
+  e->owner = buf;
+  ts_host_buffer_retain(buf);
+  /* Reference taken before the send: the peer may release before we return. */
+  rc = ts_channel_send(ch, &f, tshare_host_buffer_fd(buf), timeout_ms);
+  if (rc != TSHARE_OK) {
+    ts_u64map_remove(&ch->exports, s->share_id);
+    ts_host_buffer_release(buf);
+    free(e);
+    return rc;
+  }
+  ch->next_share_id++;
+  ch->shares_sent++;
+  if (share_id) *share_id = s->share_id;
+  return TSHARE_OK;
+}
+
+size_t tshare_channel_outstanding(const tshare_channel *ch) { return ch ? ch->exports.count : 0; }
+
+int tshare_share_is_released(const tshare_channel *ch, uint64_t share_id) {
+  if (!ch || share_id == 0 || share_id >= ch->next_share_id) return -1;
+  return ts_u64map_get(&ch->exports, share_id) ? 0 : 1;
+}
+
+static void finish_export(tshare_channel *ch, ts_export *e, int status) {
+  if (ch->opts.on_release) ch->opts.on_release(ch->opts.cb_user, e->share_id, e->user_data, status);
+  e->release(e->owner);
+  free(e);
+}
+
+static int apply_release(tshare_channel *ch, const tshare_release_frame *r) {
+  int rc = TSHARE_OK;
+  for (uint32_t i = 0; i < r->count; i++) {
+    ts_export *e = ts_u64map_remove(&ch->exports, r->share_ids[i]);
+    if (!e) {
+      /* Keep going: the other ids in the frame are still real releases. */
+      rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                   "release: peer '%s' (pid %u) released share %llu, which is not outstanding", ch->peer.name,
+                   ch->peer.pid, (unsigned long long)r->share_ids[i]);
+      continue;
+    }
+    finish_export(ch, e, TSHARE_OK);
+  }
+  return rc;
+}
+
+void ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r) { apply_release(ch, r); }
+
+void ts_share_drop_all(tshare_channel *ch, int status) {
+  uint64_t key;
+  void *value;
+  for (size_t pos = 0; ts_u64map_next(&ch->exports, &pos, &key, &value);) finish_export(ch, value, status);
+  ts_u64map_free(&ch->exports);
+}
+
+/* ---- consumer side ------------------------------------------------------ */
+
+int ts_share_flush_pending(tshare_channel *ch, int timeout_ms) {
+  int64_t deadline = ts_deadline(timeout_ms);
+  for (;;) {
+    tshare_frame f;
+    memset(&f, 0, sizeof f);
+    f.type = TSHARE_FRAME_RELEASE;
+    pthread_mutex_lock(&ch->lock);
+    uint32_t n = ch->npending < ch->limits.max_release_ids ? (uint32_t)ch->npending : ch->limits.max_release_ids;
+    memcpy(f.u.release.share_ids, ch->pending, n * sizeof(uint64_t));
+    memmove(ch->pending, ch->pending + n, (ch->npending - n) * sizeof(uint64_t));
+    ch->npending -= n;
+    pthread_mutex_unlock(&ch->lock);
+    if (n == 0) return TSHARE_OK;
+    f.u.release.count = n;
+    int rc = ts_channel_send(ch, &f, -1, ts_remaining(deadline));
+    if (rc != TSHARE_OK) return rc; /* a dead peer no longer needs the releases */
+  }
+}
+
+/* Queue a release for the driving thread and wake it if it is blocked in a
+ * receive. Called with ch->lock held, which also keeps wake_fd open. */
+static void queue_release_locked(tshare_channel *ch, uint64_t share_id) {
+  if (ch->closed) return; /* closing dropped everything the peer gave us */
+  if (ch->npending == ch->pending_cap) {
+    size_t cap = ch->pending_cap ? ch->pending_cap * 2 : 64;
+    uint64_t *p = realloc(ch->pending, cap * sizeof *p);
+    /* Out of memory: the share stays outstanding at the producer until the
+     * channel closes, which frees it. Degraded, never lost data. */
+    if (!p) return;
+    ch->pending = p;
+    ch->pending_cap = cap;
+  }
+  ch->pending[ch->npending++] = share_id;
+  uint64_t one = 1;
+  if (write(ch->wake_fd, &one, sizeof one) < 0) {
+    /* EAGAIN: the counter is already nonzero, the driver wakes anyway. */
+  }
+}
+
+void tshare_view_release(tshare_view *v) {
+  if (!v) return;
+  tshare_channel *ch = v->ch;
+  pthread_mutex_lock(&ch->lock);
+  ts_mapping *m = v->mapping;
+  if (m && --m->views == 0) {
+    /* Unmap before the release goes out: once the producer frees the memory,
+     * nothing here may still reference it. */
+    if (m->base) munmap(m->base, m->size);
+    ts_u64map_remove(&ch->mappings, m->alloc_id);
+    free(m);
+  }
+  queue_release_locked(ch, v->share_id);
+  pthread_mutex_unlock(&ch->lock);
+  free(v);
+  ts_channel_unref(ch);
+}
+
+void ts_share_free_mappings(tshare_channel *ch) {
+  uint64_t key;
+  void *value;
+  for (size_t pos = 0; ts_u64map_next(&ch->mappings, &pos, &key, &value);) {
+    ts_mapping *m = value;
+    if (m->base) munmap(m->base, m->size);
+    free(m);
+  }
+  ts_u64map_free(&ch->mappings);
+}
+
+void ts_share_free_incoming(tshare_channel *ch) {
+  for (size_t i = 0; i < ch->in_len; i++) {
+    ts_incoming *in = &ch->incoming[(ch->in_head + i) % ch->in_cap];
+    if (in->fd >= 0) close(in->fd);
+  }
+  free(ch->incoming);
+  ch->incoming = NULL;
+  ch->in_len = ch->in_cap = ch->in_head = 0;
+}
+
+static int enqueue_incoming(tshare_channel *ch, const tshare_frame *f, int fd) {
+  if (ch->in_len == ch->in_cap) {
+    if (ch->in_cap >= TS_INCOMING_MAX) {
+      if (fd >= 0) close(fd);
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                     "receive: more than %d shares arrived that nobody received", TS_INCOMING_MAX);
+    }
+    size_t cap = ch->in_cap ? ch->in_cap * 2 : 16;
+    ts_incoming *ring = malloc(cap * sizeof *ring);
+    if (!ring) {
+      if (fd >= 0) close(fd);
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "receive: out of memory");
+    }
+    for (size_t i = 0; i < ch->in_len; i++) ring[i] = ch->incoming[(ch->in_head + i) % ch->in_cap];
+    free(ch->incoming);
+    ch->incoming = ring;
+    ch->in_cap = cap;
+    ch->in_head = 0;
+  }
+  ts_incoming *slot = &ch->incoming[(ch->in_head + ch->in_len++) % ch->in_cap];
+  slot->frame = *f;
+  slot->fd = fd;
+  return TSHARE_OK;
+}
+
+/* Receive and handle one frame. A share is returned through share/fd when the
+ * caller asked for one (share != NULL), otherwise queued. */
+static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, int *fd, bool *got_share) {
+  *got_share = false;
+  int64_t deadline = ts_deadline(timeout_ms);
+  int rc = ts_share_flush_pending(ch, ts_remaining(deadline));
+  if (rc == TSHARE_E_PEER_CLOSED) ts_share_drop_all(ch, rc);
+  if (rc != TSHARE_OK) return rc;
+  if (ch->peer_bye) return TSHARE_END;
+  tshare_frame f;
+  int frame_fd;
+  rc = ts_channel_recv_raw(ch, &f, &frame_fd, ts_remaining(deadline));
+  if (rc == TSHARE_E_PEER_CLOSED) ts_share_drop_all(ch, rc);
+  if (rc != TSHARE_OK) return rc;
+  switch (f.type) {
+  case TSHARE_FRAME_RELEASE:
+    return apply_release(ch, &f.u.release);
+  case TSHARE_FRAME_SHARE:
+    if (share) {
+      *share = f;
+      *fd = frame_fd;
+      *got_share = true;
+      return TSHARE_OK;
+    }
+    return enqueue_incoming(ch, &f, frame_fd);
+  case TSHARE_FRAME_BYE:
+    ch->peer_bye = true;
+    return TSHARE_END;
+  case TSHARE_FRAME_ERROR:
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_ERROR, "peer '%s' (pid %u) reported %s: %s",
+                   ch->peer.name, ch->peer.pid, tshare_status_name(f.u.error.code), f.u.error.message);
+  default: /* a second hello */
+    if (frame_fd >= 0) close(frame_fd);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "receive: unexpected %s frame",
+                   tshare_frame_type_name(f.type));
+  }
+}
+
+int tshare_channel_poll(tshare_channel *ch, int timeout_ms) {
+  if (!ch) return TSHARE_E_INVALID_ARG;
+  bool got;
+  int rc = drive_once(ch, timeout_ms, NULL, NULL, &got);
+  if (rc == TSHARE_E_TIMEOUT) return TSHARE_AGAIN;
+  /* Drain whatever else is already buffered without waiting. */
+  while (rc == TSHARE_OK) {
+    int more = drive_once(ch, 0, NULL, NULL, &got);
+    if (more == TSHARE_E_TIMEOUT) break;
+    rc = more;
+  }
+  return rc;
+}
+
+int tshare_channel_wait_released(tshare_channel *ch, uint64_t share_id, int timeout_ms) {
+  if (!ch) return TSHARE_E_INVALID_ARG;
+  int64_t deadline = ts_deadline(timeout_ms);
+  for (;;) {
+    bool done = share_id ? tshare_share_is_released(ch, share_id) != 0 : ch->exports.count == 0;
+    if (done) return TSHARE_OK;
+    bool got;
+    int rc = drive_once(ch, ts_remaining(deadline), NULL, NULL, &got);
+    if (rc == TSHARE_E_PEER_CLOSED) return TSHARE_OK; /* everything it held was dropped */
+    if (rc == TSHARE_END) continue; /* a peer that said bye still sends its releases */
+    if (rc != TSHARE_OK) {
+      if (rc == TSHARE_E_TIMEOUT)
+        ts_errf(ch->err, sizeof ch->err, rc, "wait for release: %zu shares still held by '%s' (pid %u)",
+                ch->exports.count, ch->peer.name, ch->peer.pid);
+      return rc;
+    }
+  }
+}
+
+static int import_host(tshare_channel *ch, const tshare_share_frame *s, int fd, tshare_view *v) {
+  struct stat st;
+  if (fd < 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "import: share %llu has no fd",
+                             (unsigned long long)s->share_id);
+  if (fstat(fd, &st) != 0) return ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "import: fstat");
+  int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || !(seals & F_SEAL_SHRINK))
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                   "import: share %llu: fd is not a memfd sealed against shrinking", (unsigned long long)s->share_id);
+  if ((uint64_t)st.st_size < s->alloc_size)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_OUT_OF_BOUNDS,
+                   "import: share %llu claims %llu bytes, the memfd has %lld", (unsigned long long)s->share_id,
+                   (unsigned long long)s->alloc_size, (long long)st.st_size);
+  pthread_mutex_lock(&ch->lock);
+  ts_mapping *m = ts_u64map_get(&ch->mappings, s->alloc_id);
+  if (m && (m->ino != (unsigned long)st.st_ino || m->dev != (unsigned long)st.st_dev || m->size != s->alloc_size)) {
+    pthread_mutex_unlock(&ch->lock);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                   "import: allocation %llu arrived with another file or size than before",
+                   (unsigned long long)s->alloc_id);
+  }
+  if (!m) {
+    m = calloc(1, sizeof *m);
+    if (!m) {
+      pthread_mutex_unlock(&ch->lock);
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
+    }
+    m->alloc_id = s->alloc_id;
+    m->size = (size_t)s->alloc_size;
+    m->ino = (unsigned long)st.st_ino;
+    m->dev = (unsigned long)st.st_dev;
+    if (m->size) {
+      m->base = mmap(NULL, m->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (m->base == MAP_FAILED) {
+        int e = errno;
+        pthread_mutex_unlock(&ch->lock);
+        free(m);
+        return ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, e, "import: mmap(%llu bytes)",
+                         (unsigned long long)s->alloc_size);
+      }
+    }
+    if (ts_u64map_put(&ch->mappings, m->alloc_id, m) != 0) {
+      if (m->base) munmap(m->base, m->size);
+      free(m);
+      pthread_mutex_unlock(&ch->lock);
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
+    }
+  }
+  m->views++;
+  pthread_mutex_unlock(&ch->lock);
+  v->mapping = m;
+  v->data = m->base ? (char *)m->base + s->tensor.byte_offset : NULL;
+  return TSHARE_OK;
+}
+
+int tshare_view_recv(tshare_channel *ch, int timeout_ms, tshare_view **out) {
+  if (!out) return TSHARE_E_INVALID_ARG;
+  *out = NULL;
+  if (!ch) return TSHARE_E_INVALID_ARG;
+  if (ch->closed) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "receive: channel is closed");
+  tshare_frame f;
+  int fd = -1;
+  if (ch->in_len) {
+    ts_incoming *in = &ch->incoming[ch->in_head];
+    f = in->frame;
+    fd = in->fd;
+    ch->in_head = (ch->in_head + 1) % ch->in_cap;
+    ch->in_len--;
+  } else {
+    int64_t deadline = ts_deadline(timeout_ms);
+    for (;;) {
+      bool got;
+      int rc = drive_once(ch, ts_remaining(deadline), &f, &fd, &got);
+      if (rc != TSHARE_OK) return rc;
+      if (got) break;
+    }
+  }
+  tshare_view *v = calloc(1, sizeof *v);
+  if (!v) {
+    if (fd >= 0) close(fd);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "receive: out of memory");
+  }
+  const tshare_share_frame *s = &f.u.share;
+  int rc;
+  if (s->mem_kind == TSHARE_MEM_HOST_MEMFD)
+    rc = import_host(ch, s, fd, v);
+  else
+    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
+                 "import: share %llu is CUDA memory, which this build of tshare cannot import",
+                 (unsigned long long)s->share_id);
+  if (fd >= 0) close(fd); /* a mapping keeps the memory; the fd is no longer needed */
+  if (rc != TSHARE_OK) {
+    free(v);
+    /* The producer still holds the memory for this share: tell it to let go. */
+    pthread_mutex_lock(&ch->lock);
+    queue_release_locked(ch, s->share_id);
+    pthread_mutex_unlock(&ch->lock);
+    return rc;
+  }
+  v->ch = ch;
+  atomic_fetch_add(&ch->refs, 1);
+  v->share_id = s->share_id;
+  v->device_type = s->device_type;
+  v->desc = s->tensor;
+  memcpy(v->tag, s->tag, s->tag_len);
+  v->tag[s->tag_len] = '\0';
+  *out = v;
+  return TSHARE_OK;
+}
+
+void *tshare_view_data(const tshare_view *v) { return v ? v->data : NULL; }
+const tshare_tensor_desc *tshare_view_desc(const tshare_view *v) { return v ? &v->desc : NULL; }
+const char *tshare_view_tag(const tshare_view *v) { return v ? v->tag : ""; }
+uint64_t tshare_view_share_id(const tshare_view *v) { return v ? v->share_id : 0; }
+int tshare_view_device_type(const tshare_view *v) { return v ? v->device_type : 0; }

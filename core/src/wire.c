@@ -1,0 +1,421 @@
+#include "tshare/wire.h"
+
+#include "bytes.h"
+#include "error_detail.h"
+#include "tshare/errors.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+tshare_wire_limits tshare_wire_limits_default(void) {
+  tshare_wire_limits l;
+  l.max_payload = TSHARE_WIRE_FRAME_MAX - TSHARE_WIRE_HEADER_SIZE;
+  l.max_ndim = TSHARE_MAX_NDIM;
+  l.max_tag = TSHARE_TAG_MAX;
+  l.max_release_ids = TSHARE_RELEASE_MAX;
+  l.max_alloc_size = (uint64_t)1 << 48;
+  return l;
+}
+
+static tshare_wire_limits clamp_limits(const tshare_wire_limits *in) {
+  tshare_wire_limits d = tshare_wire_limits_default();
+  if (!in) return d;
+  tshare_wire_limits l = *in;
+  if (l.max_payload > d.max_payload) l.max_payload = d.max_payload;
+  if (l.max_ndim > d.max_ndim) l.max_ndim = d.max_ndim;
+  if (l.max_tag > d.max_tag) l.max_tag = d.max_tag;
+  if (l.max_release_ids > d.max_release_ids) l.max_release_ids = d.max_release_ids;
+  return l;
+}
+
+const char *tshare_frame_type_name(int type) {
+  switch (type) {
+  case TSHARE_FRAME_HELLO: return "hello";
+  case TSHARE_FRAME_SHARE: return "share";
+  case TSHARE_FRAME_RELEASE: return "release";
+  case TSHARE_FRAME_BYE: return "bye";
+  case TSHARE_FRAME_ERROR: return "error";
+  default: return "unknown";
+  }
+}
+
+static bool type_known(int type) { return type >= TSHARE_FRAME_HELLO && type <= TSHARE_FRAME_ERROR; }
+
+static bool kind_takes_fd(int kind) {
+  return kind == TSHARE_MEM_HOST_MEMFD || kind == TSHARE_MEM_CUDA_FD;
+}
+
+int tshare_wire_check_share(const tshare_share_frame *s, const tshare_wire_limits *limits_in,
+                            char *err, size_t cap) {
+  tshare_wire_limits limits = clamp_limits(limits_in);
+  if (s->share_id == 0) return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: share_id is 0");
+  switch (s->mem_kind) {
+  case TSHARE_MEM_HOST_MEMFD:
+    if (s->device_type != TSHARE_DEVICE_CPU)
+      return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: host memfd with device_type %u",
+                     (unsigned)s->device_type);
+    if (s->handle_len != 0)
+      return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: host memfd carries %u handle bytes",
+                     (unsigned)s->handle_len);
+    break;
+  case TSHARE_MEM_CUDA_IPC:
+    if (s->device_type != TSHARE_DEVICE_CUDA)
+      return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: CUDA IPC memory with device_type %u",
+                     (unsigned)s->device_type);
+    if (s->handle_len != TSHARE_HANDLE_MAX)
+      return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: CUDA IPC handle_len %u, expected %d",
+                     (unsigned)s->handle_len, TSHARE_HANDLE_MAX);
+    break;
+  case TSHARE_MEM_CUDA_FD:
+    if (s->device_type != TSHARE_DEVICE_CUDA)
+      return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: CUDA fd memory with device_type %u",
+                     (unsigned)s->device_type);
+    break;
+  default:
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: unknown mem_kind %u", (unsigned)s->mem_kind);
+  }
+  if (s->handle_len > TSHARE_HANDLE_MAX)
+    return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "share: handle_len %u over %d", (unsigned)s->handle_len,
+                   TSHARE_HANDLE_MAX);
+  if (s->tensor.ndim < 0 || (uint32_t)s->tensor.ndim > limits.max_ndim)
+    return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "share: ndim %d over max_ndim %u", (int)s->tensor.ndim,
+                   limits.max_ndim);
+  if (s->tag_len > limits.max_tag)
+    return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "share: tag_len %u over max_tag %u", (unsigned)s->tag_len,
+                   limits.max_tag);
+  if (memchr(s->tag, '\0', s->tag_len))
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: tag contains a NUL byte");
+  if (s->alloc_size > limits.max_alloc_size)
+    return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "share: alloc_size %llu over max_alloc_size %llu",
+                   (unsigned long long)s->alloc_size, (unsigned long long)limits.max_alloc_size);
+  char why[160];
+  int rc = tshare_tensor_check(&s->tensor, s->alloc_size, NULL, NULL, why, sizeof why);
+  if (rc != TSHARE_OK) return ts_errf(err, cap, rc, "share %llu: %s", (unsigned long long)s->share_id, why);
+  return TSHARE_OK;
+}
+
+/* ---- encoding ---------------------------------------------------------- */
+
+static int encode_payload(const tshare_frame *f, ts_writer *w, char *err, size_t cap) {
+  switch (f->type) {
+  case TSHARE_FRAME_HELLO: {
+    const tshare_hello *h = &f->u.hello;
+    size_t name_len = strnlen(h->name, TSHARE_HELLO_NAME_MAX);
+    if (h->device_count > TSHARE_HELLO_DEVICES_MAX)
+      return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "hello: device_count %u over %d", h->device_count,
+                     TSHARE_HELLO_DEVICES_MAX);
+    ts_put_u32(w, h->pid);
+    ts_put_u32(w, h->uid);
+    ts_put_bytes(w, h->boot_id, 16);
+    ts_put_u64(w, h->capabilities);
+    ts_put_u8(w, (uint8_t)name_len);
+    ts_put_bytes(w, h->name, name_len);
+    ts_put_u8(w, (uint8_t)h->device_count);
+    for (uint32_t i = 0; i < h->device_count; i++) ts_put_bytes(w, h->device_uuids[i], 16);
+    return TSHARE_OK;
+  }
+  case TSHARE_FRAME_SHARE: {
+    const tshare_share_frame *s = &f->u.share;
+    int rc = tshare_wire_check_share(s, NULL, err, cap);
+    if (rc != TSHARE_OK) return rc;
+    if (kind_takes_fd(s->mem_kind) != ((f->flags & TSHARE_FRAME_FLAG_FD_ATTACHED) != 0))
+      return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: mem_kind %u and the fd-attached flag disagree",
+                     (unsigned)s->mem_kind);
+    ts_put_u64(w, s->share_id);
+    ts_put_u64(w, s->alloc_id);
+    ts_put_u8(w, s->mem_kind);
+    ts_put_u8(w, s->device_type);
+    ts_put_u8(w, s->handle_len);
+    ts_put_u8(w, (uint8_t)s->tensor.ndim);
+    ts_put_u8(w, s->tensor.dtype.code);
+    ts_put_u8(w, s->tensor.dtype.bits);
+    ts_put_u16(w, s->tensor.dtype.lanes);
+    ts_put_u8(w, s->tag_len);
+    ts_put_u64(w, s->alloc_size);
+    ts_put_u64(w, s->tensor.byte_offset);
+    ts_put_u32(w, s->event_slot);
+    ts_put_u32(w, s->event_generation);
+    ts_put_bytes(w, s->device_uuid, 16);
+    ts_put_bytes(w, s->handle, s->handle_len);
+    for (int i = 0; i < s->tensor.ndim; i++) ts_put_u64(w, (uint64_t)s->tensor.shape[i]);
+    for (int i = 0; i < s->tensor.ndim; i++) ts_put_u64(w, (uint64_t)s->tensor.strides[i]);
+    ts_put_bytes(w, s->tag, s->tag_len);
+    return TSHARE_OK;
+  }
+  case TSHARE_FRAME_RELEASE: {
+    const tshare_release_frame *r = &f->u.release;
+    if (r->count == 0 || r->count > TSHARE_RELEASE_MAX)
+      return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "release: count %u outside 1..%d", r->count,
+                     TSHARE_RELEASE_MAX);
+    ts_put_u32(w, r->count);
+    for (uint32_t i = 0; i < r->count; i++) ts_put_u64(w, r->share_ids[i]);
+    return TSHARE_OK;
+  }
+  case TSHARE_FRAME_BYE:
+    ts_put_u32(w, f->u.bye.reason);
+    return TSHARE_OK;
+  case TSHARE_FRAME_ERROR: {
+    size_t n = strnlen(f->u.error.message, TSHARE_ERROR_TEXT_MAX);
+    ts_put_u32(w, (uint32_t)f->u.error.code);
+    ts_put_u16(w, (uint16_t)n);
+    ts_put_bytes(w, f->u.error.message, n);
+    return TSHARE_OK;
+  }
+  default:
+    return ts_errf(err, cap, TSHARE_E_UNKNOWN_TYPE, "cannot encode frame type %u", (unsigned)f->type);
+  }
+}
+
+int tshare_wire_encode(const tshare_frame *f, uint8_t *buf, size_t cap, size_t *len, char *err,
+                       size_t err_cap) {
+  if (!f || !buf || !len) return ts_errf(err, err_cap, TSHARE_E_INVALID_ARG, "encode: NULL argument");
+  if (f->flags & ~TSHARE_FRAME_FLAGS_KNOWN)
+    return ts_errf(err, err_cap, TSHARE_E_MALFORMED, "encode: unknown flags 0x%x", (unsigned)f->flags);
+  if (cap < TSHARE_WIRE_HEADER_SIZE)
+    return ts_errf(err, err_cap, TSHARE_E_TOO_LARGE, "encode: buffer of %zu bytes is too small", cap);
+  ts_writer w = {buf + TSHARE_WIRE_HEADER_SIZE, cap - TSHARE_WIRE_HEADER_SIZE, false};
+  int rc = encode_payload(f, &w, err, err_cap);
+  if (rc != TSHARE_OK) return rc;
+  if (w.overflow)
+    return ts_errf(err, err_cap, TSHARE_E_TOO_LARGE, "encode: %s frame does not fit in %zu bytes",
+                   tshare_frame_type_name(f->type), cap);
+  size_t payload = (size_t)(w.p - (buf + TSHARE_WIRE_HEADER_SIZE));
+  ts_writer h = {buf, TSHARE_WIRE_HEADER_SIZE, false};
+  const uint8_t magic[4] = {TSHARE_WIRE_MAGIC_0, TSHARE_WIRE_MAGIC_1, TSHARE_WIRE_MAGIC_2,
+                            TSHARE_WIRE_MAGIC_3};
+  ts_put_bytes(&h, magic, 4);
+  ts_put_u8(&h, TSHARE_WIRE_MAJOR);
+  ts_put_u8(&h, TSHARE_WIRE_MINOR);
+  ts_put_u8(&h, f->type);
+  ts_put_u8(&h, f->flags);
+  ts_put_u32(&h, (uint32_t)payload);
+  *len = TSHARE_WIRE_HEADER_SIZE + payload;
+  return TSHARE_OK;
+}
+
+/* ---- decoding ---------------------------------------------------------- */
+
+struct tshare_decoder {
+  tshare_wire_limits limits;
+  uint8_t *buf;
+  size_t cap;    /* header + max_payload */
+  size_t start;  /* first unconsumed byte */
+  size_t end;    /* one past the last buffered byte */
+  int failed;    /* sticky status after an error */
+  char err[TSHARE_ERROR_MSG_MAX];
+};
+
+tshare_decoder *tshare_decoder_create(const tshare_wire_limits *limits) {
+  tshare_decoder *d = calloc(1, sizeof *d);
+  if (!d) return NULL;
+  d->limits = clamp_limits(limits);
+  d->cap = TSHARE_WIRE_HEADER_SIZE + (size_t)d->limits.max_payload;
+  d->buf = malloc(d->cap);
+  if (!d->buf) {
+    free(d);
+    return NULL;
+  }
+  return d;
+}
+
+void tshare_decoder_destroy(tshare_decoder *d) {
+  if (!d) return;
+  free(d->buf);
+  free(d);
+}
+
+const char *tshare_decoder_last_error(const tshare_decoder *d) {
+  if (!d) return "decoder is NULL";
+  return d->err[0] ? d->err : "no error";
+}
+
+size_t tshare_decoder_pending(const tshare_decoder *d) { return d ? d->end - d->start : 0; }
+
+int tshare_decoder_space(tshare_decoder *d, uint8_t **ptr, size_t *avail) {
+  if (d->failed) return d->failed;
+  if (d->start > 0) { /* compact so a whole frame always fits from buf[0] */
+    memmove(d->buf, d->buf + d->start, d->end - d->start);
+    d->end -= d->start;
+    d->start = 0;
+  }
+  if (d->end == d->cap)
+    return d->failed = ts_errf(d->err, sizeof d->err, TSHARE_E_TOO_LARGE,
+                               "decoder buffer full (%zu bytes) without a complete frame", d->cap);
+  *ptr = d->buf + d->end;
+  *avail = d->cap - d->end;
+  return TSHARE_OK;
+}
+
+void tshare_decoder_commit(tshare_decoder *d, size_t n) {
+  if (n > d->cap - d->end) n = d->cap - d->end;
+  d->end += n;
+}
+
+int tshare_decoder_feed(tshare_decoder *d, const void *bytes, size_t n) {
+  const uint8_t *src = bytes;
+  while (n > 0) {
+    uint8_t *dst;
+    size_t avail;
+    int rc = tshare_decoder_space(d, &dst, &avail);
+    if (rc != TSHARE_OK) return rc;
+    size_t take = n < avail ? n : avail;
+    memcpy(dst, src, take);
+    tshare_decoder_commit(d, take);
+    src += take;
+    n -= take;
+    if (n > 0) /* more than one frame's worth: the caller must call next() between feeds */
+      return d->failed = ts_errf(d->err, sizeof d->err, TSHARE_E_TOO_LARGE,
+                                 "fed %zu bytes beyond the decoder's %zu-byte buffer; call next() between feeds",
+                                 n, d->cap);
+  }
+  return TSHARE_OK;
+}
+
+TS_PRINTF(3, 4) static int fail(tshare_decoder *d, int status, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(d->err, sizeof d->err, fmt, ap);
+  va_end(ap);
+  return d->failed = status;
+}
+
+static int decode_hello(tshare_decoder *d, ts_reader *r, tshare_hello *h) {
+  memset(h, 0, sizeof *h);
+  h->pid = ts_get_u32(r);
+  h->uid = ts_get_u32(r);
+  ts_get_bytes(r, h->boot_id, 16);
+  h->capabilities = ts_get_u64(r);
+  uint8_t name_len = ts_get_u8(r);
+  if (name_len > TSHARE_HELLO_NAME_MAX)
+    return fail(d, TSHARE_E_TOO_LARGE, "hello: name length %u over %d", name_len, TSHARE_HELLO_NAME_MAX);
+  ts_get_bytes(r, h->name, name_len);
+  if (memchr(h->name, '\0', name_len))
+    return fail(d, TSHARE_E_MALFORMED, "hello: name contains a NUL byte");
+  uint8_t count = ts_get_u8(r);
+  if (count > TSHARE_HELLO_DEVICES_MAX)
+    return fail(d, TSHARE_E_TOO_LARGE, "hello: device_count %u over %d", count, TSHARE_HELLO_DEVICES_MAX);
+  h->device_count = count;
+  for (unsigned i = 0; i < count; i++) ts_get_bytes(r, h->device_uuids[i], 16);
+  return TSHARE_OK;
+}
+
+static int decode_share(tshare_decoder *d, ts_reader *r, uint8_t flags, tshare_share_frame *s) {
+  memset(s, 0, sizeof *s);
+  s->share_id = ts_get_u64(r);
+  s->alloc_id = ts_get_u64(r);
+  s->mem_kind = ts_get_u8(r);
+  s->device_type = ts_get_u8(r);
+  s->handle_len = ts_get_u8(r);
+  uint8_t ndim = ts_get_u8(r);
+  s->tensor.dtype.code = ts_get_u8(r);
+  s->tensor.dtype.bits = ts_get_u8(r);
+  s->tensor.dtype.lanes = ts_get_u16(r);
+  s->tag_len = ts_get_u8(r);
+  s->alloc_size = ts_get_u64(r);
+  s->tensor.byte_offset = ts_get_u64(r);
+  s->event_slot = ts_get_u32(r);
+  s->event_generation = ts_get_u32(r);
+  ts_get_bytes(r, s->device_uuid, 16);
+  /* Counts are checked against their limits before they size any read. */
+  if (s->handle_len > TSHARE_HANDLE_MAX)
+    return fail(d, TSHARE_E_TOO_LARGE, "share: handle_len %u over %d", s->handle_len, TSHARE_HANDLE_MAX);
+  if (ndim > d->limits.max_ndim)
+    return fail(d, TSHARE_E_TOO_LARGE, "share: ndim %u over max_ndim %u", ndim, d->limits.max_ndim);
+  if (s->tag_len > d->limits.max_tag)
+    return fail(d, TSHARE_E_TOO_LARGE, "share: tag_len %u over max_tag %u", s->tag_len, d->limits.max_tag);
+  s->tensor.ndim = ndim;
+  ts_get_bytes(r, s->handle, s->handle_len);
+  for (int i = 0; i < ndim; i++) s->tensor.shape[i] = (int64_t)ts_get_u64(r);
+  for (int i = 0; i < ndim; i++) s->tensor.strides[i] = (int64_t)ts_get_u64(r);
+  ts_get_bytes(r, s->tag, s->tag_len);
+  if (r->short_read) return TSHARE_OK; /* reported as truncation by the caller */
+  if (kind_takes_fd(s->mem_kind) != ((flags & TSHARE_FRAME_FLAG_FD_ATTACHED) != 0))
+    return fail(d, TSHARE_E_MALFORMED, "share: mem_kind %u and the fd-attached flag (%d) disagree", s->mem_kind,
+                (flags & TSHARE_FRAME_FLAG_FD_ATTACHED) != 0);
+  int rc = tshare_wire_check_share(s, &d->limits, d->err, sizeof d->err);
+  if (rc != TSHARE_OK) return d->failed = rc;
+  return TSHARE_OK;
+}
+
+int tshare_decoder_next(tshare_decoder *d, tshare_frame *out) {
+  if (!d || !out) return TSHARE_E_INVALID_ARG;
+  if (d->failed) return d->failed;
+  size_t have = d->end - d->start;
+  if (have < TSHARE_WIRE_HEADER_SIZE) {
+    /* Reject a wrong magic as soon as its bytes are here, not after 12 bytes. */
+    static const uint8_t magic[4] = {TSHARE_WIRE_MAGIC_0, TSHARE_WIRE_MAGIC_1, TSHARE_WIRE_MAGIC_2,
+                                     TSHARE_WIRE_MAGIC_3};
+    size_t n = have < 4 ? have : 4;
+    if (memcmp(d->buf + d->start, magic, n) != 0)
+      return fail(d, TSHARE_E_BAD_MAGIC, "header: bad magic in the first %zu bytes", n);
+    return TSHARE_AGAIN;
+  }
+  ts_reader h = {d->buf + d->start, have, false};
+  uint8_t magic[4];
+  ts_get_bytes(&h, magic, 4);
+  uint8_t major = ts_get_u8(&h), minor = ts_get_u8(&h), type = ts_get_u8(&h), flags = ts_get_u8(&h);
+  uint32_t length = ts_get_u32(&h);
+  if (magic[0] != TSHARE_WIRE_MAGIC_0 || magic[1] != TSHARE_WIRE_MAGIC_1 || magic[2] != TSHARE_WIRE_MAGIC_2 ||
+      magic[3] != TSHARE_WIRE_MAGIC_3)
+    return fail(d, TSHARE_E_BAD_MAGIC, "header: bad magic %02x %02x %02x %02x", magic[0], magic[1], magic[2],
+                magic[3]);
+  if (major != TSHARE_WIRE_MAJOR)
+    return fail(d, TSHARE_E_VERSION, "header: peer speaks wire version %u.x, this side speaks %d.x", major,
+                TSHARE_WIRE_MAJOR);
+  if (!type_known(type))
+    return fail(d, TSHARE_E_UNKNOWN_TYPE, "header: unknown frame type %u (wire %u.%u)", type, major, minor);
+  if (flags & ~TSHARE_FRAME_FLAGS_KNOWN)
+    return fail(d, TSHARE_E_MALFORMED, "header: unknown flags 0x%x in a %s frame", flags,
+                tshare_frame_type_name(type));
+  if (length > d->limits.max_payload)
+    return fail(d, TSHARE_E_TOO_LARGE, "header: payload length %u over max_payload %u", length,
+                d->limits.max_payload);
+  if (have < TSHARE_WIRE_HEADER_SIZE + (size_t)length) return TSHARE_AGAIN;
+
+  ts_reader r = {d->buf + d->start + TSHARE_WIRE_HEADER_SIZE, length, false};
+  memset(out, 0, sizeof *out);
+  out->type = type;
+  out->flags = flags;
+  out->major = major;
+  out->minor = minor;
+  int rc = TSHARE_OK;
+  switch (type) {
+  case TSHARE_FRAME_HELLO:
+    rc = decode_hello(d, &r, &out->u.hello);
+    out->u.hello.major = major;
+    out->u.hello.minor = minor;
+    break;
+  case TSHARE_FRAME_SHARE:
+    rc = decode_share(d, &r, flags, &out->u.share);
+    break;
+  case TSHARE_FRAME_RELEASE: {
+    uint32_t count = ts_get_u32(&r);
+    if (!r.short_read && (count == 0 || count > d->limits.max_release_ids))
+      return fail(d, TSHARE_E_TOO_LARGE, "release: count %u outside 1..%u", count, d->limits.max_release_ids);
+    out->u.release.count = count;
+    for (uint32_t i = 0; i < count && !r.short_read; i++) out->u.release.share_ids[i] = ts_get_u64(&r);
+    break;
+  }
+  case TSHARE_FRAME_BYE:
+    out->u.bye.reason = ts_get_u32(&r);
+    break;
+  case TSHARE_FRAME_ERROR: {
+    out->u.error.code = (int32_t)ts_get_u32(&r);
+    uint16_t n = ts_get_u16(&r);
+    if (!r.short_read && n > TSHARE_ERROR_TEXT_MAX)
+      return fail(d, TSHARE_E_TOO_LARGE, "error: message length %u over %d", n, TSHARE_ERROR_TEXT_MAX);
+    ts_get_bytes(&r, out->u.error.message, n);
+    break;
+  }
+  }
+  if (rc != TSHARE_OK) return rc;
+  if (r.short_read)
+    return fail(d, TSHARE_E_TRUNCATED, "%s: payload of %u bytes ends before its fields do",
+                tshare_frame_type_name(type), length);
+  /* Trailing bytes are fields of a newer minor version: ignored by rule. */
+  d->start += TSHARE_WIRE_HEADER_SIZE + (size_t)length;
+  if (d->start == d->end) d->start = d->end = 0;
+  return TSHARE_OK;
+}

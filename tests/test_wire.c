@@ -1,0 +1,467 @@
+/* Wire format: round trips of every frame type and one test per class of
+ * malformed input. Frames are built by the encoder and then corrupted through
+ * the documented header layout, so each test breaks exactly one thing. */
+#include "harness.h"
+#include "tshare/errors.h"
+#include "tshare/wire.h"
+
+/* Payload offsets of a share frame (wire.c's encode order): share_id 0,
+ * alloc_id 8, mem_kind 16, device_type 17, handle_len 18, ndim 19, dtype 20..23,
+ * tag_len 24, alloc_size 25, byte_offset 33, event 41..48, uuid 49, handle 65,
+ * then shape and strides. */
+#define SHARE_ALLOC_SIZE_AT 25
+#define SHARE_SHAPE_AT 65 /* with an empty handle */
+
+static tshare_frame sample_share(void) {
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_SHARE;
+  f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+  tshare_share_frame *s = &f.u.share;
+  s->share_id = 7;
+  s->alloc_id = 42;
+  s->mem_kind = TSHARE_MEM_HOST_MEMFD;
+  s->device_type = TSHARE_DEVICE_CPU;
+  s->alloc_size = 4096;
+  s->tensor.dtype = (tshare_dtype){TSHARE_DTYPE_FLOAT, 32, 1};
+  s->tensor.ndim = 3;
+  s->tensor.shape[0] = 2;
+  s->tensor.shape[1] = 3;
+  s->tensor.shape[2] = 4;
+  tshare_tensor_set_contiguous(&s->tensor);
+  s->tensor.byte_offset = 256;
+  s->tag_len = 5;
+  memcpy(s->tag, "batch", 5);
+  return f;
+}
+
+static size_t encode(const tshare_frame *f, uint8_t *buf) {
+  size_t len = 0;
+  char err[256] = "";
+  CHECK_RC(tshare_wire_encode(f, buf, TSHARE_WIRE_FRAME_MAX, &len, err, sizeof err), TSHARE_OK, err);
+  return len;
+}
+
+/* Decode buf[0..len) in one feed and expect status. */
+static int decode(const uint8_t *buf, size_t len, tshare_frame *out) {
+  tshare_decoder *d = tshare_decoder_create(NULL);
+  CHECK(d);
+  int rc = tshare_decoder_feed(d, buf, len);
+  if (rc == TSHARE_OK) rc = tshare_decoder_next(d, out);
+  if (rc < 0) printf("decoder said: %s\n", tshare_decoder_last_error(d));
+  tshare_decoder_destroy(d);
+  return rc;
+}
+
+static void put_u32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+TS_TEST(roundtrip_hello) {
+  tshare_frame f, g;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_HELLO;
+  f.u.hello.pid = 1234;
+  f.u.hello.uid = 1000;
+  for (int i = 0; i < 16; i++) f.u.hello.boot_id[i] = (uint8_t)(i * 7);
+  f.u.hello.capabilities = TSHARE_CAP_FD_PASSING | TSHARE_CAP_HOST_MEMFD;
+  strcpy(f.u.hello.name, "producer 0");
+  f.u.hello.device_count = 2;
+  memset(f.u.hello.device_uuids[1], 0xab, 16);
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len = encode(&f, buf);
+  CHECK_RC(decode(buf, len, &g), TSHARE_OK, "");
+  CHECK_EQ(g.type, TSHARE_FRAME_HELLO);
+  CHECK_EQ(g.u.hello.major, TSHARE_WIRE_MAJOR);
+  CHECK_EQ(g.u.hello.minor, TSHARE_WIRE_MINOR);
+  CHECK_EQ(g.u.hello.pid, 1234);
+  CHECK_EQ(g.u.hello.uid, 1000);
+  CHECK(memcmp(g.u.hello.boot_id, f.u.hello.boot_id, 16) == 0);
+  CHECK_EQ(g.u.hello.capabilities, f.u.hello.capabilities);
+  CHECK(strcmp(g.u.hello.name, "producer 0") == 0);
+  CHECK_EQ(g.u.hello.device_count, 2);
+  CHECK(memcmp(g.u.hello.device_uuids[1], f.u.hello.device_uuids[1], 16) == 0);
+}
+
+TS_TEST(roundtrip_share) {
+  tshare_frame f = sample_share(), g;
+  f.flags |= TSHARE_FRAME_FLAG_HAS_EVENT;
+  f.u.share.event_slot = 3;
+  f.u.share.event_generation = 99;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len = encode(&f, buf);
+  CHECK_RC(decode(buf, len, &g), TSHARE_OK, "");
+  CHECK_EQ(g.type, TSHARE_FRAME_SHARE);
+  CHECK_EQ(g.flags, f.flags);
+  const tshare_share_frame *a = &f.u.share, *b = &g.u.share;
+  CHECK_EQ(b->share_id, 7);
+  CHECK_EQ(b->alloc_id, 42);
+  CHECK_EQ(b->mem_kind, a->mem_kind);
+  CHECK_EQ(b->alloc_size, 4096);
+  CHECK_EQ(b->event_slot, 3);
+  CHECK_EQ(b->event_generation, 99);
+  CHECK_EQ(b->tensor.ndim, 3);
+  CHECK_EQ(b->tensor.byte_offset, 256);
+  CHECK_EQ(b->tensor.dtype.code, TSHARE_DTYPE_FLOAT);
+  CHECK_EQ(b->tensor.dtype.bits, 32);
+  CHECK_EQ(b->tensor.dtype.lanes, 1);
+  for (int i = 0; i < 3; i++) {
+    CHECK_EQ(b->tensor.shape[i], a->tensor.shape[i]);
+    CHECK_EQ(b->tensor.strides[i], a->tensor.strides[i]);
+  }
+  CHECK(strcmp(b->tag, "batch") == 0);
+}
+
+TS_TEST(roundtrip_share_cuda_ipc_handle_and_negative_strides) {
+  tshare_frame f = sample_share(), g;
+  f.flags = 0;
+  f.u.share.mem_kind = TSHARE_MEM_CUDA_IPC;
+  f.u.share.device_type = TSHARE_DEVICE_CUDA;
+  f.u.share.handle_len = TSHARE_HANDLE_MAX;
+  for (int i = 0; i < TSHARE_HANDLE_MAX; i++) f.u.share.handle[i] = (uint8_t)(255 - i);
+  memset(f.u.share.device_uuid, 0x5a, 16);
+  /* A flipped view: the last row first, walking backwards. */
+  f.u.share.tensor.ndim = 2;
+  f.u.share.tensor.shape[0] = 4;
+  f.u.share.tensor.shape[1] = 8;
+  f.u.share.tensor.strides[0] = -8;
+  f.u.share.tensor.strides[1] = 1;
+  f.u.share.tensor.byte_offset = 3 * 8 * 4;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len = encode(&f, buf);
+  CHECK_RC(decode(buf, len, &g), TSHARE_OK, "");
+  CHECK(memcmp(g.u.share.handle, f.u.share.handle, TSHARE_HANDLE_MAX) == 0);
+  CHECK(memcmp(g.u.share.device_uuid, f.u.share.device_uuid, 16) == 0);
+  CHECK_EQ(g.u.share.tensor.strides[0], -8);
+}
+
+TS_TEST(roundtrip_release) {
+  tshare_frame f, g;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_RELEASE;
+  f.u.release.count = TSHARE_RELEASE_MAX;
+  for (uint32_t i = 0; i < f.u.release.count; i++) f.u.release.share_ids[i] = 1000 + i * 3;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len = encode(&f, buf);
+  CHECK_RC(decode(buf, len, &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.release.count, TSHARE_RELEASE_MAX);
+  for (uint32_t i = 0; i < g.u.release.count; i++) CHECK_EQ(g.u.release.share_ids[i], 1000 + i * 3);
+}
+
+TS_TEST(roundtrip_bye_and_error) {
+  tshare_frame f, g;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_BYE;
+  f.u.bye.reason = 5;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len = encode(&f, buf);
+  CHECK_RC(decode(buf, len, &g), TSHARE_OK, "");
+  CHECK_EQ(g.type, TSHARE_FRAME_BYE);
+  CHECK_EQ(g.u.bye.reason, 5);
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_ERROR;
+  f.u.error.code = TSHARE_E_VERSION;
+  strcpy(f.u.error.message, "peer speaks 2.x");
+  len = encode(&f, buf);
+  CHECK_RC(decode(buf, len, &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.error.code, TSHARE_E_VERSION);
+  CHECK(strcmp(g.u.error.message, "peer speaks 2.x") == 0);
+}
+
+TS_TEST(stream_byte_by_byte_and_back_to_back) {
+  /* Three frames fed one byte at a time come out whole and in order. */
+  uint8_t stream[3 * TSHARE_WIRE_FRAME_MAX];
+  size_t n = 0;
+  tshare_frame a = sample_share(), b, c = sample_share();
+  memset(&b, 0, sizeof b);
+  b.type = TSHARE_FRAME_BYE;
+  c.u.share.share_id = 8;
+  n += encode(&a, stream + n);
+  n += encode(&b, stream + n);
+  n += encode(&c, stream + n);
+  tshare_decoder *d = tshare_decoder_create(NULL);
+  uint64_t seen[3];
+  int frames = 0;
+  for (size_t i = 0; i < n; i++) {
+    CHECK_RC(tshare_decoder_feed(d, stream + i, 1), TSHARE_OK, tshare_decoder_last_error(d));
+    tshare_frame out;
+    int rc;
+    while ((rc = tshare_decoder_next(d, &out)) == TSHARE_OK) {
+      CHECK(frames < 3);
+      seen[frames++] = out.type == TSHARE_FRAME_SHARE ? out.u.share.share_id : 0;
+    }
+    CHECK_RC(rc, TSHARE_AGAIN, tshare_decoder_last_error(d));
+  }
+  CHECK_EQ(frames, 3);
+  CHECK_EQ(seen[0], 7);
+  CHECK_EQ(seen[1], 0);
+  CHECK_EQ(seen[2], 8);
+  CHECK_EQ(tshare_decoder_pending(d), 0);
+  tshare_decoder_destroy(d);
+}
+
+TS_TEST(newer_minor_with_trailing_fields_is_accepted) {
+  tshare_frame f, g;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_BYE;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len = encode(&f, buf);
+  buf[5] = TSHARE_WIRE_MINOR + 3;        /* a newer minor ... */
+  put_u32(buf + 8, 4 + 6);               /* ... that appended 6 bytes to bye */
+  memset(buf + len, 0xee, 6);
+  CHECK_RC(decode(buf, len + 6, &g), TSHARE_OK, "");
+  CHECK_EQ(g.minor, TSHARE_WIRE_MINOR + 3);
+}
+
+TS_TEST(malformed_short_header_needs_more) {
+  tshare_frame f = sample_share(), g;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  encode(&f, buf);
+  tshare_decoder *d = tshare_decoder_create(NULL);
+  CHECK_RC(tshare_decoder_feed(d, buf, 7), TSHARE_OK, "");
+  CHECK_RC(tshare_decoder_next(d, &g), TSHARE_AGAIN, tshare_decoder_last_error(d));
+  CHECK_EQ(tshare_decoder_pending(d), 7); /* a channel reports this at EOF as "closed mid-frame" */
+  tshare_decoder_destroy(d);
+}
+
+TS_TEST(malformed_bad_magic) {
+  tshare_frame f = sample_share(), g;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len = encode(&f, buf);
+  buf[1] = 'X';
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_BAD_MAGIC, "");
+  /* Detected from the first bytes, without waiting for a whole header. */
+  CHECK_RC(decode((const uint8_t *)"GET ", 4, &g), TSHARE_E_BAD_MAGIC, "");
+}
+
+TS_TEST(malformed_other_major_version) {
+  tshare_frame f = sample_share(), g;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len = encode(&f, buf);
+  buf[4] = TSHARE_WIRE_MAJOR + 1;
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_VERSION, "");
+  buf[4] = 0;
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_VERSION, "");
+}
+
+TS_TEST(malformed_unknown_type) {
+  tshare_frame f = sample_share(), g;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len = encode(&f, buf);
+  buf[6] = 77;
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_UNKNOWN_TYPE, "");
+  buf[6] = 0;
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_UNKNOWN_TYPE, "");
+}
+
+TS_TEST(malformed_unknown_flags) {
+  tshare_frame f = sample_share(), g;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len = encode(&f, buf);
+  buf[7] |= 0x80;
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_MALFORMED, "");
+}
+
+TS_TEST(malformed_oversized_length) {
+  tshare_frame f = sample_share(), g;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  encode(&f, buf);
+  put_u32(buf + 8, 0xffffffffu);
+  /* Rejected from the header alone: nothing is allocated or awaited. */
+  CHECK_RC(decode(buf, TSHARE_WIRE_HEADER_SIZE, &g), TSHARE_E_TOO_LARGE, "");
+  put_u32(buf + 8, TSHARE_WIRE_FRAME_MAX); /* just over max_payload */
+  CHECK_RC(decode(buf, TSHARE_WIRE_HEADER_SIZE, &g), TSHARE_E_TOO_LARGE, "");
+}
+
+TS_TEST(malformed_ndim_over_limit) {
+  tshare_frame f = sample_share(), g;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len = encode(&f, buf);
+  buf[TSHARE_WIRE_HEADER_SIZE + 19] = TSHARE_MAX_NDIM + 1; /* ndim byte */
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_TOO_LARGE, "");
+  /* A lower configured limit is honoured too. */
+  tshare_wire_limits lim = tshare_wire_limits_default();
+  lim.max_ndim = 2;
+  tshare_decoder *d = tshare_decoder_create(&lim);
+  len = encode(&f, buf);
+  tshare_decoder_feed(d, buf, len);
+  CHECK_RC(tshare_decoder_next(d, &g), TSHARE_E_TOO_LARGE, tshare_decoder_last_error(d));
+  tshare_decoder_destroy(d);
+}
+
+TS_TEST(malformed_shape_overflow) {
+  tshare_frame f = sample_share(), g;
+  f.u.share.alloc_size = (uint64_t)1 << 40;
+  f.u.share.tensor.ndim = 2;
+  f.u.share.tensor.shape[0] = INT64_MAX / 2;
+  f.u.share.tensor.shape[1] = 4;
+  f.u.share.tensor.strides[0] = 4;
+  f.u.share.tensor.strides[1] = 1;
+  f.u.share.tensor.byte_offset = 0;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len;
+  char err[256];
+  /* The encoder refuses it ... */
+  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, err, sizeof err), TSHARE_E_OVERFLOW, err);
+  /* ... and a hand-made frame is refused by the decoder. */
+  tshare_frame ok = sample_share();
+  ok.u.share.tensor.ndim = 2;
+  ok.u.share.tensor.shape[0] = 1;
+  ok.u.share.tensor.shape[1] = 1;
+  len = encode(&ok, buf);
+  size_t shape0 = TSHARE_WIRE_HEADER_SIZE + SHARE_SHAPE_AT;
+  for (int i = 0; i < 8; i++) buf[shape0 + (size_t)i] = (uint8_t)((uint64_t)(INT64_MAX / 2) >> (8 * i));
+  for (int i = 0; i < 8; i++) buf[shape0 + 8 + (size_t)i] = (uint8_t)(4 >> (8 * i)); /* shape[1] */
+  buf[shape0 + 16] = 4; /* strides[0] = 4 (low byte; was 1) */
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_OVERFLOW, "");
+  /* Each dimension alone fits; their product does not. */
+  f.u.share.tensor.shape[0] = (int64_t)1 << 40;
+  f.u.share.tensor.shape[1] = (int64_t)1 << 40;
+  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, err, sizeof err), TSHARE_E_OVERFLOW, err);
+}
+
+TS_TEST(malformed_view_outside_allocation) {
+  tshare_frame f = sample_share(), g;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len;
+  char err[256];
+  f.u.share.tensor.byte_offset = 4096 - 4; /* 24 floats from 4 bytes before the end */
+  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, err, sizeof err), TSHARE_E_OUT_OF_BOUNDS, err);
+  f = sample_share();
+  f.u.share.tensor.strides[0] = 1000; /* the last row lands past the end */
+  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, err, sizeof err), TSHARE_E_OUT_OF_BOUNDS, err);
+  f = sample_share();
+  f.u.share.tensor.strides[0] = -12; /* negative stride reaching before the allocation */
+  f.u.share.tensor.byte_offset = 0;
+  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, err, sizeof err), TSHARE_E_OUT_OF_BOUNDS, err);
+  /* The decoder applies the same rule: shrink alloc_size in a valid frame. */
+  f = sample_share();
+  len = encode(&f, buf);
+  size_t alloc_size_at = TSHARE_WIRE_HEADER_SIZE + SHARE_ALLOC_SIZE_AT;
+  memset(buf + alloc_size_at, 0, 8);
+  buf[alloc_size_at] = 100;
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_OUT_OF_BOUNDS, "");
+}
+
+TS_TEST(malformed_truncated_payload) {
+  tshare_frame f = sample_share(), g;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len = encode(&f, buf);
+  /* Claim a shorter payload: the fields run past its end. */
+  put_u32(buf + 8, (uint32_t)(len - TSHARE_WIRE_HEADER_SIZE - 10));
+  CHECK_RC(decode(buf, len - 10, &g), TSHARE_E_TRUNCATED, "");
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_RELEASE;
+  f.u.release.count = 4;
+  len = encode(&f, buf);
+  put_u32(buf + 8, 4 + 8); /* count says 4 ids, one is there */
+  CHECK_RC(decode(buf, TSHARE_WIRE_HEADER_SIZE + 12, &g), TSHARE_E_TRUNCATED, "");
+}
+
+TS_TEST(malformed_counts_over_limits) {
+  tshare_frame f, g;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_RELEASE;
+  f.u.release.count = 1;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len = encode(&f, buf);
+  put_u32(buf + TSHARE_WIRE_HEADER_SIZE, 100000); /* release count */
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_TOO_LARGE, "");
+  put_u32(buf + TSHARE_WIRE_HEADER_SIZE, 0);
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_TOO_LARGE, "");
+  f = sample_share();
+  len = encode(&f, buf);
+  buf[TSHARE_WIRE_HEADER_SIZE + 24] = TSHARE_TAG_MAX + 1; /* tag_len */
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_TOO_LARGE, "");
+}
+
+TS_TEST(malformed_field_values) {
+  tshare_frame f = sample_share(), g;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len;
+  char err[256];
+  f.u.share.tensor.dtype.bits = 12;
+  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, err, sizeof err), TSHARE_E_MALFORMED, err);
+  f = sample_share();
+  f.u.share.share_id = 0;
+  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, err, sizeof err), TSHARE_E_MALFORMED, err);
+  f = sample_share();
+  f.u.share.tensor.shape[1] = -3;
+  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, err, sizeof err), TSHARE_E_MALFORMED, err);
+  f = sample_share();
+  len = encode(&f, buf);
+  buf[TSHARE_WIRE_HEADER_SIZE + 16] = 9; /* mem_kind */
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_MALFORMED, "");
+  len = encode(&f, buf);
+  buf[7] = 0; /* a memfd share without its fd */
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_MALFORMED, "");
+}
+
+TS_TEST(decoder_error_is_sticky) {
+  tshare_frame f = sample_share(), g;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len = encode(&f, buf);
+  tshare_decoder *d = tshare_decoder_create(NULL);
+  uint8_t junk[TSHARE_WIRE_HEADER_SIZE] = {'n', 'o', 'p', 'e'};
+  tshare_decoder_feed(d, junk, sizeof junk);
+  CHECK_RC(tshare_decoder_next(d, &g), TSHARE_E_BAD_MAGIC, "");
+  /* A valid frame after garbage is not trusted: framing is lost. */
+  CHECK(tshare_decoder_feed(d, buf, len) == TSHARE_E_BAD_MAGIC);
+  CHECK_RC(tshare_decoder_next(d, &g), TSHARE_E_BAD_MAGIC, "");
+  CHECK(strstr(tshare_decoder_last_error(d), "magic") != NULL);
+  tshare_decoder_destroy(d);
+}
+
+TS_TEST(status_strings_never_null) {
+  for (int s = -40; s <= 5; s++) {
+    CHECK(tshare_status_str(s) != NULL);
+    CHECK(tshare_status_name(s) != NULL);
+  }
+  CHECK(strcmp(tshare_status_name(TSHARE_E_TIMEOUT), "TSHARE_E_TIMEOUT") == 0);
+  CHECK(strcmp(tshare_status_str(12345), "unknown tshare status") == 0);
+}
+
+TS_TEST(dtype_itemsize_and_names) {
+  char name[32];
+  CHECK_EQ(tshare_dtype_itemsize((tshare_dtype){TSHARE_DTYPE_FLOAT, 32, 1}), 4);
+  CHECK_EQ(tshare_dtype_itemsize((tshare_dtype){TSHARE_DTYPE_BFLOAT, 16, 1}), 2);
+  CHECK_EQ(tshare_dtype_itemsize((tshare_dtype){TSHARE_DTYPE_COMPLEX, 128, 1}), 16);
+  CHECK_EQ(tshare_dtype_itemsize((tshare_dtype){TSHARE_DTYPE_BOOL, 8, 1}), 1);
+  CHECK_EQ(tshare_dtype_itemsize((tshare_dtype){TSHARE_DTYPE_INT, 8, 4}), 4);
+  CHECK_EQ(tshare_dtype_itemsize((tshare_dtype){TSHARE_DTYPE_OPAQUE_HANDLE, 64, 1}), 0);
+  CHECK_EQ(tshare_dtype_itemsize((tshare_dtype){TSHARE_DTYPE_BOOL, 1, 1}), 0);
+  CHECK_EQ(tshare_dtype_itemsize((tshare_dtype){TSHARE_DTYPE_FLOAT, 32, 0}), 0);
+  CHECK(strcmp(tshare_dtype_name((tshare_dtype){TSHARE_DTYPE_FLOAT, 16, 1}, name, sizeof name), "float16") == 0);
+  CHECK(strcmp(tshare_dtype_name((tshare_dtype){TSHARE_DTYPE_BOOL, 8, 1}, name, sizeof name), "bool") == 0);
+}
+
+TS_TEST(empty_tensor_and_zero_strides) {
+  tshare_tensor_desc t;
+  memset(&t, 0, sizeof t);
+  t.dtype = (tshare_dtype){TSHARE_DTYPE_INT, 64, 1};
+  t.ndim = 2;
+  t.shape[0] = 0;
+  t.shape[1] = 1000000;
+  t.strides[0] = 1000000;
+  t.strides[1] = 1;
+  t.byte_offset = 64;
+  uint64_t b, e;
+  char err[256];
+  CHECK_RC(tshare_tensor_check(&t, 64, &b, &e, err, sizeof err), TSHARE_OK, err);
+  CHECK_EQ(b, 64);
+  CHECK_EQ(e, 64);
+  /* A broadcast (stride 0) dimension touches one element however long it is. */
+  t.shape[0] = 1000000;
+  t.strides[0] = 0;
+  t.shape[1] = 2;
+  t.byte_offset = 0;
+  CHECK_RC(tshare_tensor_check(&t, 16, &b, &e, err, sizeof err), TSHARE_OK, err);
+  CHECK_EQ(e, 16);
+  /* A 0-d tensor is one element. */
+  t.ndim = 0;
+  t.byte_offset = 8;
+  CHECK_RC(tshare_tensor_check(&t, 16, &b, &e, err, sizeof err), TSHARE_OK, err);
+  CHECK_RC(tshare_tensor_check(&t, 15, &b, &e, err, sizeof err), TSHARE_E_OUT_OF_BOUNDS, err);
+}
+
+TS_TEST_MAIN
