@@ -262,8 +262,12 @@ int ts_channel_recv_raw(tshare_channel *ch, tshare_frame *f, int *fd_out, int ti
       return TSHARE_OK;
     }
     if (rc < 0) {
-      ch->broken = ts_errf(ch->err, sizeof ch->err, rc, "receive from '%s' (pid %u): %s", ch->peer.name,
-                           ch->peer.pid, tshare_decoder_last_error(ch->dec));
+      if (ch->peer.pid)
+        ch->broken = ts_errf(ch->err, sizeof ch->err, rc, "frame from '%s' (pid %u): %s", ch->peer.name,
+                             ch->peer.pid, tshare_decoder_last_error(ch->dec));
+      else
+        ch->broken = ts_errf(ch->err, sizeof ch->err, rc, "first frame from the peer: %s",
+                             tshare_decoder_last_error(ch->dec));
       /* Tell the peer why we are hanging up; it may be a version skew. */
       tshare_channel_send_error(ch, rc, ch->err);
       return rc;

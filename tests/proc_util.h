@@ -1,0 +1,66 @@
+/* Helpers for tests that need a real second process. */
+#ifndef TSHARE_TEST_PROC_UTIL_H
+#define TSHARE_TEST_PROC_UTIL_H
+
+#include "harness.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+/* Fork; the child runs fn(arg) and exits 0 (a failed CHECK exits 1). */
+static inline pid_t fork_child(void (*fn)(int), int arg) {
+  fflush(stdout);
+  fflush(stderr);
+  pid_t pid = fork();
+  CHECK(pid >= 0);
+  if (pid == 0) {
+    alarm(20); /* a child must never outlive the test */
+    fn(arg);
+    fflush(stdout);
+    _exit(0);
+  }
+  return pid;
+}
+
+static inline int wait_child(pid_t pid) {
+  int st = 0;
+  pid_t r;
+  do r = waitpid(pid, &st, 0);
+  while (r < 0 && errno == EINTR);
+  CHECK(r == pid);
+  return st;
+}
+
+#define CHECK_CHILD_OK(pid)                                                  \
+  do {                                                                       \
+    int st_ = wait_child(pid);                                               \
+    if (!WIFEXITED(st_) || WEXITSTATUS(st_) != 0)                            \
+      TS_FAIL("child %d ended with status 0x%x", (int)(pid), st_);           \
+  } while (0)
+
+static inline int count_open_fds(void) {
+  DIR *d = opendir("/proc/self/fd");
+  CHECK(d);
+  int n = 0;
+  struct dirent *e;
+  while ((e = readdir(d)))
+    if (e->d_name[0] != '.') n++;
+  closedir(d);
+  return n - 1; /* the directory's own fd */
+}
+
+/* Lines of /proc/self/maps that mention needle. */
+static inline int count_mappings(const char *needle) {
+  FILE *f = fopen("/proc/self/maps", "r");
+  CHECK(f);
+  char line[512];
+  int n = 0;
+  while (fgets(line, sizeof line, f))
+    if (strstr(line, needle)) n++;
+  fclose(f);
+  return n;
+}
+
+#endif
