@@ -1,0 +1,397 @@
+/* Host-memory shares between two real processes: contents, the import cache,
+ * the lifetime protocol (release frees, a dead consumer frees everything),
+ * releases from other threads, and hostile shares. */
+#include "harness.h"
+#include "proc_util.h"
+#include "tshare/share.h"
+
+#include <fcntl.h>
+#include <pthread.h>
+#include <sys/mman.h>
+#include <time.h>
+
+static tshare_channel *open_sock(int fd, const char *name, tshare_release_cb cb, void *cb_user) {
+  tshare_channel_options o;
+  tshare_channel_options_init(&o);
+  o.name = name;
+  o.on_release = cb;
+  o.cb_user = cb_user;
+  tshare_channel *ch = NULL;
+  tshare_error err;
+  CHECK_RC(tshare_channel_open_socket(fd, &o, &ch, &err), TSHARE_OK, err.message);
+  return ch;
+}
+
+static tshare_tensor_desc desc_1d(tshare_dtype dt, int64_t n, uint64_t offset) {
+  tshare_tensor_desc d;
+  memset(&d, 0, sizeof d);
+  d.dtype = dt;
+  d.ndim = 1;
+  d.shape[0] = n;
+  d.strides[0] = 1;
+  d.byte_offset = offset;
+  return d;
+}
+
+static const tshare_dtype F32 = {TSHARE_DTYPE_FLOAT, 32, 1};
+static const tshare_dtype I64 = {TSHARE_DTYPE_INT, 64, 1};
+
+/* ---- contents, layouts and writes back ----------------------------------- */
+
+static void consumer_checks_contents(int fd) {
+  tshare_channel *ch = open_sock(fd, "consumer", NULL, NULL);
+  tshare_view *v[3];
+  for (int i = 0; i < 3; i++)
+    CHECK_RC(tshare_view_recv(ch, 5000, &v[i]), TSHARE_OK, tshare_channel_last_error(ch));
+  /* 0: 1000 floats, value 0.5*i */
+  CHECK(strcmp(tshare_view_tag(v[0]), "floats") == 0);
+  const float *f = tshare_view_data(v[0]);
+  CHECK_EQ(tshare_view_desc(v[0])->shape[0], 1000);
+  for (int i = 0; i < 1000; i++)
+    if (f[i] != 0.5f * (float)i) TS_FAIL("floats[%d] = %f", i, (double)f[i]);
+  /* 1: a transposed 3x4 view of a row-major 4x3 int64 matrix m[r][c] = 10r + c */
+  const tshare_tensor_desc *d = tshare_view_desc(v[1]);
+  CHECK_EQ(d->ndim, 2);
+  CHECK_EQ(d->strides[0], 1);
+  CHECK_EQ(d->strides[1], 3);
+  const int64_t *m = tshare_view_data(v[1]);
+  for (int64_t r = 0; r < 3; r++)
+    for (int64_t c = 0; c < 4; c++) CHECK_EQ(m[r * d->strides[0] + c * d->strides[1]], 10 * c + r);
+  /* 2: same allocation as 0: mapped once, so the bases coincide */
+  CHECK((char *)tshare_view_data(v[2]) - tshare_view_desc(v[2])->byte_offset ==
+        (char *)tshare_view_data(v[0]) - tshare_view_desc(v[0])->byte_offset);
+  CHECK_EQ(count_mappings("memfd:tshare-test-a"), 1);
+  /* Write through a view: the producer sees it. */
+  int64_t *w = tshare_view_data(v[2]);
+  w[0] = 424242;
+  for (int i = 0; i < 3; i++) tshare_view_release(v[i]);
+  CHECK_EQ(count_mappings("memfd:tshare-test"), 0);
+  tshare_view *none;
+  CHECK_RC(tshare_view_recv(ch, 5000, &none), TSHARE_END, tshare_channel_last_error(ch));
+  CHECK(none == NULL);
+  tshare_channel_close(ch);
+}
+
+TS_TEST(host_share_contents_layouts_and_writes) {
+  int sv[2];
+  CHECK_RC(tshare_socketpair(sv, NULL), TSHARE_OK, "");
+  pid_t pid = fork_child(consumer_checks_contents, sv[1]);
+  close(sv[1]);
+  tshare_channel *ch = open_sock(sv[0], "producer", NULL, NULL);
+  tshare_host_buffer *a, *b;
+  tshare_error err;
+  CHECK_RC(tshare_host_buffer_create(64 * 1024, "tshare-test-a", &a, &err), TSHARE_OK, err.message);
+  CHECK_RC(tshare_host_buffer_create(4096, "tshare-test-b", &b, &err), TSHARE_OK, err.message);
+  float *f = (float *)((char *)tshare_host_buffer_data(a) + 512);
+  for (int i = 0; i < 1000; i++) f[i] = 0.5f * (float)i;
+  int64_t *m = (int64_t *)((char *)tshare_host_buffer_data(b) + 64);
+  for (int r = 0; r < 4; r++)
+    for (int c = 0; c < 3; c++) m[r * 3 + c] = 10 * r + c;
+  tshare_tensor_desc t0 = desc_1d(F32, 1000, 512);
+  tshare_tensor_desc t1;
+  memset(&t1, 0, sizeof t1);
+  t1.dtype = I64;
+  t1.ndim = 2;
+  t1.shape[0] = 3;
+  t1.shape[1] = 4;
+  t1.strides[0] = 1;
+  t1.strides[1] = 3;
+  t1.byte_offset = 64;
+  tshare_tensor_desc t2 = desc_1d(I64, 8, 32768);
+  uint64_t ids[3];
+  CHECK_RC(tshare_share_host(ch, a, &t0, "floats", NULL, 5000, &ids[0]), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_share_host(ch, b, &t1, "transposed", NULL, 5000, &ids[1]), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_share_host(ch, a, &t2, NULL, NULL, 5000, &ids[2]), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(tshare_host_buffer_outstanding(a), 2);
+  CHECK_EQ(tshare_channel_outstanding(ch), 3);
+  CHECK_RC(tshare_channel_wait_released(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  for (int i = 0; i < 3; i++) CHECK_EQ(tshare_share_is_released(ch, ids[i]), 1);
+  CHECK_EQ(tshare_host_buffer_outstanding(a), 0);
+  CHECK_EQ(((int64_t *)((char *)tshare_host_buffer_data(a) + 32768))[0], 424242);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_CHILD_OK(pid);
+  tshare_host_buffer_destroy(a);
+  tshare_host_buffer_destroy(b);
+  tshare_channel_close(ch);
+}
+
+/* ---- argument checks that need no second process -------------------------- */
+
+static void handshake_then_wait_bye(int fd) {
+  tshare_channel *ch = open_sock(fd, "idle consumer", NULL, NULL);
+  tshare_view *v;
+  CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_END, tshare_channel_last_error(ch));
+  tshare_channel_close(ch);
+}
+
+TS_TEST(share_refuses_bad_views_and_tags) {
+  int sv[2];
+  CHECK_RC(tshare_socketpair(sv, NULL), TSHARE_OK, "");
+  pid_t pid = fork_child(handshake_then_wait_bye, sv[1]);
+  close(sv[1]);
+  tshare_channel *ch = open_sock(sv[0], "producer", NULL, NULL);
+  tshare_host_buffer *a;
+  CHECK_RC(tshare_host_buffer_create(4096, "tshare-test-a", &a, NULL), TSHARE_OK, "");
+  tshare_tensor_desc t = desc_1d(F32, 1025, 0); /* one float too many */
+  CHECK_RC(tshare_share_host(ch, a, &t, NULL, NULL, 1000, NULL), TSHARE_E_OUT_OF_BOUNDS, tshare_channel_last_error(ch));
+  t = desc_1d(F32, 4, 0);
+  char tag[TSHARE_TAG_MAX + 2];
+  memset(tag, 'x', sizeof tag - 1);
+  tag[sizeof tag - 1] = '\0';
+  CHECK_RC(tshare_share_host(ch, a, &t, tag, NULL, 1000, NULL), TSHARE_E_TOO_LARGE, tshare_channel_last_error(ch));
+  CHECK_EQ(tshare_host_buffer_outstanding(a), 0); /* failed shares hold nothing */
+  CHECK_EQ(tshare_channel_outstanding(ch), 0);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 1000), TSHARE_OK, "");
+  CHECK_CHILD_OK(pid);
+  tshare_host_buffer_destroy(a);
+  tshare_channel_close(ch);
+}
+
+/* ---- the lifetime protocol ------------------------------------------------- */
+
+static int released_ok, released_dropped;
+static void count_releases(void *user, uint64_t id, void *user_data, int status) {
+  (void)user;
+  (void)id;
+  (void)user_data;
+  if (status == TSHARE_OK) released_ok++;
+  else released_dropped++;
+}
+
+static void consumer_holds_then_releases(int fd) {
+  tshare_channel *ch = open_sock(fd, "consumer", NULL, NULL);
+  tshare_view *v;
+  CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_OK, tshare_channel_last_error(ch));
+  /* Wait until the producer says it has dropped its own handle. */
+  tshare_frame f;
+  int got_fd;
+  CHECK_RC(tshare_channel_recv_frame(ch, &f, &got_fd, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(f.type, TSHARE_FRAME_BYE);
+  CHECK_EQ(((int *)tshare_view_data(v))[10], 10); /* still readable: the share keeps it alive */
+  tshare_view_release(v);
+  tshare_channel_close(ch); /* close flushes the release */
+}
+
+TS_TEST(release_frees_the_memory) {
+  int sv[2];
+  CHECK_RC(tshare_socketpair(sv, NULL), TSHARE_OK, "");
+  pid_t pid = fork_child(consumer_holds_then_releases, sv[1]);
+  close(sv[1]);
+  tshare_channel *ch = open_sock(sv[0], "producer", count_releases, NULL);
+  int fds_before = count_open_fds();
+  tshare_host_buffer *a;
+  CHECK_RC(tshare_host_buffer_create(1 << 20, "tshare-test-free", &a, NULL), TSHARE_OK, "");
+  int *p = tshare_host_buffer_data(a);
+  for (int i = 0; i < 100; i++) p[i] = i;
+  tshare_tensor_desc t = desc_1d((tshare_dtype){TSHARE_DTYPE_INT, 32, 1}, 100, 0);
+  uint64_t id;
+  CHECK_RC(tshare_share_host(ch, a, &t, NULL, NULL, 5000, &id), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_host_buffer_destroy(a); /* the creator lets go; the share still holds it */
+  CHECK_EQ(count_mappings("tshare-test-free"), 1);
+  CHECK_EQ(count_open_fds(), fds_before + 1);
+  CHECK_EQ(tshare_share_is_released(ch, id), 0);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, "");
+  CHECK_RC(tshare_channel_wait_released(ch, id, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(released_ok, 1);
+  CHECK_EQ(released_dropped, 0);
+  CHECK_EQ(count_mappings("tshare-test-free"), 0); /* unmapped and closed */
+  CHECK_EQ(count_open_fds(), fds_before);
+  CHECK_CHILD_OK(pid);
+  tshare_channel_close(ch);
+}
+
+enum { STREAM = 200, HOLD = 37 };
+
+static void consumer_dies_holding(int fd) {
+  tshare_channel *ch = open_sock(fd, "doomed consumer", NULL, NULL);
+  for (int i = 0; i < HOLD; i++) {
+    tshare_view *v;
+    CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_OK, tshare_channel_last_error(ch));
+    if (i % 2) tshare_view_release(v); /* some released, the rest held at death */
+  }
+  raise(SIGKILL);
+}
+
+TS_TEST(consumer_killed_mid_stream_frees_everything) {
+  int sv[2];
+  CHECK_RC(tshare_socketpair(sv, NULL), TSHARE_OK, "");
+  pid_t pid = fork_child(consumer_dies_holding, sv[1]);
+  close(sv[1]);
+  tshare_channel *ch = open_sock(sv[0], "producer", count_releases, NULL);
+  int fds_before = count_open_fds();
+  tshare_host_buffer *bufs[4];
+  for (int b = 0; b < 4; b++) CHECK_RC(tshare_host_buffer_create(1 << 16, "tshare-test-stream", &bufs[b], NULL), TSHARE_OK, "");
+  int sent = 0, rc = TSHARE_OK;
+  for (; sent < STREAM; sent++) {
+    tshare_tensor_desc t = desc_1d(F32, 16, (uint64_t)(sent % 100) * 64);
+    rc = tshare_share_host(ch, bufs[sent % 4], &t, NULL, NULL, 5000, NULL);
+    if (rc != TSHARE_OK) break; /* the consumer may already be dead */
+  }
+  CHECK(rc == TSHARE_OK || rc == TSHARE_E_PEER_CLOSED);
+  for (int b = 0; b < 4; b++) tshare_host_buffer_destroy(bufs[b]);
+  int st = wait_child(pid);
+  CHECK(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
+  /* The disconnect releases everything the consumer held or never read. */
+  CHECK_RC(tshare_channel_wait_released(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(tshare_channel_outstanding(ch), 0);
+  CHECK_EQ(released_ok + released_dropped, sent);
+  CHECK(released_dropped >= HOLD / 2);
+  printf("sent %d, released %d, dropped at disconnect %d\n", sent, released_ok, released_dropped);
+  CHECK_EQ(count_mappings("tshare-test-stream"), 0);
+  CHECK_EQ(count_open_fds(), fds_before);
+  tshare_channel_close(ch);
+}
+
+TS_TEST(producer_close_drops_unreleased_shares) {
+  int sv[2];
+  CHECK_RC(tshare_socketpair(sv, NULL), TSHARE_OK, "");
+  pid_t pid = fork_child(handshake_then_wait_bye, sv[1]);
+  close(sv[1]);
+  tshare_channel *ch = open_sock(sv[0], "producer", count_releases, NULL);
+  tshare_host_buffer *a;
+  CHECK_RC(tshare_host_buffer_create(4096, "tshare-test-close", &a, NULL), TSHARE_OK, "");
+  tshare_tensor_desc t = desc_1d(F32, 4, 0);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 1000), TSHARE_OK, "");
+  tshare_host_buffer_destroy(a);
+  CHECK_EQ(count_mappings("tshare-test-close"), 0); /* never shared: freed at once */
+  CHECK_RC(tshare_host_buffer_create(4096, "tshare-test-close", &a, NULL), TSHARE_OK, "");
+  CHECK_CHILD_OK(pid); /* the consumer is gone without releasing */
+  int rc = tshare_share_host(ch, a, &t, NULL, NULL, 1000, NULL);
+  CHECK(rc == TSHARE_OK || rc == TSHARE_E_PEER_CLOSED);
+  tshare_host_buffer_destroy(a);
+  tshare_channel_close(ch); /* whatever is outstanding is dropped, memory freed */
+  CHECK_EQ(count_mappings("tshare-test-close"), 0);
+}
+
+/* ---- releases from another thread ------------------------------------------ */
+
+static void *release_later(void *arg) {
+  struct timespec ts = {0, 100 * 1000000};
+  nanosleep(&ts, NULL);
+  tshare_view_release(arg);
+  return NULL;
+}
+
+static void consumer_releases_on_a_thread(int fd) {
+  tshare_channel *ch = open_sock(fd, "threaded consumer", NULL, NULL);
+  for (int round = 0; round < 3; round++) {
+    tshare_view *v;
+    CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_OK, tshare_channel_last_error(ch));
+    CHECK_EQ(*(int *)tshare_view_data(v), round);
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, release_later, v) == 0);
+    /* Blocks for the next share while the thread releases this one: the
+     * release must go out now, or producer and consumer wait on each other. */
+    pthread_detach(t);
+  }
+  tshare_view *v;
+  CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_END, tshare_channel_last_error(ch));
+  tshare_channel_close(ch);
+}
+
+TS_TEST(release_from_another_thread_wakes_a_blocked_receiver) {
+  int sv[2];
+  CHECK_RC(tshare_socketpair(sv, NULL), TSHARE_OK, "");
+  pid_t pid = fork_child(consumer_releases_on_a_thread, sv[1]);
+  close(sv[1]);
+  tshare_channel *ch = open_sock(sv[0], "producer", NULL, NULL);
+  tshare_host_buffer *a;
+  CHECK_RC(tshare_host_buffer_create(4096, "tshare-test-thread", &a, NULL), TSHARE_OK, "");
+  tshare_tensor_desc t = desc_1d((tshare_dtype){TSHARE_DTYPE_INT, 32, 1}, 1, 0);
+  for (int round = 0; round < 3; round++) {
+    *(int *)tshare_host_buffer_data(a) = round; /* reuse the memory only once it is released */
+    uint64_t id;
+    CHECK_RC(tshare_share_host(ch, a, &t, NULL, NULL, 5000, &id), TSHARE_OK, tshare_channel_last_error(ch));
+    CHECK_RC(tshare_channel_wait_released(ch, id, 3000), TSHARE_OK, tshare_channel_last_error(ch));
+  }
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 1000), TSHARE_OK, "");
+  CHECK_CHILD_OK(pid);
+  tshare_host_buffer_destroy(a);
+  tshare_channel_close(ch);
+}
+
+/* ---- hostile shares ----------------------------------------------------------- */
+
+static int hostile_case;
+
+static void consumer_refuses(int fd) {
+  tshare_channel *ch = open_sock(fd, "careful consumer", NULL, NULL);
+  tshare_view *v = NULL;
+  int want = hostile_case == 0 ? TSHARE_E_PROTOCOL : TSHARE_E_OUT_OF_BOUNDS;
+  CHECK_RC(tshare_view_recv(ch, 5000, &v), want, tshare_channel_last_error(ch));
+  printf("consumer refused: %s\n", tshare_channel_last_error(ch));
+  CHECK(v == NULL);
+  /* The refusal released the share, and the channel still works. */
+  CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_END, tshare_channel_last_error(ch));
+  tshare_channel_close(ch);
+}
+
+static void send_hostile_share(int kind) {
+  hostile_case = kind;
+  int sv[2];
+  CHECK_RC(tshare_socketpair(sv, NULL), TSHARE_OK, "");
+  pid_t pid = fork_child(consumer_refuses, sv[1]);
+  close(sv[1]);
+  tshare_channel *ch = open_sock(sv[0], "hostile producer", NULL, NULL);
+  /* Case 0: a memfd without seals (could be truncated under the consumer).
+   * Case 1: a sealed memfd smaller than the allocation size claimed. */
+  int mfd = memfd_create("hostile", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  CHECK(ftruncate(mfd, 4096) == 0);
+  if (kind == 1) CHECK(fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) == 0);
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_SHARE;
+  f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+  f.u.share.share_id = 1;
+  f.u.share.alloc_id = 1;
+  f.u.share.mem_kind = TSHARE_MEM_HOST_MEMFD;
+  f.u.share.device_type = TSHARE_DEVICE_CPU;
+  f.u.share.alloc_size = kind == 1 ? (1u << 30) : 4096;
+  f.u.share.tensor = desc_1d(F32, 16, 0);
+  CHECK_RC(tshare_channel_send_frame(ch, &f, mfd, 1000), TSHARE_OK, tshare_channel_last_error(ch));
+  close(mfd);
+  /* The consumer answers with a release of share 1 before we say bye. */
+  tshare_frame g;
+  int got;
+  CHECK_RC(tshare_channel_recv_frame(ch, &g, &got, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(g.type, TSHARE_FRAME_RELEASE);
+  CHECK_EQ(g.u.release.share_ids[0], 1);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 1000), TSHARE_OK, "");
+  CHECK_CHILD_OK(pid);
+  tshare_channel_close(ch);
+}
+
+TS_TEST(consumer_refuses_unsealed_memfd) { send_hostile_share(0); }
+TS_TEST(consumer_refuses_memfd_smaller_than_claimed) { send_hostile_share(1); }
+
+static int pipe_fds[4];
+static void pipe_consumer(int unused) {
+  (void)unused;
+  close(pipe_fds[1]);
+  close(pipe_fds[2]);
+  tshare_channel *ch = NULL;
+  CHECK_RC(tshare_channel_open_pipes(pipe_fds[0], pipe_fds[3], NULL, &ch, NULL), TSHARE_OK, "");
+  tshare_view *v;
+  CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_END, tshare_channel_last_error(ch));
+  tshare_channel_close(ch);
+}
+
+TS_TEST(host_share_over_pipes_is_refused_clearly) {
+  CHECK(pipe2(pipe_fds, O_CLOEXEC) == 0 && pipe2(pipe_fds + 2, O_CLOEXEC) == 0);
+  pid_t pid = fork_child(pipe_consumer, 0);
+  close(pipe_fds[0]);
+  close(pipe_fds[3]);
+  tshare_channel *ch = NULL;
+  CHECK_RC(tshare_channel_open_pipes(pipe_fds[2], pipe_fds[1], NULL, &ch, NULL), TSHARE_OK, "");
+  tshare_host_buffer *a;
+  CHECK_RC(tshare_host_buffer_create(4096, NULL, &a, NULL), TSHARE_OK, "");
+  tshare_tensor_desc t = desc_1d(F32, 4, 0);
+  CHECK_RC(tshare_share_host(ch, a, &t, NULL, NULL, 1000, NULL), TSHARE_E_UNSUPPORTED, "");
+  CHECK(strstr(tshare_channel_last_error(ch), "socket") != NULL);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 1000), TSHARE_OK, "");
+  CHECK_CHILD_OK(pid);
+  tshare_host_buffer_destroy(a);
+  tshare_channel_close(ch);
+}
+
+TS_TEST_MAIN
