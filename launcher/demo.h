@@ -1,0 +1,11 @@
+/* The built-in demo roles of `tshare-launch demo`: a producer that shares N
+ * tensors of known contents and a consumer that checks every element. They
+ * run as `tshare-launch __role producer|consumer --tensors N` under the
+ * launcher, using only the public C API. */
+#ifndef TSHARE_LAUNCHER_DEMO_H
+#define TSHARE_LAUNCHER_DEMO_H
+
+int demo_producer_main(int tensors);
+int demo_consumer_main(int tensors);
+
+#endif

@@ -1,0 +1,205 @@
+/* tshare-launch: run a producer and K consumers wired with tshare channels. */
+#include "cmdline.h"
+#include "demo.h"
+#include "supervisor.h"
+
+#include "tshare/role.h"
+
+#include <errno.h>
+#include <stdbool.h>
+#include <getopt.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static const char usage_text[] =
+    "usage: tshare-launch demo [--tensors N] [--consumers K] [--device cpu|cuda|auto] [OPTIONS]\n"
+    "       tshare-launch --producer \"CMD ARGS\" --consumer \"CMD ARGS\" [--consumers K] [OPTIONS]\n"
+    "\n"
+    "Starts one producer and K consumers, connects the producer to each consumer\n"
+    "with a tshare channel, prefixes every line they print with role and pid,\n"
+    "and prints a summary. When one role fails, the others get SIGTERM and, after\n"
+    "the grace period, SIGKILL; SIGINT, SIGTERM and SIGHUP to the launcher are\n"
+    "forwarded to every role the same way.\n"
+    "\n"
+    "demo            built-in roles: the producer shares N tensors of known contents\n"
+    "                (several dtypes, offsets inside shared segments, transposed views)\n"
+    "                with every consumer; each consumer checks every element.\n"
+    "                Exits 0 only if every tensor arrived intact.\n"
+    "  --tensors N   tensors to share (default 8, at most 1000)\n"
+    "  --device D    cpu, cuda or auto (default auto: cuda where usable, else cpu)\n"
+    "\n"
+    "--producer \"CMD ARGS\", --consumer \"CMD ARGS\"\n"
+    "                run your own programs. Quoting as in a shell ('...', \"...\", \\);\n"
+    "                no expansion. Every consumer runs the same command.\n"
+    "\n"
+    "OPTIONS\n"
+    "  --consumers K    number of consumers (default 1, at most 64)\n"
+    "  --channel KIND   socket (default; host memory travels as fds) or pipe (no fds)\n"
+    "  --timeout S      stop everything after S seconds (exit 124)\n"
+    "  --grace S        seconds between SIGTERM and SIGKILL when stopping (default 3)\n"
+    "  -h, --help       this text\n"
+    "\n"
+    "ENVIRONMENT given to every role (read it with tshare_role_from_env()):\n"
+    "  TSHARE_ROLE           producer | consumer\n"
+    "  TSHARE_RANK           0 for the producer, 0..K-1 for the consumers\n"
+    "  TSHARE_NUM_CONSUMERS  K\n"
+    "  TSHARE_CHANNEL_FDS    the role's channels, comma-separated: N is a socket at fd N,\n"
+    "                        R:W a pipe pair; the producer has K (one per consumer rank),\n"
+    "                        a consumer has 1. Fds start at 3; no other fd is inherited.\n"
+    "  TSHARE_REPORT_FD      write \"shared=N\" / \"verified=N\" lines here for the summary\n"
+    "  stdin is /dev/null; stdout and stderr go through the launcher.\n"
+    "\n"
+    "EXIT STATUS\n"
+    "  0 every role exited 0 (demo: and every tensor arrived intact); 1 a role failed\n"
+    "  (the summary names it and how it ended); 2 usage error; 124 timeout;\n"
+    "  127 a role's program could not be started; 128+N stopped by signal N.\n";
+
+__attribute__((format(printf, 1, 2))) static int usage_error(const char *fmt, ...);
+static int usage_error(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stderr, "tshare-launch: ");
+  vfprintf(stderr, fmt, ap);
+  va_end(ap);
+  fprintf(stderr, "\nTry 'tshare-launch --help'.\n");
+  return LAUNCH_USAGE;
+}
+
+static int parse_count(const char *s, int min, int max, int *out) {
+  char *end;
+  errno = 0;
+  long v = strtol(s, &end, 10);
+  if (errno || *end || end == s || v < min || v > max) return -1;
+  *out = (int)v;
+  return 0;
+}
+
+static int parse_seconds(const char *s, double *out) {
+  char *end;
+  errno = 0;
+  double v = strtod(s, &end);
+  if (errno || *end || end == s || !(v > 0) || v > 1e7) return -1;
+  *out = v;
+  return 0;
+}
+
+/* The hidden entry point of the demo roles: tshare-launch __role NAME --tensors N */
+static int role_main(int argc, char **argv) {
+  setvbuf(stdout, NULL, _IOLBF, 0); /* stdout is the launcher's pipe: keep lines in order */
+  int tensors = 8;
+  if (argc >= 5 && strcmp(argv[3], "--tensors") == 0 && parse_count(argv[4], 1, 1000, &tensors) != 0) return 2;
+  if (strcmp(argv[2], "producer") == 0) return demo_producer_main(tensors);
+  if (strcmp(argv[2], "consumer") == 0) return demo_consumer_main(tensors);
+  fprintf(stderr, "tshare-launch: unknown role '%s'\n", argv[2]);
+  return 2;
+}
+
+int main(int argc, char **argv) {
+  if (argc >= 3 && strcmp(argv[1], "__role") == 0) return role_main(argc, argv);
+
+  enum { OPT_TENSORS = 256, OPT_CONSUMERS, OPT_DEVICE, OPT_PRODUCER, OPT_CONSUMER, OPT_CHANNEL, OPT_TIMEOUT, OPT_GRACE };
+  static const struct option longopts[] = {
+      {"tensors", required_argument, NULL, OPT_TENSORS},   {"consumers", required_argument, NULL, OPT_CONSUMERS},
+      {"device", required_argument, NULL, OPT_DEVICE},     {"producer", required_argument, NULL, OPT_PRODUCER},
+      {"consumer", required_argument, NULL, OPT_CONSUMER}, {"channel", required_argument, NULL, OPT_CHANNEL},
+      {"timeout", required_argument, NULL, OPT_TIMEOUT},   {"grace", required_argument, NULL, OPT_GRACE},
+      {"help", no_argument, NULL, 'h'},                    {NULL, 0, NULL, 0}};
+  int tensors = 8, consumers = 1;
+  const char *device = "auto", *producer_cmd = NULL, *consumer_cmd = NULL;
+  launch_plan plan = {.consumers = 1, .channel = TSHARE_CHANNEL_SOCKET, .timeout_s = 0, .grace_s = 3.0};
+  int opt;
+  opterr = 0;
+  /* GNU getopt permutes: options may come before or after the 'demo' word. */
+  while ((opt = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
+    switch (opt) {
+    case OPT_TENSORS:
+      if (parse_count(optarg, 1, 1000, &tensors)) return usage_error("--tensors '%s': give a number from 1 to 1000", optarg);
+      break;
+    case OPT_CONSUMERS:
+      if (parse_count(optarg, 1, TSHARE_ROLE_CHANNELS_MAX, &consumers))
+        return usage_error("--consumers '%s': give a number from 1 to 64", optarg);
+      break;
+    case OPT_DEVICE:
+      device = optarg;
+      break;
+    case OPT_PRODUCER:
+      producer_cmd = optarg;
+      break;
+    case OPT_CONSUMER:
+      consumer_cmd = optarg;
+      break;
+    case OPT_CHANNEL:
+      if (strcmp(optarg, "socket") == 0) plan.channel = TSHARE_CHANNEL_SOCKET;
+      else if (strcmp(optarg, "pipe") == 0) plan.channel = TSHARE_CHANNEL_PIPES;
+      else return usage_error("--channel '%s': use socket or pipe", optarg);
+      break;
+    case OPT_TIMEOUT:
+      if (parse_seconds(optarg, &plan.timeout_s)) return usage_error("--timeout '%s': give seconds > 0", optarg);
+      break;
+    case OPT_GRACE:
+      if (parse_seconds(optarg, &plan.grace_s)) return usage_error("--grace '%s': give seconds > 0", optarg);
+      break;
+    case 'h':
+      fputs(usage_text, stdout);
+      return 0;
+    default:
+      return usage_error("unknown or incomplete option '%s'", argv[optind - 1]);
+    }
+  }
+  bool demo = optind < argc && strcmp(argv[optind], "demo") == 0;
+  if (optind + (demo ? 1 : 0) < argc) return usage_error("unexpected argument '%s'", argv[optind + (demo ? 1 : 0)]);
+  plan.consumers = consumers;
+
+  char **producer_argv = NULL, **consumer_argv = NULL;
+  char tensors_text[16];
+  if (demo) {
+    if (producer_cmd || consumer_cmd) return usage_error("%s", "demo runs its own roles: drop --producer/--consumer");
+    if (strcmp(device, "cuda") == 0)
+      return usage_error("%s", "--device cuda: CUDA shares are not built into this version of tshare yet");
+    if (strcmp(device, "cpu") != 0 && strcmp(device, "auto") != 0)
+      return usage_error("--device '%s': use cpu, cuda or auto", device);
+    if (plan.channel == TSHARE_CHANNEL_PIPES)
+      return usage_error("%s", "demo shares host memory, which travels as fds: use --channel socket");
+    printf("tshare-launch demo: %d tensors, %d consumer%s, device cpu%s\n", tensors, consumers,
+           consumers == 1 ? "" : "s", strcmp(device, "auto") == 0 ? " (auto: CUDA shares are not built)" : "");
+    fflush(stdout);
+    snprintf(tensors_text, sizeof tensors_text, "%d", tensors);
+    static char self[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n <= 0) {
+      perror("tshare-launch: readlink /proc/self/exe");
+      return LAUNCH_NOT_STARTED;
+    }
+    self[n] = '\0';
+    static char *pargv[6], *cargv[6];
+    char *p[] = {self, "__role", "producer", "--tensors", tensors_text, NULL};
+    char *c[] = {self, "__role", "consumer", "--tensors", tensors_text, NULL};
+    memcpy(pargv, p, sizeof p);
+    memcpy(cargv, c, sizeof c);
+    plan.producer_argv = pargv;
+    plan.consumer_argv = cargv;
+    plan.expect_shared = tensors;
+    plan.expect_verified = tensors * consumers;
+    return launch_run(&plan);
+  }
+  if (!producer_cmd || !consumer_cmd) {
+    if (argc == 1) {
+      fputs(usage_text, stderr);
+      return LAUNCH_USAGE;
+    }
+    return usage_error("%s", "give 'demo', or both --producer and --consumer");
+  }
+  const char *why;
+  if (!(producer_argv = cmdline_split(producer_cmd, &why))) return usage_error("--producer: %s", why);
+  if (!(consumer_argv = cmdline_split(consumer_cmd, &why))) return usage_error("--consumer: %s", why);
+  plan.producer_argv = producer_argv;
+  plan.consumer_argv = consumer_argv;
+  int rc = launch_run(&plan);
+  cmdline_free(producer_argv);
+  cmdline_free(consumer_argv);
+  return rc;
+}

@@ -1,0 +1,32 @@
+/* Running a producer and K consumers as one job: channels wired between them,
+ * output prefixed, signals forwarded, everyone stopped when one fails. */
+#ifndef TSHARE_LAUNCHER_SUPERVISOR_H
+#define TSHARE_LAUNCHER_SUPERVISOR_H
+
+#include "tshare/channel.h"
+
+/* Exit codes of tshare-launch. */
+enum {
+  LAUNCH_OK = 0,
+  LAUNCH_ROLE_FAILED = 1,  /* a role failed, or the demo found data not intact */
+  LAUNCH_USAGE = 2,
+  LAUNCH_TIMEOUT = 124,
+  LAUNCH_NOT_STARTED = 127 /* a role's program could not be started */
+  /* 128 + N: stopped by signal N (SIGINT, SIGTERM, SIGHUP) sent to the launcher */
+};
+
+typedef struct launch_plan {
+  char **producer_argv;        /* NULL-terminated */
+  char **consumer_argv;        /* every consumer runs this, told its rank by TSHARE_RANK */
+  int consumers;               /* K >= 1 */
+  tshare_channel_kind channel; /* socket or pipes */
+  double timeout_s;            /* <= 0: none */
+  double grace_s;              /* between SIGTERM and SIGKILL */
+  int expect_verified;         /* > 0: success also needs the consumers' verified= reports to add up to this */
+  int expect_shared;           /* > 0: ... and the producer's shared= report to equal this */
+} launch_plan;
+
+/* Run the plan to the end and return tshare-launch's exit code. */
+int launch_run(const launch_plan *plan);
+
+#endif
