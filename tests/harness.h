@@ -19,6 +19,10 @@ typedef struct ts_test_case {
 
 extern ts_test_case *ts_tests;
 
+/* A test binary may also act as a program that tests start: `binary --role
+ * ARGS...` calls this hook when a test file sets it (from a constructor). */
+extern int (*ts_role_main)(int argc, char **argv);
+
 #define TS_TEST(name)                                                        \
   static void test_##name(void);                                             \
   static ts_test_case tcase_##name = {#name, test_##name, NULL};             \
@@ -66,7 +70,10 @@ extern ts_test_case *ts_tests;
 
 #define TS_TEST_MAIN                                                         \
   ts_test_case *ts_tests;                                                    \
+  int (*ts_role_main)(int argc, char **argv);                                \
   int main(int argc, char **argv) {                                          \
+    if (argc >= 2 && strcmp(argv[1], "--role") == 0 && ts_role_main)         \
+      return ts_role_main(argc, argv);                                       \
     if (argc == 2 && strcmp(argv[1], "--list") == 0) {                       \
       for (ts_test_case *t = ts_tests; t; t = t->next) printf("%s\n", t->name); \
       return 0;                                                              \

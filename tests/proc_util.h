@@ -5,6 +5,7 @@
 #include "harness.h"
 
 #include <dirent.h>
+#include <stdbool.h>
 #include <errno.h>
 #include <signal.h>
 #include <sys/wait.h>
