@@ -64,4 +64,18 @@ static inline int count_mappings(const char *needle) {
   return n;
 }
 
+/* Dead: no such process, or a zombie (an orphan's zombie waits for a PID 1
+ * that may never reap it; it runs nothing and holds nothing but its pid). */
+static inline bool pid_gone(pid_t pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+  char path[64], stat_text[256] = {0};
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return true;
+  size_t n = fread(stat_text, 1, sizeof stat_text - 1, f);
+  fclose(f);
+  const char *close_paren = n ? strrchr(stat_text, ')') : NULL;
+  return close_paren && close_paren[1] == ' ' && close_paren[2] == 'Z';
+}
+
 #endif

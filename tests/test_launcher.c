@@ -1,0 +1,306 @@
+/* tshare-launch end to end: the demo, the C examples, role failures, missing
+ * binaries, timeouts, SIGINT, pipe channels, the fds roles inherit, and no
+ * process left behind after any of them. This binary also plays roles
+ * (`test_launcher --role NAME`) for the launcher to start. */
+#include "harness.h"
+#include "proc_util.h"
+#include "tshare/tshare.h"
+
+#include <ctype.h>
+#include <fcntl.h>
+#include <poll.h>
+
+typedef struct run_result {
+  tshare_exit_status status;
+  char out[65536]; /* stdout and stderr together */
+  size_t len;
+} run_result;
+
+static run_result result;
+
+static const char *launcher(void) {
+  const char *l = getenv("TSHARE_LAUNCH");
+  if (!l) TS_SKIP("TSHARE_LAUNCH is not set (run through ctest)");
+  return l;
+}
+
+static const char *self_exe(void) {
+  static char path[4096];
+  ssize_t n = readlink("/proc/self/exe", path, sizeof path - 1);
+  CHECK(n > 0);
+  path[n] = '\0';
+  return path;
+}
+
+/* Run tshare-launch with args; optionally send sig after signal_after_ms. */
+static void run_launcher_sig(char *const *args, int sig, int signal_after_ms) {
+  char *argv[32];
+  int n = 0;
+  argv[n++] = (char *)launcher();
+  for (int i = 0; args[i]; i++) argv[n++] = args[i];
+  argv[n] = NULL;
+  int out[2];
+  CHECK(pipe2(out, O_CLOEXEC) == 0);
+  tshare_fd_map map[] = {{1, out[1]}, {2, out[1]}};
+  tshare_spawn_options o = {.file = argv[0], .argv = argv, .fds = map, .nfds = 2};
+  tshare_process *p;
+  tshare_error err;
+  CHECK_RC(tshare_spawn(&o, &p, &err), TSHARE_OK, err.message);
+  close(out[1]);
+  memset(&result, 0, sizeof result);
+  int waited = 0;
+  for (;;) {
+    struct pollfd pf = {.fd = out[0], .events = POLLIN, .revents = 0};
+    int r = poll(&pf, 1, 50);
+    if (r == 0) {
+      waited += 50;
+      if (sig && waited >= signal_after_ms) {
+        kill(tshare_process_pid(p), sig);
+        sig = 0;
+      }
+      CHECK(waited < 20000);
+      continue;
+    }
+    ssize_t got = read(out[0], result.out + result.len, sizeof result.out - 1 - result.len);
+    if (got <= 0) break;
+    result.len += (size_t)got;
+  }
+  close(out[0]);
+  CHECK_RC(tshare_process_wait(p, 10000, &result.status), TSHARE_OK, "launcher did not exit");
+  tshare_process_destroy(p);
+  printf("---- launcher output ----\n%s-------------------------\n", result.out);
+}
+
+static void run_launcher(char *const *args) { run_launcher_sig(args, 0, 0); }
+
+static void expect_exit(int code) {
+  if (result.status.kind != TSHARE_EXIT_CODE || result.status.value != code)
+    TS_FAIL("launcher ended %s %d, expected exit %d", result.status.kind == TSHARE_EXIT_CODE ? "with" : "by signal",
+            result.status.value, code);
+}
+
+static void expect_output(const char *text) {
+  if (!strstr(result.out, text)) TS_FAIL("output lacks \"%s\"", text);
+}
+
+/* Every pid in the summary table, and every number a role printed as
+ * "grandchild N", must be gone. */
+static void expect_no_process_left(void) {
+  int checked = 0;
+  for (const char *line = result.out; line && *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
+    int pid = 0;
+    char label[32];
+    if (sscanf(line, "producer %d", &pid) == 1 || sscanf(line, "consumer %*d %d", &pid) == 1) {
+    } else if (sscanf(line, "[%31[^]]] grandchild %d", label, &pid) == 2) {
+    } else continue;
+    if (pid <= 0) continue;
+    for (int i = 0; i < 200 && !pid_gone(pid); i++) usleep(10000);
+    if (!pid_gone(pid)) TS_FAIL("process %d is still running", pid);
+    checked++;
+  }
+  printf("checked %d processes: all gone\n", checked);
+  CHECK(checked > 0);
+}
+
+/* ---- roles played by this binary ----------------------------------------------- */
+
+static int role_main(int argc, char **argv) {
+  (void)argc;
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  const char *name = argv[2];
+  if (strcmp(name, "fd-census") == 0) { /* print the fds this role inherited */
+    char line[256] = "fds:";
+    for (int fd = 0; fd < 256; fd++)
+      if (fcntl(fd, F_GETFD) >= 0) snprintf(line + strlen(line), sizeof line - strlen(line), " %d", fd);
+    printf("%s\n", line);
+    return 0;
+  }
+  tshare_role role;
+  tshare_error err;
+  if (tshare_role_from_env(&role, &err) != TSHARE_OK) {
+    fprintf(stderr, "%s\n", err.message);
+    return 10;
+  }
+  tshare_channel *ch;
+  if (tshare_role_open_channel(&role, 0, NULL, &ch, &err) != TSHARE_OK) {
+    fprintf(stderr, "%s\n", err.message);
+    return 11;
+  }
+  if (strcmp(name, "pipe-producer") == 0) {
+    if (tshare_channel_kind_of(ch) != TSHARE_CHANNEL_PIPES) return 12;
+    if (tshare_channel_send_bye(ch, 42, 5000) != TSHARE_OK) return 13;
+    tshare_frame f;
+    int fd;
+    int rc = tshare_channel_recv_frame(ch, &f, &fd, 5000); /* the consumer hangs up */
+    tshare_role_report(&role, "shared", 1);
+    printf("producer: peer %s after bye\n", rc == TSHARE_E_PEER_CLOSED ? "closed" : "did something else");
+    return rc == TSHARE_E_PEER_CLOSED ? 0 : 14;
+  }
+  if (strcmp(name, "pipe-consumer") == 0) {
+    tshare_frame f;
+    int fd;
+    if (tshare_channel_recv_frame(ch, &f, &fd, 5000) != TSHARE_OK) return 15;
+    printf("consumer: got %s with reason %u over %s\n", tshare_frame_type_name(f.type), f.u.bye.reason,
+           tshare_channel_kind_of(ch) == TSHARE_CHANNEL_PIPES ? "pipes" : "a socket");
+    tshare_role_report(&role, "verified", 1);
+    tshare_channel_close(ch);
+    return f.type == TSHARE_FRAME_BYE && f.u.bye.reason == 42 ? 0 : 16;
+  }
+  return 2;
+}
+
+__attribute__((constructor)) static void install_roles(void) { ts_role_main = role_main; }
+
+static char *role_cmd(const char *name) {
+  static char bufs[4][4200];
+  static int next;
+  char *b = bufs[next++ % 4];
+  snprintf(b, sizeof bufs[0], "'%s' --role %s", self_exe(), name);
+  return b;
+}
+
+/* ---- the tests ---------------------------------------------------------------- */
+
+TS_TEST(demo_default) {
+  char *args[] = {"demo", NULL};
+  run_launcher(args);
+  expect_exit(0);
+  expect_output("tshare-launch: OK: 8 tensors shared with 1 consumer, 8 of 8 verified intact");
+  expect_output("#7 float16[5x24]: 120/120 elements intact");
+  expect_no_process_left();
+}
+
+TS_TEST(demo_many_tensors_four_consumers) {
+  char *args[] = {"--consumers", "4", "demo", "--tensors", "60", NULL};
+  run_launcher(args);
+  expect_exit(0);
+  expect_output("tshare-launch: OK: 60 tensors shared with 4 consumers, 240 of 240 verified intact");
+  expect_output("0 still held; 0 tensors changed on this side");
+  expect_no_process_left();
+}
+
+TS_TEST(demo_refuses_what_it_cannot_do) {
+  char *cuda[] = {"demo", "--device", "cuda", NULL};
+  run_launcher(cuda);
+  expect_exit(2);
+  expect_output("not built");
+  char *pipes[] = {"demo", "--channel", "pipe", NULL};
+  run_launcher(pipes);
+  expect_exit(2);
+  expect_output("--channel socket");
+}
+
+TS_TEST(c_examples_end_to_end) {
+  const char *dir = getenv("TSHARE_EXAMPLES_DIR");
+  if (!dir) TS_SKIP("TSHARE_EXAMPLES_DIR is not set");
+  char producer[4200], consumer[4200];
+  snprintf(producer, sizeof producer, "%s/batch_producer 30", dir);
+  snprintf(consumer, sizeof consumer, "%s/batch_consumer", dir);
+  char *args[] = {"--producer", producer, "--consumer", consumer, "--consumers", "3", NULL};
+  run_launcher(args);
+  expect_exit(0);
+  expect_output("all 30 batches handed out and released");
+  expect_output("worker 2: batch 29 [32x256]");
+  expect_no_process_left();
+}
+
+TS_TEST(role_exiting_3_fails_the_launch) {
+  char *args[] = {"--producer", "sh -c 'sleep 30 & echo grandchild $!; wait'", "--consumer", "sh -c 'exit 3'",
+                  "--consumers", "2", "--grace", "0.5", NULL};
+  run_launcher(args);
+  expect_exit(1);
+  expect_output("exited with status 3; the other roles were stopped");
+  expect_output("FAILED: consumer");
+  expect_no_process_left();
+}
+
+TS_TEST(role_killed_by_signal_fails_the_launch) {
+  char *args[] = {"--producer", "sleep 30", "--consumer", "sh -c 'kill -9 $$'", "--grace", "0.5", NULL};
+  run_launcher(args);
+  expect_exit(1);
+  expect_output("FAILED: consumer 0 (pid ");
+  expect_output("killed by signal 9 (SIGKILL)");
+  expect_no_process_left();
+}
+
+TS_TEST(role_ignoring_sigterm_is_killed_after_grace) {
+  char *args[] = {"--producer", "sh -c 'trap \"\" TERM; sleep 30; exit 0'", "--consumer", "false", "--grace", "0.3", NULL};
+  run_launcher(args);
+  expect_exit(1);
+  expect_output("still running after 0.3 s; killing it");
+  expect_no_process_left();
+}
+
+TS_TEST(missing_binary_is_named) {
+  char *args[] = {"--producer", "sleep 30", "--consumer", "/no/such/consumer-binary --x", NULL};
+  run_launcher(args);
+  expect_exit(127);
+  expect_output("cannot start consumer 0");
+  expect_output("/no/such/consumer-binary");
+  expect_no_process_left(); /* the producer that did start was stopped */
+}
+
+TS_TEST(timeout_stops_everything) {
+  char *args[] = {"--producer", "sleep 30", "--consumer", "sh -c 'sleep 30 & echo grandchild $!; wait'",
+                  "--timeout", "0.5", "--grace", "0.3", NULL};
+  run_launcher(args);
+  expect_exit(124);
+  expect_output("timeout after 0.5 s");
+  expect_no_process_left();
+}
+
+TS_TEST(sigint_is_forwarded_and_everything_stops) {
+  char *args[] = {"--producer", "sh -c 'sleep 30 & echo grandchild $!; wait'", "--consumer", "sleep 30",
+                  "--consumers", "2", "--grace", "0.5", NULL};
+  run_launcher_sig(args, SIGINT, 400);
+  expect_exit(128 + SIGINT);
+  expect_output("got SIGINT; forwarding it to the roles");
+  expect_output("STOPPED");
+  expect_no_process_left();
+}
+
+TS_TEST(pipe_channels_carry_frames) {
+  char *args[] = {"--channel", "pipe", "--producer", role_cmd("pipe-producer"), "--consumer", role_cmd("pipe-consumer"),
+                  NULL};
+  run_launcher(args);
+  expect_exit(0);
+  expect_output("consumer: got bye with reason 42 over pipes");
+  expect_output("producer: peer closed after bye");
+  expect_no_process_left();
+}
+
+TS_TEST(roles_inherit_only_their_fds) {
+  char *args[] = {"--producer", role_cmd("fd-census"), "--consumer", role_cmd("fd-census"), "--consumers", "2", NULL};
+  run_launcher(args);
+  expect_exit(0);
+  /* producer: stdio, 2 channels (3, 4), report fd 5; consumer: stdio, 1 channel, report fd 4 */
+  CHECK(strstr(result.out, "] fds: 0 1 2 3 4 5\n") != NULL);
+  CHECK(strstr(result.out, "] fds: 0 1 2 3 4\n") != NULL);
+  char *pipes[] = {"--channel", "pipe", "--producer", role_cmd("fd-census"), "--consumer", role_cmd("fd-census"), NULL};
+  run_launcher(pipes);
+  expect_exit(0);
+  CHECK(strstr(result.out, "] fds: 0 1 2 3 4 5\n") != NULL); /* a pipe pair (3, 4) and the report fd */
+}
+
+TS_TEST(usage_errors) {
+  char *a[] = {"--bogus", NULL};
+  run_launcher(a);
+  expect_exit(2);
+  expect_output("--help");
+  char *b[] = {"--producer", "true", NULL};
+  run_launcher(b);
+  expect_exit(2);
+  char *c[] = {"--consumers", "0", "demo", NULL};
+  run_launcher(c);
+  expect_exit(2);
+  char *d[] = {"--producer", "sh -c 'unterminated", "--consumer", "true", NULL};
+  run_launcher(d);
+  expect_exit(2);
+  expect_output("unterminated");
+  char *e[] = {"--help", NULL};
+  run_launcher(e);
+  expect_exit(0);
+  expect_output("TSHARE_CHANNEL_FDS");
+}
+
+TS_TEST_MAIN
