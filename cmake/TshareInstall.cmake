@@ -1,0 +1,27 @@
+# Install rules, the CMake package (find_package(tshare) -> tshare::core) and
+# a pkg-config file (pkg-config --cflags --libs tshare).
+include(GNUInstallDirs)
+include(CMakePackageConfigHelpers)
+
+set_target_properties(tshare_core PROPERTIES EXPORT_NAME core)
+install(TARGETS tshare_core EXPORT tshareTargets
+  ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/core/include/tshare DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(TARGETS tshare-launch RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+# tshare_warnings is PRIVATE to our targets but a static library's link
+# interface still names it, so it is exported as an empty interface.
+install(TARGETS tshare_warnings EXPORT tshareTargets)
+
+install(EXPORT tshareTargets NAMESPACE tshare:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/tshare)
+configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/tshareConfig.cmake.in
+  ${PROJECT_BINARY_DIR}/tshareConfig.cmake INSTALL_DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/tshare)
+write_basic_package_version_file(${PROJECT_BINARY_DIR}/tshareConfigVersion.cmake COMPATIBILITY SameMajorVersion)
+install(FILES ${PROJECT_BINARY_DIR}/tshareConfig.cmake ${PROJECT_BINARY_DIR}/tshareConfigVersion.cmake
+  DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/tshare)
+# Relative to the .pc file, so the package works wherever the prefix is moved.
+file(RELATIVE_PATH TSHARE_PC_TO_PREFIX "/${CMAKE_INSTALL_LIBDIR}/pkgconfig" "/")
+string(REGEX REPLACE "/$" "" TSHARE_PC_TO_PREFIX "${TSHARE_PC_TO_PREFIX}")
+configure_file(${PROJECT_SOURCE_DIR}/cmake/tshare.pc.in ${PROJECT_BINARY_DIR}/tshare.pc @ONLY)
+install(FILES ${PROJECT_BINARY_DIR}/tshare.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)

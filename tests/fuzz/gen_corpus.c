@@ -1,0 +1,76 @@
+/* Writes the seed corpus: one valid frame of each type and a few streams.
+ * Run: gen_corpus DIR (the committed tests/fuzz/corpus came from this). */
+#include "tshare/wire.h"
+
+#include <stdio.h>
+#include <string.h>
+
+static void write_seed(const char *dir, const char *name, const tshare_frame *frames, int n, uint8_t chunk) {
+  uint8_t buf[8 * TSHARE_WIRE_FRAME_MAX];
+  size_t len = 0;
+  buf[len++] = chunk; /* the fuzz target's first byte: feed size */
+  for (int i = 0; i < n; i++) {
+    size_t l;
+    if (tshare_wire_encode(&frames[i], buf + len, sizeof buf - len, &l, NULL, 0) != 0) {
+      fprintf(stderr, "cannot encode %s\n", name);
+      return;
+    }
+    len += l;
+  }
+  char path[4096];
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  FILE *f = fopen(path, "wb");
+  if (!f) return;
+  fwrite(buf, 1, len, f);
+  fclose(f);
+}
+
+int main(int argc, char **argv) {
+  if (argc != 2) return 2;
+  tshare_frame f[4];
+  memset(f, 0, sizeof f);
+  f[0].type = TSHARE_FRAME_HELLO;
+  f[0].u.hello.pid = 100;
+  strcpy(f[0].u.hello.name, "producer 0");
+  f[0].u.hello.device_count = 1;
+  write_seed(argv[1], "hello", f, 1, 16);
+  memset(f, 0, sizeof f);
+  for (int i = 0; i < 2; i++) {
+    f[i].type = TSHARE_FRAME_SHARE;
+    tshare_share_frame *s = &f[i].u.share;
+    s->share_id = (uint64_t)i + 1;
+    s->alloc_id = 9;
+    s->alloc_size = 1 << 20;
+    s->tensor.dtype = (tshare_dtype){TSHARE_DTYPE_FLOAT, 32, 1};
+    s->tensor.ndim = 2;
+    s->tensor.shape[0] = 16;
+    s->tensor.shape[1] = 8;
+    s->tensor.strides[0] = i ? 1 : 8;
+    s->tensor.strides[1] = i ? 16 : 1;
+    s->tensor.byte_offset = 4096;
+    s->tag_len = 3;
+    memcpy(s->tag, "abc", 3);
+  }
+  f[0].flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+  f[0].u.share.mem_kind = TSHARE_MEM_HOST_MEMFD;
+  f[0].u.share.device_type = TSHARE_DEVICE_CPU;
+  f[1].flags = TSHARE_FRAME_FLAG_HAS_EVENT;
+  f[1].u.share.mem_kind = TSHARE_MEM_CUDA_IPC;
+  f[1].u.share.device_type = TSHARE_DEVICE_CUDA;
+  f[1].u.share.handle_len = TSHARE_HANDLE_MAX;
+  memset(f[1].u.share.handle, 0x42, TSHARE_HANDLE_MAX);
+  f[2].type = TSHARE_FRAME_RELEASE;
+  f[2].u.release.count = 2;
+  f[2].u.release.share_ids[0] = 1;
+  f[2].u.release.share_ids[1] = 2;
+  f[3].type = TSHARE_FRAME_BYE;
+  write_seed(argv[1], "share_host", f, 1, 5);
+  write_seed(argv[1], "share_cuda", f + 1, 1, 200);
+  write_seed(argv[1], "stream", f, 4, 3);
+  memset(f, 0, sizeof f);
+  f[0].type = TSHARE_FRAME_ERROR;
+  f[0].u.error.code = -7;
+  strcpy(f[0].u.error.message, "version");
+  write_seed(argv[1], "error", f, 1, 1);
+  return 0;
+}

@@ -1,0 +1,22 @@
+#!/bin/sh
+# Install the build into a scratch prefix, then build and run a project
+# outside the tree against it: once with find_package, once with pkg-config.
+set -eu
+build_dir=$(cd "$1" && pwd)
+src_dir=$(cd "$(dirname "$0")" && pwd)
+work=$build_dir/package-test
+rm -rf "$work"
+cmake --install "$build_dir" --prefix "$work/prefix" >/dev/null
+cmake -S "$src_dir" -B "$work/cmake-build" -DCMAKE_PREFIX_PATH="$work/prefix" >/dev/null
+cmake --build "$work/cmake-build" >/dev/null
+"$work/cmake-build/uses_tshare"
+libdir=$(ls -d "$work"/prefix/lib*/pkgconfig | head -n 1)
+if command -v pkg-config >/dev/null 2>&1; then
+  PKG_CONFIG_PATH=$libdir cc -std=c11 -o "$work/uses_tshare_pc" "$src_dir/main.c" \
+    $(PKG_CONFIG_PATH=$libdir pkg-config --cflags --libs --static tshare)
+  "$work/uses_tshare_pc"
+else
+  echo "pkg-config not installed: skipped the pkg-config half"
+fi
+"$work/prefix/bin/tshare-launch" --help >/dev/null
+echo "installed package works"
