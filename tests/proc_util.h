@@ -5,6 +5,8 @@
 #include "harness.h"
 
 #include <dirent.h>
+#include <fcntl.h>
+#include <sys/socket.h>
 #include <stdbool.h>
 #include <errno.h>
 #include <signal.h>
@@ -22,6 +24,38 @@ static inline pid_t fork_child(void (*fn)(int), int arg) {
     fflush(stdout);
     _exit(0);
   }
+  return pid;
+}
+
+/* A socketpair with fn(fd) running in a forked child on one end; the other
+ * end comes back in *parent_fd. */
+static inline pid_t fork_with_socket(void (*fn)(int), int *parent_fd) {
+  int sv[2];
+  CHECK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
+  pid_t pid = fork_child(fn, sv[1]);
+  close(sv[1]);
+  *parent_fd = sv[0];
+  return pid;
+}
+
+/* Two pipes between parent and a forked child running fn(0). The child takes
+ * its ends with child_pipe_ends(); the parent gets its read and write ends. */
+static int ts_pipe_fds[4]; /* parent->child [0,1], child->parent [2,3] */
+
+static inline void child_pipe_ends(int *read_fd, int *write_fd) {
+  close(ts_pipe_fds[1]);
+  close(ts_pipe_fds[2]);
+  *read_fd = ts_pipe_fds[0];
+  *write_fd = ts_pipe_fds[3];
+}
+
+static inline pid_t fork_with_pipes(void (*fn)(int), int *read_fd, int *write_fd) {
+  CHECK(pipe2(ts_pipe_fds, O_CLOEXEC) == 0 && pipe2(ts_pipe_fds + 2, O_CLOEXEC) == 0);
+  pid_t pid = fork_child(fn, 0);
+  close(ts_pipe_fds[0]);
+  close(ts_pipe_fds[3]);
+  *read_fd = ts_pipe_fds[2];
+  *write_fd = ts_pipe_fds[1];
   return pid;
 }
 

@@ -63,11 +63,9 @@ static void fd_receiver(int fd) {
 }
 
 TS_TEST(socket_frames_with_and_without_fds) {
-  int sv[2];
-  CHECK_RC(tshare_socketpair(sv, NULL), TSHARE_OK, "");
-  pid_t pid = fork_child(fd_receiver, sv[1]);
-  close(sv[1]);
-  tshare_channel *ch = open_sock(sv[0], "sender");
+  int sock;
+  pid_t pid = fork_with_socket(fd_receiver, &sock);
+  tshare_channel *ch = open_sock(sock, "sender");
   int mfd = memfd_create("payload", MFD_CLOEXEC);
   CHECK_EQ(write(mfd, "hello", 5), 5);
   tshare_frame f;
@@ -95,15 +93,14 @@ TS_TEST(socket_frames_with_and_without_fds) {
 
 /* ---- pipes ---------------------------------------------------------------- */
 
-static int pipe_fds[4]; /* parent->child [0,1], child->parent [2,3] */
 
 static void pipe_child(int unused) {
   (void)unused;
-  close(pipe_fds[1]);
-  close(pipe_fds[2]);
+  int rfd, wfd;
+  child_pipe_ends(&rfd, &wfd);
   tshare_channel *ch = NULL;
   tshare_error err;
-  CHECK_RC(tshare_channel_open_pipes(pipe_fds[0], pipe_fds[3], NULL, &ch, &err), TSHARE_OK, err.message);
+  CHECK_RC(tshare_channel_open_pipes(rfd, wfd, NULL, &ch, &err), TSHARE_OK, err.message);
   CHECK_EQ(tshare_channel_kind_of(ch), TSHARE_CHANNEL_PIPES);
   CHECK_EQ(tshare_channel_peer(ch)->capabilities & TSHARE_CAP_FD_PASSING, 0);
   for (uint32_t i = 0; i < 100; i++) { /* echo 100 frames back */
@@ -117,13 +114,11 @@ static void pipe_child(int unused) {
 }
 
 TS_TEST(pipe_frames_and_no_fds) {
-  CHECK(pipe2(pipe_fds, O_CLOEXEC) == 0 && pipe2(pipe_fds + 2, O_CLOEXEC) == 0);
-  pid_t pid = fork_child(pipe_child, 0);
-  close(pipe_fds[0]);
-  close(pipe_fds[3]);
+  int rfd, wfd;
+  pid_t pid = fork_with_pipes(pipe_child, &rfd, &wfd);
   tshare_channel *ch = NULL;
   tshare_error err;
-  CHECK_RC(tshare_channel_open_pipes(pipe_fds[2], pipe_fds[1], NULL, &ch, &err), TSHARE_OK, err.message);
+  CHECK_RC(tshare_channel_open_pipes(rfd, wfd, NULL, &ch, &err), TSHARE_OK, err.message);
   for (uint32_t i = 0; i < 100; i++) {
     tshare_frame f = bye_frame(i), g;
     int fd;
@@ -154,11 +149,9 @@ static void dies_mid_frame(int fd) {
 }
 
 TS_TEST(peer_closes_mid_frame) {
-  int sv[2];
-  CHECK_RC(tshare_socketpair(sv, NULL), TSHARE_OK, "");
-  pid_t pid = fork_child(dies_mid_frame, sv[1]);
-  close(sv[1]);
-  tshare_channel *ch = open_sock(sv[0], "reader");
+  int sock;
+  pid_t pid = fork_with_socket(dies_mid_frame, &sock);
+  tshare_channel *ch = open_sock(sock, "reader");
   tshare_frame f;
   int fd;
   CHECK_RC(tshare_channel_recv_frame(ch, &f, &fd, 5000), TSHARE_E_PEER_CLOSED, tshare_channel_last_error(ch));
@@ -176,11 +169,9 @@ static void handshake_then_exit(int fd) {
 }
 
 TS_TEST(send_after_peer_died_socket) {
-  int sv[2];
-  CHECK_RC(tshare_socketpair(sv, NULL), TSHARE_OK, "");
-  pid_t pid = fork_child(handshake_then_exit, sv[1]);
-  close(sv[1]);
-  tshare_channel *ch = open_sock(sv[0], "survivor");
+  int sock;
+  pid_t pid = fork_with_socket(handshake_then_exit, &sock);
+  tshare_channel *ch = open_sock(sock, "survivor");
   CHECK_CHILD_OK(pid);
   tshare_frame f = bye_frame(0);
   CHECK_RC(tshare_channel_send_frame(ch, &f, -1, 1000), TSHARE_E_PEER_CLOSED, tshare_channel_last_error(ch));
@@ -189,22 +180,20 @@ TS_TEST(send_after_peer_died_socket) {
 
 static void pipe_peer_exits(int unused) {
   (void)unused;
-  close(pipe_fds[1]);
-  close(pipe_fds[2]);
+  int rfd, wfd;
+  child_pipe_ends(&rfd, &wfd);
   tshare_channel *ch = NULL;
-  CHECK_RC(tshare_channel_open_pipes(pipe_fds[0], pipe_fds[3], NULL, &ch, NULL), TSHARE_OK, "");
+  CHECK_RC(tshare_channel_open_pipes(rfd, wfd, NULL, &ch, NULL), TSHARE_OK, "");
   tshare_channel_close(ch);
 }
 
 TS_TEST(send_after_peer_died_pipe_no_sigpipe) {
   /* Default SIGPIPE disposition: a write to a dead pipe would kill us. */
   signal(SIGPIPE, SIG_DFL);
-  CHECK(pipe2(pipe_fds, O_CLOEXEC) == 0 && pipe2(pipe_fds + 2, O_CLOEXEC) == 0);
-  pid_t pid = fork_child(pipe_peer_exits, 0);
-  close(pipe_fds[0]);
-  close(pipe_fds[3]);
+  int rfd, wfd;
+  pid_t pid = fork_with_pipes(pipe_peer_exits, &rfd, &wfd);
   tshare_channel *ch = NULL;
-  CHECK_RC(tshare_channel_open_pipes(pipe_fds[2], pipe_fds[1], NULL, &ch, NULL), TSHARE_OK, "");
+  CHECK_RC(tshare_channel_open_pipes(rfd, wfd, NULL, &ch, NULL), TSHARE_OK, "");
   CHECK_CHILD_OK(pid);
   tshare_frame f = bye_frame(0);
   CHECK_RC(tshare_channel_send_frame(ch, &f, -1, 1000), TSHARE_E_PEER_CLOSED, tshare_channel_last_error(ch));
@@ -226,11 +215,9 @@ static void stalls(int fd) {
 }
 
 TS_TEST(receive_timeout) {
-  int sv[2];
-  CHECK_RC(tshare_socketpair(sv, NULL), TSHARE_OK, "");
-  pid_t pid = fork_child(stalls, sv[1]);
-  close(sv[1]);
-  tshare_channel *ch = open_sock(sv[0], "waiter");
+  int sock;
+  pid_t pid = fork_with_socket(stalls, &sock);
+  tshare_channel *ch = open_sock(sock, "waiter");
   tshare_frame f;
   int fd;
   int64_t t0 = now_ms();
@@ -249,16 +236,14 @@ static void silent_peer(int fd) {
 }
 
 TS_TEST(handshake_timeout) {
-  int sv[2];
-  CHECK_RC(tshare_socketpair(sv, NULL), TSHARE_OK, "");
-  pid_t pid = fork_child(silent_peer, sv[1]);
-  close(sv[1]);
+  int sock;
+  pid_t pid = fork_with_socket(silent_peer, &sock);
   tshare_channel_options o;
   tshare_channel_options_init(&o);
   o.handshake_timeout_ms = 200;
   tshare_channel *ch = NULL;
   tshare_error err;
-  CHECK_RC(tshare_channel_open_socket(sv[0], &o, &ch, &err), TSHARE_E_TIMEOUT, err.message);
+  CHECK_RC(tshare_channel_open_socket(sock, &o, &ch, &err), TSHARE_E_TIMEOUT, err.message);
   CHECK(ch == NULL);
   CHECK(strstr(err.message, "hello") != NULL);
   kill(pid, SIGKILL);
@@ -306,13 +291,11 @@ static void fake_peer(int fd) {
 
 static void expect_refusal(int patch, int want, const char *words) {
   hello_patch = patch;
-  int sv[2];
-  CHECK_RC(tshare_socketpair(sv, NULL), TSHARE_OK, "");
-  pid_t pid = fork_child(fake_peer, sv[1]);
-  close(sv[1]);
+  int sock;
+  pid_t pid = fork_with_socket(fake_peer, &sock);
   tshare_channel *ch = NULL;
   tshare_error err;
-  CHECK_RC(tshare_channel_open_socket(sv[0], NULL, &ch, &err), want, err.message);
+  CHECK_RC(tshare_channel_open_socket(sock, NULL, &ch, &err), want, err.message);
   printf("refused: %s\n", err.message);
   CHECK(strstr(err.message, words) != NULL);
   CHECK(ch == NULL);
@@ -349,11 +332,9 @@ static void slow_sender(int fd) {
 }
 
 TS_TEST(blocking_receive_survives_signals) {
-  int sv[2];
-  CHECK_RC(tshare_socketpair(sv, NULL), TSHARE_OK, "");
-  pid_t pid = fork_child(slow_sender, sv[1]);
-  close(sv[1]);
-  tshare_channel *ch = open_sock(sv[0], "patient");
+  int sock;
+  pid_t pid = fork_with_socket(slow_sender, &sock);
+  tshare_channel *ch = open_sock(sock, "patient");
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
   sa.sa_handler = on_alarm; /* no SA_RESTART: every syscall sees EINTR */

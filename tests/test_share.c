@@ -73,11 +73,9 @@ static void consumer_checks_contents(int fd) {
 }
 
 TS_TEST(host_share_contents_layouts_and_writes) {
-  int sv[2];
-  CHECK_RC(tshare_socketpair(sv, NULL), TSHARE_OK, "");
-  pid_t pid = fork_child(consumer_checks_contents, sv[1]);
-  close(sv[1]);
-  tshare_channel *ch = open_sock(sv[0], "producer", NULL, NULL);
+  int sock;
+  pid_t pid = fork_with_socket(consumer_checks_contents, &sock);
+  tshare_channel *ch = open_sock(sock, "producer", NULL, NULL);
   tshare_host_buffer *a, *b;
   tshare_error err;
   CHECK_RC(tshare_host_buffer_create(64 * 1024, "tshare-test-a", &a, &err), TSHARE_OK, err.message);
@@ -125,11 +123,9 @@ static void handshake_then_wait_bye(int fd) {
 }
 
 TS_TEST(share_refuses_bad_views_and_tags) {
-  int sv[2];
-  CHECK_RC(tshare_socketpair(sv, NULL), TSHARE_OK, "");
-  pid_t pid = fork_child(handshake_then_wait_bye, sv[1]);
-  close(sv[1]);
-  tshare_channel *ch = open_sock(sv[0], "producer", NULL, NULL);
+  int sock;
+  pid_t pid = fork_with_socket(handshake_then_wait_bye, &sock);
+  tshare_channel *ch = open_sock(sock, "producer", NULL, NULL);
   tshare_host_buffer *a;
   CHECK_RC(tshare_host_buffer_create(4096, "tshare-test-a", &a, NULL), TSHARE_OK, "");
   tshare_tensor_desc t = desc_1d(F32, 1025, 0); /* one float too many */
@@ -173,11 +169,9 @@ static void consumer_holds_then_releases(int fd) {
 }
 
 TS_TEST(release_frees_the_memory) {
-  int sv[2];
-  CHECK_RC(tshare_socketpair(sv, NULL), TSHARE_OK, "");
-  pid_t pid = fork_child(consumer_holds_then_releases, sv[1]);
-  close(sv[1]);
-  tshare_channel *ch = open_sock(sv[0], "producer", count_releases, NULL);
+  int sock;
+  pid_t pid = fork_with_socket(consumer_holds_then_releases, &sock);
+  tshare_channel *ch = open_sock(sock, "producer", count_releases, NULL);
   int fds_before = count_open_fds();
   tshare_host_buffer *a;
   CHECK_RC(tshare_host_buffer_create(1 << 20, "tshare-test-free", &a, NULL), TSHARE_OK, "");
@@ -213,11 +207,9 @@ static void consumer_dies_holding(int fd) {
 }
 
 TS_TEST(consumer_killed_mid_stream_frees_everything) {
-  int sv[2];
-  CHECK_RC(tshare_socketpair(sv, NULL), TSHARE_OK, "");
-  pid_t pid = fork_child(consumer_dies_holding, sv[1]);
-  close(sv[1]);
-  tshare_channel *ch = open_sock(sv[0], "producer", count_releases, NULL);
+  int sock;
+  pid_t pid = fork_with_socket(consumer_dies_holding, &sock);
+  tshare_channel *ch = open_sock(sock, "producer", count_releases, NULL);
   int fds_before = count_open_fds();
   tshare_host_buffer *bufs[4];
   for (int b = 0; b < 4; b++) CHECK_RC(tshare_host_buffer_create(1 << 16, "tshare-test-stream", &bufs[b], NULL), TSHARE_OK, "");
@@ -243,11 +235,9 @@ TS_TEST(consumer_killed_mid_stream_frees_everything) {
 }
 
 TS_TEST(producer_close_drops_unreleased_shares) {
-  int sv[2];
-  CHECK_RC(tshare_socketpair(sv, NULL), TSHARE_OK, "");
-  pid_t pid = fork_child(handshake_then_wait_bye, sv[1]);
-  close(sv[1]);
-  tshare_channel *ch = open_sock(sv[0], "producer", count_releases, NULL);
+  int sock;
+  pid_t pid = fork_with_socket(handshake_then_wait_bye, &sock);
+  tshare_channel *ch = open_sock(sock, "producer", count_releases, NULL);
   tshare_host_buffer *a;
   CHECK_RC(tshare_host_buffer_create(4096, "tshare-test-close", &a, NULL), TSHARE_OK, "");
   tshare_tensor_desc t = desc_1d(F32, 4, 0);
@@ -290,11 +280,9 @@ static void consumer_releases_on_a_thread(int fd) {
 }
 
 TS_TEST(release_from_another_thread_wakes_a_blocked_receiver) {
-  int sv[2];
-  CHECK_RC(tshare_socketpair(sv, NULL), TSHARE_OK, "");
-  pid_t pid = fork_child(consumer_releases_on_a_thread, sv[1]);
-  close(sv[1]);
-  tshare_channel *ch = open_sock(sv[0], "producer", NULL, NULL);
+  int sock;
+  pid_t pid = fork_with_socket(consumer_releases_on_a_thread, &sock);
+  tshare_channel *ch = open_sock(sock, "producer", NULL, NULL);
   tshare_host_buffer *a;
   CHECK_RC(tshare_host_buffer_create(4096, "tshare-test-thread", &a, NULL), TSHARE_OK, "");
   tshare_tensor_desc t = desc_1d((tshare_dtype){TSHARE_DTYPE_INT, 32, 1}, 1, 0);
@@ -328,11 +316,9 @@ static void consumer_refuses(int fd) {
 
 static void send_hostile_share(int kind) {
   hostile_case = kind;
-  int sv[2];
-  CHECK_RC(tshare_socketpair(sv, NULL), TSHARE_OK, "");
-  pid_t pid = fork_child(consumer_refuses, sv[1]);
-  close(sv[1]);
-  tshare_channel *ch = open_sock(sv[0], "hostile producer", NULL, NULL);
+  int sock;
+  pid_t pid = fork_with_socket(consumer_refuses, &sock);
+  tshare_channel *ch = open_sock(sock, "hostile producer", NULL, NULL);
   /* Case 0: a memfd without seals (could be truncated under the consumer).
    * Case 1: a sealed memfd smaller than the allocation size claimed. */
   int mfd = memfd_create("hostile", MFD_CLOEXEC | MFD_ALLOW_SEALING);
@@ -364,25 +350,22 @@ static void send_hostile_share(int kind) {
 TS_TEST(consumer_refuses_unsealed_memfd) { send_hostile_share(0); }
 TS_TEST(consumer_refuses_memfd_smaller_than_claimed) { send_hostile_share(1); }
 
-static int pipe_fds[4];
 static void pipe_consumer(int unused) {
   (void)unused;
-  close(pipe_fds[1]);
-  close(pipe_fds[2]);
+  int rfd, wfd;
+  child_pipe_ends(&rfd, &wfd);
   tshare_channel *ch = NULL;
-  CHECK_RC(tshare_channel_open_pipes(pipe_fds[0], pipe_fds[3], NULL, &ch, NULL), TSHARE_OK, "");
+  CHECK_RC(tshare_channel_open_pipes(rfd, wfd, NULL, &ch, NULL), TSHARE_OK, "");
   tshare_view *v;
   CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_END, tshare_channel_last_error(ch));
   tshare_channel_close(ch);
 }
 
 TS_TEST(host_share_over_pipes_is_refused_clearly) {
-  CHECK(pipe2(pipe_fds, O_CLOEXEC) == 0 && pipe2(pipe_fds + 2, O_CLOEXEC) == 0);
-  pid_t pid = fork_child(pipe_consumer, 0);
-  close(pipe_fds[0]);
-  close(pipe_fds[3]);
+  int rfd, wfd;
+  pid_t pid = fork_with_pipes(pipe_consumer, &rfd, &wfd);
   tshare_channel *ch = NULL;
-  CHECK_RC(tshare_channel_open_pipes(pipe_fds[2], pipe_fds[1], NULL, &ch, NULL), TSHARE_OK, "");
+  CHECK_RC(tshare_channel_open_pipes(rfd, wfd, NULL, &ch, NULL), TSHARE_OK, "");
   tshare_host_buffer *a;
   CHECK_RC(tshare_host_buffer_create(4096, NULL, &a, NULL), TSHARE_OK, "");
   tshare_tensor_desc t = desc_1d(F32, 4, 0);
