@@ -132,6 +132,7 @@ static int role_main(int argc, char **argv) {
     tshare_frame f;
     int fd;
     int rc = tshare_channel_recv_frame(ch, &f, &fd, 5000); /* the consumer hangs up */
+    tshare_channel_close(ch);
     tshare_role_report(&role, "shared", 1);
     printf("producer: peer %s after bye\n", rc == TSHARE_E_PEER_CLOSED ? "closed" : "did something else");
     return rc == TSHARE_E_PEER_CLOSED ? 0 : 14;

@@ -311,7 +311,7 @@ TS_TEST(malformed_shape_overflow) {
   len = encode(&ok, buf);
   size_t shape0 = TSHARE_WIRE_HEADER_SIZE + SHARE_SHAPE_AT;
   for (int i = 0; i < 8; i++) buf[shape0 + (size_t)i] = (uint8_t)((uint64_t)(INT64_MAX / 2) >> (8 * i));
-  for (int i = 0; i < 8; i++) buf[shape0 + 8 + (size_t)i] = (uint8_t)(4 >> (8 * i)); /* shape[1] */
+  for (int i = 0; i < 8; i++) buf[shape0 + 8 + (size_t)i] = (uint8_t)((uint64_t)4 >> (8 * i)); /* shape[1] */
   buf[shape0 + 16] = 4; /* strides[0] = 4 (low byte; was 1) */
   CHECK_RC(decode(buf, len, &g), TSHARE_E_OVERFLOW, "");
   /* Each dimension alone fits; their product does not. */

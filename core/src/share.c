@@ -127,11 +127,14 @@ int ts_share_flush_pending(tshare_channel *ch, int timeout_ms) {
     f.type = TSHARE_FRAME_RELEASE;
     pthread_mutex_lock(&ch->lock);
     uint32_t n = ch->npending < ch->limits.max_release_ids ? (uint32_t)ch->npending : ch->limits.max_release_ids;
+    if (n == 0) {
+      pthread_mutex_unlock(&ch->lock);
+      return TSHARE_OK;
+    }
     memcpy(f.u.release.share_ids, ch->pending, n * sizeof(uint64_t));
     memmove(ch->pending, ch->pending + n, (ch->npending - n) * sizeof(uint64_t));
     ch->npending -= n;
     pthread_mutex_unlock(&ch->lock);
-    if (n == 0) return TSHARE_OK;
     f.u.release.count = n;
     int rc = ts_channel_send(ch, &f, -1, ts_remaining(deadline));
     if (rc != TSHARE_OK) return rc; /* a dead peer no longer needs the releases */

@@ -3,16 +3,18 @@
 # outside the tree against it: once with find_package, once with pkg-config.
 set -eu
 build_dir=$(cd "$1" && pwd)
+extra_cflags=${2:-} # a sanitizer build's flags: its static library needs them to link
 src_dir=$(cd "$(dirname "$0")" && pwd)
 work=$build_dir/package-test
 rm -rf "$work"
 cmake --install "$build_dir" --prefix "$work/prefix" >/dev/null
-cmake -S "$src_dir" -B "$work/cmake-build" -DCMAKE_PREFIX_PATH="$work/prefix" >/dev/null
+cmake -S "$src_dir" -B "$work/cmake-build" -DCMAKE_PREFIX_PATH="$work/prefix" \
+  -DCMAKE_C_FLAGS="$extra_cflags" -DCMAKE_EXE_LINKER_FLAGS="$extra_cflags" >/dev/null
 cmake --build "$work/cmake-build" >/dev/null
 "$work/cmake-build/uses_tshare"
 libdir=$(ls -d "$work"/prefix/lib*/pkgconfig | head -n 1)
 if command -v pkg-config >/dev/null 2>&1; then
-  PKG_CONFIG_PATH=$libdir cc -std=c11 -o "$work/uses_tshare_pc" "$src_dir/main.c" \
+  PKG_CONFIG_PATH=$libdir cc -std=c11 $extra_cflags -o "$work/uses_tshare_pc" "$src_dir/main.c" \
     $(PKG_CONFIG_PATH=$libdir pkg-config --cflags --libs --static tshare)
   "$work/uses_tshare_pc"
 else
