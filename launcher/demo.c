@@ -115,6 +115,16 @@ static tshare_tensor_desc layout_of(int i, uint64_t offset) {
   return d;
 }
 
+static bool same_layout(const tshare_tensor_desc *got, int i) {
+  tshare_tensor_desc want = layout_of(i, got->byte_offset);
+  if (got->ndim != want.ndim || got->dtype.code != want.dtype.code || got->dtype.bits != want.dtype.bits ||
+      got->dtype.lanes != want.dtype.lanes)
+    return false;
+  for (int k = 0; k < want.ndim; k++)
+    if (got->shape[k] != want.shape[k] || got->strides[k] != want.strides[k]) return false;
+  return true;
+}
+
 static const char *describe(const tshare_tensor_desc *d, char *buf, size_t cap) {
   char dt[24];
   int n = snprintf(buf, cap, "%s[", tshare_dtype_name(d->dtype, dt, sizeof dt));
@@ -208,12 +218,10 @@ int demo_consumer_main(int tensors) {
     received++;
     int i = atoi(tshare_view_tag(v) + 1);
     const tshare_tensor_desc *d = tshare_view_desc(v);
-    tshare_tensor_desc want = layout_of(i, d->byte_offset);
-    long long n = (long long)tshare_tensor_numel(d), bad_k = -1;
-    long long bad = memcmp(want.shape, d->shape, sizeof want.shape) || memcmp(want.strides, d->strides, sizeof want.strides) ||
-                            d->dtype.code != want.dtype.code || d->dtype.bits != want.dtype.bits
-                        ? n
-                        : check_or_fill(tshare_view_data(v), d, i, false, &bad_k);
+    long long n = (long long)tshare_tensor_numel(d), bad_k = 0;
+    /* The layout must be the one the producer chose for tensor i, and then
+     * every element must hold its value. */
+    long long bad = same_layout(d, i) ? check_or_fill(tshare_view_data(v), d, i, false, &bad_k) : n;
     char what[96];
     if (bad == 0) {
       intact++;

@@ -151,38 +151,101 @@ static void print_summary(const role_run *roles, int n, double wall_s) {
   fflush(stdout);
 }
 
-int launch_run(const launch_plan *plan) {
-  int k = plan->consumers, nroles = k + 1, rc = LAUNCH_OK;
-  double t0 = now_s();
-  role_run *roles = calloc((size_t)nroles, sizeof *roles);
-  role_fds *fds = calloc((size_t)nroles, sizeof *fds);
-  int (*chan)[4] = calloc((size_t)k, sizeof *chan); /* per consumer: producer end r/w, consumer end r/w */
-  if (!roles || !fds || !chan) {
-    fprintf(stderr, "tshare-launch: out of memory\n");
-    return LAUNCH_ROLE_FAILED;
+/* The whole job: roles, their channels, and how the run is going. */
+typedef struct job {
+  const launch_plan *plan;
+  int nroles;           /* producer + consumers */
+  int started;          /* roles [0, started) were spawned */
+  role_run *roles;
+  double t0;
+  bool tearing_down;
+  double grace_deadline; /* 0: no SIGKILL pending */
+  int interrupted;       /* the signal the launcher got, 0 if none */
+  int first_failure;     /* index of the role whose failure stopped the job, or -1 */
+  int not_started;       /* index of the role that could not be started, or -1 */
+  bool timed_out;
+} job;
+
+/* Send sig to every role still running and arm the SIGKILL deadline. */
+static void begin_teardown(job *j, int sig) {
+  j->tearing_down = true;
+  j->grace_deadline = now_s() + j->plan->grace_s;
+  for (int i = 0; i < j->started; i++)
+    if (!j->roles[i].ended) tshare_process_signal(j->roles[i].proc, sig);
+}
+
+static void kill_stragglers(job *j) {
+  for (int i = 0; i < j->started; i++)
+    if (!j->roles[i].ended) {
+      fprintf(stderr, "tshare-launch: %s (pid %d) still running after %.1f s; killing it\n", j->roles[i].label,
+              (int)j->roles[i].pid, j->plan->grace_s);
+      tshare_process_signal(j->roles[i].proc, SIGKILL);
+    }
+  j->grace_deadline = 0;
+}
+
+/* Reap roles that ended; the first failure stops the rest. Returns true when
+ * every started role has ended. */
+static bool reap_roles(job *j) {
+  bool all_ended = true;
+  for (int i = 0; i < j->started; i++) {
+    role_run *r = &j->roles[i];
+    if (r->ended) continue;
+    if (tshare_process_wait(r->proc, 0, &r->status) != TSHARE_OK) {
+      all_ended = false;
+      continue;
+    }
+    r->ended = true;
+    r->end_s = now_s();
+    tshare_process_terminate(r->proc, 0, NULL); /* whatever it left in its group goes too */
+    if (failed(r) && !j->tearing_down) {
+      char what[160];
+      describe(r, what, sizeof what);
+      fprintf(stderr, "tshare-launch: %s; stopping the other roles\n", what);
+      j->first_failure = i;
+      begin_teardown(j, SIGTERM);
+    }
   }
-  if (pipe2(signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
-    perror("tshare-launch: pipe");
-    return LAUNCH_ROLE_FAILED;
+  return all_ended;
+}
+
+static void handle_signals(job *j) {
+  unsigned char sigs[64];
+  ssize_t got = read(signal_pipe[0], sigs, sizeof sigs);
+  for (ssize_t k = 0; k < got; k++) {
+    int sig = sigs[k];
+    if (sig == SIGCHLD) continue; /* reaping happens at the top of the loop */
+    if (j->interrupted) {         /* a second interrupt: no more grace */
+      j->grace_deadline = now_s();
+      continue;
+    }
+    j->interrupted = sig;
+    fprintf(stderr, "tshare-launch: got SIG%s; forwarding it to the roles\n", sigabbrev_np(sig));
+    begin_teardown(j, sig);
   }
+}
+
+static void install_signal_handlers(void) {
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
   sa.sa_handler = on_signal;
   sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
   sigemptyset(&sa.sa_mask);
-  int forwarded[] = {SIGINT, SIGTERM, SIGHUP};
-  sigaction(SIGCHLD, &sa, NULL);
-  for (size_t i = 0; i < sizeof forwarded / sizeof forwarded[0]; i++) sigaction(forwarded[i], &sa, NULL);
+  const int handled[] = {SIGCHLD, SIGINT, SIGTERM, SIGHUP};
+  for (size_t i = 0; i < sizeof handled / sizeof handled[0]; i++) sigaction(handled[i], &sa, NULL);
   signal(SIGPIPE, SIG_IGN);
+}
 
-  /* Channels: one between the producer and each consumer. */
-  for (int c = 0; c < k; c++) {
+/* One channel between the producer and each consumer: fds [0],[1] are the
+ * producer's read/write ends, [2],[3] the consumer's (equal for a socket). */
+static int make_channels(const launch_plan *plan, int (*chan)[4]) {
+  for (int c = 0; c < plan->consumers; c++) {
     if (plan->channel == TSHARE_CHANNEL_SOCKET) {
       int sv[2];
       tshare_error err;
       if (tshare_socketpair(sv, &err) != TSHARE_OK) {
         fprintf(stderr, "tshare-launch: %s\n", err.message);
-        return LAUNCH_ROLE_FAILED;
+        return -1;
       }
       chan[c][0] = chan[c][1] = sv[0];
       chan[c][2] = chan[c][3] = sv[1];
@@ -190,7 +253,7 @@ int launch_run(const launch_plan *plan) {
       int down[2], up[2]; /* producer -> consumer, consumer -> producer */
       if (pipe2(down, O_CLOEXEC) != 0 || pipe2(up, O_CLOEXEC) != 0) {
         perror("tshare-launch: pipe");
-        return LAUNCH_ROLE_FAILED;
+        return -1;
       }
       chan[c][0] = up[0];
       chan[c][1] = down[1];
@@ -198,216 +261,204 @@ int launch_run(const launch_plan *plan) {
       chan[c][3] = up[1];
     }
   }
+  return 0;
+}
 
-  int devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
-  char num_consumers[32];
-  snprintf(num_consumers, sizeof num_consumers, TSHARE_ENV_NUM_CONSUMERS "=%d", k);
-  int not_started = -1;
-  for (int i = 0; i < nroles; i++) {
-    role_run *r = &roles[i];
-    role_fds *f = &fds[i];
-    bool producer = i == 0;
-    int rank = producer ? 0 : i - 1;
-    if (producer) snprintf(r->label, sizeof r->label, "producer");
-    else snprintf(r->label, sizeof r->label, "consumer %d", rank);
-    r->shared = r->verified = -1;
-    int pipes[OUT_COUNT][2];
-    for (int s = 0; s < OUT_COUNT; s++) {
-      if (pipe2(pipes[s], O_CLOEXEC) != 0) {
-        perror("tshare-launch: pipe");
-        return LAUNCH_ROLE_FAILED;
-      }
-      fcntl(pipes[s][0], F_SETFL, O_NONBLOCK);
-      r->out[s].fd = pipes[s][0];
-    }
-    f->map[f->n++] = (tshare_fd_map){0, devnull};
-    f->map[f->n++] = (tshare_fd_map){1, pipes[OUT_STDOUT][1]};
-    f->map[f->n++] = (tshare_fd_map){2, pipes[OUT_STDERR][1]};
-    f->next_child_fd = 3;
-    if (producer)
-      for (int c = 0; c < k; c++) add_channel(f, plan->channel, chan[c][0], chan[c][1]);
-    else
-      add_channel(f, plan->channel, chan[rank][2], chan[rank][3]);
-    int report_fd = f->next_child_fd++;
-    f->map[f->n++] = (tshare_fd_map){report_fd, pipes[OUT_REPORT][1]};
-    char role_env[64], rank_env[64], channels_env[1100];
-    snprintf(role_env, sizeof role_env, TSHARE_ENV_ROLE "=%s", producer ? "producer" : "consumer");
-    snprintf(rank_env, sizeof rank_env, TSHARE_ENV_RANK "=%d", rank);
-    snprintf(channels_env, sizeof channels_env, TSHARE_ENV_CHANNEL_FDS "=%s", f->channel_env);
-    snprintf(f->report_env, sizeof f->report_env, TSHARE_ENV_REPORT_FD "=%d", report_fd);
-    char *env[] = {role_env, rank_env, num_consumers, channels_env, f->report_env, NULL};
-    char **argv = producer ? plan->producer_argv : plan->consumer_argv;
-    tshare_spawn_options o = {.file = argv[0], .argv = argv, .env_set = env, .fds = f->map, .nfds = f->n,
-                              .flags = TSHARE_SPAWN_NEW_PROCESS_GROUP};
-    tshare_error err;
-    r->start_s = now_s();
-    int src = tshare_spawn(&o, &r->proc, &err);
-    for (int s = 0; s < OUT_COUNT; s++) close(pipes[s][1]);
-    if (src != TSHARE_OK) {
-      fprintf(stderr, "tshare-launch: cannot start %s: %s\n", r->label, err.message);
-      not_started = i;
-      r->ended = true;
-      r->end_s = r->start_s;
-      break;
-    }
-    r->pid = tshare_process_pid(r->proc);
-  }
-  /* The children hold their channel ends now; ours would only hide a peer's death. */
+static void close_channels(int k, int (*chan)[4]) {
   for (int c = 0; c < k; c++) {
     close(chan[c][0]);
     if (chan[c][1] != chan[c][0]) close(chan[c][1]);
     close(chan[c][2]);
     if (chan[c][3] != chan[c][2]) close(chan[c][3]);
   }
-  close(devnull);
+}
 
-  bool tearing_down = false;
-  int interrupted = 0, first_failure = -1;
-  bool timed_out = false;
-  double grace_deadline = 0, drain_deadline = 0;
-  double timeout_at = plan->timeout_s > 0 ? t0 + plan->timeout_s : 0;
-
-  if (not_started >= 0) {
-    tearing_down = true;
-    grace_deadline = now_s() + plan->grace_s;
-    for (int i = 0; i < not_started; i++) tshare_process_signal(roles[i].proc, SIGTERM);
-  }
-
-  for (;;) {
-    /* Reap whoever ended; the first failure stops the rest. */
-    bool all_ended = true;
-    for (int i = 0; i < nroles; i++) {
-      role_run *r = &roles[i];
-      if (r->ended) continue;
-      if (!r->proc || tshare_process_wait(r->proc, 0, &r->status) != TSHARE_OK) {
-        all_ended = all_ended && !r->proc;
-        continue;
-      }
-      r->ended = true;
-      r->end_s = now_s();
-      tshare_process_terminate(r->proc, 0, NULL); /* whatever it left in its group goes too */
-      if (failed(r) && !tearing_down) {
-        char what[160];
-        describe(r, what, sizeof what);
-        first_failure = i;
-        fprintf(stderr, "tshare-launch: %s; stopping the other roles\n", what);
-        tearing_down = true;
-        grace_deadline = now_s() + plan->grace_s;
-        for (int j = 0; j < nroles; j++)
-          if (!roles[j].ended && roles[j].proc) tshare_process_signal(roles[j].proc, SIGTERM);
-      }
+/* Spawn role i with stdin from /dev/null, stdout/stderr/report through pipes
+ * to us, and its channel ends at fds 3 and up. */
+static int start_role(job *j, int i, int (*chan)[4], int devnull) {
+  const launch_plan *plan = j->plan;
+  role_run *r = &j->roles[i];
+  role_fds f;
+  memset(&f, 0, sizeof f);
+  bool producer = i == 0;
+  int rank = producer ? 0 : i - 1;
+  if (producer) snprintf(r->label, sizeof r->label, "producer");
+  else snprintf(r->label, sizeof r->label, "consumer %d", rank);
+  int pipes[OUT_COUNT][2];
+  for (int s = 0; s < OUT_COUNT; s++) {
+    if (pipe2(pipes[s], O_CLOEXEC) != 0) {
+      perror("tshare-launch: pipe");
+      for (int t = 0; t < s; t++) close(pipes[t][1]);
+      return -1;
     }
-    bool outputs_open = false;
-    for (int i = 0; i < nroles; i++)
-      for (int s = 0; s < OUT_COUNT; s++) outputs_open = outputs_open || roles[i].out[s].fd >= 0;
+    fcntl(pipes[s][0], F_SETFL, O_NONBLOCK);
+    r->out[s].fd = pipes[s][0];
+  }
+  f.map[f.n++] = (tshare_fd_map){0, devnull};
+  f.map[f.n++] = (tshare_fd_map){1, pipes[OUT_STDOUT][1]};
+  f.map[f.n++] = (tshare_fd_map){2, pipes[OUT_STDERR][1]};
+  f.next_child_fd = 3;
+  if (producer)
+    for (int c = 0; c < plan->consumers; c++) add_channel(&f, plan->channel, chan[c][0], chan[c][1]);
+  else
+    add_channel(&f, plan->channel, chan[rank][2], chan[rank][3]);
+  int report_fd = f.next_child_fd++;
+  f.map[f.n++] = (tshare_fd_map){report_fd, pipes[OUT_REPORT][1]};
+
+  char role_env[64], rank_env[64], consumers_env[64], channels_env[1100];
+  snprintf(role_env, sizeof role_env, TSHARE_ENV_ROLE "=%s", producer ? "producer" : "consumer");
+  snprintf(rank_env, sizeof rank_env, TSHARE_ENV_RANK "=%d", rank);
+  snprintf(consumers_env, sizeof consumers_env, TSHARE_ENV_NUM_CONSUMERS "=%d", plan->consumers);
+  snprintf(channels_env, sizeof channels_env, TSHARE_ENV_CHANNEL_FDS "=%s", f.channel_env);
+  snprintf(f.report_env, sizeof f.report_env, TSHARE_ENV_REPORT_FD "=%d", report_fd);
+  char *env[] = {role_env, rank_env, consumers_env, channels_env, f.report_env, NULL};
+  char **argv = producer ? plan->producer_argv : plan->consumer_argv;
+  tshare_spawn_options o = {.file = argv[0], .argv = argv, .env_set = env, .fds = f.map, .nfds = f.n,
+                            .flags = TSHARE_SPAWN_NEW_PROCESS_GROUP};
+  tshare_error err;
+  r->start_s = now_s();
+  int rc = tshare_spawn(&o, &r->proc, &err);
+  for (int s = 0; s < OUT_COUNT; s++) close(pipes[s][1]); /* the child has them now */
+  if (rc != TSHARE_OK) {
+    fprintf(stderr, "tshare-launch: cannot start %s: %s\n", r->label, err.message);
+    r->ended = true;
+    r->end_s = r->start_s;
+    return -1;
+  }
+  r->pid = tshare_process_pid(r->proc);
+  return 0;
+}
+
+/* Wait for output, signals or the next deadline, and handle what came. */
+static void pump(job *j, double wake) {
+  struct pollfd pfds[1 + OUT_COUNT * (TSHARE_ROLE_CHANNELS_MAX + 1)];
+  struct {
+    int role, stream;
+  } owner[1 + OUT_COUNT * (TSHARE_ROLE_CHANNELS_MAX + 1)];
+  int np = 0;
+  pfds[np++] = (struct pollfd){.fd = signal_pipe[0], .events = POLLIN, .revents = 0};
+  for (int i = 0; i < j->nroles; i++)
+    for (int s = 0; s < OUT_COUNT; s++)
+      if (j->roles[i].out[s].fd >= 0) {
+        owner[np].role = i;
+        owner[np].stream = s;
+        pfds[np++] = (struct pollfd){.fd = j->roles[i].out[s].fd, .events = POLLIN, .revents = 0};
+      }
+  int wait_ms = (int)((wake - now_s()) * 1000) + 1;
+  int n = poll(pfds, (nfds_t)np, wait_ms < 0 ? 0 : wait_ms);
+  if (n <= 0) return; /* timeout or EINTR: the caller re-checks everything */
+  if (pfds[0].revents & POLLIN) handle_signals(j);
+  for (int k = 1; k < np; k++)
+    if (pfds[k].revents) read_output(&j->roles[owner[k].role], owner[k].stream);
+}
+
+static bool outputs_open(const job *j) {
+  for (int i = 0; i < j->nroles; i++)
+    for (int s = 0; s < OUT_COUNT; s++)
+      if (j->roles[i].out[s].fd >= 0) return true;
+  return false;
+}
+
+static void run_until_done(job *j) {
+  double drain_deadline = 0;
+  double timeout_at = j->plan->timeout_s > 0 ? j->t0 + j->plan->timeout_s : 0;
+  for (;;) {
+    bool all_ended = reap_roles(j);
     double now = now_s();
     if (all_ended) {
-      if (!outputs_open) break;
+      if (!outputs_open(j)) return;
       if (drain_deadline == 0) drain_deadline = now + 0.5;
-      else if (now >= drain_deadline) break; /* something outside the roles holds a pipe */
+      else if (now >= drain_deadline) return; /* something outside the roles holds a pipe */
     }
-    if (timeout_at > 0 && now >= timeout_at && !tearing_down) {
-      timed_out = true;
-      fprintf(stderr, "tshare-launch: timeout after %.1f s; stopping the roles\n", plan->timeout_s);
-      tearing_down = true;
-      grace_deadline = now + plan->grace_s;
-      for (int j = 0; j < nroles; j++)
-        if (!roles[j].ended && roles[j].proc) tshare_process_signal(roles[j].proc, SIGTERM);
+    if (timeout_at > 0 && now >= timeout_at && !j->tearing_down) {
+      j->timed_out = true;
+      fprintf(stderr, "tshare-launch: timeout after %.1f s; stopping the roles\n", j->plan->timeout_s);
+      begin_teardown(j, SIGTERM);
     }
-    if (tearing_down && grace_deadline > 0 && now >= grace_deadline) {
-      for (int j = 0; j < nroles; j++)
-        if (!roles[j].ended && roles[j].proc) {
-          fprintf(stderr, "tshare-launch: %s (pid %d) still running after %.1f s; killing it\n", roles[j].label,
-                  (int)roles[j].pid, plan->grace_s);
-          tshare_process_signal(roles[j].proc, SIGKILL);
-        }
-      grace_deadline = 0;
-    }
-
-    struct pollfd pfds[1 + 3 * (TSHARE_ROLE_CHANNELS_MAX + 1)];
-    struct { int role, stream; } owner[1 + 3 * (TSHARE_ROLE_CHANNELS_MAX + 1)];
-    int np = 0;
-    pfds[np++] = (struct pollfd){.fd = signal_pipe[0], .events = POLLIN, .revents = 0};
-    for (int i = 0; i < nroles; i++)
-      for (int s = 0; s < OUT_COUNT; s++)
-        if (roles[i].out[s].fd >= 0) {
-          owner[np].role = i;
-          owner[np].stream = s;
-          pfds[np++] = (struct pollfd){.fd = roles[i].out[s].fd, .events = POLLIN, .revents = 0};
-        }
+    if (j->grace_deadline > 0 && now >= j->grace_deadline) kill_stragglers(j);
     double wake = now + 1.0; /* re-check exits at least once a second */
-    if (timeout_at > 0 && !tearing_down && timeout_at < wake) wake = timeout_at;
-    if (grace_deadline > 0 && grace_deadline < wake) wake = grace_deadline;
+    if (timeout_at > 0 && !j->tearing_down && timeout_at < wake) wake = timeout_at;
+    if (j->grace_deadline > 0 && j->grace_deadline < wake) wake = j->grace_deadline;
     if (drain_deadline > 0 && drain_deadline < wake) wake = drain_deadline;
-    int wait_ms = (int)((wake - now) * 1000) + 1;
-    int n = poll(pfds, (nfds_t)np, wait_ms < 0 ? 0 : wait_ms);
-    if (n < 0 && errno != EINTR) {
-      perror("tshare-launch: poll");
+    pump(j, wake);
+  }
+}
+
+/* Print the last line and pick the exit code. */
+static int report_outcome(const job *j, double wall) {
+  const launch_plan *plan = j->plan;
+  char what[160];
+  if (j->interrupted) {
+    printf("tshare-launch: STOPPED: got SIG%s after %.3f s; every role was stopped\n", sigabbrev_np(j->interrupted),
+           wall);
+    return 128 + j->interrupted;
+  }
+  if (j->not_started >= 0) {
+    printf("tshare-launch: FAILED: %s could not be started; the other roles were stopped\n",
+           j->roles[j->not_started].label);
+    return LAUNCH_NOT_STARTED;
+  }
+  if (j->timed_out) {
+    printf("tshare-launch: FAILED: timeout after %.1f s; every role was stopped\n", plan->timeout_s);
+    return LAUNCH_TIMEOUT;
+  }
+  if (j->first_failure >= 0) {
+    describe(&j->roles[j->first_failure], what, sizeof what);
+    printf("tshare-launch: FAILED: %s; the other roles were stopped\n", what);
+    return LAUNCH_ROLE_FAILED;
+  }
+  if (plan->expect_verified <= 0) {
+    printf("tshare-launch: OK: all %d roles exited with status 0 (%.3f s)\n", j->nroles, wall);
+    return LAUNCH_OK;
+  }
+  long long verified = 0, shared = j->roles[0].shared;
+  for (int i = 1; i < j->nroles; i++) verified += j->roles[i].verified > 0 ? j->roles[i].verified : 0;
+  if (verified != plan->expect_verified || shared != plan->expect_shared) {
+    printf("tshare-launch: FAILED: %lld tensors shared, %lld of %d verified intact\n", shared, verified,
+           plan->expect_verified);
+    return LAUNCH_ROLE_FAILED;
+  }
+  printf("tshare-launch: OK: %lld tensors shared with %d consumer%s, %lld of %d verified intact (%.3f s)\n", shared,
+         plan->consumers, plan->consumers == 1 ? "" : "s", verified, plan->expect_verified, wall);
+  return LAUNCH_OK;
+}
+
+int launch_run(const launch_plan *plan) {
+  job j = {.plan = plan, .nroles = plan->consumers + 1, .t0 = now_s(), .first_failure = -1, .not_started = -1};
+  j.roles = calloc((size_t)j.nroles, sizeof *j.roles);
+  int (*chan)[4] = calloc((size_t)plan->consumers, sizeof *chan);
+  if (!j.roles || !chan || pipe2(signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
+    fprintf(stderr, "tshare-launch: cannot set up: %s\n", strerror(errno));
+    return LAUNCH_ROLE_FAILED;
+  }
+  for (int i = 0; i < j.nroles; i++) {
+    j.roles[i].shared = j.roles[i].verified = -1;
+    for (int s = 0; s < OUT_COUNT; s++) j.roles[i].out[s].fd = -1;
+  }
+  install_signal_handlers();
+  if (make_channels(plan, chan) != 0) return LAUNCH_ROLE_FAILED;
+  int devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  for (; j.started < j.nroles; j.started++)
+    if (start_role(&j, j.started, chan, devnull) != 0) {
+      j.not_started = j.started;
+      begin_teardown(&j, SIGTERM);
       break;
     }
-    if (n <= 0) continue;
-    if (pfds[0].revents & POLLIN) {
-      unsigned char sigs[64];
-      ssize_t got = read(signal_pipe[0], sigs, sizeof sigs);
-      for (ssize_t j = 0; j < got; j++) {
-        int sig = sigs[j];
-        if (sig == SIGCHLD) continue; /* reaping happens at the top of the loop */
-        if (interrupted) { /* a second interrupt: no more grace */
-          for (int i = 0; i < nroles; i++)
-            if (!roles[i].ended && roles[i].proc) tshare_process_signal(roles[i].proc, SIGKILL);
-          continue;
-        }
-        interrupted = sig;
-        fprintf(stderr, "tshare-launch: got SIG%s; forwarding it to the roles\n", sigabbrev_np(sig));
-        tearing_down = true;
-        grace_deadline = now_s() + plan->grace_s;
-        for (int i = 0; i < nroles; i++)
-          if (!roles[i].ended && roles[i].proc) tshare_process_signal(roles[i].proc, sig);
-      }
-    }
-    for (int j = 1; j < np; j++)
-      if (pfds[j].revents) read_output(&roles[owner[j].role], owner[j].stream);
-  }
-  double wall = now_s() - t0;
+  /* The children hold their channel ends now; ours would only hide a peer's death. */
+  close_channels(plan->consumers, chan);
+  close(devnull);
 
-  print_summary(roles, not_started >= 0 ? not_started + 1 : nroles, wall);
-  char what[160];
-  if (interrupted) {
-    printf("tshare-launch: STOPPED: got SIG%s after %.3f s; every role was stopped\n", sigabbrev_np(interrupted), wall);
-    rc = 128 + interrupted;
-  } else if (not_started >= 0) {
-    printf("tshare-launch: FAILED: %s could not be started; the other roles were stopped\n", roles[not_started].label);
-    rc = LAUNCH_NOT_STARTED;
-  } else if (timed_out) {
-    printf("tshare-launch: FAILED: timeout after %.1f s; every role was stopped\n", plan->timeout_s);
-    rc = LAUNCH_TIMEOUT;
-  } else if (first_failure >= 0) {
-    describe(&roles[first_failure], what, sizeof what);
-    printf("tshare-launch: FAILED: %s; the other roles were stopped\n", what);
-    rc = LAUNCH_ROLE_FAILED;
-  } else {
-    long long verified = 0;
-    for (int i = 1; i < nroles; i++) verified += roles[i].verified > 0 ? roles[i].verified : 0;
-    if (plan->expect_verified > 0 && (verified != plan->expect_verified || roles[0].shared != plan->expect_shared)) {
-      printf("tshare-launch: FAILED: %lld tensors shared, %lld of %d verified intact\n", roles[0].shared, verified,
-             plan->expect_verified);
-      rc = LAUNCH_ROLE_FAILED;
-    } else if (plan->expect_verified > 0) {
-      printf("tshare-launch: OK: %lld tensors shared with %d consumer%s, %lld of %d verified intact (%.3f s)\n",
-             roles[0].shared, k, k == 1 ? "" : "s", verified, plan->expect_verified, wall);
-    } else {
-      printf("tshare-launch: OK: all %d roles exited with status 0 (%.3f s)\n", nroles, wall);
-    }
-  }
+  run_until_done(&j);
+  double wall = now_s() - j.t0;
+  print_summary(j.roles, j.not_started >= 0 ? j.not_started + 1 : j.nroles, wall);
+  int rc = report_outcome(&j, wall);
   fflush(stdout);
-  for (int i = 0; i < nroles; i++) {
+  for (int i = 0; i < j.nroles; i++) {
     for (int s = 0; s < OUT_COUNT; s++)
-      if (roles[i].out[s].fd >= 0) close(roles[i].out[s].fd);
-    tshare_process_terminate(roles[i].proc, 0, NULL);
-    tshare_process_destroy(roles[i].proc);
+      if (j.roles[i].out[s].fd >= 0) close(j.roles[i].out[s].fd);
+    tshare_process_destroy(j.roles[i].proc); /* reaps; ended roles' groups were already killed */
   }
-  free(roles);
-  free(fds);
+  free(j.roles);
   free(chan);
   return rc;
 }

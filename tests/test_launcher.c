@@ -126,6 +126,23 @@ static int role_main(int argc, char **argv) {
     fprintf(stderr, "%s\n", err.message);
     return 11;
   }
+  if (strcmp(name, "wrong-producer") == 0) { /* tensor t0 with the demo's layout but zeros inside */
+    tshare_host_buffer *buf;
+    if (tshare_host_buffer_create(4096, "wrong", &buf, &err) != TSHARE_OK) return 17;
+    tshare_tensor_desc d;
+    memset(&d, 0, sizeof d);
+    d.dtype = (tshare_dtype){TSHARE_DTYPE_FLOAT, 32, 1};
+    d.ndim = 1;
+    d.shape[0] = 64;
+    d.strides[0] = 1;
+    if (tshare_share_host(ch, buf, &d, "t0", NULL, 5000, NULL) != TSHARE_OK) return 18;
+    tshare_channel_send_bye(ch, 0, 5000);
+    tshare_channel_wait_released(ch, 0, 5000);
+    tshare_role_report(&role, "shared", 1);
+    tshare_channel_close(ch);
+    tshare_host_buffer_destroy(buf);
+    return 0;
+  }
   if (strcmp(name, "pipe-producer") == 0) {
     if (tshare_channel_kind_of(ch) != TSHARE_CHANNEL_PIPES) return 12;
     if (tshare_channel_send_bye(ch, 42, 5000) != TSHARE_OK) return 13;
@@ -191,6 +208,18 @@ TS_TEST(demo_refuses_what_it_cannot_do) {
   expect_output("--channel socket");
 }
 
+TS_TEST(demo_consumer_catches_wrong_data) {
+  /* The real demo consumer against a producer whose tensor holds zeros. */
+  char consumer[4200];
+  snprintf(consumer, sizeof consumer, "'%s' __role consumer --tensors 1", launcher());
+  char *args[] = {"--producer", role_cmd("wrong-producer"), "--consumer", consumer, NULL};
+  run_launcher(args);
+  expect_exit(1);
+  expect_output("elements WRONG (first at element 0)");
+  expect_output("FAILED: consumer 0");
+  expect_no_process_left();
+}
+
 TS_TEST(c_examples_end_to_end) {
   const char *dir = getenv("TSHARE_EXAMPLES_DIR");
   if (!dir) TS_SKIP("TSHARE_EXAMPLES_DIR is not set");
@@ -225,7 +254,7 @@ TS_TEST(role_killed_by_signal_fails_the_launch) {
 }
 
 TS_TEST(role_ignoring_sigterm_is_killed_after_grace) {
-  char *args[] = {"--producer", "sh -c 'trap \"\" TERM; sleep 30; exit 0'", "--consumer", "false", "--grace", "0.3", NULL};
+  char *args[] = {"--producer", "sh -c 'trap \"\" TERM; sleep 30; exit 0'", "--consumer", "sh -c 'sleep 0.3; exit 1'", "--grace", "0.3", NULL};
   run_launcher(args);
   expect_exit(1);
   expect_output("still running after 0.3 s; killing it");
