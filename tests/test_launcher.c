@@ -129,12 +129,8 @@ static int role_main(int argc, char **argv) {
   if (strcmp(name, "wrong-producer") == 0) { /* tensor t0 with the demo's layout but zeros inside */
     tshare_host_buffer *buf;
     if (tshare_host_buffer_create(4096, "wrong", &buf, &err) != TSHARE_OK) return 17;
-    tshare_tensor_desc d;
-    memset(&d, 0, sizeof d);
-    d.dtype = (tshare_dtype){TSHARE_DTYPE_FLOAT, 32, 1};
-    d.ndim = 1;
-    d.shape[0] = 64;
-    d.strides[0] = 1;
+    int64_t n = 64;
+    tshare_tensor_desc d = tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_FLOAT, 32, 1}, 1, &n, 0);
     if (tshare_share_host(ch, buf, &d, "t0", NULL, 5000, NULL) != TSHARE_OK) return 18;
     tshare_channel_send_bye(ch, 0, 5000);
     tshare_channel_wait_released(ch, 0, 5000);

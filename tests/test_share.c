@@ -23,14 +23,7 @@ static tshare_channel *open_sock(int fd, const char *name, tshare_release_cb cb,
 }
 
 static tshare_tensor_desc desc_1d(tshare_dtype dt, int64_t n, uint64_t offset) {
-  tshare_tensor_desc d;
-  memset(&d, 0, sizeof d);
-  d.dtype = dt;
-  d.ndim = 1;
-  d.shape[0] = n;
-  d.strides[0] = 1;
-  d.byte_offset = offset;
-  return d;
+  return tshare_tensor_contiguous(dt, 1, &n, offset);
 }
 
 static const tshare_dtype F32 = {TSHARE_DTYPE_FLOAT, 32, 1};

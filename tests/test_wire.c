@@ -435,6 +435,23 @@ TS_TEST(dtype_itemsize_and_names) {
   CHECK(strcmp(tshare_dtype_name((tshare_dtype){TSHARE_DTYPE_BOOL, 8, 1}, name, sizeof name), "bool") == 0);
 }
 
+TS_TEST(contiguous_constructor) {
+  const int64_t shape[3] = {2, 3, 4};
+  tshare_tensor_desc d = tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_INT, 16, 1}, 3, shape, 6);
+  CHECK_EQ(d.ndim, 3);
+  CHECK_EQ(d.strides[0], 12);
+  CHECK_EQ(d.strides[1], 4);
+  CHECK_EQ(d.strides[2], 1);
+  CHECK_EQ(d.byte_offset, 6);
+  uint64_t b, e;
+  CHECK_RC(tshare_tensor_check(&d, 54, &b, &e, NULL, 0), TSHARE_OK, "");
+  CHECK_EQ(e, 6 + 24 * 2);
+  int64_t many[TSHARE_MAX_NDIM + 1];
+  for (int i = 0; i <= TSHARE_MAX_NDIM; i++) many[i] = 1;
+  d = tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_INT, 16, 1}, TSHARE_MAX_NDIM + 1, many, 0);
+  CHECK_RC(tshare_tensor_check(&d, 1024, NULL, NULL, NULL, 0), TSHARE_E_TOO_LARGE, "");
+}
+
 TS_TEST(empty_tensor_and_zero_strides) {
   tshare_tensor_desc t;
   memset(&t, 0, sizeof t);

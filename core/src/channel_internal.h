@@ -64,7 +64,6 @@ struct tshare_channel {
   /* producer side: shares sent and not yet released */
   uint64_t next_share_id;
   ts_u64map exports;
-  uint64_t shares_sent;
 
   /* consumer side */
   ts_u64map mappings;       /* alloc_id -> ts_mapping, under lock */

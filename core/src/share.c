@@ -74,7 +74,6 @@ int tshare_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_
     return rc;
   }
   ch->next_share_id++;
-  ch->shares_sent++;
   if (share_id) *share_id = s->share_id;
   return TSHARE_OK;
 }

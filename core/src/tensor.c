@@ -4,6 +4,7 @@
 #include "tshare/errors.h"
 
 #include <stdio.h>
+#include <string.h>
 
 size_t tshare_dtype_itemsize(tshare_dtype dtype) {
   if (dtype.lanes == 0 || dtype.bits == 0 || dtype.bits % 8 != 0) return 0;
@@ -59,6 +60,19 @@ void tshare_tensor_set_contiguous(tshare_tensor_desc *desc) {
     desc->strides[i] = stride;
     stride *= desc->shape[i] > 0 ? desc->shape[i] : 1;
   }
+}
+
+tshare_tensor_desc tshare_tensor_contiguous(tshare_dtype dtype, int32_t ndim, const int64_t *shape,
+                                            uint64_t byte_offset) {
+  tshare_tensor_desc d;
+  memset(&d, 0, sizeof d);
+  d.dtype = dtype;
+  d.ndim = ndim;
+  d.byte_offset = byte_offset;
+  int32_t copy = ndim < 0 ? 0 : ndim > TSHARE_MAX_NDIM ? TSHARE_MAX_NDIM : ndim;
+  for (int32_t i = 0; i < copy; i++) d.shape[i] = shape[i];
+  if (copy == ndim) tshare_tensor_set_contiguous(&d);
+  return d;
 }
 
 int tshare_tensor_check(const tshare_tensor_desc *desc, uint64_t alloc_size,

@@ -54,14 +54,9 @@ int main(int argc, char **argv) {
     for (int r = 0; r < ROWS; r++)
       for (int c = 0; c < COLS; c++) m[r * COLS + c] = batch_value(b, r, c);
 
-    tshare_tensor_desc desc;
-    memset(&desc, 0, sizeof desc);
-    desc.dtype = (tshare_dtype){TSHARE_DTYPE_FLOAT, 32, 1};
-    desc.ndim = 2;
-    desc.shape[0] = ROWS;
-    desc.shape[1] = COLS;
-    tshare_tensor_set_contiguous(&desc);
-    desc.byte_offset = (uint64_t)slot * slot_bytes;
+    const int64_t shape[2] = {ROWS, COLS};
+    tshare_tensor_desc desc =
+        tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_FLOAT, 32, 1}, 2, shape, (uint64_t)slot * slot_bytes);
     char tag[32];
     snprintf(tag, sizeof tag, "batch %d", b);
     if (tshare_share_host(ch[w], ring, &desc, tag, NULL, TIMEOUT_MS, &slot_share[slot]) != TSHARE_OK)

@@ -28,12 +28,8 @@ int main(void) {
   if (tshare_channel_open_socket(sv[0], NULL, &ch, NULL) != TSHARE_OK) return 5;
   if (tshare_host_buffer_create(64, "package", &buf, NULL) != TSHARE_OK) return 6;
   strcpy(tshare_host_buffer_data(buf), "from the package");
-  tshare_tensor_desc d;
-  memset(&d, 0, sizeof d);
-  d.dtype = (tshare_dtype){TSHARE_DTYPE_UINT, 8, 1};
-  d.ndim = 1;
-  d.shape[0] = 17;
-  d.strides[0] = 1;
+  int64_t bytes = 17;
+  tshare_tensor_desc d = tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_UINT, 8, 1}, 1, &bytes, 0);
   if (tshare_share_host(ch, buf, &d, NULL, NULL, 5000, NULL) != TSHARE_OK) return 7;
   if (tshare_channel_wait_released(ch, 0, 5000) != TSHARE_OK) return 8;
   int st;

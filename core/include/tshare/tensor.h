@@ -60,6 +60,13 @@ uint64_t tshare_tensor_numel(const tshare_tensor_desc *desc);
 /* Fill row-major contiguous strides for desc->shape. */
 void tshare_tensor_set_contiguous(tshare_tensor_desc *desc);
 
+/* A row-major contiguous descriptor of ndim dims (shape[0..ndim)) starting
+ * byte_offset bytes into its allocation. An ndim outside 0..TSHARE_MAX_NDIM is
+ * kept as given (only the first TSHARE_MAX_NDIM sizes are copied), so sharing
+ * it fails with TSHARE_E_TOO_LARGE instead of overflowing here. */
+tshare_tensor_desc tshare_tensor_contiguous(tshare_dtype dtype, int32_t ndim, const int64_t *shape,
+                                            uint64_t byte_offset);
+
 /* Check a descriptor against an allocation of alloc_size bytes: dtype valid,
  * ndim in range, shape non-negative, no overflow in shape/stride/itemsize
  * arithmetic, and every byte any element touches inside [0, alloc_size).
