@@ -12,9 +12,8 @@
 
 /* The dtypes the demo cycles through, so every element size and kind travels. */
 static const tshare_dtype demo_dtypes[] = {
-    {TSHARE_DTYPE_FLOAT, 32, 1}, {TSHARE_DTYPE_INT, 64, 1},  {TSHARE_DTYPE_FLOAT, 64, 1},
-    {TSHARE_DTYPE_INT, 32, 1},   {TSHARE_DTYPE_UINT, 8, 1},  {TSHARE_DTYPE_INT, 16, 1},
-    {TSHARE_DTYPE_BOOL, 8, 1},   {TSHARE_DTYPE_FLOAT, 16, 1}};
+    {TSHARE_DTYPE_FLOAT, 32, 1}, {TSHARE_DTYPE_INT, 64, 1}, {TSHARE_DTYPE_FLOAT, 64, 1}, {TSHARE_DTYPE_INT, 32, 1},
+    {TSHARE_DTYPE_UINT, 8, 1},   {TSHARE_DTYPE_INT, 16, 1}, {TSHARE_DTYPE_BOOL, 8, 1},   {TSHARE_DTYPE_FLOAT, 16, 1}};
 #define NDTYPES (int)(sizeof demo_dtypes / sizeof demo_dtypes[0])
 
 /* Expected value of logical element k of tensor i, as a small integer that
@@ -37,18 +36,24 @@ static uint16_t to_half(long long v) { /* exact for |v| < 2048 */
 static void store(void *p, tshare_dtype dt, long long v) {
   switch (dt.code) {
   case TSHARE_DTYPE_FLOAT:
-    if (dt.bits == 16) *(uint16_t *)p = to_half(v);
-    else if (dt.bits == 32) *(float *)p = (float)v;
-    else *(double *)p = (double)v;
+    if (dt.bits == 16)
+      *(uint16_t *)p = to_half(v);
+    else if (dt.bits == 32)
+      *(float *)p = (float)v;
+    else
+      *(double *)p = (double)v;
     break;
   case TSHARE_DTYPE_UINT:
   case TSHARE_DTYPE_BOOL:
     *(uint8_t *)p = (uint8_t)v;
     break;
   default:
-    if (dt.bits == 16) *(int16_t *)p = (int16_t)v;
-    else if (dt.bits == 32) *(int32_t *)p = (int32_t)v;
-    else *(int64_t *)p = (int64_t)v;
+    if (dt.bits == 16)
+      *(int16_t *)p = (int16_t)v;
+    else if (dt.bits == 32)
+      *(int32_t *)p = (int32_t)v;
+    else
+      *(int64_t *)p = (int64_t)v;
   }
 }
 
@@ -81,8 +86,10 @@ static long long check_or_fill(void *base, const tshare_tensor_desc *d, int i, b
       rest /= d->shape[dim];
     }
     char *p = (char *)base + off * (long long)item;
-    if (fill) store(p, d->dtype, expected(i, k, d->dtype));
-    else if (!matches(p, d->dtype, expected(i, k, d->dtype)) && bad++ == 0) *bad_k = k;
+    if (fill)
+      store(p, d->dtype, expected(i, k, d->dtype));
+    else if (!matches(p, d->dtype, expected(i, k, d->dtype)) && bad++ == 0)
+      *bad_k = k;
   }
   return bad;
 }
@@ -130,7 +137,8 @@ static const char *describe(const tshare_tensor_desc *d, char *buf, size_t cap) 
   int n = snprintf(buf, cap, "%s[", tshare_dtype_name(d->dtype, dt, sizeof dt));
   for (int k = 0; k < d->ndim && n > 0 && (size_t)n < cap; k++)
     n += snprintf(buf + n, cap - (size_t)n, "%s%lld", k ? "x" : "", (long long)d->shape[k]);
-  if (n > 0 && (size_t)n < cap) snprintf(buf + n, cap - (size_t)n, "]%s", d->strides[0] == 1 && d->ndim > 1 ? " (transposed view)" : "");
+  if (n > 0 && (size_t)n < cap)
+    snprintf(buf + n, cap - (size_t)n, "]%s", d->strides[0] == 1 && d->ndim > 1 ? " (transposed view)" : "");
   return buf;
 }
 
@@ -191,7 +199,8 @@ int demo_producer_main(int tensors) {
   /* The producer's own copy must be intact too: sharing must never cost data. */
   long long damaged = 0, bad_k = 0;
   for (int i = 0; i < tensors; i++)
-    damaged += check_or_fill((char *)tshare_host_buffer_data(seg[i % 2]) + desc[i].byte_offset, &desc[i], i, false, &bad_k) != 0;
+    damaged += check_or_fill((char *)tshare_host_buffer_data(seg[i % 2]) + desc[i].byte_offset, &desc[i], i, false,
+                             &bad_k) != 0;
   printf("all %d consumers released every share; %zu still held; %lld tensors changed on this side\n", role.nchannels,
          held, damaged);
   tshare_role_report(&role, "shared", tensors);

@@ -101,13 +101,26 @@ static int role_main(int argc, char **argv) {
 int main(int argc, char **argv) {
   if (argc >= 3 && strcmp(argv[1], "__role") == 0) return role_main(argc, argv);
 
-  enum { OPT_TENSORS = 256, OPT_CONSUMERS, OPT_DEVICE, OPT_PRODUCER, OPT_CONSUMER, OPT_CHANNEL, OPT_TIMEOUT, OPT_GRACE };
-  static const struct option longopts[] = {
-      {"tensors", required_argument, NULL, OPT_TENSORS},   {"consumers", required_argument, NULL, OPT_CONSUMERS},
-      {"device", required_argument, NULL, OPT_DEVICE},     {"producer", required_argument, NULL, OPT_PRODUCER},
-      {"consumer", required_argument, NULL, OPT_CONSUMER}, {"channel", required_argument, NULL, OPT_CHANNEL},
-      {"timeout", required_argument, NULL, OPT_TIMEOUT},   {"grace", required_argument, NULL, OPT_GRACE},
-      {"help", no_argument, NULL, 'h'},                    {NULL, 0, NULL, 0}};
+  enum {
+    OPT_TENSORS = 256,
+    OPT_CONSUMERS,
+    OPT_DEVICE,
+    OPT_PRODUCER,
+    OPT_CONSUMER,
+    OPT_CHANNEL,
+    OPT_TIMEOUT,
+    OPT_GRACE
+  };
+  static const struct option longopts[] = {{"tensors", required_argument, NULL, OPT_TENSORS},
+                                           {"consumers", required_argument, NULL, OPT_CONSUMERS},
+                                           {"device", required_argument, NULL, OPT_DEVICE},
+                                           {"producer", required_argument, NULL, OPT_PRODUCER},
+                                           {"consumer", required_argument, NULL, OPT_CONSUMER},
+                                           {"channel", required_argument, NULL, OPT_CHANNEL},
+                                           {"timeout", required_argument, NULL, OPT_TIMEOUT},
+                                           {"grace", required_argument, NULL, OPT_GRACE},
+                                           {"help", no_argument, NULL, 'h'},
+                                           {NULL, 0, NULL, 0}};
   int tensors = 8, consumers = 1;
   const char *device = "auto", *producer_cmd = NULL, *consumer_cmd = NULL;
   launch_plan plan = {.consumers = 1, .channel = TSHARE_CHANNEL_SOCKET, .timeout_s = 0, .grace_s = 3.0};
@@ -117,7 +130,8 @@ int main(int argc, char **argv) {
   while ((opt = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
     switch (opt) {
     case OPT_TENSORS:
-      if (parse_count(optarg, 1, 1000, &tensors)) return usage_error("--tensors '%s': give a number from 1 to 1000", optarg);
+      if (parse_count(optarg, 1, 1000, &tensors))
+        return usage_error("--tensors '%s': give a number from 1 to 1000", optarg);
       break;
     case OPT_CONSUMERS:
       if (parse_count(optarg, 1, TSHARE_ROLE_CHANNELS_MAX, &consumers))
@@ -133,9 +147,12 @@ int main(int argc, char **argv) {
       consumer_cmd = optarg;
       break;
     case OPT_CHANNEL:
-      if (strcmp(optarg, "socket") == 0) plan.channel = TSHARE_CHANNEL_SOCKET;
-      else if (strcmp(optarg, "pipe") == 0) plan.channel = TSHARE_CHANNEL_PIPES;
-      else return usage_error("--channel '%s': use socket or pipe", optarg);
+      if (strcmp(optarg, "socket") == 0)
+        plan.channel = TSHARE_CHANNEL_SOCKET;
+      else if (strcmp(optarg, "pipe") == 0)
+        plan.channel = TSHARE_CHANNEL_PIPES;
+      else
+        return usage_error("--channel '%s': use socket or pipe", optarg);
       break;
     case OPT_TIMEOUT:
       if (parse_seconds(optarg, &plan.timeout_s)) return usage_error("--timeout '%s': give seconds > 0", optarg);

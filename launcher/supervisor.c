@@ -17,7 +17,7 @@
 #define LINE_MAX_BYTES 4096
 
 typedef struct line_buf {
-  int fd;         /* -1 once at EOF */
+  int fd; /* -1 once at EOF */
   size_t len;
   char data[LINE_MAX_BYTES];
 } line_buf;
@@ -25,7 +25,7 @@ typedef struct line_buf {
 enum { OUT_STDOUT, OUT_STDERR, OUT_REPORT, OUT_COUNT };
 
 typedef struct role_run {
-  char label[32];  /* "producer", "consumer 2" */
+  char label[32]; /* "producer", "consumer 2" */
   tshare_process *proc;
   pid_t pid;
   line_buf out[OUT_COUNT];
@@ -63,8 +63,10 @@ static void handle_report(role_run *r, const char *text, size_t n) {
   char line[128];
   snprintf(line, sizeof line, "%.*s", (int)(n < sizeof line ? n : sizeof line - 1), text);
   long long v;
-  if (sscanf(line, "shared=%lld", &v) == 1) r->shared = v;
-  else if (sscanf(line, "verified=%lld", &v) == 1) r->verified = v;
+  if (sscanf(line, "shared=%lld", &v) == 1)
+    r->shared = v;
+  else if (sscanf(line, "verified=%lld", &v) == 1)
+    r->verified = v;
 }
 
 static void take_lines(role_run *r, int stream, bool at_eof) {
@@ -72,14 +74,18 @@ static void take_lines(role_run *r, int stream, bool at_eof) {
   size_t start = 0;
   for (size_t i = 0; i < b->len; i++) {
     if (b->data[i] != '\n') continue;
-    if (stream == OUT_REPORT) handle_report(r, b->data + start, i - start);
-    else emit_line(r, stream, b->data + start, i - start);
+    if (stream == OUT_REPORT)
+      handle_report(r, b->data + start, i - start);
+    else
+      emit_line(r, stream, b->data + start, i - start);
     start = i + 1;
   }
   /* A line longer than the buffer, or the last line without '\n', goes as is. */
   if ((start == 0 && b->len == sizeof b->data) || (at_eof && start < b->len)) {
-    if (stream == OUT_REPORT) handle_report(r, b->data + start, b->len - start);
-    else emit_line(r, stream, b->data + start, b->len - start);
+    if (stream == OUT_REPORT)
+      handle_report(r, b->data + start, b->len - start);
+    else
+      emit_line(r, stream, b->data + start, b->len - start);
     start = b->len;
   }
   memmove(b->data, b->data + start, b->len - start);
@@ -154,8 +160,8 @@ static void print_summary(const role_run *roles, int n, double wall_s) {
 /* The whole job: roles, their channels, and how the run is going. */
 typedef struct job {
   const launch_plan *plan;
-  int nroles;           /* producer + consumers */
-  int started;          /* roles [0, started) were spawned */
+  int nroles;  /* producer + consumers */
+  int started; /* roles [0, started) were spawned */
   role_run *roles;
   double t0;
   bool tearing_down;
@@ -282,8 +288,10 @@ static int start_role(job *j, int i, int (*chan)[4], int devnull) {
   memset(&f, 0, sizeof f);
   bool producer = i == 0;
   int rank = producer ? 0 : i - 1;
-  if (producer) snprintf(r->label, sizeof r->label, "producer");
-  else snprintf(r->label, sizeof r->label, "consumer %d", rank);
+  if (producer)
+    snprintf(r->label, sizeof r->label, "producer");
+  else
+    snprintf(r->label, sizeof r->label, "consumer %d", rank);
   int pipes[OUT_COUNT][2];
   for (int s = 0; s < OUT_COUNT; s++) {
     if (pipe2(pipes[s], O_CLOEXEC) != 0) {
@@ -313,7 +321,11 @@ static int start_role(job *j, int i, int (*chan)[4], int devnull) {
   snprintf(f.report_env, sizeof f.report_env, TSHARE_ENV_REPORT_FD "=%d", report_fd);
   char *env[] = {role_env, rank_env, consumers_env, channels_env, f.report_env, NULL};
   char **argv = producer ? plan->producer_argv : plan->consumer_argv;
-  tshare_spawn_options o = {.file = argv[0], .argv = argv, .env_set = env, .fds = f.map, .nfds = f.n,
+  tshare_spawn_options o = {.file = argv[0],
+                            .argv = argv,
+                            .env_set = env,
+                            .fds = f.map,
+                            .nfds = f.n,
                             .flags = TSHARE_SPAWN_NEW_PROCESS_GROUP};
   tshare_error err;
   r->start_s = now_s();
@@ -367,8 +379,10 @@ static void run_until_done(job *j) {
     double now = now_s();
     if (all_ended) {
       if (!outputs_open(j)) return;
-      if (drain_deadline == 0) drain_deadline = now + 0.5;
-      else if (now >= drain_deadline) return; /* something outside the roles holds a pipe */
+      if (drain_deadline == 0)
+        drain_deadline = now + 0.5;
+      else if (now >= drain_deadline)
+        return; /* something outside the roles holds a pipe */
     }
     if (timeout_at > 0 && now >= timeout_at && !j->tearing_down) {
       j->timed_out = true;
@@ -426,7 +440,7 @@ static int report_outcome(const job *j, double wall) {
 int launch_run(const launch_plan *plan) {
   job j = {.plan = plan, .nroles = plan->consumers + 1, .t0 = now_s(), .first_failure = -1, .not_started = -1};
   j.roles = calloc((size_t)j.nroles, sizeof *j.roles);
-  int (*chan)[4] = calloc((size_t)plan->consumers, sizeof *chan);
+  int(*chan)[4] = calloc((size_t)plan->consumers, sizeof *chan);
   if (!j.roles || !chan || pipe2(signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
     fprintf(stderr, "tshare-launch: cannot set up: %s\n", strerror(errno));
     return LAUNCH_ROLE_FAILED;

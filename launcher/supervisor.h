@@ -8,7 +8,7 @@
 /* Exit codes of tshare-launch. */
 enum {
   LAUNCH_OK = 0,
-  LAUNCH_ROLE_FAILED = 1,  /* a role failed, or the demo found data not intact */
+  LAUNCH_ROLE_FAILED = 1, /* a role failed, or the demo found data not intact */
   LAUNCH_USAGE = 2,
   LAUNCH_TIMEOUT = 124,
   LAUNCH_NOT_STARTED = 127 /* a role's program could not be started */

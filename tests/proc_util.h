@@ -68,11 +68,10 @@ static inline int wait_child(pid_t pid) {
   return st;
 }
 
-#define CHECK_CHILD_OK(pid)                                                  \
-  do {                                                                       \
-    int st_ = wait_child(pid);                                               \
-    if (!WIFEXITED(st_) || WEXITSTATUS(st_) != 0)                            \
-      TS_FAIL("child %d ended with status 0x%x", (int)(pid), st_);           \
+#define CHECK_CHILD_OK(pid)                                                                                            \
+  do {                                                                                                                 \
+    int st_ = wait_child(pid);                                                                                         \
+    if (!WIFEXITED(st_) || WEXITSTATUS(st_) != 0) TS_FAIL("child %d ended with status 0x%x", (int)(pid), st_);         \
   } while (0)
 
 static inline int count_open_fds(void) {

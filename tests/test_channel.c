@@ -93,7 +93,6 @@ TS_TEST(socket_frames_with_and_without_fds) {
 
 /* ---- pipes ---------------------------------------------------------------- */
 
-
 static void pipe_child(int unused) {
   (void)unused;
   int rfd, wfd;
@@ -302,17 +301,11 @@ static void expect_refusal(int patch, int want, const char *words) {
   CHECK_CHILD_OK(pid); /* the peer was told why */
 }
 
-TS_TEST(hello_refuses_other_major_version) {
-  expect_refusal(1, TSHARE_E_VERSION, "version 2.x");
-}
+TS_TEST(hello_refuses_other_major_version) { expect_refusal(1, TSHARE_E_VERSION, "version 2.x"); }
 
-TS_TEST(hello_refuses_other_boot) {
-  expect_refusal(2, TSHARE_E_PEER_MISMATCH, "boot");
-}
+TS_TEST(hello_refuses_other_boot) { expect_refusal(2, TSHARE_E_PEER_MISMATCH, "boot"); }
 
-TS_TEST(hello_refuses_garbage) {
-  expect_refusal(3, TSHARE_E_BAD_MAGIC, "magic");
-}
+TS_TEST(hello_refuses_garbage) { expect_refusal(3, TSHARE_E_BAD_MAGIC, "magic"); }
 
 /* ---- signals during blocking calls ------------------------------------------ */
 

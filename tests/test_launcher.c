@@ -92,7 +92,8 @@ static void expect_no_process_left(void) {
     char label[32];
     if (sscanf(line, "producer %d", &pid) == 1 || sscanf(line, "consumer %*d %d", &pid) == 1) {
     } else if (sscanf(line, "[%31[^]]] grandchild %d", label, &pid) == 2) {
-    } else continue;
+    } else
+      continue;
     if (pid <= 0) continue;
     for (int i = 0; i < 200 && !pid_gone(pid); i++) usleep(10000);
     if (!pid_gone(pid)) TS_FAIL("process %d is still running", pid);
@@ -231,8 +232,11 @@ TS_TEST(c_examples_end_to_end) {
 }
 
 TS_TEST(role_exiting_3_fails_the_launch) {
-  char *args[] = {"--producer", "sh -c 'sleep 30 & echo grandchild $!; wait'", "--consumer", "sh -c 'exit 3'",
-                  "--consumers", "2", "--grace", "0.5", NULL};
+  char *args[] = {"--producer",  "sh -c 'sleep 30 & echo grandchild $!; wait'",
+                  "--consumer",  "sh -c 'exit 3'",
+                  "--consumers", "2",
+                  "--grace",     "0.5",
+                  NULL};
   run_launcher(args);
   expect_exit(1);
   expect_output("exited with status 3; the other roles were stopped");
@@ -250,7 +254,10 @@ TS_TEST(role_killed_by_signal_fails_the_launch) {
 }
 
 TS_TEST(role_ignoring_sigterm_is_killed_after_grace) {
-  char *args[] = {"--producer", "sh -c 'trap \"\" TERM; sleep 30; exit 0'", "--consumer", "sh -c 'sleep 0.3; exit 1'", "--grace", "0.3", NULL};
+  char *args[] = {"--producer", "sh -c 'trap \"\" TERM; sleep 30; exit 0'",
+                  "--consumer", "sh -c 'sleep 0.3; exit 1'",
+                  "--grace",    "0.3",
+                  NULL};
   run_launcher(args);
   expect_exit(1);
   expect_output("still running after 0.3 s; killing it");
@@ -268,7 +275,8 @@ TS_TEST(missing_binary_is_named) {
 
 TS_TEST(timeout_stops_everything) {
   char *args[] = {"--producer", "sleep 30", "--consumer", "sh -c 'sleep 30 & echo grandchild $!; wait'",
-                  "--timeout", "0.5", "--grace", "0.3", NULL};
+                  "--timeout",  "0.5",      "--grace",    "0.3",
+                  NULL};
   run_launcher(args);
   expect_exit(124);
   expect_output("timeout after 0.5 s");
@@ -276,8 +284,11 @@ TS_TEST(timeout_stops_everything) {
 }
 
 TS_TEST(sigint_is_forwarded_and_everything_stops) {
-  char *args[] = {"--producer", "sh -c 'sleep 30 & echo grandchild $!; wait'", "--consumer", "sleep 30",
-                  "--consumers", "2", "--grace", "0.5", NULL};
+  char *args[] = {"--producer",  "sh -c 'sleep 30 & echo grandchild $!; wait'",
+                  "--consumer",  "sleep 30",
+                  "--consumers", "2",
+                  "--grace",     "0.5",
+                  NULL};
   run_launcher_sig(args, SIGINT, 400);
   expect_exit(128 + SIGINT);
   expect_output("got SIGINT; forwarding it to the roles");

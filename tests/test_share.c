@@ -34,8 +34,7 @@ static const tshare_dtype I64 = {TSHARE_DTYPE_INT, 64, 1};
 static void consumer_checks_contents(int fd) {
   tshare_channel *ch = open_sock(fd, "consumer", NULL, NULL);
   tshare_view *v[3];
-  for (int i = 0; i < 3; i++)
-    CHECK_RC(tshare_view_recv(ch, 5000, &v[i]), TSHARE_OK, tshare_channel_last_error(ch));
+  for (int i = 0; i < 3; i++) CHECK_RC(tshare_view_recv(ch, 5000, &v[i]), TSHARE_OK, tshare_channel_last_error(ch));
   /* 0: 1000 floats, value 0.5*i */
   CHECK(strcmp(tshare_view_tag(v[0]), "floats") == 0);
   const float *f = tshare_view_data(v[0]);
@@ -143,8 +142,10 @@ static void count_releases(void *user, uint64_t id, void *user_data, int status)
   (void)user;
   (void)id;
   (void)user_data;
-  if (status == TSHARE_OK) released_ok++;
-  else released_dropped++;
+  if (status == TSHARE_OK)
+    released_ok++;
+  else
+    released_dropped++;
 }
 
 static void consumer_holds_then_releases(int fd) {
@@ -205,7 +206,8 @@ TS_TEST(consumer_killed_mid_stream_frees_everything) {
   tshare_channel *ch = open_sock(sock, "producer", count_releases, NULL);
   int fds_before = count_open_fds();
   tshare_host_buffer *bufs[4];
-  for (int b = 0; b < 4; b++) CHECK_RC(tshare_host_buffer_create(1 << 16, "tshare-test-stream", &bufs[b], NULL), TSHARE_OK, "");
+  for (int b = 0; b < 4; b++)
+    CHECK_RC(tshare_host_buffer_create(1 << 16, "tshare-test-stream", &bufs[b], NULL), TSHARE_OK, "");
   int sent = 0, rc = TSHARE_OK;
   for (; sent < STREAM; sent++) {
     tshare_tensor_desc t = desc_1d(F32, 16, (uint64_t)(sent % 100) * 64);

@@ -196,7 +196,8 @@ TS_TEST(terminate_escalates_to_sigkill_and_takes_the_group) {
 }
 
 TS_TEST(terminate_lets_a_cooperative_child_exit) {
-  tshare_process *p = run_sh("trap 'exit 7' TERM; while :; do sleep 0.01; done", NULL, 0, TSHARE_SPAWN_NEW_PROCESS_GROUP);
+  tshare_process *p =
+      run_sh("trap 'exit 7' TERM; while :; do sleep 0.01; done", NULL, 0, TSHARE_SPAWN_NEW_PROCESS_GROUP);
   usleep(100000); /* let the shell install its trap */
   tshare_exit_status st;
   CHECK_RC(tshare_process_terminate(p, 5000, &st), TSHARE_OK, "");

@@ -206,8 +206,8 @@ TS_TEST(newer_minor_with_trailing_fields_is_accepted) {
   f.type = TSHARE_FRAME_BYE;
   uint8_t buf[TSHARE_WIRE_FRAME_MAX];
   size_t len = encode(&f, buf);
-  buf[5] = TSHARE_WIRE_MINOR + 3;        /* a newer minor ... */
-  put_u32(buf + 8, 4 + 6);               /* ... that appended 6 bytes to bye */
+  buf[5] = TSHARE_WIRE_MINOR + 3; /* a newer minor ... */
+  put_u32(buf + 8, 4 + 6);        /* ... that appended 6 bytes to bye */
   memset(buf + len, 0xee, 6);
   CHECK_RC(decode(buf, len + 6, &g), TSHARE_OK, "");
   CHECK_EQ(g.minor, TSHARE_WIRE_MINOR + 3);

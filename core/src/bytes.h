@@ -21,7 +21,10 @@ typedef struct ts_reader {
 } ts_reader;
 
 static inline void ts_put_bytes(ts_writer *w, const void *src, size_t n) {
-  if (w->overflow || n > w->left) { w->overflow = true; return; }
+  if (w->overflow || n > w->left) {
+    w->overflow = true;
+    return;
+  }
   if (n) memcpy(w->p, src, n);
   w->p += n;
   w->left -= n;

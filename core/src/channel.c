@@ -142,8 +142,8 @@ static void fdq_push(tshare_channel *ch, int fd) {
   if (ch->fdq_len == TS_FD_QUEUE_MAX) { /* a peer flooding fds without frames */
     close(fd);
     if (!ch->broken)
-      ch->broken = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "receive: more than %d unclaimed fds",
-                           TS_FD_QUEUE_MAX);
+      ch->broken =
+          ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "receive: more than %d unclaimed fds", TS_FD_QUEUE_MAX);
     return;
   }
   ch->fdq[(ch->fdq_head + ch->fdq_len++) % TS_FD_QUEUE_MAX] = fd;
@@ -186,8 +186,7 @@ static int read_some(tshare_channel *ch, int64_t deadline) {
     uint8_t *space;
     size_t avail;
     int rc = tshare_decoder_space(ch->dec, &space, &avail);
-    if (rc != TSHARE_OK)
-      return ts_errf(ch->err, sizeof ch->err, rc, "receive: %s", tshare_decoder_last_error(ch->dec));
+    if (rc != TSHARE_OK) return ts_errf(ch->err, sizeof ch->err, rc, "receive: %s", tshare_decoder_last_error(ch->dec));
     ssize_t r;
     if (ch->kind == TSHARE_CHANNEL_SOCKET) {
       struct iovec iov = {.iov_base = space, .iov_len = avail};
@@ -225,9 +224,10 @@ static int read_some(tshare_channel *ch, int64_t deadline) {
     if (r == 0) {
       size_t pending = tshare_decoder_pending(ch->dec);
       if (pending)
-        return ch->broken = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED,
-                                    "receive: peer '%s' (pid %u) closed the channel mid-frame (%zu bytes of a frame read)",
-                                    ch->peer.name, ch->peer.pid, pending);
+        return ch->broken =
+                   ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED,
+                           "receive: peer '%s' (pid %u) closed the channel mid-frame (%zu bytes of a frame read)",
+                           ch->peer.name, ch->peer.pid, pending);
       return ch->broken = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED,
                                   "receive: peer '%s' (pid %u) closed the channel", ch->peer.name, ch->peer.pid);
     }
@@ -263,11 +263,11 @@ int ts_channel_recv_raw(tshare_channel *ch, tshare_frame *f, int *fd_out, int ti
     }
     if (rc < 0) {
       if (ch->peer.pid)
-        ch->broken = ts_errf(ch->err, sizeof ch->err, rc, "frame from '%s' (pid %u): %s", ch->peer.name,
-                             ch->peer.pid, tshare_decoder_last_error(ch->dec));
-      else
-        ch->broken = ts_errf(ch->err, sizeof ch->err, rc, "first frame from the peer: %s",
+        ch->broken = ts_errf(ch->err, sizeof ch->err, rc, "frame from '%s' (pid %u): %s", ch->peer.name, ch->peer.pid,
                              tshare_decoder_last_error(ch->dec));
+      else
+        ch->broken =
+            ts_errf(ch->err, sizeof ch->err, rc, "first frame from the peer: %s", tshare_decoder_last_error(ch->dec));
       /* Tell the peer why we are hanging up; it may be a version skew. */
       tshare_channel_send_error(ch, rc, ch->err);
       return rc;
@@ -287,7 +287,10 @@ static int read_boot_id(uint8_t out[16]) {
   int k = 0;
   for (size_t i = 0; i < n && k < 32; i++) {
     char c = text[i];
-    int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+    int v = c >= '0' && c <= '9'   ? c - '0'
+            : c >= 'a' && c <= 'f' ? c - 'a' + 10
+            : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                   : -1;
     if (v < 0) continue;
     out[k / 2] = (uint8_t)(out[k / 2] | (k % 2 ? v : v << 4));
     k++;
@@ -375,20 +378,24 @@ static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare
   ch->rfd = rfd;
   ch->wfd = wfd;
   ch->next_share_id = 1;
-  if (opts) ch->opts = *opts;
-  else tshare_channel_options_init(&ch->opts);
+  if (opts)
+    ch->opts = *opts;
+  else
+    tshare_channel_options_init(&ch->opts);
   snprintf(ch->name, sizeof ch->name, "%s", ch->opts.name ? ch->opts.name : "tshare");
   ch->limits = ch->opts.limits ? *ch->opts.limits : tshare_wire_limits_default();
   ch->opts.limits = NULL; /* the caller's struct need not outlive this call */
   snprintf(ch->peer.name, sizeof ch->peer.name, "?");
   int rc = TSHARE_OK;
   ch->dec = tshare_decoder_create(&ch->limits);
-  if (!ch->dec) rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "channel: out of memory");
-  else if (ch->wake_fd < 0) rc = ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "channel: eventfd");
-  else if (rfd < 0 || wfd < 0) rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "channel: bad fd");
+  if (!ch->dec)
+    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "channel: out of memory");
+  else if (ch->wake_fd < 0)
+    rc = ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "channel: eventfd");
+  else if (rfd < 0 || wfd < 0)
+    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "channel: bad fd");
   else if (set_nonblocking(rfd) != 0 || set_nonblocking(wfd) != 0)
-    rc = ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "channel: fcntl(O_NONBLOCK) on fd %d/%d",
-                   rfd, wfd);
+    rc = ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "channel: fcntl(O_NONBLOCK) on fd %d/%d", rfd, wfd);
   else if (kind == TSHARE_CHANNEL_SOCKET) {
     int type = 0;
     socklen_t len = sizeof type;
@@ -406,13 +413,12 @@ static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare
   return TSHARE_OK;
 }
 
-int tshare_channel_open_socket(int fd, const tshare_channel_options *opts, tshare_channel **out,
-                               tshare_error *err) {
+int tshare_channel_open_socket(int fd, const tshare_channel_options *opts, tshare_channel **out, tshare_error *err) {
   return open_channel(TSHARE_CHANNEL_SOCKET, fd, fd, opts, out, err);
 }
 
-int tshare_channel_open_pipes(int read_fd, int write_fd, const tshare_channel_options *opts,
-                              tshare_channel **out, tshare_error *err) {
+int tshare_channel_open_pipes(int read_fd, int write_fd, const tshare_channel_options *opts, tshare_channel **out,
+                              tshare_error *err) {
   return open_channel(TSHARE_CHANNEL_PIPES, read_fd, write_fd, opts, out, err);
 }
 

@@ -12,8 +12,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define TS_FD_QUEUE_MAX 64       /* fds received but not yet claimed by a frame */
-#define TS_INCOMING_MAX 4096     /* shares received but not yet taken by view_recv */
+#define TS_FD_QUEUE_MAX 64   /* fds received but not yet claimed by a frame */
+#define TS_INCOMING_MAX 4096 /* shares received but not yet taken by view_recv */
 
 /* What a sent share keeps alive; release() runs once when the peer releases it
  * or the channel ends. */
@@ -39,22 +39,22 @@ typedef struct ts_incoming {
 } ts_incoming;
 
 struct tshare_channel {
-  atomic_int refs;          /* the user's handle + one per live view */
-  pthread_mutex_t send_lock;/* one frame write at a time */
-  pthread_mutex_t lock;     /* mappings, pending releases, closed flag */
+  atomic_int refs;           /* the user's handle + one per live view */
+  pthread_mutex_t send_lock; /* one frame write at a time */
+  pthread_mutex_t lock;      /* mappings, pending releases, closed flag */
 
   tshare_channel_kind kind;
-  int rfd, wfd;             /* equal for sockets; -1 once closed */
-  int wake_fd;              /* eventfd: a release is queued; written and closed under lock */
-  bool closed;              /* the user closed it; views may still live */
-  int broken;               /* sticky receive-side failure, 0 if none */
+  int rfd, wfd; /* equal for sockets; -1 once closed */
+  int wake_fd;  /* eventfd: a release is queued; written and closed under lock */
+  bool closed;  /* the user closed it; views may still live */
+  int broken;   /* sticky receive-side failure, 0 if none */
   bool peer_bye;
   char err[TSHARE_ERROR_MSG_MAX];
 
   tshare_decoder *dec;
   tshare_wire_limits limits;
   tshare_hello self, peer;
-  uint8_t minor;            /* agreed: min(ours, peer's) */
+  uint8_t minor; /* agreed: min(ours, peer's) */
   tshare_channel_options opts;
   char name[TSHARE_HELLO_NAME_MAX + 1];
 
@@ -66,10 +66,10 @@ struct tshare_channel {
   ts_u64map exports;
 
   /* consumer side */
-  ts_u64map mappings;       /* alloc_id -> ts_mapping, under lock */
-  uint64_t *pending;        /* share ids released but not yet sent, under lock */
+  ts_u64map mappings; /* alloc_id -> ts_mapping, under lock */
+  uint64_t *pending;  /* share ids released but not yet sent, under lock */
   size_t npending, pending_cap;
-  ts_incoming *incoming;    /* ring of received shares */
+  ts_incoming *incoming; /* ring of received shares */
   size_t in_head, in_len, in_cap;
 };
 
@@ -92,7 +92,7 @@ void ts_host_buffer_release(void *buf);
 
 /* time.c */
 int64_t ts_now_ms(void);
-int64_t ts_deadline(int timeout_ms);       /* -1: none */
-int ts_remaining(int64_t deadline);        /* -1 none, 0 expired, else ms */
+int64_t ts_deadline(int timeout_ms); /* -1: none */
+int ts_remaining(int64_t deadline);  /* -1 none, 0 expired, else ms */
 
 #endif

@@ -68,8 +68,7 @@ int ts_errsys(char *buf, size_t cap, int status, int err, const char *fmt, ...) 
     va_start(ap, fmt);
     int n = vsnprintf(buf, cap, fmt, ap);
     va_end(ap);
-    if (n >= 0 && (size_t)n < cap)
-      snprintf(buf + n, cap - (size_t)n, ": %s (errno %d)", strerror(err), err);
+    if (n >= 0 && (size_t)n < cap) snprintf(buf + n, cap - (size_t)n, ": %s (errno %d)", strerror(err), err);
   }
   return status;
 }
@@ -77,6 +76,5 @@ int ts_errsys(char *buf, size_t cap, int status, int err, const char *fmt, ...) 
 void ts_error_fill(tshare_error *out, int status, const char *detail) {
   if (!out) return;
   out->code = (tshare_status)status;
-  snprintf(out->message, sizeof out->message, "%s",
-           detail && detail[0] ? detail : tshare_status_str(status));
+  snprintf(out->message, sizeof out->message, "%s", detail && detail[0] ? detail : tshare_status_str(status));
 }

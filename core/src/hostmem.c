@@ -41,7 +41,8 @@ int tshare_host_buffer_create(size_t size, const char *name, tshare_host_buffer 
   }
   int rc = TSHARE_OK;
   b->fd = memfd_create(name ? name : "tshare", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (b->fd < 0) rc = ts_errsys(msg, sizeof msg, TSHARE_E_SYSTEM, errno, "host buffer: memfd_create");
+  if (b->fd < 0)
+    rc = ts_errsys(msg, sizeof msg, TSHARE_E_SYSTEM, errno, "host buffer: memfd_create");
   else if (ftruncate(b->fd, (off_t)rounded) != 0)
     rc = ts_errsys(msg, sizeof msg, TSHARE_E_SYSTEM, errno, "host buffer: ftruncate(%zu)", rounded);
   /* Sealed so no process holding the fd can shrink it under another's mapping. */

@@ -66,7 +66,8 @@ int tshare_role_from_env(tshare_role *role, tshare_error *err) {
         return bad(err, TSHARE_ENV_CHANNEL_FDS, list, "an entry is not N or R:W");
     } else {
       c->kind = TSHARE_CHANNEL_SOCKET;
-      if (parse_int(item, 0, INT_MAX, &c->read_fd)) return bad(err, TSHARE_ENV_CHANNEL_FDS, list, "an entry is not N or R:W");
+      if (parse_int(item, 0, INT_MAX, &c->read_fd))
+        return bad(err, TSHARE_ENV_CHANNEL_FDS, list, "an entry is not N or R:W");
       c->write_fd = c->read_fd;
     }
     if (!fd_open(c->read_fd) || !fd_open(c->write_fd))
@@ -78,8 +79,8 @@ int tshare_role_from_env(tshare_role *role, tshare_error *err) {
   return TSHARE_OK;
 }
 
-int tshare_role_open_channel(tshare_role *role, int index, const tshare_channel_options *opts,
-                             tshare_channel **out, tshare_error *err) {
+int tshare_role_open_channel(tshare_role *role, int index, const tshare_channel_options *opts, tshare_channel **out,
+                             tshare_error *err) {
   *out = NULL;
   if (!role || index < 0 || index >= role->nchannels) {
     ts_error_fill(err, TSHARE_E_INVALID_ARG, "role: no such channel index");
@@ -92,8 +93,10 @@ int tshare_role_open_channel(tshare_role *role, int index, const tshare_channel_
   }
   tshare_channel_options o;
   char name[48];
-  if (opts) o = *opts;
-  else tshare_channel_options_init(&o);
+  if (opts)
+    o = *opts;
+  else
+    tshare_channel_options_init(&o);
   if (!opts || !opts->name) {
     snprintf(name, sizeof name, "%s %d", role->name, role->rank);
     o.name = name;

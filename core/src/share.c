@@ -26,8 +26,8 @@ struct tshare_view {
 
 /* ---- producer side ------------------------------------------------------ */
 
-int tshare_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_tensor_desc *desc,
-                      const char *tag, void *user_data, int timeout_ms, uint64_t *share_id) {
+int tshare_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_tensor_desc *desc, const char *tag,
+                      void *user_data, int timeout_ms, uint64_t *share_id) {
   if (share_id) *share_id = 0;
   if (!ch || !buf || !desc) return TSHARE_E_INVALID_ARG;
   if (ch->closed || ch->wfd < 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: channel is closed");
@@ -253,8 +253,8 @@ static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, i
     ch->peer_bye = true;
     return TSHARE_END;
   case TSHARE_FRAME_ERROR:
-    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_ERROR, "peer '%s' (pid %u) reported %s: %s",
-                   ch->peer.name, ch->peer.pid, tshare_status_name(f.u.error.code), f.u.error.message);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_ERROR, "peer '%s' (pid %u) reported %s: %s", ch->peer.name,
+                   ch->peer.pid, tshare_status_name(f.u.error.code), f.u.error.message);
   default: /* a second hello */
     if (frame_fd >= 0) close(frame_fd);
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "receive: unexpected %s frame",
@@ -285,7 +285,7 @@ int tshare_channel_wait_released(tshare_channel *ch, uint64_t share_id, int time
     bool got;
     int rc = drive_once(ch, ts_remaining(deadline), NULL, NULL, &got);
     if (rc == TSHARE_E_PEER_CLOSED) return TSHARE_OK; /* everything it held was dropped */
-    if (rc == TSHARE_END) continue; /* a peer that said bye still sends its releases */
+    if (rc == TSHARE_END) continue;                   /* a peer that said bye still sends its releases */
     if (rc != TSHARE_OK) {
       if (rc == TSHARE_E_TIMEOUT)
         ts_errf(ch->err, sizeof ch->err, rc, "wait for release: %zu shares still held by '%s' (pid %u)",
@@ -297,8 +297,9 @@ int tshare_channel_wait_released(tshare_channel *ch, uint64_t share_id, int time
 
 static int import_host(tshare_channel *ch, const tshare_share_frame *s, int fd, tshare_view *v) {
   struct stat st;
-  if (fd < 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "import: share %llu has no fd",
-                             (unsigned long long)s->share_id);
+  if (fd < 0)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "import: share %llu has no fd",
+                   (unsigned long long)s->share_id);
   if (fstat(fd, &st) != 0) return ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "import: fstat");
   int seals = fcntl(fd, F_GET_SEALS);
   if (seals < 0 || !(seals & F_SEAL_SHRINK))

@@ -34,8 +34,7 @@ static int resolve_program(const char *file, char *path, size_t cap, char *msg, 
   if (strchr(file, '/')) {
     struct stat st;
     if (stat(file, &st) != 0)
-      return ts_errsys(msg, msg_cap, errno == ENOENT ? TSHARE_E_NOT_FOUND : TSHARE_E_SPAWN, errno, "spawn '%s'",
-                       file);
+      return ts_errsys(msg, msg_cap, errno == ENOENT ? TSHARE_E_NOT_FOUND : TSHARE_E_SPAWN, errno, "spawn '%s'", file);
     if (S_ISDIR(st.st_mode)) return ts_errf(msg, msg_cap, TSHARE_E_SPAWN, "spawn '%s': is a directory", file);
     if (access(file, X_OK) != 0) return ts_errsys(msg, msg_cap, TSHARE_E_SPAWN, errno, "spawn '%s'", file);
     snprintf(path, cap, "%s", file);
@@ -220,8 +219,7 @@ int tshare_process_wait(tshare_process *p, int timeout_ms, tshare_exit_status *s
 int tshare_process_signal(tshare_process *p, int sig) {
   if (!p) return TSHARE_E_INVALID_ARG;
   if (p->status.kind != TSHARE_EXIT_RUNNING) return TSHARE_E_STATE;
-  if (kill(p->group ? -p->pid : p->pid, sig) != 0 && !(p->group && kill(p->pid, sig) == 0))
-    return TSHARE_E_SYSTEM;
+  if (kill(p->group ? -p->pid : p->pid, sig) != 0 && !(p->group && kill(p->pid, sig) == 0)) return TSHARE_E_SYSTEM;
   return TSHARE_OK;
 }
 

@@ -75,17 +75,16 @@ tshare_tensor_desc tshare_tensor_contiguous(tshare_dtype dtype, int32_t ndim, co
   return d;
 }
 
-int tshare_tensor_check(const tshare_tensor_desc *desc, uint64_t alloc_size,
-                        uint64_t *span_begin, uint64_t *span_end, char *err, size_t err_cap) {
+int tshare_tensor_check(const tshare_tensor_desc *desc, uint64_t alloc_size, uint64_t *span_begin, uint64_t *span_end,
+                        char *err, size_t err_cap) {
   if (!desc) return ts_errf(err, err_cap, TSHARE_E_INVALID_ARG, "tensor descriptor is NULL");
   size_t itemsize = tshare_dtype_itemsize(desc->dtype);
   if (itemsize == 0)
     return ts_errf(err, err_cap, TSHARE_E_MALFORMED,
-                   "dtype {code %u, bits %u, lanes %u} is not a supported element type",
-                   (unsigned)desc->dtype.code, (unsigned)desc->dtype.bits, (unsigned)desc->dtype.lanes);
+                   "dtype {code %u, bits %u, lanes %u} is not a supported element type", (unsigned)desc->dtype.code,
+                   (unsigned)desc->dtype.bits, (unsigned)desc->dtype.lanes);
   if (desc->ndim < 0 || desc->ndim > TSHARE_MAX_NDIM)
-    return ts_errf(err, err_cap, TSHARE_E_TOO_LARGE, "ndim %d outside 0..%d", (int)desc->ndim,
-                   TSHARE_MAX_NDIM);
+    return ts_errf(err, err_cap, TSHARE_E_TOO_LARGE, "ndim %d outside 0..%d", (int)desc->ndim, TSHARE_MAX_NDIM);
 
   /* Element offsets (in elements, relative to element [0..0]) reached by the
    * view lie in [lo, hi]; negative strides move lo down. */
@@ -93,8 +92,7 @@ int tshare_tensor_check(const tshare_tensor_desc *desc, uint64_t alloc_size,
   int empty = 0;
   for (int i = 0; i < desc->ndim; i++) {
     if (desc->shape[i] < 0)
-      return ts_errf(err, err_cap, TSHARE_E_MALFORMED, "shape[%d] = %lld is negative", i,
-                     (long long)desc->shape[i]);
+      return ts_errf(err, err_cap, TSHARE_E_MALFORMED, "shape[%d] = %lld is negative", i, (long long)desc->shape[i]);
     if (desc->shape[i] == 0) empty = 1;
   }
   if (tshare_tensor_numel(desc) == 0 && !empty)
@@ -119,16 +117,14 @@ int tshare_tensor_check(const tshare_tensor_desc *desc, uint64_t alloc_size,
   uint64_t begin = desc->byte_offset, end = desc->byte_offset;
   if (!empty) {
     if ((uint64_t)(-lo_bytes) > desc->byte_offset)
-      return ts_errf(err, err_cap, TSHARE_E_OUT_OF_BOUNDS,
-                     "negative strides reach %lld bytes before byte_offset %llu", (long long)-lo_bytes,
-                     (unsigned long long)desc->byte_offset);
+      return ts_errf(err, err_cap, TSHARE_E_OUT_OF_BOUNDS, "negative strides reach %lld bytes before byte_offset %llu",
+                     (long long)-lo_bytes, (unsigned long long)desc->byte_offset);
     begin = desc->byte_offset - (uint64_t)(-lo_bytes);
     if (__builtin_add_overflow(desc->byte_offset, (uint64_t)hi_bytes, &end))
       return ts_errf(err, err_cap, TSHARE_E_OVERFLOW, "byte_offset + extent overflows");
     if (end > alloc_size)
-      return ts_errf(err, err_cap, TSHARE_E_OUT_OF_BOUNDS,
-                     "view ends at byte %llu, past allocation size %llu", (unsigned long long)end,
-                     (unsigned long long)alloc_size);
+      return ts_errf(err, err_cap, TSHARE_E_OUT_OF_BOUNDS, "view ends at byte %llu, past allocation size %llu",
+                     (unsigned long long)end, (unsigned long long)alloc_size);
   }
   if (span_begin) *span_begin = begin;
   if (span_end) *span_end = end;

@@ -66,8 +66,10 @@ int ts_u64map_put(ts_u64map *m, uint64_t key, void *value) {
     }
     if (m->keys[i] == DELETED && tomb == SIZE_MAX) tomb = i;
     if (m->keys[i] == EMPTY) {
-      if (tomb != SIZE_MAX) i = tomb;
-      else m->used++;
+      if (tomb != SIZE_MAX)
+        i = tomb;
+      else
+        m->used++;
       m->keys[i] = key;
       m->values[i] = value;
       m->count++;

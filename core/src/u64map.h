@@ -10,15 +10,15 @@
 typedef struct ts_u64map {
   uint64_t *keys; /* 0 = empty slot, UINT64_MAX = deleted */
   void **values;
-  size_t cap;     /* power of two or 0 */
+  size_t cap; /* power of two or 0 */
   size_t count;
-  size_t used;    /* live + deleted slots */
+  size_t used; /* live + deleted slots */
 } ts_u64map;
 
 void ts_u64map_free(ts_u64map *m);
 void *ts_u64map_get(const ts_u64map *m, uint64_t key);
 int ts_u64map_put(ts_u64map *m, uint64_t key, void *value); /* 0 ok, -1 out of memory */
-void *ts_u64map_remove(ts_u64map *m, uint64_t key);          /* the removed value or NULL */
+void *ts_u64map_remove(ts_u64map *m, uint64_t key);         /* the removed value or NULL */
 
 /* Iterate: for (size_t i = 0; ts_u64map_next(m, &i, &k, &v);) */
 int ts_u64map_next(const ts_u64map *m, size_t *pos, uint64_t *key, void **value);

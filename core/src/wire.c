@@ -32,30 +32,32 @@ static tshare_wire_limits clamp_limits(const tshare_wire_limits *in) {
 
 const char *tshare_frame_type_name(int type) {
   switch (type) {
-  case TSHARE_FRAME_HELLO: return "hello";
-  case TSHARE_FRAME_SHARE: return "share";
-  case TSHARE_FRAME_RELEASE: return "release";
-  case TSHARE_FRAME_BYE: return "bye";
-  case TSHARE_FRAME_ERROR: return "error";
-  default: return "unknown";
+  case TSHARE_FRAME_HELLO:
+    return "hello";
+  case TSHARE_FRAME_SHARE:
+    return "share";
+  case TSHARE_FRAME_RELEASE:
+    return "release";
+  case TSHARE_FRAME_BYE:
+    return "bye";
+  case TSHARE_FRAME_ERROR:
+    return "error";
+  default:
+    return "unknown";
   }
 }
 
 static bool type_known(int type) { return type >= TSHARE_FRAME_HELLO && type <= TSHARE_FRAME_ERROR; }
 
-static bool kind_takes_fd(int kind) {
-  return kind == TSHARE_MEM_HOST_MEMFD || kind == TSHARE_MEM_CUDA_FD;
-}
+static bool kind_takes_fd(int kind) { return kind == TSHARE_MEM_HOST_MEMFD || kind == TSHARE_MEM_CUDA_FD; }
 
-int tshare_wire_check_share(const tshare_share_frame *s, const tshare_wire_limits *limits_in,
-                            char *err, size_t cap) {
+int tshare_wire_check_share(const tshare_share_frame *s, const tshare_wire_limits *limits_in, char *err, size_t cap) {
   tshare_wire_limits limits = clamp_limits(limits_in);
   if (s->share_id == 0) return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: share_id is 0");
   switch (s->mem_kind) {
   case TSHARE_MEM_HOST_MEMFD:
     if (s->device_type != TSHARE_DEVICE_CPU)
-      return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: host memfd with device_type %u",
-                     (unsigned)s->device_type);
+      return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: host memfd with device_type %u", (unsigned)s->device_type);
     if (s->handle_len != 0)
       return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: host memfd carries %u handle bytes",
                      (unsigned)s->handle_len);
@@ -85,8 +87,7 @@ int tshare_wire_check_share(const tshare_share_frame *s, const tshare_wire_limit
   if (s->tag_len > limits.max_tag)
     return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "share: tag_len %u over max_tag %u", (unsigned)s->tag_len,
                    limits.max_tag);
-  if (memchr(s->tag, '\0', s->tag_len))
-    return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: tag contains a NUL byte");
+  if (memchr(s->tag, '\0', s->tag_len)) return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: tag contains a NUL byte");
   if (s->alloc_size > limits.max_alloc_size)
     return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "share: alloc_size %llu over max_alloc_size %llu",
                    (unsigned long long)s->alloc_size, (unsigned long long)limits.max_alloc_size);
@@ -147,8 +148,7 @@ static int encode_payload(const tshare_frame *f, ts_writer *w, char *err, size_t
   case TSHARE_FRAME_RELEASE: {
     const tshare_release_frame *r = &f->u.release;
     if (r->count == 0 || r->count > TSHARE_RELEASE_MAX)
-      return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "release: count %u outside 1..%d", r->count,
-                     TSHARE_RELEASE_MAX);
+      return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "release: count %u outside 1..%d", r->count, TSHARE_RELEASE_MAX);
     ts_put_u32(w, r->count);
     for (uint32_t i = 0; i < r->count; i++) ts_put_u64(w, r->share_ids[i]);
     return TSHARE_OK;
@@ -168,8 +168,7 @@ static int encode_payload(const tshare_frame *f, ts_writer *w, char *err, size_t
   }
 }
 
-int tshare_wire_encode(const tshare_frame *f, uint8_t *buf, size_t cap, size_t *len, char *err,
-                       size_t err_cap) {
+int tshare_wire_encode(const tshare_frame *f, uint8_t *buf, size_t cap, size_t *len, char *err, size_t err_cap) {
   if (!f || !buf || !len) return ts_errf(err, err_cap, TSHARE_E_INVALID_ARG, "encode: NULL argument");
   if (f->flags & ~TSHARE_FRAME_FLAGS_KNOWN)
     return ts_errf(err, err_cap, TSHARE_E_MALFORMED, "encode: unknown flags 0x%x", (unsigned)f->flags);
@@ -183,8 +182,7 @@ int tshare_wire_encode(const tshare_frame *f, uint8_t *buf, size_t cap, size_t *
                    tshare_frame_type_name(f->type), cap);
   size_t payload = (size_t)(w.p - (buf + TSHARE_WIRE_HEADER_SIZE));
   ts_writer h = {buf, TSHARE_WIRE_HEADER_SIZE, false};
-  const uint8_t magic[4] = {TSHARE_WIRE_MAGIC_0, TSHARE_WIRE_MAGIC_1, TSHARE_WIRE_MAGIC_2,
-                            TSHARE_WIRE_MAGIC_3};
+  const uint8_t magic[4] = {TSHARE_WIRE_MAGIC_0, TSHARE_WIRE_MAGIC_1, TSHARE_WIRE_MAGIC_2, TSHARE_WIRE_MAGIC_3};
   ts_put_bytes(&h, magic, 4);
   ts_put_u8(&h, TSHARE_WIRE_MAJOR);
   ts_put_u8(&h, TSHARE_WIRE_MINOR);
@@ -200,10 +198,10 @@ int tshare_wire_encode(const tshare_frame *f, uint8_t *buf, size_t cap, size_t *
 struct tshare_decoder {
   tshare_wire_limits limits;
   uint8_t *buf;
-  size_t cap;    /* header + max_payload */
-  size_t start;  /* first unconsumed byte */
-  size_t end;    /* one past the last buffered byte */
-  int failed;    /* sticky status after an error */
+  size_t cap;   /* header + max_payload */
+  size_t start; /* first unconsumed byte */
+  size_t end;   /* one past the last buffered byte */
+  int failed;   /* sticky status after an error */
   char err[TSHARE_ERROR_MSG_MAX];
 };
 
@@ -266,9 +264,9 @@ int tshare_decoder_feed(tshare_decoder *d, const void *bytes, size_t n) {
     src += take;
     n -= take;
     if (n > 0) /* more than one frame's worth: the caller must call next() between feeds */
-      return d->failed = ts_errf(d->err, sizeof d->err, TSHARE_E_TOO_LARGE,
-                                 "fed %zu bytes beyond the decoder's %zu-byte buffer; call next() between feeds",
-                                 n, d->cap);
+      return d->failed =
+                 ts_errf(d->err, sizeof d->err, TSHARE_E_TOO_LARGE,
+                         "fed %zu bytes beyond the decoder's %zu-byte buffer; call next() between feeds", n, d->cap);
   }
   return TSHARE_OK;
 }
@@ -291,8 +289,7 @@ static int decode_hello(tshare_decoder *d, ts_reader *r, tshare_hello *h) {
   if (name_len > TSHARE_HELLO_NAME_MAX)
     return fail(d, TSHARE_E_TOO_LARGE, "hello: name length %u over %d", name_len, TSHARE_HELLO_NAME_MAX);
   ts_get_bytes(r, h->name, name_len);
-  if (memchr(h->name, '\0', name_len))
-    return fail(d, TSHARE_E_MALFORMED, "hello: name contains a NUL byte");
+  if (memchr(h->name, '\0', name_len)) return fail(d, TSHARE_E_MALFORMED, "hello: name contains a NUL byte");
   uint8_t count = ts_get_u8(r);
   if (count > TSHARE_HELLO_DEVICES_MAX)
     return fail(d, TSHARE_E_TOO_LARGE, "hello: device_count %u over %d", count, TSHARE_HELLO_DEVICES_MAX);
@@ -359,19 +356,16 @@ int tshare_decoder_next(tshare_decoder *d, tshare_frame *out) {
   uint32_t length = ts_get_u32(&h);
   if (magic[0] != TSHARE_WIRE_MAGIC_0 || magic[1] != TSHARE_WIRE_MAGIC_1 || magic[2] != TSHARE_WIRE_MAGIC_2 ||
       magic[3] != TSHARE_WIRE_MAGIC_3)
-    return fail(d, TSHARE_E_BAD_MAGIC, "header: bad magic %02x %02x %02x %02x", magic[0], magic[1], magic[2],
-                magic[3]);
+    return fail(d, TSHARE_E_BAD_MAGIC, "header: bad magic %02x %02x %02x %02x", magic[0], magic[1], magic[2], magic[3]);
   if (major != TSHARE_WIRE_MAJOR)
     return fail(d, TSHARE_E_VERSION, "header: peer speaks wire version %u.x, this side speaks %d.x", major,
                 TSHARE_WIRE_MAJOR);
   if (!type_known(type))
     return fail(d, TSHARE_E_UNKNOWN_TYPE, "header: unknown frame type %u (wire %u.%u)", type, major, minor);
   if (flags & ~TSHARE_FRAME_FLAGS_KNOWN)
-    return fail(d, TSHARE_E_MALFORMED, "header: unknown flags 0x%x in a %s frame", flags,
-                tshare_frame_type_name(type));
+    return fail(d, TSHARE_E_MALFORMED, "header: unknown flags 0x%x in a %s frame", flags, tshare_frame_type_name(type));
   if (length > d->limits.max_payload)
-    return fail(d, TSHARE_E_TOO_LARGE, "header: payload length %u over max_payload %u", length,
-                d->limits.max_payload);
+    return fail(d, TSHARE_E_TOO_LARGE, "header: payload length %u over max_payload %u", length, d->limits.max_payload);
   if (have < TSHARE_WIRE_HEADER_SIZE + (size_t)length) return TSHARE_AGAIN;
 
   ts_reader r = {d->buf + d->start + TSHARE_WIRE_HEADER_SIZE, length, false};

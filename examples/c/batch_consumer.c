@@ -46,8 +46,8 @@ int main(void) {
       if (r == 0) first_mean = sum / (double)d->shape[1];
       last_mean = sum / (double)d->shape[1];
     }
-    printf("worker %d: %s [%lldx%lld] row means %.3f .. %.3f\n", role.rank, tshare_view_tag(v),
-           (long long)d->shape[0], (long long)d->shape[1], first_mean, last_mean);
+    printf("worker %d: %s [%lldx%lld] row means %.3f .. %.3f\n", role.rank, tshare_view_tag(v), (long long)d->shape[0],
+           (long long)d->shape[1], first_mean, last_mean);
     tshare_view_release(v); /* the producer may now reuse the slot */
     received++;
   }

@@ -42,7 +42,7 @@ int main(int argc, char **argv) {
   if (tshare_host_buffer_create(SLOTS * slot_bytes, "batch-ring", &ring, &err) != TSHARE_OK)
     return die("allocate", err.message);
 
-  uint64_t slot_share[SLOTS] = {0};   /* the share that last used each slot */
+  uint64_t slot_share[SLOTS] = {0}; /* the share that last used each slot */
   int slot_worker[SLOTS] = {0};
   for (int b = 0; b < batches; b++) {
     int slot = b % SLOTS, w = b % workers;

@@ -38,8 +38,8 @@ typedef enum tshare_channel_kind {
 typedef void (*tshare_release_cb)(void *cb_user, uint64_t share_id, void *user_data, int status);
 
 typedef struct tshare_channel_options {
-  const char *name;         /* sent in the hello and used in messages; default "tshare" */
-  int handshake_timeout_ms; /* default 10000 */
+  const char *name;                 /* sent in the hello and used in messages; default "tshare" */
+  int handshake_timeout_ms;         /* default 10000 */
   const tshare_wire_limits *limits; /* NULL: tshare_wire_limits_default() */
   tshare_release_cb on_release;     /* optional */
   void *cb_user;
@@ -50,12 +50,11 @@ void tshare_channel_options_init(tshare_channel_options *opts);
 /* Open a channel on one end of a connected Unix stream socket. The channel
  * owns fd from this call on, also when it fails (fd is closed). opts may be
  * NULL. On failure *out is NULL and err (optional) says why. */
-int tshare_channel_open_socket(int fd, const tshare_channel_options *opts, tshare_channel **out,
-                               tshare_error *err);
+int tshare_channel_open_socket(int fd, const tshare_channel_options *opts, tshare_channel **out, tshare_error *err);
 
 /* Same over two pipes: read_fd carries frames from the peer, write_fd to it. */
-int tshare_channel_open_pipes(int read_fd, int write_fd, const tshare_channel_options *opts,
-                              tshare_channel **out, tshare_error *err);
+int tshare_channel_open_pipes(int read_fd, int write_fd, const tshare_channel_options *opts, tshare_channel **out,
+                              tshare_error *err);
 
 /* A connected socketpair for two channel ends, both close-on-exec. */
 int tshare_socketpair(int fds[2], tshare_error *err);
@@ -67,7 +66,7 @@ void tshare_channel_close(tshare_channel *ch);
 
 tshare_channel_kind tshare_channel_kind_of(const tshare_channel *ch);
 const tshare_hello *tshare_channel_peer(const tshare_channel *ch); /* the peer's hello */
-const char *tshare_channel_last_error(const tshare_channel *ch);    /* never NULL */
+const char *tshare_channel_last_error(const tshare_channel *ch);   /* never NULL */
 
 /* Low-level frame I/O. fd is -1 or an fd to pass beside the frame (sockets
  * only; the frame must carry TSHARE_FRAME_FLAG_FD_ATTACHED). The caller keeps

@@ -21,28 +21,28 @@ typedef enum tshare_status {
   TSHARE_AGAIN = 1, /* not an error: need more bytes / would block */
   TSHARE_END = 2,   /* not an error: the peer ended the stream cleanly (bye) */
 
-  TSHARE_E_INVALID_ARG = -1,   /* a caller passed a bad argument */
-  TSHARE_E_NOMEM = -2,         /* an allocation failed */
-  TSHARE_E_SYSTEM = -3,        /* a system call failed; the detail names it and errno */
-  TSHARE_E_TIMEOUT = -4,       /* the operation did not finish in time */
-  TSHARE_E_PEER_CLOSED = -5,   /* the peer closed the channel (EOF, EPIPE, reset) */
-  TSHARE_E_BAD_MAGIC = -6,     /* the bytes are not a tshare frame */
-  TSHARE_E_VERSION = -7,       /* the peer speaks another major wire version */
-  TSHARE_E_UNKNOWN_TYPE = -8,  /* a frame type this version does not know */
-  TSHARE_E_TOO_LARGE = -9,     /* a length or count is over its named limit */
-  TSHARE_E_TRUNCATED = -10,    /* a payload ends before its fields do */
-  TSHARE_E_MALFORMED = -11,    /* a field holds a value that is not allowed */
-  TSHARE_E_OUT_OF_BOUNDS = -12,/* a tensor view reaches outside its allocation */
-  TSHARE_E_OVERFLOW = -13,     /* shape, stride or size arithmetic overflows */
-  TSHARE_E_PROTOCOL = -14,     /* a valid frame at the wrong time (share before hello, unknown id, missing fd) */
-  TSHARE_E_PEER_MISMATCH = -15,/* the peer is not compatible (other boot, missing capability) */
-  TSHARE_E_PEER_ERROR = -16,   /* the peer sent an error frame; the detail holds its message */
-  TSHARE_E_UNSUPPORTED = -17,  /* the operation is not available here (e.g. fds over pipes) */
-  TSHARE_E_NOT_FOUND = -18,    /* a binary, variable or object does not exist */
-  TSHARE_E_SPAWN = -19,        /* a process could not be started; the detail has path and errno */
-  TSHARE_E_STATE = -20,        /* the object is closed or in the wrong state */
-  TSHARE_E_NO_DEVICE = -21,    /* no usable CUDA device */
-  TSHARE_E_CUDA = -22          /* a CUDA call failed */
+  TSHARE_E_INVALID_ARG = -1,    /* a caller passed a bad argument */
+  TSHARE_E_NOMEM = -2,          /* an allocation failed */
+  TSHARE_E_SYSTEM = -3,         /* a system call failed; the detail names it and errno */
+  TSHARE_E_TIMEOUT = -4,        /* the operation did not finish in time */
+  TSHARE_E_PEER_CLOSED = -5,    /* the peer closed the channel (EOF, EPIPE, reset) */
+  TSHARE_E_BAD_MAGIC = -6,      /* the bytes are not a tshare frame */
+  TSHARE_E_VERSION = -7,        /* the peer speaks another major wire version */
+  TSHARE_E_UNKNOWN_TYPE = -8,   /* a frame type this version does not know */
+  TSHARE_E_TOO_LARGE = -9,      /* a length or count is over its named limit */
+  TSHARE_E_TRUNCATED = -10,     /* a payload ends before its fields do */
+  TSHARE_E_MALFORMED = -11,     /* a field holds a value that is not allowed */
+  TSHARE_E_OUT_OF_BOUNDS = -12, /* a tensor view reaches outside its allocation */
+  TSHARE_E_OVERFLOW = -13,      /* shape, stride or size arithmetic overflows */
+  TSHARE_E_PROTOCOL = -14,      /* a valid frame at the wrong time (share before hello, unknown id, missing fd) */
+  TSHARE_E_PEER_MISMATCH = -15, /* the peer is not compatible (other boot, missing capability) */
+  TSHARE_E_PEER_ERROR = -16,    /* the peer sent an error frame; the detail holds its message */
+  TSHARE_E_UNSUPPORTED = -17,   /* the operation is not available here (e.g. fds over pipes) */
+  TSHARE_E_NOT_FOUND = -18,     /* a binary, variable or object does not exist */
+  TSHARE_E_SPAWN = -19,         /* a process could not be started; the detail has path and errno */
+  TSHARE_E_STATE = -20,         /* the object is closed or in the wrong state */
+  TSHARE_E_NO_DEVICE = -21,     /* no usable CUDA device */
+  TSHARE_E_CUDA = -22           /* a CUDA call failed */
 } tshare_status;
 
 /* Static description of a status; never NULL, also for unknown values. */

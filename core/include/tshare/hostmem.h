@@ -30,9 +30,9 @@ typedef struct tshare_host_buffer tshare_host_buffer;
 int tshare_host_buffer_create(size_t size, const char *name, tshare_host_buffer **out, tshare_error *err);
 
 void *tshare_host_buffer_data(const tshare_host_buffer *buf);
-size_t tshare_host_buffer_size(const tshare_host_buffer *buf);   /* after rounding */
-uint64_t tshare_host_buffer_id(const tshare_host_buffer *buf);   /* allocation identity, unique in the process */
-int tshare_host_buffer_fd(const tshare_host_buffer *buf);        /* the memfd; still owned by the buffer */
+size_t tshare_host_buffer_size(const tshare_host_buffer *buf); /* after rounding */
+uint64_t tshare_host_buffer_id(const tshare_host_buffer *buf); /* allocation identity, unique in the process */
+int tshare_host_buffer_fd(const tshare_host_buffer *buf);      /* the memfd; still owned by the buffer */
 
 /* Shares of this buffer, on all channels, that are not yet released. */
 size_t tshare_host_buffer_outstanding(const tshare_host_buffer *buf);

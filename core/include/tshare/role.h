@@ -54,8 +54,8 @@ int tshare_role_from_env(tshare_role *role, tshare_error *err);
 
 /* Open channel index (0-based) of the role; the channel takes its fds. opts
  * may be NULL; its name defaults to "<role> <rank>". */
-int tshare_role_open_channel(tshare_role *role, int index, const tshare_channel_options *opts,
-                             tshare_channel **out, tshare_error *err);
+int tshare_role_open_channel(tshare_role *role, int index, const tshare_channel_options *opts, tshare_channel **out,
+                             tshare_error *err);
 
 /* Write "key=value\n" to the report fd, if there is one. */
 void tshare_role_report(const tshare_role *role, const char *key, long long value);

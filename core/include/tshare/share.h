@@ -35,8 +35,8 @@ extern "C" {
  * view; user_data comes back in the channel's on_release callback. Needs a
  * socket channel (TSHARE_E_UNSUPPORTED on pipes). *share_id (optional) gets
  * the id of the share. */
-int tshare_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_tensor_desc *desc,
-                      const char *tag, void *user_data, int timeout_ms, uint64_t *share_id);
+int tshare_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_tensor_desc *desc, const char *tag,
+                      void *user_data, int timeout_ms, uint64_t *share_id);
 
 /* Shares sent on this channel that the peer has not yet released. */
 size_t tshare_channel_outstanding(const tshare_channel *ch);

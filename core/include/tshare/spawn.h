@@ -35,18 +35,19 @@ typedef struct tshare_fd_map {
 #define TSHARE_SPAWN_NEW_PROCESS_GROUP (1u << 0) /* the child leads a new process group; signals go to the group */
 
 typedef struct tshare_spawn_options {
-  const char *file;          /* a path, or a name looked up in PATH when it has no '/' */
-  char *const *argv;         /* NULL-terminated; NULL means { file, NULL } */
-  char *const *env_set;      /* NULL-terminated "NAME=VALUE" entries added to or replacing the inherited environment; may be NULL */
-  const tshare_fd_map *fds;  /* fds the child gets; 0, 1, 2 are inherited unless mapped here */
+  const char *file;  /* a path, or a name looked up in PATH when it has no '/' */
+  char *const *argv; /* NULL-terminated; NULL means { file, NULL } */
+  char *const
+      *env_set; /* NULL-terminated "NAME=VALUE" entries added to or replacing the inherited environment; may be NULL */
+  const tshare_fd_map *fds; /* fds the child gets; 0, 1, 2 are inherited unless mapped here */
   size_t nfds;
-  unsigned flags;            /* TSHARE_SPAWN_* */
+  unsigned flags; /* TSHARE_SPAWN_* */
 } tshare_spawn_options;
 
 typedef enum tshare_exit_kind {
-  TSHARE_EXIT_RUNNING = 0,  /* not ended (yet) */
-  TSHARE_EXIT_CODE = 1,     /* exited; value is the exit code */
-  TSHARE_EXIT_SIGNAL = 2    /* killed; value is the signal number */
+  TSHARE_EXIT_RUNNING = 0, /* not ended (yet) */
+  TSHARE_EXIT_CODE = 1,    /* exited; value is the exit code */
+  TSHARE_EXIT_SIGNAL = 2   /* killed; value is the signal number */
 } tshare_exit_kind;
 
 typedef struct tshare_exit_status {

@@ -41,10 +41,10 @@ typedef struct tshare_dtype {
 
 typedef struct tshare_tensor_desc {
   tshare_dtype dtype;
-  int32_t ndim;                      /* 0 .. TSHARE_MAX_NDIM */
-  int64_t shape[TSHARE_MAX_NDIM];    /* each >= 0 */
-  int64_t strides[TSHARE_MAX_NDIM];  /* in elements, may be negative or zero */
-  uint64_t byte_offset;              /* of element [0,...,0] from the allocation base */
+  int32_t ndim;                     /* 0 .. TSHARE_MAX_NDIM */
+  int64_t shape[TSHARE_MAX_NDIM];   /* each >= 0 */
+  int64_t strides[TSHARE_MAX_NDIM]; /* in elements, may be negative or zero */
+  uint64_t byte_offset;             /* of element [0,...,0] from the allocation base */
 } tshare_tensor_desc;
 
 /* Bytes per element, or 0 if the dtype is not one tshare accepts
@@ -74,8 +74,8 @@ tshare_tensor_desc tshare_tensor_contiguous(tshare_dtype dtype, int32_t ndim, co
  * (equal for an empty tensor). On failure returns TSHARE_E_MALFORMED,
  * TSHARE_E_OVERFLOW or TSHARE_E_OUT_OF_BOUNDS and writes a detail into err
  * (optional, err_cap bytes) naming the field. */
-int tshare_tensor_check(const tshare_tensor_desc *desc, uint64_t alloc_size,
-                        uint64_t *span_begin, uint64_t *span_end, char *err, size_t err_cap);
+int tshare_tensor_check(const tshare_tensor_desc *desc, uint64_t alloc_size, uint64_t *span_begin, uint64_t *span_end,
+                        char *err, size_t err_cap);
 
 #ifdef __cplusplus
 }

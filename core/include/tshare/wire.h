@@ -78,26 +78,26 @@ typedef enum tshare_mem_kind {
 } tshare_mem_kind;
 
 typedef struct tshare_hello {
-  uint8_t major, minor;   /* the sender's own versions (copied from the header) */
+  uint8_t major, minor; /* the sender's own versions (copied from the header) */
   uint32_t pid;
   uint32_t uid;
-  uint8_t boot_id[16];    /* /proc/sys/kernel/random/boot_id */
-  uint64_t capabilities;  /* TSHARE_CAP_* */
+  uint8_t boot_id[16];                  /* /proc/sys/kernel/random/boot_id */
+  uint64_t capabilities;                /* TSHARE_CAP_* */
   char name[TSHARE_HELLO_NAME_MAX + 1]; /* role or program name, NUL-terminated */
   uint32_t device_count;
   uint8_t device_uuids[TSHARE_HELLO_DEVICES_MAX][16];
 } tshare_hello;
 
 typedef struct tshare_share_frame {
-  uint64_t share_id;      /* unique per sender and channel, never 0 */
-  uint64_t alloc_id;      /* identity of the allocation in the sender's process */
-  uint8_t mem_kind;       /* tshare_mem_kind */
-  uint8_t device_type;    /* TSHARE_DEVICE_* */
-  uint8_t handle_len;     /* bytes used in handle[] (0 when an fd carries the memory) */
+  uint64_t share_id;   /* unique per sender and channel, never 0 */
+  uint64_t alloc_id;   /* identity of the allocation in the sender's process */
+  uint8_t mem_kind;    /* tshare_mem_kind */
+  uint8_t device_type; /* TSHARE_DEVICE_* */
+  uint8_t handle_len;  /* bytes used in handle[] (0 when an fd carries the memory) */
   uint8_t handle[TSHARE_HANDLE_MAX];
-  uint8_t device_uuid[16];/* all zero for host memory */
-  uint64_t alloc_size;    /* bytes of the whole allocation */
-  uint32_t event_slot;    /* with TSHARE_FRAME_FLAG_HAS_EVENT */
+  uint8_t device_uuid[16]; /* all zero for host memory */
+  uint64_t alloc_size;     /* bytes of the whole allocation */
+  uint32_t event_slot;     /* with TSHARE_FRAME_FLAG_HAS_EVENT */
   uint32_t event_generation;
   tshare_tensor_desc tensor;
   uint8_t tag_len;
@@ -110,18 +110,18 @@ typedef struct tshare_release_frame {
 } tshare_release_frame;
 
 typedef struct tshare_error_frame {
-  int32_t code;           /* a tshare_status */
+  int32_t code; /* a tshare_status */
   char message[TSHARE_ERROR_TEXT_MAX + 1];
 } tshare_error_frame;
 
 typedef struct tshare_bye_frame {
-  uint32_t reason;        /* 0: done; other values are application-defined */
+  uint32_t reason; /* 0: done; other values are application-defined */
 } tshare_bye_frame;
 
 typedef struct tshare_frame {
-  uint8_t type;           /* tshare_frame_type */
-  uint8_t flags;          /* TSHARE_FRAME_FLAG_* */
-  uint8_t major, minor;   /* as read from the header (encoding ignores them) */
+  uint8_t type;         /* tshare_frame_type */
+  uint8_t flags;        /* TSHARE_FRAME_FLAG_* */
+  uint8_t major, minor; /* as read from the header (encoding ignores them) */
   union {
     tshare_hello hello;
     tshare_share_frame share;
@@ -148,8 +148,7 @@ tshare_wire_limits tshare_wire_limits_default(void);
  * what a peer would reject. Returns TSHARE_E_TOO_LARGE when cap is too small;
  * TSHARE_WIRE_FRAME_MAX bytes always suffice. */
 #define TSHARE_WIRE_FRAME_MAX 4096
-int tshare_wire_encode(const tshare_frame *frame, uint8_t *buf, size_t cap, size_t *len,
-                       char *err, size_t err_cap);
+int tshare_wire_encode(const tshare_frame *frame, uint8_t *buf, size_t cap, size_t *len, char *err, size_t err_cap);
 
 typedef struct tshare_decoder tshare_decoder;
 
@@ -176,8 +175,8 @@ size_t tshare_decoder_pending(const tshare_decoder *dec);
 const char *tshare_decoder_last_error(const tshare_decoder *dec); /* never NULL */
 
 /* Validate a share frame as the decoder does (limits may be NULL). */
-int tshare_wire_check_share(const tshare_share_frame *share, const tshare_wire_limits *limits,
-                            char *err, size_t err_cap);
+int tshare_wire_check_share(const tshare_share_frame *share, const tshare_wire_limits *limits, char *err,
+                            size_t err_cap);
 
 const char *tshare_frame_type_name(int type); /* never NULL */
 
