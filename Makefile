@@ -38,7 +38,7 @@ asan: deps
 	  ctest --test-dir $(ASAN_BUILD_DIR) --output-on-failure -j $(JOBS)
 
 fuzz: build
-	@test -x $(BUILD_DIR)/tests/fuzz/fuzz_decoder || { echo "make fuzz needs clang (apt-get install clang)"; exit 1; }
+	@test -x $(BUILD_DIR)/tests/fuzz/fuzz_decoder || { echo "make fuzz needs clang with its libFuzzer runtime (Debian: apt-get install clang); see the cmake output"; exit 1; }
 	mkdir -p $(BUILD_DIR)/fuzz-corpus
 	$(BUILD_DIR)/tests/fuzz/fuzz_decoder -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
 	  $(BUILD_DIR)/fuzz-corpus tests/fuzz/corpus
