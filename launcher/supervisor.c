@@ -113,7 +113,6 @@ typedef struct role_fds {
   tshare_fd_map map[3 + 2 * TSHARE_ROLE_CHANNELS_MAX + 1];
   size_t n;
   char channel_env[1024];
-  char report_env[64];
   int next_child_fd;
 } role_fds;
 
@@ -313,13 +312,13 @@ static int start_role(job *j, int i, int (*chan)[4], int devnull) {
   int report_fd = f.next_child_fd++;
   f.map[f.n++] = (tshare_fd_map){report_fd, pipes[OUT_REPORT][1]};
 
-  char role_env[64], rank_env[64], consumers_env[64], channels_env[1100];
+  char role_env[64], rank_env[64], consumers_env[64], channels_env[1100], report_env[64];
   snprintf(role_env, sizeof role_env, TSHARE_ENV_ROLE "=%s", producer ? "producer" : "consumer");
   snprintf(rank_env, sizeof rank_env, TSHARE_ENV_RANK "=%d", rank);
   snprintf(consumers_env, sizeof consumers_env, TSHARE_ENV_NUM_CONSUMERS "=%d", plan->consumers);
   snprintf(channels_env, sizeof channels_env, TSHARE_ENV_CHANNEL_FDS "=%s", f.channel_env);
-  snprintf(f.report_env, sizeof f.report_env, TSHARE_ENV_REPORT_FD "=%d", report_fd);
-  char *env[] = {role_env, rank_env, consumers_env, channels_env, f.report_env, NULL};
+  snprintf(report_env, sizeof report_env, TSHARE_ENV_REPORT_FD "=%d", report_fd);
+  char *env[] = {role_env, rank_env, consumers_env, channels_env, report_env, NULL};
   char **argv = producer ? plan->producer_argv : plan->consumer_argv;
   tshare_spawn_options o = {.file = argv[0],
                             .argv = argv,

@@ -1,5 +1,6 @@
 /* Channels between two real processes: frames with and without fds, hello
  * refusals, a peer that dies or stalls, and signals during blocking calls. */
+#include "frame_util.h"
 #include "harness.h"
 #include "proc_util.h"
 #include "tshare/channel.h"
@@ -68,19 +69,8 @@ TS_TEST(socket_frames_with_and_without_fds) {
   tshare_channel *ch = open_sock(sock, "sender");
   int mfd = memfd_create("payload", MFD_CLOEXEC);
   CHECK_EQ(write(mfd, "hello", 5), 5);
-  tshare_frame f;
-  memset(&f, 0, sizeof f);
-  f.type = TSHARE_FRAME_SHARE;
-  f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
-  f.u.share.share_id = 1;
-  f.u.share.alloc_id = 1;
-  f.u.share.mem_kind = TSHARE_MEM_HOST_MEMFD;
-  f.u.share.device_type = TSHARE_DEVICE_CPU;
-  f.u.share.alloc_size = 5;
-  f.u.share.tensor.dtype = (tshare_dtype){TSHARE_DTYPE_UINT, 8, 1};
-  f.u.share.tensor.ndim = 1;
-  f.u.share.tensor.shape[0] = 5;
-  f.u.share.tensor.strides[0] = 1;
+  int64_t five = 5;
+  tshare_frame f = memfd_share_frame(5, tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_UINT, 8, 1}, 1, &five, 0));
   /* The flag and the fd must agree. */
   CHECK_RC(tshare_channel_send_frame(ch, &f, -1, 1000), TSHARE_E_INVALID_ARG, "");
   CHECK_RC(tshare_channel_send_frame(ch, &f, mfd, 5000), TSHARE_OK, tshare_channel_last_error(ch));

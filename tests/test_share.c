@@ -1,6 +1,7 @@
 /* Host-memory shares between two real processes: contents, the import cache,
  * the lifetime protocol (release frees, a dead consumer frees everything),
  * releases from other threads, and hostile shares. */
+#include "frame_util.h"
 #include "harness.h"
 #include "proc_util.h"
 #include "tshare/share.h"
@@ -319,16 +320,7 @@ static void send_hostile_share(int kind) {
   int mfd = memfd_create("hostile", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   CHECK(ftruncate(mfd, 4096) == 0);
   if (kind == 1) CHECK(fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) == 0);
-  tshare_frame f;
-  memset(&f, 0, sizeof f);
-  f.type = TSHARE_FRAME_SHARE;
-  f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
-  f.u.share.share_id = 1;
-  f.u.share.alloc_id = 1;
-  f.u.share.mem_kind = TSHARE_MEM_HOST_MEMFD;
-  f.u.share.device_type = TSHARE_DEVICE_CPU;
-  f.u.share.alloc_size = kind == 1 ? (1u << 30) : 4096;
-  f.u.share.tensor = desc_1d(F32, 16, 0);
+  tshare_frame f = memfd_share_frame(kind == 1 ? (1u << 30) : 4096, desc_1d(F32, 16, 0));
   CHECK_RC(tshare_channel_send_frame(ch, &f, mfd, 1000), TSHARE_OK, tshare_channel_last_error(ch));
   close(mfd);
   /* The consumer answers with a release of share 1 before we say bye. */

@@ -318,13 +318,8 @@ static int handshake(tshare_channel *ch) {
   f.u.hello = ch->self;
   int64_t deadline = ts_deadline(ch->opts.handshake_timeout_ms);
   int rc = ts_channel_send(ch, &f, -1, ts_remaining(deadline));
-  if (rc != TSHARE_OK) {
-    char why[TSHARE_ERROR_MSG_MAX];
-    snprintf(why, sizeof why, "%s", ch->err);
-    return ts_errf(ch->err, sizeof ch->err, rc, "hello: %s", why);
-  }
-  int fd;
-  rc = ts_channel_recv_raw(ch, &f, &fd, ts_remaining(deadline));
+  int fd = -1;
+  if (rc == TSHARE_OK) rc = ts_channel_recv_raw(ch, &f, &fd, ts_remaining(deadline));
   if (rc != TSHARE_OK) {
     char why[TSHARE_ERROR_MSG_MAX];
     snprintf(why, sizeof why, "%s", ch->err);
@@ -430,7 +425,10 @@ int tshare_channel_send_frame(tshare_channel *ch, const tshare_frame *f, int fd,
 int tshare_channel_recv_frame(tshare_channel *ch, tshare_frame *f, int *fd_out, int timeout_ms) {
   if (!ch || !f || !fd_out) return TSHARE_E_INVALID_ARG;
   int rc = ts_channel_recv_raw(ch, f, fd_out, timeout_ms);
-  if (rc == TSHARE_OK && f->type == TSHARE_FRAME_RELEASE) ts_share_apply_release(ch, &f->u.release);
+  /* Applied here too, so low-level readers keep the accounting right. Ids the
+   * tables do not know are not an error on this path: they belong to share
+   * frames the caller sent itself with tshare_channel_send_frame(). */
+  if (rc == TSHARE_OK && f->type == TSHARE_FRAME_RELEASE) (void)ts_share_apply_release(ch, &f->u.release);
   if (rc == TSHARE_E_PEER_CLOSED) ts_share_drop_all(ch, TSHARE_E_PEER_CLOSED);
   return rc;
 }

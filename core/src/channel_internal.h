@@ -3,6 +3,7 @@
 #ifndef TSHARE_CHANNEL_INTERNAL_H
 #define TSHARE_CHANNEL_INTERNAL_H
 
+#include "clock.h"
 #include "tshare/channel.h"
 #include "u64map.h"
 
@@ -79,7 +80,7 @@ int ts_channel_recv_raw(tshare_channel *ch, tshare_frame *f, int *fd_out, int ti
 void ts_channel_unref(tshare_channel *ch);
 
 /* share.c */
-void ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r);
+int ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r);
 void ts_share_drop_all(tshare_channel *ch, int status); /* peer gone or channel closed */
 int ts_share_flush_pending(tshare_channel *ch, int timeout_ms);
 void ts_share_free_incoming(tshare_channel *ch);
@@ -89,10 +90,5 @@ void ts_share_free_mappings(tshare_channel *ch);
 struct tshare_host_buffer;
 void ts_host_buffer_retain(struct tshare_host_buffer *buf);
 void ts_host_buffer_release(void *buf);
-
-/* time.c */
-int64_t ts_now_ms(void);
-int64_t ts_deadline(int timeout_ms); /* -1: none */
-int ts_remaining(int64_t deadline);  /* -1 none, 0 expired, else ms */
 
 #endif

@@ -1,5 +1,4 @@
-/* Monotonic deadlines for timeouts given in milliseconds (< 0: none). */
-#include "channel_internal.h"
+#include "clock.h"
 
 #include <time.h>
 

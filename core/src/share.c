@@ -91,7 +91,7 @@ static void finish_export(tshare_channel *ch, ts_export *e, int status) {
   free(e);
 }
 
-static int apply_release(tshare_channel *ch, const tshare_release_frame *r) {
+int ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r) {
   int rc = TSHARE_OK;
   for (uint32_t i = 0; i < r->count; i++) {
     ts_export *e = ts_u64map_remove(&ch->exports, r->share_ids[i]);
@@ -106,8 +106,6 @@ static int apply_release(tshare_channel *ch, const tshare_release_frame *r) {
   }
   return rc;
 }
-
-void ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r) { apply_release(ch, r); }
 
 void ts_share_drop_all(tshare_channel *ch, int status) {
   uint64_t key;
@@ -240,7 +238,7 @@ static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, i
   if (rc != TSHARE_OK) return rc;
   switch (f.type) {
   case TSHARE_FRAME_RELEASE:
-    return apply_release(ch, &f.u.release);
+    return ts_share_apply_release(ch, &f.u.release);
   case TSHARE_FRAME_SHARE:
     if (share) {
       *share = f;
@@ -301,10 +299,6 @@ static int import_host(tshare_channel *ch, const tshare_share_frame *s, int fd, 
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "import: share %llu has no fd",
                    (unsigned long long)s->share_id);
   if (fstat(fd, &st) != 0) return ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "import: fstat");
-  int seals = fcntl(fd, F_GET_SEALS);
-  if (seals < 0 || !(seals & F_SEAL_SHRINK))
-    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
-                   "import: share %llu: fd is not a memfd sealed against shrinking", (unsigned long long)s->share_id);
   if ((uint64_t)st.st_size < s->alloc_size)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_OUT_OF_BOUNDS,
                    "import: share %llu claims %llu bytes, the memfd has %lld", (unsigned long long)s->share_id,
@@ -318,6 +312,13 @@ static int import_host(tshare_channel *ch, const tshare_share_frame *s, int fd, 
                    (unsigned long long)s->alloc_id);
   }
   if (!m) {
+    /* Checked once per allocation: a cache hit is the same inode, already checked. */
+    int seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0 || !(seals & F_SEAL_SHRINK)) {
+      pthread_mutex_unlock(&ch->lock);
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                     "import: share %llu: fd is not a memfd sealed against shrinking", (unsigned long long)s->share_id);
+    }
     m = calloc(1, sizeof *m);
     if (!m) {
       pthread_mutex_unlock(&ch->lock);

@@ -1,6 +1,6 @@
 #include "tshare/spawn.h"
 
-#include "channel_internal.h"
+#include "clock.h"
 #include "error_detail.h"
 
 #include <errno.h>

@@ -72,7 +72,8 @@ const char *tshare_channel_last_error(const tshare_channel *ch);   /* never NULL
  * only; the frame must carry TSHARE_FRAME_FLAG_FD_ATTACHED). The caller keeps
  * its fd. On receive *fd_out gets the attached fd (the caller owns it) or -1.
  * Received release frames are applied to the lifetime tables before they are
- * returned, so low-level readers do not break the accounting. */
+ * returned, so low-level readers do not break the accounting; ids of shares
+ * the caller sent itself with send_frame are left to the caller. */
 int tshare_channel_send_frame(tshare_channel *ch, const tshare_frame *frame, int fd, int timeout_ms);
 int tshare_channel_recv_frame(tshare_channel *ch, tshare_frame *frame, int *fd_out, int timeout_ms);
 
