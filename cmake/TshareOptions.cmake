@@ -22,7 +22,7 @@ if(NOT TSHARE_WITH_CUDA STREQUAL "OFF")
   find_package(CUDAToolkit QUIET)
   if(CUDAToolkit_FOUND)
     set(TSHARE_HAVE_CUDA ON)
-    message(STATUS "tshare: CUDA toolkit ${CUDAToolkit_VERSION} found at ${CUDAToolkit_BIN_DIR} (CUDA shares are not part of this version yet)")
+    message(STATUS "tshare: CUDA toolkit ${CUDAToolkit_VERSION} found at ${CUDAToolkit_BIN_DIR} ")
   elseif(TSHARE_WITH_CUDA STREQUAL "ON")
     message(FATAL_ERROR "tshare: TSHARE_WITH_CUDA=ON but no CUDA toolkit was found. "
                         "Install the CUDA toolkit or set CUDAToolkit_ROOT, or use TSHARE_WITH_CUDA=AUTO/OFF.")

@@ -1,5 +1,6 @@
 /* Framed, EINTR-safe, SIGPIPE-safe I/O over sockets and pipes, and the hello. */
 #include "channel_internal.h"
+#include "cuda_hooks.h"
 
 #include "error_detail.h"
 #include "tshare/share.h"
@@ -314,6 +315,8 @@ static int handshake(tshare_channel *ch) {
   ch->self.uid = (uint32_t)getuid();
   read_boot_id(ch->self.boot_id);
   ch->self.capabilities = ch->kind == TSHARE_CHANNEL_SOCKET ? (TSHARE_CAP_FD_PASSING | TSHARE_CAP_HOST_MEMFD) : 0;
+  ch->self.capabilities |= ts_cuda_hello_caps();
+  ts_cuda_hello_devices(&ch->self);
   snprintf(ch->self.name, sizeof ch->self.name, "%s", ch->name);
   f.u.hello = ch->self;
   int64_t deadline = ts_deadline(ch->opts.handshake_timeout_ms);
@@ -462,6 +465,7 @@ int tshare_channel_send_error(tshare_channel *ch, int code, const char *message)
 void ts_channel_unref(tshare_channel *ch) {
   if (atomic_fetch_sub(&ch->refs, 1) != 1) return;
   ts_share_free_mappings(ch);
+  ts_cuda_chan_free(ch);
   pthread_mutex_destroy(&ch->send_lock);
   pthread_mutex_destroy(&ch->lock);
   free(ch->pending);

@@ -23,6 +23,7 @@ typedef struct ts_export {
   void *user_data;
   void (*release)(void *owner);
   void *owner;
+  int event_slot; /* CUDA event slot the share holds, -1 if none */
 } ts_export;
 
 /* One mapped allocation on the consumer side. */
@@ -33,6 +34,22 @@ typedef struct ts_mapping {
   unsigned long ino, dev; /* of the memfd: a reused alloc_id cannot alias another file */
   size_t views;           /* live views into it */
 } ts_mapping;
+
+/* A received share, as the consumer holds it. */
+struct tshare_view {
+  struct tshare_channel *ch; /* holds a reference */
+  ts_mapping *mapping;       /* host shares */
+  void *cuda_import;         /* CUDA shares: the process-wide mapping (ts_cuda_import) */
+  void *stream;              /* CUDA shares: the stream the view is used on */
+  void *ctx;                 /* CUDA shares: the context that maps it */
+  int cuda_device;           /* CUDA shares: that context's ordinal */
+  uint64_t share_id;
+  int device_type;
+  void *data;
+  tshare_tensor_desc desc;
+  tshare_share_frame frame; /* as received: what a forward sends on */
+  char tag[TSHARE_TAG_MAX + 1];
+};
 
 typedef struct ts_incoming {
   tshare_frame frame;
@@ -72,6 +89,8 @@ struct tshare_channel {
   size_t npending, pending_cap;
   ts_incoming *incoming; /* ring of received shares */
   size_t in_head, in_len, in_cap;
+
+  struct ts_cuda_chan *cuda; /* event pools, releases waiting on the GPU; NULL until used */
 };
 
 /* channel.c */
@@ -83,6 +102,9 @@ void ts_channel_unref(tshare_channel *ch);
 int ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r);
 void ts_share_drop_all(tshare_channel *ch, int status); /* peer gone or channel closed */
 int ts_share_flush_pending(tshare_channel *ch, int timeout_ms);
+void ts_share_queue_release_locked(tshare_channel *ch, uint64_t share_id); /* with ch->lock held */
+int ts_share_send_export(tshare_channel *ch, tshare_frame *f, int fd, ts_export *e, int timeout_ms,
+                         uint64_t *share_id);
 void ts_share_free_incoming(tshare_channel *ch);
 void ts_share_free_mappings(tshare_channel *ch);
 

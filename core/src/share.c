@@ -3,7 +3,9 @@
 #include "tshare/share.h"
 
 #include "channel_internal.h"
+#include "cuda_hooks.h"
 #include "error_detail.h"
+#include "tshare/cuda.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -13,16 +15,6 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-struct tshare_view {
-  tshare_channel *ch; /* holds a reference */
-  ts_mapping *mapping;
-  uint64_t share_id;
-  int device_type;
-  void *data;
-  tshare_tensor_desc desc;
-  char tag[TSHARE_TAG_MAX + 1];
-};
 
 /* ---- producer side ------------------------------------------------------ */
 
@@ -52,24 +44,31 @@ int tshare_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_
   s->tensor = *desc;
   s->tag_len = (uint8_t)tag_len;
   if (tag_len) memcpy(s->tag, tag, tag_len);
-  int rc = tshare_wire_check_share(s, &ch->limits, ch->err, sizeof ch->err);
-  if (rc != TSHARE_OK) return rc;
-
   ts_export *e = malloc(sizeof *e);
-  if (!e || ts_u64map_put(&ch->exports, s->share_id, e) != 0) {
-    free(e);
-    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
-  }
-  e->share_id = s->share_id;
+  if (!e) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
   e->user_data = user_data;
   e->release = ts_host_buffer_release;
   e->owner = buf;
+  e->event_slot = -1;
   ts_host_buffer_retain(buf);
-  /* Reference taken before the send: the peer may release before we return. */
-  rc = ts_channel_send(ch, &f, tshare_host_buffer_fd(buf), timeout_ms);
+  return ts_share_send_export(ch, &f, tshare_host_buffer_fd(buf), e, timeout_ms, share_id);
+}
+
+int ts_share_send_export(tshare_channel *ch, tshare_frame *f, int fd, ts_export *e, int timeout_ms,
+                         uint64_t *share_id) {
+  tshare_share_frame *s = &f->u.share;
+  s->share_id = e->share_id = ch->next_share_id;
+  int rc = tshare_wire_check_share(s, &ch->limits, ch->err, sizeof ch->err);
+  if (rc == TSHARE_OK && ts_u64map_put(&ch->exports, s->share_id, e) != 0)
+    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
+  else if (rc == TSHARE_OK) {
+    /* Registered before the send: the peer may release before we return. */
+    rc = ts_channel_send(ch, f, fd, timeout_ms);
+    if (rc != TSHARE_OK) ts_u64map_remove(&ch->exports, s->share_id);
+  }
   if (rc != TSHARE_OK) {
-    ts_u64map_remove(&ch->exports, s->share_id);
-    ts_host_buffer_release(buf);
+    if (e->event_slot >= 0) ts_cuda_slot_free(ch, e->event_slot);
+    e->release(e->owner);
     free(e);
     return rc;
   }
@@ -86,6 +85,7 @@ int tshare_share_is_released(const tshare_channel *ch, uint64_t share_id) {
 }
 
 static void finish_export(tshare_channel *ch, ts_export *e, int status) {
+  if (e->event_slot >= 0) ts_cuda_slot_free(ch, e->event_slot);
   if (ch->opts.on_release) ch->opts.on_release(ch->opts.cb_user, e->share_id, e->user_data, status);
   e->release(e->owner);
   free(e);
@@ -108,6 +108,7 @@ int ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r) {
 }
 
 void ts_share_drop_all(tshare_channel *ch, int status) {
+  ts_cuda_peer_gone(ch);
   uint64_t key;
   void *value;
   for (size_t pos = 0; ts_u64map_next(&ch->exports, &pos, &key, &value);) finish_export(ch, value, status);
@@ -140,7 +141,7 @@ int ts_share_flush_pending(tshare_channel *ch, int timeout_ms) {
 
 /* Queue a release for the driving thread and wake it if it is blocked in a
  * receive. Called with ch->lock held, which also keeps wake_fd open. */
-static void queue_release_locked(tshare_channel *ch, uint64_t share_id) {
+void ts_share_queue_release_locked(tshare_channel *ch, uint64_t share_id) {
   if (ch->closed) return; /* closing dropped everything the peer gave us */
   if (ch->npending == ch->pending_cap) {
     size_t cap = ch->pending_cap ? ch->pending_cap * 2 : 64;
@@ -160,6 +161,10 @@ static void queue_release_locked(tshare_channel *ch, uint64_t share_id) {
 
 void tshare_view_release(tshare_view *v) {
   if (!v) return;
+  if (v->cuda_import) {
+    ts_cuda_view_release(v);
+    return;
+  }
   tshare_channel *ch = v->ch;
   pthread_mutex_lock(&ch->lock);
   ts_mapping *m = v->mapping;
@@ -170,7 +175,7 @@ void tshare_view_release(tshare_view *v) {
     ts_u64map_remove(&ch->mappings, m->alloc_id);
     free(m);
   }
-  queue_release_locked(ch, v->share_id);
+  ts_share_queue_release_locked(ch, v->share_id);
   pthread_mutex_unlock(&ch->lock);
   free(v);
   ts_channel_unref(ch);
@@ -227,13 +232,23 @@ static int enqueue_incoming(tshare_channel *ch, const tshare_frame *f, int fd) {
 static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, int *fd, bool *got_share) {
   *got_share = false;
   int64_t deadline = ts_deadline(timeout_ms);
-  int rc = ts_share_flush_pending(ch, ts_remaining(deadline));
-  if (rc == TSHARE_E_PEER_CLOSED) ts_share_drop_all(ch, rc);
-  if (rc != TSHARE_OK) return rc;
-  if (ch->peer_bye) return TSHARE_END;
   tshare_frame f;
   int frame_fd;
-  rc = ts_channel_recv_raw(ch, &f, &frame_fd, ts_remaining(deadline));
+  int rc;
+  for (;;) {
+    bool gpu_busy = false;
+    rc = ts_cuda_flush(ch, ts_remaining(deadline), &gpu_busy);
+    if (rc == TSHARE_OK) rc = ts_share_flush_pending(ch, ts_remaining(deadline));
+    if (rc == TSHARE_E_PEER_CLOSED) ts_share_drop_all(ch, rc);
+    if (rc != TSHARE_OK) return rc;
+    if (ch->peer_bye) return TSHARE_END;
+    /* Releases waiting for the GPU are looked at again every millisecond. */
+    int wait_ms = ts_remaining(deadline);
+    if (gpu_busy && (wait_ms < 0 || wait_ms > 1)) wait_ms = 1;
+    rc = ts_channel_recv_raw(ch, &f, &frame_fd, wait_ms);
+    if (rc == TSHARE_E_TIMEOUT && gpu_busy && ts_remaining(deadline) != 0) continue;
+    break;
+  }
   if (rc == TSHARE_E_PEER_CLOSED) ts_share_drop_all(ch, rc);
   if (rc != TSHARE_OK) return rc;
   switch (f.type) {
@@ -250,6 +265,9 @@ static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, i
   case TSHARE_FRAME_BYE:
     ch->peer_bye = true;
     return TSHARE_END;
+  case TSHARE_FRAME_EVENT:
+  case TSHARE_FRAME_RETIRE:
+    return ts_cuda_on_frame(ch, &f);
   case TSHARE_FRAME_ERROR:
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_ERROR, "peer '%s' (pid %u) reported %s: %s", ch->peer.name,
                    ch->peer.pid, tshare_status_name(f.u.error.code), f.u.error.message);
@@ -353,6 +371,10 @@ static int import_host(tshare_channel *ch, const tshare_share_frame *s, int fd, 
 }
 
 int tshare_view_recv(tshare_channel *ch, int timeout_ms, tshare_view **out) {
+  return tshare_view_recv_stream(ch, NULL, timeout_ms, out);
+}
+
+int tshare_view_recv_stream(tshare_channel *ch, void *stream, int timeout_ms, tshare_view **out) {
   if (!out) return TSHARE_E_INVALID_ARG;
   *out = NULL;
   if (!ch) return TSHARE_E_INVALID_ARG;
@@ -383,16 +405,18 @@ int tshare_view_recv(tshare_channel *ch, int timeout_ms, tshare_view **out) {
   int rc;
   if (s->mem_kind == TSHARE_MEM_HOST_MEMFD)
     rc = import_host(ch, s, fd, v);
+  else if (s->mem_kind == TSHARE_MEM_CUDA_IPC)
+    rc = ts_cuda_import(ch, &f, stream, v);
   else
     rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
-                 "import: share %llu is CUDA memory, which this build of tshare cannot import",
+                 "import: share %llu is CUDA VMM memory (an fd), which this version cannot import",
                  (unsigned long long)s->share_id);
   if (fd >= 0) close(fd); /* a mapping keeps the memory; the fd is no longer needed */
   if (rc != TSHARE_OK) {
     free(v);
     /* The producer still holds the memory for this share: tell it to let go. */
     pthread_mutex_lock(&ch->lock);
-    queue_release_locked(ch, s->share_id);
+    ts_share_queue_release_locked(ch, s->share_id);
     pthread_mutex_unlock(&ch->lock);
     return rc;
   }
@@ -401,6 +425,7 @@ int tshare_view_recv(tshare_channel *ch, int timeout_ms, tshare_view **out) {
   v->share_id = s->share_id;
   v->device_type = s->device_type;
   v->desc = s->tensor;
+  v->frame = *s;
   memcpy(v->tag, s->tag, s->tag_len);
   v->tag[s->tag_len] = '\0';
   *out = v;
@@ -412,3 +437,4 @@ const tshare_tensor_desc *tshare_view_desc(const tshare_view *v) { return v ? &v
 const char *tshare_view_tag(const tshare_view *v) { return v ? v->tag : ""; }
 uint64_t tshare_view_share_id(const tshare_view *v) { return v ? v->share_id : 0; }
 int tshare_view_device_type(const tshare_view *v) { return v ? v->device_type : 0; }
+int tshare_view_cuda_device(const tshare_view *v) { return v && v->cuda_import ? v->cuda_device : -1; }

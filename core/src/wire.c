@@ -42,12 +42,16 @@ const char *tshare_frame_type_name(int type) {
     return "bye";
   case TSHARE_FRAME_ERROR:
     return "error";
+  case TSHARE_FRAME_EVENT:
+    return "event";
+  case TSHARE_FRAME_RETIRE:
+    return "retire";
   default:
     return "unknown";
   }
 }
 
-static bool type_known(int type) { return type >= TSHARE_FRAME_HELLO && type <= TSHARE_FRAME_ERROR; }
+static bool type_known(int type) { return type >= TSHARE_FRAME_HELLO && type <= TSHARE_FRAME_RETIRE; }
 
 static bool kind_takes_fd(int kind) { return kind == TSHARE_MEM_HOST_MEMFD || kind == TSHARE_MEM_CUDA_FD; }
 
@@ -143,6 +147,24 @@ static int encode_payload(const tshare_frame *f, ts_writer *w, char *err, size_t
     for (int i = 0; i < s->tensor.ndim; i++) ts_put_u64(w, (uint64_t)s->tensor.shape[i]);
     for (int i = 0; i < s->tensor.ndim; i++) ts_put_u64(w, (uint64_t)s->tensor.strides[i]);
     ts_put_bytes(w, s->tag, s->tag_len);
+    ts_put_u32(w, s->origin_pid);
+    ts_put_u32(w, s->share_flags);
+    return TSHARE_OK;
+  }
+  case TSHARE_FRAME_EVENT:
+    if (f->u.event.slot >= TSHARE_EVENT_SLOTS_MAX)
+      return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "event: slot %u over %d", f->u.event.slot, TSHARE_EVENT_SLOTS_MAX);
+    ts_put_u32(w, f->u.event.slot);
+    ts_put_bytes(w, f->u.event.handle, TSHARE_HANDLE_MAX);
+    return TSHARE_OK;
+  case TSHARE_FRAME_RETIRE: {
+    const tshare_retire_frame *r = &f->u.retire;
+    if (r->count == 0 || r->count > TSHARE_RELEASE_MAX)
+      return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "retire: count %u outside 1..%d", r->count, TSHARE_RELEASE_MAX);
+    if (r->closed > 1) return ts_errf(err, cap, TSHARE_E_MALFORMED, "retire: closed is %u", (unsigned)r->closed);
+    ts_put_u8(w, r->closed);
+    ts_put_u32(w, r->count);
+    for (uint32_t i = 0; i < r->count; i++) ts_put_u64(w, r->alloc_ids[i]);
     return TSHARE_OK;
   }
   case TSHARE_FRAME_RELEASE: {
@@ -328,6 +350,10 @@ static int decode_share(tshare_decoder *d, ts_reader *r, uint8_t flags, tshare_s
   for (int i = 0; i < ndim; i++) s->tensor.strides[i] = (int64_t)ts_get_u64(r);
   ts_get_bytes(r, s->tag, s->tag_len);
   if (r->short_read) return TSHARE_OK; /* reported as truncation by the caller */
+  if (r->left >= 8) { /* minor 1 fields; a minor-0 sender ends here */
+    s->origin_pid = ts_get_u32(r);
+    s->share_flags = ts_get_u32(r);
+  }
   if (kind_takes_fd(s->mem_kind) != ((flags & TSHARE_FRAME_FLAG_FD_ATTACHED) != 0))
     return fail(d, TSHARE_E_MALFORMED, "share: mem_kind %u and the fd-attached flag (%d) disagree", s->mem_kind,
                 (flags & TSHARE_FRAME_FLAG_FD_ATTACHED) != 0);
@@ -401,6 +427,23 @@ int tshare_decoder_next(tshare_decoder *d, tshare_frame *out) {
     if (!r.short_read && n > TSHARE_ERROR_TEXT_MAX)
       return fail(d, TSHARE_E_TOO_LARGE, "error: message length %u over %d", n, TSHARE_ERROR_TEXT_MAX);
     ts_get_bytes(&r, out->u.error.message, n);
+    break;
+  }
+  case TSHARE_FRAME_EVENT:
+    out->u.event.slot = ts_get_u32(&r);
+    if (!r.short_read && out->u.event.slot >= TSHARE_EVENT_SLOTS_MAX)
+      return fail(d, TSHARE_E_TOO_LARGE, "event: slot %u over %d", out->u.event.slot, TSHARE_EVENT_SLOTS_MAX);
+    ts_get_bytes(&r, out->u.event.handle, TSHARE_HANDLE_MAX);
+    break;
+  case TSHARE_FRAME_RETIRE: {
+    out->u.retire.closed = ts_get_u8(&r);
+    uint32_t count = ts_get_u32(&r);
+    if (!r.short_read && out->u.retire.closed > 1)
+      return fail(d, TSHARE_E_MALFORMED, "retire: closed is %u", out->u.retire.closed);
+    if (!r.short_read && (count == 0 || count > d->limits.max_release_ids))
+      return fail(d, TSHARE_E_TOO_LARGE, "retire: count %u outside 1..%u", count, d->limits.max_release_ids);
+    out->u.retire.count = count;
+    for (uint32_t i = 0; i < count && !r.short_read; i++) out->u.retire.alloc_ids[i] = ts_get_u64(&r);
     break;
   }
   }

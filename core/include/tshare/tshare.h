@@ -3,6 +3,7 @@
 #define TSHARE_TSHARE_H
 
 #include "tshare/channel.h"
+#include "tshare/cuda.h"
 #include "tshare/errors.h"
 #include "tshare/hostmem.h"
 #include "tshare/role.h"

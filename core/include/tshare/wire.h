@@ -41,7 +41,7 @@ extern "C" {
 #define TSHARE_WIRE_MAGIC_2 0x48 /* 'H' */
 #define TSHARE_WIRE_MAGIC_3 0x52 /* 'R' */
 #define TSHARE_WIRE_MAJOR 1
-#define TSHARE_WIRE_MINOR 0
+#define TSHARE_WIRE_MINOR 1 /* 1: event and retire frames; origin_pid and share_flags appended to share */
 #define TSHARE_WIRE_HEADER_SIZE 12
 
 /* Hard maxima of the frame structs below; tshare_wire_limits can only lower them. */
@@ -57,7 +57,9 @@ typedef enum tshare_frame_type {
   TSHARE_FRAME_SHARE = 2,
   TSHARE_FRAME_RELEASE = 3,
   TSHARE_FRAME_BYE = 4,
-  TSHARE_FRAME_ERROR = 5
+  TSHARE_FRAME_ERROR = 5,
+  TSHARE_FRAME_EVENT = 6, /* minor 1: an inter-process CUDA event for a slot of the sender's pool */
+  TSHARE_FRAME_RETIRE = 7 /* minor 1: allocations going away (closed = 0) or closed by the receiver (closed = 1) */
 } tshare_frame_type;
 
 /* Header flags. */
@@ -69,6 +71,10 @@ typedef enum tshare_frame_type {
 #define TSHARE_CAP_FD_PASSING (1u << 0) /* the channel can carry fds */
 #define TSHARE_CAP_HOST_MEMFD (1u << 1) /* can import host memfd shares */
 #define TSHARE_CAP_CUDA_IPC (1u << 2)   /* can import legacy CUDA IPC shares */
+
+/* Share flags (share_flags, minor 1). Unknown bits are ignored. */
+#define TSHARE_SHARE_FLAG_RETIRE_NOTICE (1u << 0) /* the sender announces with a retire frame before it frees the
+                                                     allocation, so the receiver may keep it mapped while idle */
 
 /* Memory kinds of a share. */
 typedef enum tshare_mem_kind {
@@ -102,7 +108,23 @@ typedef struct tshare_share_frame {
   tshare_tensor_desc tensor;
   uint8_t tag_len;
   char tag[TSHARE_TAG_MAX + 1]; /* NUL-terminated, tag_len bytes */
+  /* Appended in minor 1 (0 when a minor-0 peer sent the frame). */
+  uint32_t origin_pid;  /* process that owns the allocation (differs from the sender when forwarded) */
+  uint32_t share_flags; /* TSHARE_SHARE_FLAG_* */
 } tshare_share_frame;
+
+#define TSHARE_EVENT_SLOTS_MAX 1024 /* event slots a sender may announce */
+
+typedef struct tshare_event_frame {
+  uint32_t slot;                     /* < TSHARE_EVENT_SLOTS_MAX */
+  uint8_t handle[TSHARE_HANDLE_MAX]; /* a cudaIpcEventHandle_t */
+} tshare_event_frame;
+
+typedef struct tshare_retire_frame {
+  uint8_t closed; /* 0: the sender will free these; 1: the sender closed its mappings of them */
+  uint32_t count; /* 1..TSHARE_RELEASE_MAX */
+  uint64_t alloc_ids[TSHARE_RELEASE_MAX];
+} tshare_retire_frame;
 
 typedef struct tshare_release_frame {
   uint32_t count;
@@ -128,6 +150,8 @@ typedef struct tshare_frame {
     tshare_release_frame release;
     tshare_error_frame error;
     tshare_bye_frame bye;
+    tshare_event_frame event;
+    tshare_retire_frame retire;
   } u;
 } tshare_frame;
 

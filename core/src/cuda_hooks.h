@@ -1,0 +1,42 @@
+/* What the channel and the lifetime protocol ask of the CUDA side. Built from
+ * cuda_share.c with CUDA, from cuda_none.c without: the callers need no #if. */
+#ifndef TSHARE_CUDA_HOOKS_H
+#define TSHARE_CUDA_HOOKS_H
+
+#include "tshare/channel.h"
+#include "tshare/wire.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+struct tshare_view;
+
+/* Hello: capability bits and the UUIDs of the devices (when the driver is
+ * already loaded; a hello never loads it). */
+uint64_t ts_cuda_hello_caps(void);
+void ts_cuda_hello_devices(tshare_hello *h);
+
+/* Event and retire frames from the peer. */
+int ts_cuda_on_frame(tshare_channel *ch, const tshare_frame *f);
+
+/* Driver-side housekeeping before every receive: releases whose GPU work has
+ * finished move to the pending list, retire notices and acks go out.
+ * *busy is set while releases still wait for the GPU (the caller then polls). */
+int ts_cuda_flush(tshare_channel *ch, int timeout_ms, bool *busy);
+
+/* Map a CUDA share into view v (consumer side). */
+int ts_cuda_import(tshare_channel *ch, const tshare_frame *f, void *stream, struct tshare_view *v);
+
+/* A CUDA view's release: queued until its stream's work is done. */
+void ts_cuda_view_release(struct tshare_view *v);
+
+/* A share holding event slot `slot` was released or dropped. */
+void ts_cuda_slot_free(tshare_channel *ch, int slot);
+
+/* The peer is gone or the channel closes: drop what it might have kept mapped. */
+void ts_cuda_peer_gone(tshare_channel *ch);
+
+/* The channel's last reference is going away. */
+void ts_cuda_chan_free(tshare_channel *ch);
+
+#endif

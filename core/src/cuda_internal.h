@@ -1,0 +1,78 @@
+/* Shared by the CUDA modules: cuda_device.c (driver, devices, guard policy),
+ * cuda_memory.c (owned buffers, slabs, export cache, guarded export),
+ * cuda_import.c (the process-wide import cache) and cuda_share.c (channels:
+ * event pools, shares, views, releases, retirement). */
+#ifndef TSHARE_CUDA_INTERNAL_H
+#define TSHARE_CUDA_INTERNAL_H
+
+#include "cuda_driver.h"
+#include "tshare/cuda.h"
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* One lock for buffers, the export and import caches and the statistics:
+ * none of them is hot enough to need finer locking. Taken after a channel's
+ * lock, never before it. */
+extern pthread_mutex_t ts_cuda_lock;
+extern tshare_cuda_export_stats ts_cuda_counters; /* under ts_cuda_lock */
+
+/* Load the driver or fill err with why not (NO_DEVICE). */
+const ts_cuda_api *ts_cuda_require(char *err, size_t cap, int *status);
+
+/* Fails with err naming the call and the CUDA error. */
+int ts_cuda_fail(char *err, size_t cap, const char *what, CUresult rc);
+
+/* ---- exports (cuda_memory.c) ---- */
+
+/* Everything a share frame needs to name an allocation. */
+typedef struct ts_cuda_export {
+  CUdeviceptr base;
+  size_t size;
+  uint64_t buffer_id; /* CU_POINTER_ATTRIBUTE_BUFFER_ID: unique per allocation in this process */
+  int ordinal;
+  CUcontext ctx;
+  uint8_t uuid[16];
+  CUipcMemHandle handle;
+} ts_cuda_export;
+
+/* Find the allocation holding ptr and its handle, exporting it (guarded when
+ * the policy says so) unless this allocation was exported before. */
+int ts_cuda_export_of(CUdeviceptr ptr, ts_cuda_export *out, char *err, size_t cap);
+
+/* An owned allocation: a whole buffer or a slab. */
+typedef struct ts_cuda_alloc ts_cuda_alloc;
+const ts_cuda_export *ts_cuda_alloc_export(const ts_cuda_alloc *a);
+ts_cuda_alloc *ts_cuda_buffer_alloc(const tshare_cuda_buffer *b);
+size_t ts_cuda_buffer_offset(const tshare_cuda_buffer *b);
+void ts_cuda_buffer_retain(tshare_cuda_buffer *b);
+void ts_cuda_buffer_release_cb(void *b); /* ts_export release */
+
+/* References held by channels whose peer may keep the allocation mapped:
+ * the memory is freed only after every such peer closed it. */
+void ts_cuda_alloc_peer_retain(ts_cuda_alloc *a);
+void ts_cuda_alloc_peer_release(ts_cuda_alloc *a);
+bool ts_cuda_alloc_unused(const ts_cuda_alloc *a); /* only peer references left */
+
+/* ---- imports (cuda_import.c) ---- */
+
+typedef struct ts_cuda_mapping ts_cuda_mapping;
+
+/* Open (or reuse) the mapping of an allocation of process origin_pid in ctx.
+ * keep_idle: it may stay open with no view (the owner announces retirement). */
+int ts_cuda_import_get(uint32_t origin_pid, uint64_t alloc_id, CUcontext ctx, const CUipcMemHandle *handle,
+                       size_t size, bool keep_idle, ts_cuda_mapping **out, char *err, size_t cap);
+CUdeviceptr ts_cuda_import_ptr(const ts_cuda_mapping *imp);
+void ts_cuda_import_put(ts_cuda_mapping *imp); /* a view is gone */
+
+/* The owner says the allocation goes away; true if nothing maps it any more. */
+void ts_cuda_import_retire(uint32_t origin_pid, uint64_t alloc_id);
+/* The owner's process is gone: close its idle mappings. */
+void ts_cuda_import_origin_gone(uint32_t origin_pid);
+
+/* ---- guard (cuda_device.c) ---- */
+bool ts_cuda_guard_wanted(CUcontext ctx); /* may run the one-time probe in ctx */
+
+#endif

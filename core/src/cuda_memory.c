@@ -1,0 +1,431 @@
+/* Owned buffers and slabs, the export cache, and the guarded export. */
+#include "cuda_internal.h"
+#include "error_detail.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define SLAB_ALIGN 256             /* what cudaMalloc guarantees: any dtype, vector loads */
+#define EXPORT_CACHE_MAX 1024      /* allocations whose handle is remembered */
+#define GUARD_CHUNK (16u << 20)    /* bytes compared per step after a guarded export */
+
+typedef struct range {
+  size_t off, len;
+} range;
+
+struct ts_cuda_alloc {
+  ts_cuda_export x;
+  size_t refs;      /* buffers in it, the slab handle; under ts_cuda_lock */
+  size_t peer_refs; /* channels whose peer may keep it mapped */
+  bool is_slab;
+  range *free; /* slab: free ranges sorted by offset */
+  size_t nfree, cap_free, free_bytes;
+};
+
+struct tshare_cuda_buffer {
+  ts_cuda_alloc *alloc;
+  size_t offset, size;
+  size_t refs; /* the caller's + one per outstanding share */
+};
+
+struct tshare_cuda_slab {
+  ts_cuda_alloc *alloc;
+};
+
+/* ---- the export cache ---------------------------------------------------- */
+
+typedef struct cache_entry {
+  ts_cuda_export x;
+  uint64_t tick;
+} cache_entry;
+
+static cache_entry cache[EXPORT_CACHE_MAX];
+static size_t cache_len;
+static uint64_t cache_tick;
+
+static cache_entry *cache_find(CUdeviceptr base) {
+  for (size_t i = 0; i < cache_len; i++)
+    if (cache[i].x.base == base) return &cache[i];
+  return NULL;
+}
+
+static void cache_put(const ts_cuda_export *x) {
+  cache_entry *e = cache_find(x->base);
+  if (!e && cache_len < EXPORT_CACHE_MAX) e = &cache[cache_len++];
+  if (!e) { /* full: forget the least recently used; it is re-exported if it comes back */
+    e = &cache[0];
+    for (size_t i = 1; i < cache_len; i++)
+      if (cache[i].tick < e->tick) e = &cache[i];
+  }
+  e->x = *x;
+  e->tick = ++cache_tick;
+}
+
+static void cache_remove(CUdeviceptr base) {
+  cache_entry *e = cache_find(base);
+  if (e) *e = cache[--cache_len];
+}
+
+/* ---- export -------------------------------------------------------------- */
+
+/* Snapshot, export, compare, restore: the whole allocation, so neighbours of
+ * the exported tensor in the same segment are covered too. All work queued in
+ * the context is finished first, or the snapshot could miss a write. */
+static CUresult guarded_export(const ts_cuda_api *cu, CUdeviceptr base, size_t size, CUipcMemHandle *h,
+                               bool *restored, char *err, size_t cap, int *status) {
+  *restored = false;
+  uint8_t *snap = malloc(size ? size : 1);
+  uint8_t *chunk = malloc(size < GUARD_CHUNK ? (size ? size : 1) : GUARD_CHUNK);
+  CUresult rc = CUDA_ERROR_OUT_OF_MEMORY;
+  if (!snap || !chunk) {
+    *status = ts_errf(err, cap, TSHARE_E_NOMEM, "export guard: no host memory for a %zu-byte snapshot", size);
+    goto out;
+  }
+  if ((rc = cu->cuCtxSynchronize()) != CUDA_SUCCESS || (rc = cu->cuMemcpyDtoH(snap, base, size)) != CUDA_SUCCESS ||
+      (rc = cu->cuIpcGetMemHandle(h, base)) != CUDA_SUCCESS) {
+    *status = ts_cuda_fail(err, cap, "export guard", rc);
+    goto out;
+  }
+  for (size_t off = 0; off < size; off += GUARD_CHUNK) {
+    size_t n = size - off < GUARD_CHUNK ? size - off : GUARD_CHUNK;
+    if ((rc = cu->cuMemcpyDtoH(chunk, base + off, n)) != CUDA_SUCCESS) break;
+    if (memcmp(chunk, snap + off, n) != 0) {
+      *restored = true;
+      if ((rc = cu->cuMemcpyHtoD(base + off, snap + off, n)) != CUDA_SUCCESS) break;
+    }
+  }
+  if (rc != CUDA_SUCCESS) *status = ts_cuda_fail(err, cap, "export guard: compare/restore", rc);
+out:
+  free(snap);
+  free(chunk);
+  return rc;
+}
+
+int ts_cuda_export_of(CUdeviceptr ptr, ts_cuda_export *out, char *err, size_t cap) {
+  int status = TSHARE_OK;
+  const ts_cuda_api *cu = ts_cuda_require(err, cap, &status);
+  if (!cu) return status;
+  CUcontext ctx = NULL;
+  CUresult rc = cu->cuPointerGetAttribute(&ctx, CU_POINTER_ATTRIBUTE_CONTEXT, ptr);
+  if (rc != CUDA_SUCCESS || !ctx)
+    return ts_errf(err, cap, TSHARE_E_INVALID_ARG,
+                   "export: %p is not device memory from cudaMalloc/cuMemAlloc (%s)", (void *)(uintptr_t)ptr,
+                   ts_cuda_strerror(rc));
+  if (!ts_cuda_push(ctx)) return ts_errf(err, cap, TSHARE_E_CUDA, "export: cannot enter the memory's context");
+  pthread_mutex_lock(&ts_cuda_lock);
+  ts_cuda_export x;
+  memset(&x, 0, sizeof x);
+  x.ctx = ctx;
+  unsigned long long id = 0;
+  int ordinal = -1;
+  CUuuid uuid;
+  CUdevice dev;
+  if ((rc = cu->cuMemGetAddressRange(&x.base, &x.size, ptr)) != CUDA_SUCCESS ||
+      (rc = cu->cuPointerGetAttribute(&id, CU_POINTER_ATTRIBUTE_BUFFER_ID, x.base)) != CUDA_SUCCESS ||
+      (rc = cu->cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, x.base)) != CUDA_SUCCESS ||
+      (rc = cu->cuDeviceGet(&dev, ordinal)) != CUDA_SUCCESS || (rc = cu->cuDeviceGetUuid(&uuid, dev)) != CUDA_SUCCESS) {
+    status = ts_cuda_fail(err, cap, "export: looking up the allocation", rc);
+    goto out;
+  }
+  x.buffer_id = id;
+  x.ordinal = ordinal;
+  memcpy(x.uuid, uuid.bytes, 16);
+  cache_entry *e = cache_find(x.base);
+  if (e && e->x.buffer_id == x.buffer_id) {
+    /* Exported before: never call the driver's export twice on one
+     * allocation (each call could zero it on an affected driver). */
+    e->tick = ++cache_tick;
+    *out = e->x;
+    ts_cuda_counters.cache_hits++;
+    goto out;
+  }
+  /* A different buffer id at a known base: that allocation was freed and the
+   * address reused. The stale entry is replaced below. */
+  if (ts_cuda_guard_wanted(ctx)) {
+    bool restored;
+    if (guarded_export(cu, x.base, x.size, &x.handle, &restored, err, cap, &status) != CUDA_SUCCESS) goto out;
+    ts_cuda_counters.guarded++;
+    if (restored) ts_cuda_counters.restored++;
+  } else if ((rc = cu->cuIpcGetMemHandle(&x.handle, x.base)) != CUDA_SUCCESS) {
+    status = ts_cuda_fail(err, cap,
+                          "export: cudaIpcGetMemHandle refused the allocation (stream-ordered pool and VMM memory "
+                          "cannot use legacy CUDA IPC)",
+                          rc);
+    goto out;
+  }
+  ts_cuda_counters.exports++;
+  cache_put(&x);
+  *out = x;
+out:
+  pthread_mutex_unlock(&ts_cuda_lock);
+  ts_cuda_pop();
+  return status;
+}
+
+/* ---- owned allocations ---------------------------------------------------- */
+
+static int alloc_create(int device, size_t size, bool slab, ts_cuda_alloc **out, tshare_error *err) {
+  char msg[TSHARE_ERROR_MSG_MAX];
+  int status = TSHARE_OK;
+  *out = NULL;
+  const ts_cuda_api *cu = ts_cuda_require(msg, sizeof msg, &status);
+  if (!cu) goto fail;
+  if (size == 0 || size > ((size_t)1 << 48)) {
+    status = ts_errf(msg, sizeof msg, TSHARE_E_INVALID_ARG, "cuda buffer: size %zu outside 1..2^48", size);
+    goto fail;
+  }
+  int count = tshare_cuda_device_count();
+  CUcontext ctx = device >= 0 && device < count ? ts_cuda_primary_ctx(device) : NULL;
+  if (!ctx) {
+    status = ts_errf(msg, sizeof msg, TSHARE_E_INVALID_ARG, "cuda buffer: device %d: this process sees %d device(s)",
+                     device, count);
+    goto fail;
+  }
+  ts_cuda_alloc *a = calloc(1, sizeof *a);
+  if (!a) {
+    status = ts_errf(msg, sizeof msg, TSHARE_E_NOMEM, "cuda buffer: out of memory");
+    goto fail;
+  }
+  ts_cuda_push(ctx);
+  CUresult rc;
+  unsigned long long id = 0;
+  CUdevice dev;
+  CUuuid uuid;
+  a->x.ctx = ctx;
+  a->x.size = size;
+  a->x.ordinal = device;
+  /* Exported first, before any byte is written: safe on every driver. */
+  if ((rc = cu->cuMemAlloc(&a->x.base, size)) != CUDA_SUCCESS ||
+      (rc = cu->cuIpcGetMemHandle(&a->x.handle, a->x.base)) != CUDA_SUCCESS ||
+      (rc = cu->cuPointerGetAttribute(&id, CU_POINTER_ATTRIBUTE_BUFFER_ID, a->x.base)) != CUDA_SUCCESS ||
+      (rc = cu->cuDeviceGet(&dev, device)) != CUDA_SUCCESS || (rc = cu->cuDeviceGetUuid(&uuid, dev)) != CUDA_SUCCESS ||
+      (rc = cu->cuMemsetD8(a->x.base, 0, size)) != CUDA_SUCCESS || (rc = cu->cuCtxSynchronize()) != CUDA_SUCCESS) {
+    if (a->x.base) cu->cuMemFree(a->x.base);
+    ts_cuda_pop();
+    free(a);
+    char what[64];
+    snprintf(what, sizeof what, "cuda buffer: %zu bytes on device %d", size, device);
+    status = ts_cuda_fail(msg, sizeof msg, what, rc);
+    goto fail;
+  }
+  ts_cuda_pop();
+  a->x.buffer_id = id;
+  memcpy(a->x.uuid, uuid.bytes, 16);
+  a->refs = 1;
+  a->is_slab = slab;
+  if (slab) {
+    a->free = malloc(sizeof *a->free);
+    if (!a->free) {
+      a->refs = 0;
+      ts_cuda_push(ctx);
+      cu->cuMemFree(a->x.base);
+      ts_cuda_pop();
+      free(a);
+      status = ts_errf(msg, sizeof msg, TSHARE_E_NOMEM, "cuda slab: out of memory");
+      goto fail;
+    }
+    a->free[0] = (range){0, size};
+    a->nfree = a->cap_free = 1;
+    a->free_bytes = size;
+  }
+  pthread_mutex_lock(&ts_cuda_lock);
+  ts_cuda_counters.exports++;
+  cache_put(&a->x);
+  pthread_mutex_unlock(&ts_cuda_lock);
+  ts_error_fill(err, TSHARE_OK, "");
+  *out = a;
+  return TSHARE_OK;
+fail:
+  ts_error_fill(err, status, msg);
+  return status;
+}
+
+/* With ts_cuda_lock held; frees a when nothing holds it any more. */
+static void alloc_maybe_free_locked(ts_cuda_alloc *a) {
+  if (a->refs || a->peer_refs) return;
+  cache_remove(a->x.base);
+  const ts_cuda_api *cu = ts_cuda_if_loaded();
+  if (cu && ts_cuda_push(a->x.ctx)) {
+    cu->cuMemFree(a->x.base);
+    ts_cuda_pop();
+  }
+  free(a->free);
+  free(a);
+}
+
+static void alloc_unref_locked(ts_cuda_alloc *a) {
+  a->refs--;
+  alloc_maybe_free_locked(a);
+}
+
+const ts_cuda_export *ts_cuda_alloc_export(const ts_cuda_alloc *a) { return &a->x; }
+
+void ts_cuda_alloc_peer_retain(ts_cuda_alloc *a) {
+  pthread_mutex_lock(&ts_cuda_lock);
+  a->peer_refs++;
+  pthread_mutex_unlock(&ts_cuda_lock);
+}
+
+void ts_cuda_alloc_peer_release(ts_cuda_alloc *a) {
+  pthread_mutex_lock(&ts_cuda_lock);
+  a->peer_refs--;
+  alloc_maybe_free_locked(a);
+  pthread_mutex_unlock(&ts_cuda_lock);
+}
+
+bool ts_cuda_alloc_unused(const ts_cuda_alloc *a) {
+  pthread_mutex_lock(&ts_cuda_lock);
+  bool unused = a->refs == 0;
+  pthread_mutex_unlock(&ts_cuda_lock);
+  return unused;
+}
+
+/* ---- buffers ------------------------------------------------------------- */
+
+int tshare_cuda_buffer_create(int device, size_t size, tshare_cuda_buffer **out, tshare_error *err) {
+  if (!out) return TSHARE_E_INVALID_ARG;
+  *out = NULL;
+  tshare_cuda_buffer *b = calloc(1, sizeof *b);
+  if (!b) {
+    ts_error_fill(err, TSHARE_E_NOMEM, "cuda buffer: out of memory");
+    return TSHARE_E_NOMEM;
+  }
+  int rc = alloc_create(device, size, false, &b->alloc, err);
+  if (rc != TSHARE_OK) {
+    free(b);
+    return rc;
+  }
+  b->size = size;
+  b->refs = 1;
+  *out = b;
+  return TSHARE_OK;
+}
+
+void *tshare_cuda_buffer_ptr(const tshare_cuda_buffer *b) {
+  return b ? (void *)(uintptr_t)(b->alloc->x.base + b->offset) : NULL;
+}
+size_t tshare_cuda_buffer_size(const tshare_cuda_buffer *b) { return b ? b->size : 0; }
+int tshare_cuda_buffer_device(const tshare_cuda_buffer *b) { return b ? b->alloc->x.ordinal : -1; }
+ts_cuda_alloc *ts_cuda_buffer_alloc(const tshare_cuda_buffer *b) { return b->alloc; }
+size_t ts_cuda_buffer_offset(const tshare_cuda_buffer *b) { return b->offset; }
+
+void ts_cuda_buffer_retain(tshare_cuda_buffer *b) {
+  pthread_mutex_lock(&ts_cuda_lock);
+  b->refs++;
+  pthread_mutex_unlock(&ts_cuda_lock);
+}
+
+/* Give a piece's range back, merging it with free neighbours. */
+static void slab_give_back_locked(ts_cuda_alloc *a, size_t off, size_t len) {
+  size_t i = 0;
+  while (i < a->nfree && a->free[i].off < off) i++;
+  bool merge_prev = i > 0 && a->free[i - 1].off + a->free[i - 1].len == off;
+  bool merge_next = i < a->nfree && off + len == a->free[i].off;
+  a->free_bytes += len;
+  if (merge_prev && merge_next) {
+    a->free[i - 1].len += len + a->free[i].len;
+    memmove(&a->free[i], &a->free[i + 1], (a->nfree - i - 1) * sizeof *a->free);
+    a->nfree--;
+  } else if (merge_prev) {
+    a->free[i - 1].len += len;
+  } else if (merge_next) {
+    a->free[i].off = off;
+    a->free[i].len += len;
+  } else {
+    if (a->nfree == a->cap_free) {
+      range *r = realloc(a->free, (a->cap_free * 2) * sizeof *r);
+      if (!r) { /* the range stays lost to the slab until it is freed; never reused twice */
+        a->free_bytes -= len;
+        return;
+      }
+      a->free = r;
+      a->cap_free *= 2;
+    }
+    memmove(&a->free[i + 1], &a->free[i], (a->nfree - i) * sizeof *a->free);
+    a->free[i] = (range){off, len};
+    a->nfree++;
+  }
+}
+
+void tshare_cuda_buffer_release(tshare_cuda_buffer *b) {
+  if (!b) return;
+  pthread_mutex_lock(&ts_cuda_lock);
+  if (--b->refs == 0) {
+    ts_cuda_alloc *a = b->alloc;
+    if (a->is_slab) slab_give_back_locked(a, b->offset, b->size);
+    free(b);
+    alloc_unref_locked(a);
+  }
+  pthread_mutex_unlock(&ts_cuda_lock);
+}
+
+void ts_cuda_buffer_release_cb(void *b) { tshare_cuda_buffer_release(b); }
+
+/* ---- slabs --------------------------------------------------------------- */
+
+int tshare_cuda_slab_create(int device, size_t size, tshare_cuda_slab **out, tshare_error *err) {
+  if (!out) return TSHARE_E_INVALID_ARG;
+  *out = NULL;
+  tshare_cuda_slab *s = calloc(1, sizeof *s);
+  if (!s) {
+    ts_error_fill(err, TSHARE_E_NOMEM, "cuda slab: out of memory");
+    return TSHARE_E_NOMEM;
+  }
+  int rc = alloc_create(device, size, true, &s->alloc, err);
+  if (rc != TSHARE_OK) {
+    free(s);
+    return rc;
+  }
+  *out = s;
+  return TSHARE_OK;
+}
+
+int tshare_cuda_slab_alloc(tshare_cuda_slab *s, size_t bytes, tshare_cuda_buffer **out) {
+  if (!out) return TSHARE_E_INVALID_ARG;
+  *out = NULL;
+  if (!s || bytes == 0 || bytes > s->alloc->x.size) return TSHARE_E_INVALID_ARG;
+  size_t need = (bytes + SLAB_ALIGN - 1) / SLAB_ALIGN * SLAB_ALIGN;
+  tshare_cuda_buffer *b = calloc(1, sizeof *b);
+  if (!b) return TSHARE_E_NOMEM;
+  pthread_mutex_lock(&ts_cuda_lock);
+  ts_cuda_alloc *a = s->alloc;
+  size_t i = 0;
+  while (i < a->nfree && a->free[i].len < need) i++; /* first fit */
+  if (i == a->nfree) {
+    pthread_mutex_unlock(&ts_cuda_lock);
+    free(b);
+    return TSHARE_AGAIN;
+  }
+  b->alloc = a;
+  b->offset = a->free[i].off;
+  b->size = need;
+  b->refs = 1;
+  a->free[i].off += need;
+  a->free[i].len -= need;
+  a->free_bytes -= need;
+  if (a->free[i].len == 0) {
+    memmove(&a->free[i], &a->free[i + 1], (a->nfree - i - 1) * sizeof *a->free);
+    a->nfree--;
+  }
+  a->refs++;
+  pthread_mutex_unlock(&ts_cuda_lock);
+  *out = b;
+  return TSHARE_OK;
+}
+
+size_t tshare_cuda_slab_free_bytes(const tshare_cuda_slab *s) {
+  if (!s) return 0;
+  pthread_mutex_lock(&ts_cuda_lock);
+  size_t n = s->alloc->free_bytes;
+  pthread_mutex_unlock(&ts_cuda_lock);
+  return n;
+}
+
+void tshare_cuda_slab_release(tshare_cuda_slab *s) {
+  if (!s) return;
+  pthread_mutex_lock(&ts_cuda_lock);
+  alloc_unref_locked(s->alloc);
+  pthread_mutex_unlock(&ts_cuda_lock);
+  free(s);
+}

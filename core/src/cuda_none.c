@@ -1,0 +1,118 @@
+/* A build without the CUDA toolkit: every CUDA call says so, and the channel
+ * hooks do nothing (the hello does not offer CUDA, so no peer sends any). */
+#include "channel_internal.h"
+#include "cuda_hooks.h"
+#include "error_detail.h"
+#include "tshare/cuda.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#define NO_CUDA "tshare was built without CUDA (no CUDA toolkit at build time)"
+
+int tshare_cuda_init(tshare_error *err) {
+  ts_error_fill(err, TSHARE_E_UNSUPPORTED, NO_CUDA);
+  return TSHARE_E_UNSUPPORTED;
+}
+int tshare_cuda_device_count(void) { return 0; }
+int tshare_cuda_device_uuid(int ordinal, uint8_t uuid[16]) {
+  (void)ordinal;
+  memset(uuid, 0, 16);
+  return TSHARE_E_UNSUPPORTED;
+}
+int tshare_cuda_device_from_uuid(const uint8_t uuid[16]) {
+  (void)uuid;
+  return -1;
+}
+void tshare_cuda_uuid_format(const uint8_t u[16], char *out, size_t cap) {
+  snprintf(out, cap, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1], u[2], u[3],
+           u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+}
+void tshare_cuda_set_export_guard(tshare_export_guard policy) { (void)policy; }
+int tshare_cuda_export_guard_active(const char **why) {
+  if (why) *why = NO_CUDA;
+  return TSHARE_E_UNSUPPORTED;
+}
+void tshare_cuda_stats(tshare_cuda_export_stats *out) { memset(out, 0, sizeof *out); }
+void tshare_cuda_set_import_cache_limits(size_t max_idle, size_t max_idle_bytes) {
+  (void)max_idle;
+  (void)max_idle_bytes;
+}
+int tshare_cuda_buffer_create(int device, size_t size, tshare_cuda_buffer **out, tshare_error *err) {
+  (void)device;
+  (void)size;
+  if (out) *out = NULL;
+  return tshare_cuda_init(err);
+}
+void *tshare_cuda_buffer_ptr(const tshare_cuda_buffer *buf) {
+  (void)buf;
+  return NULL;
+}
+size_t tshare_cuda_buffer_size(const tshare_cuda_buffer *buf) {
+  (void)buf;
+  return 0;
+}
+int tshare_cuda_buffer_device(const tshare_cuda_buffer *buf) {
+  (void)buf;
+  return -1;
+}
+void tshare_cuda_buffer_release(tshare_cuda_buffer *buf) { (void)buf; }
+int tshare_cuda_slab_create(int device, size_t size, tshare_cuda_slab **out, tshare_error *err) {
+  (void)device;
+  (void)size;
+  if (out) *out = NULL;
+  return tshare_cuda_init(err);
+}
+int tshare_cuda_slab_alloc(tshare_cuda_slab *slab, size_t bytes, tshare_cuda_buffer **out) {
+  (void)slab;
+  (void)bytes;
+  if (out) *out = NULL;
+  return TSHARE_E_UNSUPPORTED;
+}
+size_t tshare_cuda_slab_free_bytes(const tshare_cuda_slab *slab) {
+  (void)slab;
+  return 0;
+}
+void tshare_cuda_slab_release(tshare_cuda_slab *slab) { (void)slab; }
+
+static int unsupported(tshare_channel *ch, uint64_t *share_id) {
+  if (share_id) *share_id = 0;
+  if (!ch) return TSHARE_E_UNSUPPORTED;
+  return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED, "share: %s", NO_CUDA);
+}
+int tshare_share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const tshare_tensor_desc *desc, void *stream,
+                             const char *tag, void *user_data, int timeout_ms, uint64_t *share_id) {
+  (void)buf, (void)desc, (void)stream, (void)tag, (void)user_data, (void)timeout_ms;
+  return unsupported(ch, share_id);
+}
+int tshare_share_cuda(tshare_channel *ch, const void *data, const tshare_tensor_desc *desc, void *stream,
+                      const char *tag, void *user_data, int timeout_ms, uint64_t *share_id) {
+  (void)data, (void)desc, (void)stream, (void)tag, (void)user_data, (void)timeout_ms;
+  return unsupported(ch, share_id);
+}
+int tshare_share_view(tshare_channel *ch, tshare_view *view, void *stream, const char *tag, void *user_data,
+                      int timeout_ms, uint64_t *share_id) {
+  (void)view, (void)stream, (void)tag, (void)user_data, (void)timeout_ms;
+  return unsupported(ch, share_id);
+}
+
+uint64_t ts_cuda_hello_caps(void) { return 0; }
+void ts_cuda_hello_devices(tshare_hello *h) { (void)h; }
+int ts_cuda_on_frame(tshare_channel *ch, const tshare_frame *f) {
+  return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "receive: %s frame, but this side offered no CUDA",
+                 tshare_frame_type_name(f->type));
+}
+int ts_cuda_flush(tshare_channel *ch, int timeout_ms, bool *busy) {
+  (void)ch, (void)timeout_ms;
+  *busy = false;
+  return TSHARE_OK;
+}
+int ts_cuda_import(tshare_channel *ch, const tshare_frame *f, void *stream, struct tshare_view *v) {
+  (void)stream, (void)v;
+  return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED, "import: share %llu is CUDA memory; %s",
+                 (unsigned long long)f->u.share.share_id, NO_CUDA);
+}
+void ts_cuda_view_release(struct tshare_view *v) { (void)v; }
+void ts_cuda_slot_free(tshare_channel *ch, int slot) { (void)ch, (void)slot; }
+void ts_cuda_peer_gone(tshare_channel *ch) { (void)ch; }
+void ts_cuda_chan_free(tshare_channel *ch) { (void)ch; }

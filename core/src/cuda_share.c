@@ -1,0 +1,561 @@
+/* CUDA shares on a channel: the producer's event pool and the allocations
+ * its peer may keep mapped; the consumer's announced events, imports, and
+ * the releases that wait for the GPU. Producer-side state belongs to the
+ * thread that drives the channel, like the rest of a channel; the releases
+ * waiting for the GPU are under ch->lock, since views are released from any
+ * thread. */
+#include "channel_internal.h"
+#include "cuda_hooks.h"
+#include "cuda_internal.h"
+#include "error_detail.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define POOL_MAX 256 /* events a producer keeps per channel; beyond that a share syncs its stream */
+
+typedef struct peer_event {
+  bool announced;
+  CUipcEventHandle handle;
+  CUevent ev; /* opened on first use */
+  CUcontext ctx;
+  uint32_t last_gen;
+} peer_event;
+
+typedef struct drain {
+  uint64_t share_id;
+  CUevent done; /* recorded on the view's stream at release */
+  ts_cuda_mapping *imp;
+} drain;
+
+typedef struct peer_mapped {
+  ts_cuda_alloc *alloc;
+  bool retire_sent;
+} peer_mapped;
+
+struct ts_cuda_chan {
+  /* producer */
+  CUcontext pool_ctx;
+  uint32_t nslots;
+  CUevent pool[POOL_MAX];
+  uint32_t gen[POOL_MAX];
+  bool busy[POOL_MAX];
+  ts_u64map mapped; /* buffer id -> peer_mapped: owned allocations the peer may keep open */
+  /* consumer */
+  peer_event *events; /* TSHARE_EVENT_SLOTS_MAX entries, allocated with the first event frame */
+  drain *drains;      /* under ch->lock */
+  size_t ndrain, cap_drain;
+  uint64_t *acks; /* retire acks to send */
+  size_t nacks, cap_acks;
+};
+
+/* u64map keys must be nonzero; a buffer id of 0 is not ruled out. */
+#define MAPKEY(buffer_id) ((buffer_id) + 1)
+
+static struct ts_cuda_chan *chan_of(tshare_channel *ch) {
+  pthread_mutex_lock(&ch->lock);
+  if (!ch->cuda) ch->cuda = calloc(1, sizeof *ch->cuda);
+  struct ts_cuda_chan *c = ch->cuda;
+  pthread_mutex_unlock(&ch->lock);
+  return c;
+}
+
+/* ---- hello ---------------------------------------------------------------- */
+
+uint64_t ts_cuda_hello_caps(void) { return TSHARE_CAP_CUDA_IPC; }
+
+void ts_cuda_hello_devices(tshare_hello *h) {
+  if (!ts_cuda_if_loaded()) return;
+  int n = tshare_cuda_device_count();
+  for (int i = 0; i < n && h->device_count < TSHARE_HELLO_DEVICES_MAX; i++)
+    if (tshare_cuda_device_uuid(i, h->device_uuids[h->device_count]) == TSHARE_OK) h->device_count++;
+}
+
+/* ---- producer ------------------------------------------------------------- */
+
+/* A free event slot in ctx, created and announced to the peer on first use.
+ * -1: no slot (another context than the pool's, the pool is full, or the
+ * peer predates event frames): the caller syncs the stream instead. */
+static int pool_take(tshare_channel *ch, struct ts_cuda_chan *c, CUcontext ctx, int timeout_ms, int *status) {
+  *status = TSHARE_OK;
+  if (ch->minor < 1) return -1;
+  if (!c->pool_ctx) c->pool_ctx = ctx;
+  if (c->pool_ctx != ctx) return -1;
+  for (uint32_t i = 0; i < c->nslots; i++)
+    if (!c->busy[i]) return (int)i;
+  if (c->nslots == POOL_MAX) return -1;
+  const ts_cuda_api *cu = ts_cuda_if_loaded();
+  CUevent ev;
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_EVENT;
+  f.u.event.slot = c->nslots;
+  CUresult rc = cu->cuEventCreate(&ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
+  if (rc == CUDA_SUCCESS) {
+    CUipcEventHandle h;
+    rc = cu->cuIpcGetEventHandle(&h, ev);
+    if (rc != CUDA_SUCCESS) cu->cuEventDestroy(ev);
+    memcpy(f.u.event.handle, h.reserved, TSHARE_HANDLE_MAX);
+  }
+  if (rc != CUDA_SUCCESS) {
+    *status = ts_cuda_fail(ch->err, sizeof ch->err, "share: creating an inter-process event", rc);
+    return -1;
+  }
+  *status = ts_channel_send(ch, &f, -1, timeout_ms);
+  if (*status != TSHARE_OK) {
+    cu->cuEventDestroy(ev);
+    return -1;
+  }
+  c->pool[c->nslots] = ev;
+  return (int)c->nslots++;
+}
+
+void ts_cuda_slot_free(tshare_channel *ch, int slot) {
+  if (ch->cuda && slot >= 0 && slot < POOL_MAX) ch->cuda->busy[slot] = false;
+}
+
+static int check_can_share(tshare_channel *ch, const char *tag) {
+  if (!ch) return TSHARE_E_INVALID_ARG;
+  if (ch->closed || ch->wfd < 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: channel is closed");
+  if (!(ch->peer.capabilities & TSHARE_CAP_CUDA_IPC))
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_MISMATCH,
+                   "share: peer '%s' (pid %u) was built without CUDA and cannot import GPU memory", ch->peer.name,
+                   ch->peer.pid);
+  if (tag && strlen(tag) > TSHARE_TAG_MAX)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TOO_LARGE, "share: tag of %zu bytes over %d", strlen(tag),
+                   TSHARE_TAG_MAX);
+  if (!chan_of(ch)) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
+  return TSHARE_OK;
+}
+
+/* Fill and send the share; e (release, owner, user_data set) is consumed. */
+static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, uint64_t offset, uint32_t origin_pid,
+                           uint32_t flags, const tshare_tensor_desc *desc, void *stream, const char *tag, ts_export *e,
+                           int timeout_ms, uint64_t *share_id) {
+  struct ts_cuda_chan *c = ch->cuda;
+  const ts_cuda_api *cu = ts_cuda_if_loaded();
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_SHARE;
+  tshare_share_frame *s = &f.u.share;
+  s->alloc_id = x->buffer_id;
+  s->mem_kind = TSHARE_MEM_CUDA_IPC;
+  s->device_type = TSHARE_DEVICE_CUDA;
+  s->handle_len = TSHARE_HANDLE_MAX;
+  memcpy(s->handle, x->handle.reserved, TSHARE_HANDLE_MAX);
+  memcpy(s->device_uuid, x->uuid, 16);
+  s->alloc_size = x->size;
+  s->tensor = *desc;
+  s->tensor.byte_offset = offset + desc->byte_offset;
+  s->origin_pid = origin_pid;
+  s->share_flags = ch->minor >= 1 ? flags : 0;
+  if (tag) {
+    s->tag_len = (uint8_t)strlen(tag);
+    memcpy(s->tag, tag, s->tag_len);
+  }
+  e->event_slot = -1;
+  int status = TSHARE_OK;
+  CUresult rc = CUDA_SUCCESS;
+  if (!ts_cuda_push(x->ctx)) {
+    status = ts_errf(ch->err, sizeof ch->err, TSHARE_E_CUDA, "share: cannot enter the memory's context");
+  } else {
+    int slot = pool_take(ch, c, x->ctx, timeout_ms, &status);
+    if (status == TSHARE_OK && slot >= 0) {
+      /* The consumer's stream waits for this point of ours: no host sync. */
+      rc = cu->cuEventRecord(c->pool[slot], (CUstream)stream);
+      if (rc == CUDA_SUCCESS) {
+        c->busy[slot] = true;
+        e->event_slot = slot;
+        f.flags |= TSHARE_FRAME_FLAG_HAS_EVENT;
+        s->event_slot = (uint32_t)slot;
+        s->event_generation = ++c->gen[slot];
+      }
+    } else if (status == TSHARE_OK) {
+      rc = cu->cuStreamSynchronize((CUstream)stream);
+      pthread_mutex_lock(&ts_cuda_lock);
+      ts_cuda_counters.host_syncs++;
+      pthread_mutex_unlock(&ts_cuda_lock);
+    }
+    ts_cuda_pop();
+    if (status == TSHARE_OK && rc != CUDA_SUCCESS)
+      status = ts_cuda_fail(ch->err, sizeof ch->err,
+                            "share: ordering on the stream (is it a stream of the memory's device?)", rc);
+  }
+  if (status != TSHARE_OK) {
+    if (e->event_slot >= 0) c->busy[e->event_slot] = false;
+    e->release(e->owner);
+    free(e);
+    return status;
+  }
+  return ts_share_send_export(ch, &f, -1, e, timeout_ms, share_id);
+}
+
+static void no_release(void *owner) { (void)owner; }
+
+int tshare_share_cuda(tshare_channel *ch, const void *data, const tshare_tensor_desc *desc, void *stream,
+                      const char *tag, void *user_data, int timeout_ms, uint64_t *share_id) {
+  if (share_id) *share_id = 0;
+  if (!data || !desc) return ch ? ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "share: NULL argument")
+                                : TSHARE_E_INVALID_ARG;
+  int rc = check_can_share(ch, tag);
+  if (rc != TSHARE_OK) return rc;
+  ts_cuda_export x;
+  rc = ts_cuda_export_of((CUdeviceptr)(uintptr_t)data, &x, ch->err, sizeof ch->err);
+  if (rc != TSHARE_OK) return rc;
+  ts_export *e = calloc(1, sizeof *e);
+  if (!e) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
+  e->release = no_release;
+  e->user_data = user_data;
+  return send_cuda_share(ch, &x, (uint64_t)((CUdeviceptr)(uintptr_t)data - x.base), (uint32_t)getpid(), 0, desc,
+                         stream, tag, e, timeout_ms, share_id);
+}
+
+int tshare_share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const tshare_tensor_desc *desc, void *stream,
+                             const char *tag, void *user_data, int timeout_ms, uint64_t *share_id) {
+  if (share_id) *share_id = 0;
+  if (!buf || !desc) return ch ? ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "share: NULL argument")
+                               : TSHARE_E_INVALID_ARG;
+  int rc = check_can_share(ch, tag);
+  if (rc != TSHARE_OK) return rc;
+  /* The layout must stay inside the buffer, not just inside its slab. */
+  char why[160];
+  rc = tshare_tensor_check(desc, tshare_cuda_buffer_size(buf), NULL, NULL, why, sizeof why);
+  if (rc != TSHARE_OK) return ts_errf(ch->err, sizeof ch->err, rc, "share: %s", why);
+  ts_cuda_alloc *a = ts_cuda_buffer_alloc(buf);
+  const ts_cuda_export *x = ts_cuda_alloc_export(a);
+  struct ts_cuda_chan *c = ch->cuda;
+  uint32_t flags = 0;
+  if (ch->minor >= 1) {
+    /* The peer may keep this allocation mapped while idle; the memory is
+     * freed only after it said it closed it (retire handshake). */
+    flags = TSHARE_SHARE_FLAG_RETIRE_NOTICE;
+    if (!ts_u64map_get(&c->mapped, MAPKEY(x->buffer_id))) {
+      peer_mapped *pm = calloc(1, sizeof *pm);
+      if (!pm || ts_u64map_put(&c->mapped, MAPKEY(x->buffer_id), pm) != 0) {
+        free(pm);
+        return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
+      }
+      pm->alloc = a;
+      ts_cuda_alloc_peer_retain(a);
+    }
+  }
+  ts_export *e = calloc(1, sizeof *e);
+  if (!e) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
+  e->release = ts_cuda_buffer_release_cb;
+  e->owner = buf;
+  e->user_data = user_data;
+  ts_cuda_buffer_retain(buf);
+  return send_cuda_share(ch, x, ts_cuda_buffer_offset(buf), (uint32_t)getpid(), flags, desc, stream, tag, e,
+                         timeout_ms, share_id);
+}
+
+static void release_forwarded_view(void *view) { tshare_view_release(view); }
+
+int tshare_share_view(tshare_channel *ch, tshare_view *v, void *stream, const char *tag, void *user_data,
+                      int timeout_ms, uint64_t *share_id) {
+  if (share_id) *share_id = 0;
+  if (!v) return ch ? ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "share: NULL view") : TSHARE_E_INVALID_ARG;
+  int rc = check_can_share(ch, tag);
+  if (rc != TSHARE_OK) return rc;
+  if (!v->cuda_import)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
+                   "share: forwarding host views is not supported; share the memfd buffer from its owner");
+  /* The original allocation travels under its owner's identity, so a third
+   * process that also gets it from the owner maps it once. */
+  ts_cuda_export x;
+  memset(&x, 0, sizeof x);
+  x.buffer_id = v->frame.alloc_id;
+  x.size = v->frame.alloc_size;
+  x.ctx = v->ctx;
+  memcpy(x.uuid, v->frame.device_uuid, 16);
+  memcpy(x.handle.reserved, v->frame.handle, TSHARE_HANDLE_MAX);
+  uint32_t origin = v->frame.origin_pid ? v->frame.origin_pid : v->ch->peer.pid;
+  tshare_tensor_desc desc = v->frame.tensor;
+  desc.byte_offset = 0;
+  ts_export *e = calloc(1, sizeof *e);
+  if (!e) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
+  e->release = release_forwarded_view; /* the view is held until the third process releases */
+  e->owner = v;
+  e->user_data = user_data;
+  return send_cuda_share(ch, &x, v->frame.tensor.byte_offset, origin, 0, &desc, stream ? stream : v->stream,
+                         tag ? tag : v->tag, e, timeout_ms, share_id);
+}
+
+/* ---- consumer ------------------------------------------------------------- */
+
+int ts_cuda_import(tshare_channel *ch, const tshare_frame *f, void *stream, tshare_view *v) {
+  const tshare_share_frame *s = &f->u.share;
+  int status = TSHARE_OK;
+  const ts_cuda_api *cu = ts_cuda_require(ch->err, sizeof ch->err, &status);
+  if (!cu) return status;
+  struct ts_cuda_chan *c = chan_of(ch);
+  if (!c) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
+  uint32_t origin = s->origin_pid ? s->origin_pid : ch->peer.pid;
+  if (origin == (uint32_t)getpid())
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
+                   "import: share %llu is memory of this very process, forwarded back to its owner",
+                   (unsigned long long)s->share_id);
+  char uuid[48];
+  tshare_cuda_uuid_format(s->device_uuid, uuid, sizeof uuid);
+  int owner_dev = tshare_cuda_device_from_uuid(s->device_uuid);
+  CUcontext ctx = NULL;
+  CUresult rc;
+  if (stream) {
+    if ((rc = cu->cuStreamGetCtx((CUstream)stream, &ctx)) != CUDA_SUCCESS)
+      return ts_cuda_fail(ch->err, sizeof ch->err, "import: the stream's context", rc);
+  } else if (owner_dev >= 0) {
+    ctx = ts_cuda_primary_ctx(owner_dev);
+  } else if (cu->cuCtxGetCurrent(&ctx) != CUDA_SUCCESS) {
+    ctx = NULL;
+  }
+  if (!ctx) {
+    const char *cvd = getenv("CUDA_VISIBLE_DEVICES");
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NO_DEVICE,
+                   "import: share %llu lives on %s, which this process does not see (CUDA_VISIBLE_DEVICES=%s); "
+                   "receive it on a stream of a GPU that can reach it",
+                   (unsigned long long)s->share_id, uuid, cvd ? cvd : "unset");
+  }
+  CUdevice here = -1;
+  if (ts_cuda_push(ctx)) {
+    cu->cuCtxGetDevice(&here);
+    ts_cuda_pop();
+  }
+  if (owner_dev >= 0 && here != owner_dev) {
+    int can = 0;
+    CUdevice a, b;
+    if (cu->cuDeviceGet(&a, here) == CUDA_SUCCESS && cu->cuDeviceGet(&b, owner_dev) == CUDA_SUCCESS)
+      cu->cuDeviceCanAccessPeer(&can, a, b);
+    if (!can)
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
+                     "import: share %llu lives on GPU %d (%s) and GPU %d cannot access it: no peer access between "
+                     "them",
+                     (unsigned long long)s->share_id, owner_dev, uuid, (int)here);
+  }
+  bool keep_idle = (s->share_flags & TSHARE_SHARE_FLAG_RETIRE_NOTICE) != 0;
+  ts_cuda_mapping *imp;
+  CUipcMemHandle h;
+  memcpy(h.reserved, s->handle, TSHARE_HANDLE_MAX);
+  status = ts_cuda_import_get(origin, s->alloc_id, ctx, &h, (size_t)s->alloc_size, keep_idle, &imp, ch->err,
+                              sizeof ch->err);
+  if (status != TSHARE_OK) return status;
+  if (f->flags & TSHARE_FRAME_FLAG_HAS_EVENT) {
+    peer_event *pe = c->events && s->event_slot < TSHARE_EVENT_SLOTS_MAX ? &c->events[s->event_slot] : NULL;
+    if (!pe || !pe->announced)
+      status = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "import: share %llu waits on event slot %u, which "
+                       "was never announced", (unsigned long long)s->share_id, s->event_slot);
+    else if ((int32_t)(s->event_generation - pe->last_gen) <= 0)
+      status = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                       "import: event slot %u went back from generation %u to %u: re-recorded before it was waited "
+                       "on",
+                       s->event_slot, pe->last_gen, s->event_generation);
+    if (status == TSHARE_OK && ts_cuda_push(ctx)) {
+      rc = CUDA_SUCCESS;
+      if (!pe->ev) {
+        rc = cu->cuIpcOpenEventHandle(&pe->ev, pe->handle);
+        if (rc == CUDA_SUCCESS) pe->ctx = ctx;
+      }
+      if (rc == CUDA_SUCCESS) rc = cu->cuStreamWaitEvent((CUstream)stream, pe->ev, 0);
+      ts_cuda_pop();
+      if (rc != CUDA_SUCCESS) status = ts_cuda_fail(ch->err, sizeof ch->err, "import: waiting on the producer's event", rc);
+      else pe->last_gen = s->event_generation;
+    }
+    if (status != TSHARE_OK) {
+      ts_cuda_import_put(imp);
+      return status;
+    }
+  }
+  v->cuda_import = imp;
+  v->stream = stream;
+  v->ctx = ctx;
+  v->cuda_device = (int)here;
+  v->data = (void *)(uintptr_t)(ts_cuda_import_ptr(imp) + s->tensor.byte_offset);
+  return TSHARE_OK;
+}
+
+static bool push_drain_locked(struct ts_cuda_chan *c, uint64_t share_id, CUevent done, ts_cuda_mapping *imp) {
+  if (c->ndrain == c->cap_drain) {
+    size_t cap = c->cap_drain ? c->cap_drain * 2 : 16;
+    drain *d = realloc(c->drains, cap * sizeof *d);
+    if (!d) return false;
+    c->drains = d;
+    c->cap_drain = cap;
+  }
+  c->drains[c->ndrain++] = (drain){share_id, done, imp};
+  return true;
+}
+
+void ts_cuda_view_release(tshare_view *v) {
+  tshare_channel *ch = v->ch;
+  const ts_cuda_api *cu = ts_cuda_if_loaded();
+  CUevent done = NULL;
+  /* The producer may reuse the memory once it has the release, so the
+   * release waits for the work queued on the view's stream until now. */
+  if (cu && ts_cuda_push(v->ctx)) {
+    if (cu->cuEventCreate(&done, CU_EVENT_DISABLE_TIMING) == CUDA_SUCCESS &&
+        cu->cuEventRecord(done, (CUstream)v->stream) != CUDA_SUCCESS) {
+      cu->cuEventDestroy(done);
+      done = NULL;
+    }
+    ts_cuda_pop();
+  }
+  pthread_mutex_lock(&ch->lock);
+  bool queued = !ch->closed && ch->cuda && done && push_drain_locked(ch->cuda, v->share_id, done, v->cuda_import);
+  if (queued) {
+    uint64_t one = 1;
+    if (write(ch->wake_fd, &one, sizeof one) < 0) {
+      /* EAGAIN: already signalled */
+    }
+  } else {
+    /* Closed channel, or no event: finish here, waiting for the GPU. */
+    if (done) {
+      cu->cuEventSynchronize(done);
+      cu->cuEventDestroy(done);
+    }
+    ts_cuda_import_put(v->cuda_import);
+    ts_share_queue_release_locked(ch, v->share_id);
+  }
+  pthread_mutex_unlock(&ch->lock);
+  free(v);
+  ts_channel_unref(ch);
+}
+
+/* ---- frames and housekeeping --------------------------------------------- */
+
+static int queue_ack(struct ts_cuda_chan *c, uint64_t alloc_id) {
+  if (c->nacks == c->cap_acks) {
+    size_t cap = c->cap_acks ? c->cap_acks * 2 : 16;
+    uint64_t *a = realloc(c->acks, cap * sizeof *a);
+    if (!a) return TSHARE_E_NOMEM;
+    c->acks = a;
+    c->cap_acks = cap;
+  }
+  c->acks[c->nacks++] = alloc_id;
+  return TSHARE_OK;
+}
+
+int ts_cuda_on_frame(tshare_channel *ch, const tshare_frame *f) {
+  struct ts_cuda_chan *c = chan_of(ch);
+  if (!c) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "receive: out of memory");
+  if (f->type == TSHARE_FRAME_EVENT) {
+    if (!c->events && !(c->events = calloc(TSHARE_EVENT_SLOTS_MAX, sizeof *c->events)))
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "receive: out of memory");
+    peer_event *pe = &c->events[f->u.event.slot];
+    if (pe->announced)
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "event: slot %u announced twice", f->u.event.slot);
+    pe->announced = true;
+    memcpy(pe->handle.reserved, f->u.event.handle, TSHARE_HANDLE_MAX);
+    return TSHARE_OK;
+  }
+  const tshare_retire_frame *r = &f->u.retire;
+  for (uint32_t i = 0; i < r->count; i++) {
+    if (r->closed) { /* our peer closed its mapping: one reference less on the memory */
+      peer_mapped *pm = ts_u64map_remove(&c->mapped, MAPKEY(r->alloc_ids[i]));
+      if (pm) {
+        ts_cuda_alloc_peer_release(pm->alloc);
+        free(pm);
+      }
+    } else { /* the owner frees it: close it (now if idle) and say so */
+      ts_cuda_import_retire(ch->peer.pid, r->alloc_ids[i]);
+      if (queue_ack(c, r->alloc_ids[i]) != TSHARE_OK)
+        return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "retire: out of memory");
+    }
+  }
+  return TSHARE_OK;
+}
+
+static int send_retire(tshare_channel *ch, uint8_t closed, const uint64_t *ids, size_t n, int timeout_ms) {
+  int64_t deadline = ts_deadline(timeout_ms);
+  for (size_t at = 0; at < n;) {
+    tshare_frame f;
+    memset(&f, 0, sizeof f);
+    f.type = TSHARE_FRAME_RETIRE;
+    f.u.retire.closed = closed;
+    while (at < n && f.u.retire.count < TSHARE_RELEASE_MAX) f.u.retire.alloc_ids[f.u.retire.count++] = ids[at++];
+    int rc = ts_channel_send(ch, &f, -1, ts_remaining(deadline));
+    if (rc != TSHARE_OK) return rc;
+  }
+  return TSHARE_OK;
+}
+
+int ts_cuda_flush(tshare_channel *ch, int timeout_ms, bool *busy) {
+  *busy = false;
+  struct ts_cuda_chan *c = ch->cuda;
+  if (!c) return TSHARE_OK;
+  const ts_cuda_api *cu = ts_cuda_if_loaded();
+  pthread_mutex_lock(&ch->lock);
+  size_t keep = 0;
+  for (size_t i = 0; i < c->ndrain; i++) {
+    drain d = c->drains[i];
+    if (cu && cu->cuEventQuery(d.done) == CUDA_ERROR_NOT_READY) {
+      c->drains[keep++] = d;
+      continue;
+    }
+    if (cu) cu->cuEventDestroy(d.done);
+    ts_cuda_import_put(d.imp);
+    ts_share_queue_release_locked(ch, d.share_id);
+  }
+  c->ndrain = keep;
+  *busy = keep > 0;
+  pthread_mutex_unlock(&ch->lock);
+
+  int64_t deadline = ts_deadline(timeout_ms);
+  if (c->nacks) {
+    int rc = send_retire(ch, 1, c->acks, c->nacks, ts_remaining(deadline));
+    if (rc != TSHARE_OK) return rc;
+    c->nacks = 0;
+  }
+  /* Owned allocations nobody holds any more: tell the peer, which closes
+   * them and answers; the memory is freed after the answer. */
+  uint64_t ids[TSHARE_RELEASE_MAX];
+  size_t n = 0;
+  uint64_t key;
+  void *value;
+  for (size_t pos = 0; n < TSHARE_RELEASE_MAX && ts_u64map_next(&c->mapped, &pos, &key, &value);) {
+    peer_mapped *pm = value;
+    if (!pm->retire_sent && ts_cuda_alloc_unused(pm->alloc)) {
+      pm->retire_sent = true;
+      ids[n++] = key - 1;
+    }
+  }
+  return n ? send_retire(ch, 0, ids, n, ts_remaining(deadline)) : TSHARE_OK;
+}
+
+void ts_cuda_peer_gone(tshare_channel *ch) {
+  struct ts_cuda_chan *c = ch->cuda;
+  if (!c) return;
+  uint64_t key;
+  void *value;
+  for (size_t pos = 0; ts_u64map_next(&c->mapped, &pos, &key, &value);) {
+    peer_mapped *pm = value;
+    ts_cuda_alloc_peer_release(pm->alloc);
+    free(pm);
+  }
+  ts_u64map_free(&c->mapped);
+  if (ch->peer.pid) ts_cuda_import_origin_gone(ch->peer.pid);
+}
+
+void ts_cuda_chan_free(tshare_channel *ch) {
+  struct ts_cuda_chan *c = ch->cuda;
+  if (!c) return;
+  ts_cuda_peer_gone(ch);
+  const ts_cuda_api *cu = ts_cuda_if_loaded();
+  for (size_t i = 0; i < c->ndrain; i++) {
+    if (cu) {
+      cu->cuEventSynchronize(c->drains[i].done);
+      cu->cuEventDestroy(c->drains[i].done);
+    }
+    ts_cuda_import_put(c->drains[i].imp);
+  }
+  if (cu) {
+    for (uint32_t i = 0; i < c->nslots; i++) cu->cuEventDestroy(c->pool[i]);
+    for (uint32_t i = 0; c->events && i < TSHARE_EVENT_SLOTS_MAX; i++)
+      if (c->events[i].ev) cu->cuEventDestroy(c->events[i].ev);
+  }
+  free(c->events);
+  free(c->drains);
+  free(c->acks);
+  free(c);
+  ch->cuda = NULL;
+}
