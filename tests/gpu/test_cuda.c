@@ -1,0 +1,609 @@
+/* GPU tests: CUDA IPC shares between real processes. Each test exits 77
+ * with the reason when no CUDA device is usable. The other processes are
+ * this binary again (`test_cuda --role NAME`), started with posix_spawn
+ * (a CUDA process must not fork). */
+#include "cudakit.h"
+#include "harness.h"
+#include "tshare/tshare.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define TIMEOUT 20000
+
+static const ts_cuda_api *cu;
+
+static void need_gpu(int devices) {
+  char why[256];
+  cu = ck_init(why, sizeof why);
+  if (!cu) TS_SKIP("%s", why);
+  if (tshare_cuda_device_count() < devices)
+    TS_SKIP("needs %d CUDA devices, this machine has %d", devices, tshare_cuda_device_count());
+}
+
+static tshare_channel *open_ch(int fd, const char *name) {
+  tshare_channel_options o;
+  tshare_channel_options_init(&o);
+  o.name = name;
+  tshare_channel *ch;
+  tshare_error err;
+  if (tshare_channel_open_socket(fd, &o, &ch, &err) != TSHARE_OK) TS_FAIL("channel: %s", err.message);
+  return ch;
+}
+
+static tshare_tensor_desc vec_i32(int64_t n) {
+  int64_t shape[1] = {n};
+  return tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_INT, 32, 1}, 1, shape, 0);
+}
+
+/* A process running `test_cuda --role ROLE ARGS`, with a channel on fd 3 and
+ * a result pipe on fd 4. */
+typedef struct peer {
+  tshare_process *proc;
+  int channel_fd; /* our end */
+  FILE *results;
+} peer;
+
+/* given_fd >= 0: the child's channel is that fd (we keep no end of it). */
+static peer start_role(const char *role, const char *arg, char *const *env, int extra_fd, int given_fd) {
+  int sv[2] = {-1, given_fd}, res[2];
+  tshare_error err;
+  if (given_fd < 0 && tshare_socketpair(sv, &err) != TSHARE_OK) TS_FAIL("%s", err.message);
+  CHECK(pipe2(res, O_CLOEXEC) == 0);
+  char *argv[] = {(char *)"/proc/self/exe", (char *)"--role", (char *)role, (char *)(arg ? arg : ""), NULL};
+  tshare_fd_map fds[3] = {{3, sv[1]}, {4, res[1]}, {5, extra_fd}};
+  tshare_spawn_options so = {.file = "/proc/self/exe", .argv = argv, .env_set = env, .fds = fds,
+                             .nfds = extra_fd >= 0 ? 3 : 2};
+  peer p;
+  if (tshare_spawn(&so, &p.proc, &err) != TSHARE_OK) TS_FAIL("spawn: %s", err.message);
+  if (given_fd < 0) close(sv[1]);
+  close(res[1]);
+  p.channel_fd = sv[0];
+  p.results = fdopen(res[0], "r");
+  return p;
+}
+
+static char *result_line(peer *p) {
+  static char line[1024];
+  if (!fgets(line, sizeof line, p->results)) TS_FAIL("the role process ended without a result");
+  line[strcspn(line, "\n")] = '\0';
+  return line;
+}
+
+static int finish(peer *p) {
+  tshare_exit_status st;
+  if (tshare_process_wait(p->proc, TIMEOUT, &st) != TSHARE_OK) {
+    tshare_process_terminate(p->proc, 1000, &st);
+    TS_FAIL("the role process did not end");
+  }
+  tshare_process_destroy(p->proc);
+  fclose(p->results);
+  return st.kind == TSHARE_EXIT_CODE ? st.value : 128 + st.value;
+}
+
+/* ---- roles ------------------------------------------------------------------ */
+
+/* Receive views until bye; each tag says "BASE STEP N": count bad elements on
+ * this process's own stream, ordered only by what tshare made it wait on.
+ * arg "hold": keep every view until the end (the import cache test). */
+static int role_checker(const char *arg, tshare_channel *ch, FILE *out) {
+  if (strcmp(arg, "dev1") == 0) CHECK(ts_cuda_push(ts_cuda_primary_ctx(1))); /* a stream on the other GPU */
+  CUstream s;
+  CHECK(cu->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+  tshare_view *held[256];
+  size_t nheld = 0, views = 0;
+  unsigned long long bad_total = 0;
+  int device = -1;
+  for (;;) {
+    tshare_view *v;
+    int rc = tshare_view_recv_stream(ch, s, TIMEOUT, &v);
+    if (rc == TSHARE_END) break;
+    if (rc != TSHARE_OK) {
+      fprintf(out, "error %s %s\n", tshare_status_name(rc), tshare_channel_last_error(ch));
+      return 1;
+    }
+    int base, step, n;
+    if (sscanf(tshare_view_tag(v), "%d %d %d", &base, &step, &n) != 3) TS_FAIL("tag '%s'", tshare_view_tag(v));
+    unsigned long long bad = 0;
+    CUresult crc = ck_count_bad((CUdeviceptr)(uintptr_t)tshare_view_data(v), (size_t)n, base, step, s, &bad);
+    if (crc != CUDA_SUCCESS) TS_FAIL("count: %s", ts_cuda_strerror(crc));
+    bad_total += bad;
+    device = tshare_view_cuda_device(v);
+    views++;
+    if (strcmp(arg, "hold") == 0 && nheld < 256)
+      held[nheld++] = v;
+    else
+      tshare_view_release(v);
+  }
+  tshare_cuda_export_stats st;
+  tshare_cuda_stats(&st);
+  fprintf(out, "views=%zu bad=%llu imports=%llu hits=%llu device=%d\n", views, bad_total,
+          (unsigned long long)st.imports, (unsigned long long)st.import_hits, device);
+  fflush(out);
+  for (size_t i = 0; i < nheld; i++) tshare_view_release(held[i]);
+  tshare_channel_poll(ch, 100); /* let the releases go out */
+  return 0;
+}
+
+/* Read the share frame by hand and map it with no ordering at all: what a
+ * consumer that skips the event sees while the producer's kernel still runs. */
+static int role_unordered(tshare_channel *ch, FILE *out) {
+  tshare_frame f;
+  int fd;
+  do {
+    int rc = tshare_channel_recv_frame(ch, &f, &fd, TIMEOUT);
+    if (rc != TSHARE_OK) TS_FAIL("recv: %s", tshare_channel_last_error(ch));
+  } while (f.type != TSHARE_FRAME_SHARE);
+  CUipcMemHandle h;
+  memcpy(h.reserved, f.u.share.handle, sizeof h.reserved);
+  CUdeviceptr p;
+  CHECK(cu->cuIpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) == CUDA_SUCCESS);
+  CUstream s;
+  CHECK(cu->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+  int base, step, n;
+  CHECK(sscanf(f.u.share.tag, "%d %d %d", &base, &step, &n) == 3);
+  unsigned long long bad = 0;
+  CHECK(ck_count_bad(p + f.u.share.tensor.byte_offset, (size_t)n, base, step, s, &bad) == CUDA_SUCCESS);
+  fprintf(out, "bad=%llu\n", bad);
+  fflush(out);
+  cu->cuIpcCloseMemHandle(p);
+  return 0;
+}
+
+/* Receive everything, say so, then wait to be killed while holding it all. */
+static int role_hold_and_die(tshare_channel *ch, FILE *out, int count) {
+  for (int i = 0; i < count; i++) {
+    tshare_view *v;
+    if (tshare_view_recv(ch, TIMEOUT, &v) != TSHARE_OK) TS_FAIL("recv: %s", tshare_channel_last_error(ch));
+  }
+  fprintf(out, "holding %d\n", count);
+  fflush(out);
+  pause();
+  return 0;
+}
+
+/* Share one tensor, then die without a bye. */
+static int role_share_and_die(tshare_channel *ch) {
+  tshare_cuda_buffer *b;
+  tshare_error err;
+  if (tshare_cuda_buffer_create(0, 4096, &b, &err) != TSHARE_OK) TS_FAIL("%s", err.message);
+  CHECK(ck_fill((CUdeviceptr)(uintptr_t)tshare_cuda_buffer_ptr(b), 1024, 7, 1, NULL) == CUDA_SUCCESS);
+  tshare_tensor_desc d = vec_i32(1024);
+  CHECK_RC(tshare_share_cuda_buffer(ch, b, &d, NULL, "7 1 1024", NULL, TIMEOUT, NULL), TSHARE_OK,
+           tshare_channel_last_error(ch));
+  cu->cuCtxSynchronize();
+  _exit(9);
+}
+
+/* Forward every view from the channel on fd 3 to the one on fd 5. */
+static int role_forwarder(tshare_channel *in, FILE *out) {
+  tshare_channel *fwd = open_ch(5, "forwarder-out");
+  int forwarded = 0;
+  for (;;) {
+    tshare_view *v;
+    int rc = tshare_view_recv(in, TIMEOUT, &v);
+    if (rc == TSHARE_END) break;
+    if (rc != TSHARE_OK) TS_FAIL("recv: %s", tshare_channel_last_error(in));
+    uint64_t id;
+    CHECK_RC(tshare_share_view(fwd, v, NULL, NULL, NULL, TIMEOUT, &id), TSHARE_OK, tshare_channel_last_error(fwd));
+    CHECK_RC(tshare_channel_wait_released(fwd, id, TIMEOUT), TSHARE_OK, tshare_channel_last_error(fwd));
+    forwarded++;
+    tshare_channel_poll(in, 0); /* pass the view's release back */
+  }
+  tshare_channel_send_bye(fwd, 0, TIMEOUT);
+  tshare_channel_poll(in, 100);
+  fprintf(out, "forwarded=%d\n", forwarded);
+  fflush(out);
+  tshare_channel_close(fwd);
+  return 0;
+}
+
+/* Receive one share without touching CUDA first: report what import says. */
+static int role_import_error(tshare_channel *ch, FILE *out) {
+  tshare_view *v;
+  int rc = tshare_view_recv(ch, TIMEOUT, &v);
+  fprintf(out, "%s %s\n", tshare_status_name(rc), tshare_channel_last_error(ch));
+  fflush(out);
+  if (rc == TSHARE_OK) tshare_view_release(v);
+  tshare_channel_poll(ch, 200);
+  return 0;
+}
+
+static int role_main(int argc, char **argv) {
+  if (argc < 4) return 2;
+  const char *role = argv[2], *arg = argv[3];
+  FILE *out = fdopen(4, "w");
+  if (strcmp(role, "import_error") != 0) {
+    char why[256];
+    cu = ck_init(why, sizeof why);
+    if (!cu) {
+      fprintf(out, "error %s\n", why);
+      return 1;
+    }
+  }
+  tshare_channel *ch = open_ch(3, role);
+  int rc = 2;
+  if (strcmp(role, "checker") == 0) rc = role_checker(arg, ch, out);
+  if (strcmp(role, "unordered") == 0) rc = role_unordered(ch, out);
+  if (strcmp(role, "hold_and_die") == 0) rc = role_hold_and_die(ch, out, atoi(arg));
+  if (strcmp(role, "share_and_die") == 0) rc = role_share_and_die(ch);
+  if (strcmp(role, "forwarder") == 0) rc = role_forwarder(ch, out);
+  if (strcmp(role, "import_error") == 0) rc = role_import_error(ch, out);
+  tshare_channel_close(ch);
+  fclose(out);
+  return rc;
+}
+
+__attribute__((constructor)) static void set_role(void) { ts_role_main = role_main; }
+
+static void parse_checker(const char *line, size_t *views, unsigned long long *bad, unsigned long long *imports,
+                          unsigned long long *hits, int *device) {
+  if (sscanf(line, "views=%zu bad=%llu imports=%llu hits=%llu device=%d", views, bad, imports, hits, device) != 5)
+    TS_FAIL("checker said: %s", line);
+}
+
+/* ---- tests ------------------------------------------------------------------ */
+
+TS_TEST(has_device) { need_gpu(1); }
+
+/* Many tensors at offsets: slab pieces, and tensors inside one cuMemAlloc
+ * segment shared as foreign memory (handle + offset). */
+TS_TEST(roundtrip_offsets) {
+  need_gpu(1);
+  peer c = start_role("checker", "", NULL, -1, -1);
+  tshare_channel *ch = open_ch(c.channel_fd, "producer");
+  tshare_cuda_slab *slab;
+  tshare_error err;
+  CHECK_RC(tshare_cuda_slab_create(0, 8 << 20, &slab, &err), TSHARE_OK, err.message);
+  CUstream s;
+  CHECK(cu->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+  int sent = 0;
+  for (int i = 0; i < 48; i++) {
+    int n = 1000 + 977 * i;
+    tshare_cuda_buffer *b;
+    CHECK_RC(tshare_cuda_slab_alloc(slab, (size_t)n * 4, &b), TSHARE_OK, "slab full");
+    CHECK(ck_fill((CUdeviceptr)(uintptr_t)tshare_cuda_buffer_ptr(b), (size_t)n, i * 1000, 3, s) == CUDA_SUCCESS);
+    tshare_tensor_desc d = vec_i32(n);
+    char tag[64];
+    snprintf(tag, sizeof tag, "%d 3 %d", i * 1000, n);
+    CHECK_RC(tshare_share_cuda_buffer(ch, b, &d, s, tag, NULL, TIMEOUT, NULL), TSHARE_OK,
+             tshare_channel_last_error(ch));
+    tshare_cuda_buffer_release(b); /* the share holds it now */
+    sent++;
+  }
+  /* Foreign memory: one segment, tensors at offsets inside it. */
+  CUdeviceptr seg;
+  CHECK(cu->cuMemAlloc(&seg, 4 << 20) == CUDA_SUCCESS);
+  for (int i = 0; i < 16; i++) {
+    size_t off = (size_t)i * 65536 + 512;
+    CHECK(ck_fill(seg + off, 4096, -5000 * i, 7, s) == CUDA_SUCCESS);
+    tshare_tensor_desc d = vec_i32(4096);
+    char tag[64];
+    snprintf(tag, sizeof tag, "%d 7 4096", -5000 * i);
+    CHECK_RC(tshare_share_cuda(ch, (void *)(uintptr_t)(seg + off), &d, s, tag, NULL, TIMEOUT, NULL), TSHARE_OK,
+             tshare_channel_last_error(ch));
+    sent++;
+  }
+  CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  size_t views;
+  unsigned long long bad, imports, hits;
+  int device;
+  parse_checker(result_line(&c), &views, &bad, &imports, &hits, &device);
+  CHECK_EQ(views, sent);
+  CHECK_EQ(bad, 0);
+  CHECK_EQ(finish(&c), 0);
+  tshare_cuda_export_stats st;
+  tshare_cuda_stats(&st);
+  printf("shares %d, exports %llu, handle cache hits %llu, host syncs %llu; consumer imports %llu, hits %llu\n", sent,
+         (unsigned long long)st.exports, (unsigned long long)st.cache_hits, (unsigned long long)st.host_syncs, imports,
+         hits);
+  CHECK_EQ(st.host_syncs, 0); /* every share was ordered by an event */
+  tshare_channel_close(ch);
+  tshare_cuda_slab_release(slab);
+  cu->cuMemFree(seg);
+}
+
+/* A long kernel writes the tensor; the share goes out at once, without a
+ * host sync. tshare's consumer, on its own stream, sees the data; a consumer
+ * that maps the same handle without waiting on the event does not. */
+TS_TEST(event_ordering) {
+  need_gpu(1);
+  const int n = 1 << 20;
+  for (int ordered = 1; ordered >= 0; ordered--) {
+    peer c = start_role(ordered ? "checker" : "unordered", "", NULL, -1, -1);
+    tshare_channel *ch = open_ch(c.channel_fd, "producer");
+    tshare_cuda_buffer *b;
+    tshare_error err;
+    CHECK_RC(tshare_cuda_buffer_create(0, (size_t)n * 4, &b, &err), TSHARE_OK, err.message);
+    CUstream s;
+    CHECK(cu->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+    CHECK(ck_spin_fill((CUdeviceptr)(uintptr_t)tshare_cuda_buffer_ptr(b), (size_t)n, 11, 5, 700ull * 1000 * 1000, s) ==
+          CUDA_SUCCESS);
+    tshare_tensor_desc d = vec_i32(n);
+    CHECK_RC(tshare_share_cuda_buffer(ch, b, &d, s, "11 5 1048576", NULL, TIMEOUT, NULL), TSHARE_OK,
+             tshare_channel_last_error(ch));
+    if (ordered) {
+      CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+      size_t views;
+      unsigned long long bad, imports, hits;
+      int device;
+      parse_checker(result_line(&c), &views, &bad, &imports, &hits, &device);
+      printf("with tshare's event ordering: %llu of %d elements wrong\n", bad, n);
+      CHECK_EQ(views, 1);
+      CHECK_EQ(bad, 0);
+    } else {
+      unsigned long long bad = 0;
+      CHECK(sscanf(result_line(&c), "bad=%llu", &bad) == 1);
+      printf("without ordering: %llu of %d elements wrong (the kernel had not finished)\n", bad, n);
+      CHECK(bad > 0);
+    }
+    CHECK_EQ(finish(&c), 0);
+    cu->cuStreamSynchronize(s);
+    tshare_channel_close(ch);
+    tshare_cuda_buffer_release(b);
+  }
+}
+
+/* The import cache: shares of one allocation open it once while views live;
+ * an address freed and allocated again maps the new memory. */
+TS_TEST(import_cache) {
+  need_gpu(1);
+  peer c = start_role("checker", "hold", NULL, -1, -1);
+  tshare_channel *ch = open_ch(c.channel_fd, "producer");
+  tshare_cuda_slab *slab;
+  tshare_error err;
+  CHECK_RC(tshare_cuda_slab_create(0, 1 << 20, &slab, &err), TSHARE_OK, err.message);
+  for (int i = 0; i < 4; i++) {
+    tshare_cuda_buffer *b;
+    CHECK_RC(tshare_cuda_slab_alloc(slab, 4096, &b), TSHARE_OK, "slab");
+    CHECK(ck_fill((CUdeviceptr)(uintptr_t)tshare_cuda_buffer_ptr(b), 1024, i, 1, NULL) == CUDA_SUCCESS);
+    tshare_tensor_desc d = vec_i32(1024);
+    char tag[32];
+    snprintf(tag, sizeof tag, "%d 1 1024", i);
+    CHECK_RC(tshare_share_cuda_buffer(ch, b, &d, NULL, tag, NULL, TIMEOUT, NULL), TSHARE_OK,
+             tshare_channel_last_error(ch));
+    tshare_cuda_buffer_release(b);
+  }
+  /* Free and reallocate at (most likely) the same address, new contents. */
+  CUdeviceptr first, second;
+  CHECK(cu->cuMemAlloc(&first, 1 << 20) == CUDA_SUCCESS);
+  CHECK(ck_fill(first, 1024, 100, 1, NULL) == CUDA_SUCCESS);
+  tshare_tensor_desc d = vec_i32(1024);
+  uint64_t id;
+  CHECK_RC(tshare_share_cuda(ch, (void *)(uintptr_t)first, &d, NULL, "100 1 1024", NULL, TIMEOUT, &id), TSHARE_OK,
+           tshare_channel_last_error(ch));
+  cu->cuCtxSynchronize();
+  CHECK(cu->cuMemFree(first) == CUDA_SUCCESS); /* the test breaks the rule on purpose: the peer holds a view */
+  CHECK(cu->cuMemAlloc(&second, 1 << 20) == CUDA_SUCCESS);
+  CHECK(ck_fill(second, 1024, 200, 1, NULL) == CUDA_SUCCESS);
+  CHECK_RC(tshare_share_cuda(ch, (void *)(uintptr_t)second, &d, NULL, "200 1 1024", NULL, TIMEOUT, NULL), TSHARE_OK,
+           tshare_channel_last_error(ch));
+  printf("address reused: %s\n", first == second ? "yes" : "no");
+  CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  size_t views;
+  unsigned long long bad, imports, hits;
+  int device;
+  parse_checker(result_line(&c), &views, &bad, &imports, &hits, &device);
+  printf("views %zu, imports %llu, cache hits %llu, wrong elements %llu\n", views, imports, hits, bad);
+  CHECK_EQ(views, 6);
+  CHECK_EQ(bad, 0);
+  CHECK_EQ(imports, 3); /* the slab once, the first and the second allocation */
+  CHECK_EQ(hits, 3);
+  CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(finish(&c), 0);
+  tshare_channel_close(ch);
+  tshare_cuda_slab_release(slab);
+  cu->cuMemFree(second);
+}
+
+/* The consumer sees the devices in another order: it maps by UUID. With one
+ * GPU the consumer names it by UUID in CUDA_VISIBLE_DEVICES. */
+TS_TEST(visible_devices_remap) {
+  need_gpu(1);
+  int count = tshare_cuda_device_count();
+  int producer_dev = count >= 2 ? 1 : 0;
+  char env_cvd[128];
+  if (count >= 2) {
+    snprintf(env_cvd, sizeof env_cvd, "CUDA_VISIBLE_DEVICES=1,0");
+  } else {
+    uint8_t u[16];
+    char text[48];
+    CHECK(tshare_cuda_device_uuid(0, u) == TSHARE_OK);
+    tshare_cuda_uuid_format(u, text, sizeof text);
+    snprintf(env_cvd, sizeof env_cvd, "CUDA_VISIBLE_DEVICES=%s", text);
+  }
+  char *env[] = {env_cvd, NULL};
+  peer c = start_role("checker", "", env, -1, -1);
+  tshare_channel *ch = open_ch(c.channel_fd, "producer");
+  tshare_cuda_buffer *b;
+  tshare_error err;
+  CHECK_RC(tshare_cuda_buffer_create(producer_dev, 1 << 16, &b, &err), TSHARE_OK, err.message);
+  CHECK(ts_cuda_push(ts_cuda_primary_ctx(producer_dev)));
+  CHECK(ck_fill((CUdeviceptr)(uintptr_t)tshare_cuda_buffer_ptr(b), 4096, 42, 2, NULL) == CUDA_SUCCESS);
+  tshare_tensor_desc d = vec_i32(4096);
+  CHECK_RC(tshare_share_cuda_buffer(ch, b, &d, NULL, "42 2 4096", NULL, TIMEOUT, NULL), TSHARE_OK,
+           tshare_channel_last_error(ch));
+  ts_cuda_pop();
+  CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  size_t views;
+  unsigned long long bad, imports, hits;
+  int device;
+  parse_checker(result_line(&c), &views, &bad, &imports, &hits, &device);
+  printf("producer device %d, consumer (%s) mapped it as its device %d\n", producer_dev, env_cvd, device);
+  CHECK_EQ(views, 1);
+  CHECK_EQ(bad, 0);
+  CHECK_EQ(device, 0); /* the producer's GPU is the consumer's first visible one */
+  CHECK_EQ(finish(&c), 0);
+  CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_channel_close(ch);
+  tshare_cuda_buffer_release(b);
+}
+
+/* A consumer that sees no GPU at all gets a clear error, and the producer gets
+ * the share back. */
+TS_TEST(device_not_visible) {
+  need_gpu(1);
+  char *env[] = {(char *)"CUDA_VISIBLE_DEVICES=", NULL};
+  peer c = start_role("import_error", "", env, -1, -1);
+  tshare_channel *ch = open_ch(c.channel_fd, "producer");
+  tshare_cuda_buffer *b;
+  tshare_error err;
+  CHECK_RC(tshare_cuda_buffer_create(0, 4096, &b, &err), TSHARE_OK, err.message);
+  tshare_tensor_desc d = vec_i32(1024);
+  uint64_t id;
+  CHECK_RC(tshare_share_cuda_buffer(ch, b, &d, NULL, "0 0 1024", NULL, TIMEOUT, &id), TSHARE_OK,
+           tshare_channel_last_error(ch));
+  const char *line = result_line(&c);
+  printf("consumer: %s\n", line);
+  CHECK(strncmp(line, "TSHARE_E_NO_DEVICE", 18) == 0);
+  CHECK(strstr(line, "no CUDA device") != NULL);
+  CHECK_RC(tshare_channel_wait_released(ch, id, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(tshare_share_is_released(ch, id), 1);
+  CHECK_EQ(finish(&c), 0);
+  tshare_channel_close(ch);
+  tshare_cuda_buffer_release(b);
+}
+
+/* A consumer on another GPU maps the memory through peer access. */
+TS_TEST(cross_gpu_peer) {
+  need_gpu(2);
+  int can = 0;
+  CUdevice d0, d1;
+  cu->cuDeviceGet(&d0, 0);
+  cu->cuDeviceGet(&d1, 1);
+  cu->cuDeviceCanAccessPeer(&can, d1, d0);
+  peer c = start_role("checker", "dev1", NULL, -1, -1);
+  tshare_channel *ch = open_ch(c.channel_fd, "producer");
+  tshare_cuda_buffer *b;
+  tshare_error err;
+  CHECK_RC(tshare_cuda_buffer_create(0, 1 << 20, &b, &err), TSHARE_OK, err.message);
+  CHECK(ck_fill((CUdeviceptr)(uintptr_t)tshare_cuda_buffer_ptr(b), 65536, 9, 9, NULL) == CUDA_SUCCESS);
+  tshare_tensor_desc d = vec_i32(65536);
+  CHECK_RC(tshare_share_cuda_buffer(ch, b, &d, NULL, "9 9 65536", NULL, TIMEOUT, NULL), TSHARE_OK,
+           tshare_channel_last_error(ch));
+  CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  const char *line = result_line(&c);
+  printf("peer access 1->0: %s; consumer: %s\n", can ? "yes" : "no", line);
+  if (can) {
+    size_t views;
+    unsigned long long bad, imports, hits;
+    int device;
+    parse_checker(line, &views, &bad, &imports, &hits, &device);
+    CHECK_EQ(views, 1);
+    CHECK_EQ(bad, 0);
+    CHECK_EQ(device, 1);
+  } else {
+    CHECK(strstr(line, "peer access") != NULL);
+  }
+  finish(&c);
+  tshare_channel_close(ch);
+  tshare_cuda_buffer_release(b);
+}
+
+/* A consumer killed while holding shares: the producer gets everything back
+ * and the GPU memory returns to where it was. */
+TS_TEST(consumer_killed_frees_memory) {
+  need_gpu(1);
+  size_t free0, free1, free2, total;
+  CHECK(cu->cuMemGetInfo(&free0, &total) == CUDA_SUCCESS);
+  peer c = start_role("hold_and_die", "16", NULL, -1, -1);
+  tshare_channel *ch = open_ch(c.channel_fd, "producer");
+  tshare_cuda_slab *slab;
+  tshare_error err;
+  CHECK_RC(tshare_cuda_slab_create(0, 256 << 20, &slab, &err), TSHARE_OK, err.message);
+  for (int i = 0; i < 16; i++) {
+    tshare_cuda_buffer *b;
+    CHECK_RC(tshare_cuda_slab_alloc(slab, 8 << 20, &b), TSHARE_OK, "slab");
+    tshare_tensor_desc d = vec_i32(2 << 20);
+    CHECK_RC(tshare_share_cuda_buffer(ch, b, &d, NULL, "0 0 0", NULL, TIMEOUT, NULL), TSHARE_OK,
+             tshare_channel_last_error(ch));
+    tshare_cuda_buffer_release(b);
+  }
+  tshare_cuda_slab_release(slab);
+  CHECK(strcmp(result_line(&c), "holding 16") == 0);
+  CHECK(cu->cuMemGetInfo(&free1, &total) == CUDA_SUCCESS);
+  CHECK_EQ(tshare_channel_outstanding(ch), 16);
+  tshare_process_signal(c.proc, SIGKILL);
+  CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(tshare_channel_outstanding(ch), 0);
+  tshare_channel_close(ch); /* drops what the dead peer might have kept mapped */
+  CHECK(cu->cuMemGetInfo(&free2, &total) == CUDA_SUCCESS);
+  printf("free GPU memory: %zu MiB before, %zu MiB while shared, %zu MiB after the consumer died\n", free0 >> 20,
+         free1 >> 20, free2 >> 20);
+  CHECK(free1 + (200u << 20) < free0); /* the slab was really allocated */
+  CHECK(free2 + (8u << 20) >= free0);  /* and it is back */
+  CHECK_EQ(finish(&c), 128 + SIGKILL);
+}
+
+/* The producer dies after sharing: the consumer gets a clear error, no hang. */
+TS_TEST(producer_killed_consumer_errors) {
+  need_gpu(1);
+  peer p = start_role("share_and_die", "", NULL, -1, -1);
+  tshare_channel *ch = open_ch(p.channel_fd, "consumer");
+  tshare_view *v = NULL;
+  int rc = tshare_view_recv(ch, TIMEOUT, &v);
+  if (rc == TSHARE_OK) {
+    tshare_view_release(v);
+    rc = tshare_view_recv(ch, TIMEOUT, &v);
+  }
+  printf("after the producer died: %s (%s)\n", tshare_status_name(rc), tshare_channel_last_error(ch));
+  CHECK_EQ(rc, TSHARE_E_PEER_CLOSED);
+  CHECK_EQ(finish(&p), 9);
+  tshare_channel_close(ch);
+}
+
+/* A received share goes on to a third process: the original allocation. */
+TS_TEST(forward_to_third) {
+  need_gpu(1);
+  int bc[2];
+  tshare_error err;
+  CHECK(tshare_socketpair(bc, &err) == TSHARE_OK);
+  peer fwd = start_role("forwarder", "", NULL, bc[0], -1);
+  peer third = start_role("checker", "", NULL, -1, bc[1]);
+  close(bc[0]);
+  close(bc[1]);
+  tshare_channel *ch = open_ch(fwd.channel_fd, "owner");
+  tshare_cuda_buffer *b;
+  CHECK_RC(tshare_cuda_buffer_create(0, 1 << 20, &b, &err), TSHARE_OK, err.message);
+  for (int i = 0; i < 3; i++) {
+    CHECK(ck_fill((CUdeviceptr)(uintptr_t)tshare_cuda_buffer_ptr(b) + (size_t)i * 65536, 4096, 1000 * i, 1, NULL) ==
+          CUDA_SUCCESS);
+    tshare_tensor_desc d = vec_i32(4096);
+    d.byte_offset = (uint64_t)i * 65536;
+    char tag[32];
+    snprintf(tag, sizeof tag, "%d 1 4096", 1000 * i);
+    CHECK_RC(tshare_share_cuda_buffer(ch, b, &d, NULL, tag, NULL, TIMEOUT, NULL), TSHARE_OK,
+             tshare_channel_last_error(ch));
+  }
+  CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  size_t views;
+  unsigned long long bad, imports, hits;
+  int device;
+  parse_checker(result_line(&third), &views, &bad, &imports, &hits, &device);
+  const char *fl = result_line(&fwd);
+  printf("third process: %zu views, %llu wrong, %llu imports; forwarder: %s\n", views, bad, imports, fl);
+  CHECK(strcmp(fl, "forwarded=3") == 0);
+  CHECK_EQ(views, 3);
+  CHECK_EQ(bad, 0);
+  CHECK_EQ(imports, 1); /* one allocation, opened once by the third process */
+  CHECK_EQ(finish(&fwd), 0);
+  CHECK_EQ(finish(&third), 0);
+  tshare_channel_close(ch);
+  tshare_cuda_buffer_release(b);
+}
+
+TS_TEST(guard_report) {
+  need_gpu(1);
+  const char *why;
+  int on = tshare_cuda_export_guard_active(&why);
+  printf("guard=%d %s\n", on, why);
+}
+
+TS_TEST_MAIN
