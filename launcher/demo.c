@@ -7,6 +7,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef TSHARE_HAVE_CUDA
+#include "cuda_driver.h" /* the demo copies its patterns in and out with the driver tshare loaded */
+#endif
+
 #define SEGMENT_BYTES (4u << 20) /* each tensor sits at an offset inside one of two segments */
 #define TIMEOUT_MS 30000
 
@@ -147,7 +151,23 @@ static int fail(const char *what, int rc, const char *detail) {
   return 1;
 }
 
-int demo_producer_main(int tensors) {
+/* Device memory is filled and read through host staging copies; the layouts
+ * and checks are the host demo's. */
+#ifdef TSHARE_HAVE_CUDA
+static const ts_cuda_api *demo_cuda(void) {
+  tshare_error err;
+  if (tshare_cuda_init(&err) != TSHARE_OK) {
+    fprintf(stderr, "%s\n", err.message);
+    return NULL;
+  }
+  const ts_cuda_api *cu = ts_cuda(NULL, NULL);
+  CUcontext ctx = NULL;
+  if (cu->cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx) ts_cuda_push(ts_cuda_primary_ctx(0));
+  return cu;
+}
+#endif
+
+int demo_producer_main(int tensors, bool cuda) {
   tshare_role role;
   tshare_error err;
   int rc = tshare_role_from_env(&role, &err);
@@ -157,9 +177,26 @@ int demo_producer_main(int tensors) {
     rc = tshare_role_open_channel(&role, c, NULL, &ch[c], &err);
     if (rc != TSHARE_OK) return fail("open channel", rc, err.message);
   }
-  tshare_host_buffer *seg[2];
+  tshare_host_buffer *seg[2] = {NULL, NULL};
+  tshare_cuda_buffer *dseg[2] = {NULL, NULL};
+  void *staging[2] = {NULL, NULL};
+  void *stream = NULL;
+#ifdef TSHARE_HAVE_CUDA
+  const ts_cuda_api *cu = cuda ? demo_cuda() : NULL;
+  if (cuda && !cu) return 1;
+  if (cuda && cu->cuStreamCreate((CUstream *)&stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
+    return fail("stream", TSHARE_E_CUDA, "cuStreamCreate failed");
+#endif
   for (int s = 0; s < 2; s++) {
-    rc = tshare_host_buffer_create(SEGMENT_BYTES, s ? "tshare-demo-segment-1" : "tshare-demo-segment-0", &seg[s], &err);
+    if (cuda) {
+      rc = tshare_cuda_buffer_create(0, SEGMENT_BYTES, &dseg[s], &err);
+      staging[s] = calloc(1, SEGMENT_BYTES);
+      if (rc == TSHARE_OK && !staging[s]) rc = TSHARE_E_NOMEM;
+    } else {
+      rc = tshare_host_buffer_create(SEGMENT_BYTES, s ? "tshare-demo-segment-1" : "tshare-demo-segment-0", &seg[s],
+                                     &err);
+      if (rc == TSHARE_OK) staging[s] = tshare_host_buffer_data(seg[s]);
+    }
     if (rc != TSHARE_OK) return fail("allocate", rc, err.message);
   }
   /* Place the tensors one after another in alternating segments, 256-byte aligned. */
@@ -174,17 +211,27 @@ int demo_producer_main(int tensors) {
     if (rc != TSHARE_OK) return fail("layout (too many tensors for the demo segments?)", rc, why);
     used[s] = (end + 255) / 256 * 256;
     long long unused;
-    check_or_fill((char *)tshare_host_buffer_data(seg[s]) + desc[i].byte_offset, &desc[i], i, true, &unused);
+    check_or_fill((char *)staging[s] + desc[i].byte_offset, &desc[i], i, true, &unused);
   }
+#ifdef TSHARE_HAVE_CUDA
+  /* Queued on the stream; each share records an event after it, so the
+   * consumers' streams wait for the copy without a host sync here. */
+  for (int s = 0; cuda && s < 2; s++)
+    if (cu->cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)tshare_cuda_buffer_ptr(dseg[s]), staging[s], used[s],
+                              (CUstream)stream) != CUDA_SUCCESS)
+      return fail("copy to the GPU", TSHARE_E_CUDA, "cuMemcpyHtoDAsync failed");
+#endif
   for (int i = 0; i < tensors; i++) {
     char tag[16], what[96];
     snprintf(tag, sizeof tag, "t%d", i);
     for (int c = 0; c < role.nchannels; c++) {
-      rc = tshare_share_host(ch[c], seg[i % 2], &desc[i], tag, NULL, TIMEOUT_MS, NULL);
+      rc = cuda ? tshare_share_cuda_buffer(ch[c], dseg[i % 2], &desc[i], stream, tag, NULL, TIMEOUT_MS, NULL)
+                : tshare_share_host(ch[c], seg[i % 2], &desc[i], tag, NULL, TIMEOUT_MS, NULL);
       if (rc != TSHARE_OK) return fail("share", rc, tshare_channel_last_error(ch[c]));
     }
-    printf("shared #%d %s at byte %llu of segment %d with %d consumer%s\n", i, describe(&desc[i], what, sizeof what),
-           (unsigned long long)desc[i].byte_offset, i % 2, role.nchannels, role.nchannels == 1 ? "" : "s");
+    printf("shared #%d %s at byte %llu of %s segment %d with %d consumer%s\n", i, describe(&desc[i], what, sizeof what),
+           (unsigned long long)desc[i].byte_offset, cuda ? "GPU" : "host", i % 2, role.nchannels,
+           role.nchannels == 1 ? "" : "s");
   }
   for (int c = 0; c < role.nchannels; c++) {
     rc = tshare_channel_send_bye(ch[c], 0, TIMEOUT_MS);
@@ -195,22 +242,36 @@ int demo_producer_main(int tensors) {
     rc = tshare_channel_wait_released(ch[c], 0, TIMEOUT_MS);
     if (rc != TSHARE_OK) return fail("wait for releases", rc, tshare_channel_last_error(ch[c]));
   }
-  size_t held = tshare_host_buffer_outstanding(seg[0]) + tshare_host_buffer_outstanding(seg[1]);
+  size_t held = 0;
+  for (int c = 0; c < role.nchannels; c++) held += tshare_channel_outstanding(ch[c]);
+#ifdef TSHARE_HAVE_CUDA
+  for (int s = 0; cuda && s < 2; s++) { /* read the GPU copy back to check it */
+    memset(staging[s], 0, SEGMENT_BYTES);
+    if (cu->cuMemcpyDtoH(staging[s], (CUdeviceptr)(uintptr_t)tshare_cuda_buffer_ptr(dseg[s]), used[s]) != CUDA_SUCCESS)
+      return fail("copy from the GPU", TSHARE_E_CUDA, "cuMemcpyDtoH failed");
+  }
+#endif
   /* The producer's own copy must be intact too: sharing must never cost data. */
   long long damaged = 0, bad_k = 0;
   for (int i = 0; i < tensors; i++)
-    damaged += check_or_fill((char *)tshare_host_buffer_data(seg[i % 2]) + desc[i].byte_offset, &desc[i], i, false,
-                             &bad_k) != 0;
+    damaged += check_or_fill((char *)staging[i % 2] + desc[i].byte_offset, &desc[i], i, false, &bad_k) != 0;
   printf("all %d consumers released every share; %zu still held; %lld tensors changed on this side\n", role.nchannels,
          held, damaged);
   tshare_role_report(&role, "shared", tensors);
   for (int c = 0; c < role.nchannels; c++) tshare_channel_close(ch[c]);
-  for (int s = 0; s < 2; s++) tshare_host_buffer_destroy(seg[s]);
+  for (int s = 0; s < 2; s++) {
+    if (cuda) {
+      tshare_cuda_buffer_release(dseg[s]);
+      free(staging[s]);
+    } else {
+      tshare_host_buffer_destroy(seg[s]);
+    }
+  }
   free(desc);
   return held == 0 && damaged == 0 ? 0 : 1;
 }
 
-int demo_consumer_main(int tensors) {
+int demo_consumer_main(int tensors, bool cuda) {
   tshare_role role;
   tshare_error err;
   int rc = tshare_role_from_env(&role, &err);
@@ -219,9 +280,16 @@ int demo_consumer_main(int tensors) {
   rc = tshare_role_open_channel(&role, 0, NULL, &ch, &err);
   if (rc != TSHARE_OK) return fail("open channel", rc, err.message);
   int received = 0, intact = 0;
+  void *stream = NULL, *host = NULL;
+#ifdef TSHARE_HAVE_CUDA
+  const ts_cuda_api *cu = cuda ? demo_cuda() : NULL;
+  if (cuda && (!cu || cu->cuStreamCreate((CUstream *)&stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS))
+    return fail("stream", TSHARE_E_NO_DEVICE, "no usable CUDA device");
+  host = cuda ? malloc(SEGMENT_BYTES) : NULL;
+#endif
   for (;;) {
     tshare_view *v;
-    rc = tshare_view_recv(ch, TIMEOUT_MS, &v);
+    rc = tshare_view_recv_stream(ch, stream, TIMEOUT_MS, &v);
     if (rc == TSHARE_END) break;
     if (rc != TSHARE_OK) return fail("receive", rc, tshare_channel_last_error(ch));
     received++;
@@ -230,7 +298,22 @@ int demo_consumer_main(int tensors) {
     long long n = (long long)tshare_tensor_numel(d), bad_k = 0;
     /* The layout must be the one the producer chose for tensor i, and then
      * every element must hold its value. */
-    long long bad = same_layout(d, i) ? check_or_fill(tshare_view_data(v), d, i, false, &bad_k) : n;
+    void *data = tshare_view_data(v);
+#ifdef TSHARE_HAVE_CUDA
+    if (tshare_view_device_type(v) == TSHARE_DEVICE_CUDA) {
+      /* Copy the bytes the view spans, on the stream that waited for the
+       * producer's event, then check them here. */
+      uint64_t begin, end;
+      tshare_tensor_check(d, d->byte_offset + SEGMENT_BYTES, &begin, &end, NULL, 0);
+      if (!host || end - d->byte_offset > SEGMENT_BYTES ||
+          cu->cuMemcpyDtoHAsync(host, (CUdeviceptr)(uintptr_t)data, end - d->byte_offset, (CUstream)stream) !=
+              CUDA_SUCCESS ||
+          cu->cuStreamSynchronize((CUstream)stream) != CUDA_SUCCESS)
+        return fail("copy from the GPU", TSHARE_E_CUDA, "cuMemcpyDtoHAsync failed");
+      data = host;
+    }
+#endif
+    long long bad = same_layout(d, i) ? check_or_fill(data, d, i, false, &bad_k) : n;
     char what[96];
     if (bad == 0) {
       intact++;
@@ -243,6 +326,8 @@ int demo_consumer_main(int tensors) {
   }
   tshare_role_report(&role, "verified", intact);
   tshare_channel_close(ch);
+  free(host);
+  (void)cuda;
   if (received != tensors) fprintf(stderr, "expected %d tensors, received %d\n", tensors, received);
   return intact == tensors && received == tensors ? 0 : 1;
 }

@@ -3,6 +3,7 @@
 #include "demo.h"
 #include "supervisor.h"
 
+#include "tshare/cuda.h"
 #include "tshare/role.h"
 
 #include <errno.h>
@@ -30,7 +31,8 @@ static const char usage_text[] =
     "                with every consumer; each consumer checks every element.\n"
     "                Exits 0 only if every tensor arrived intact.\n"
     "  --tensors N   tensors to share (default 8, at most 1000)\n"
-    "  --device D    cpu, cuda or auto (default auto: cuda where usable, else cpu)\n"
+    "  --device D    cpu, cuda or auto (default auto: cuda where a device is usable, else cpu);\n"
+    "                cuda exits 1 with the reason when no device is usable\n"
     "\n"
     "--producer \"CMD ARGS\", --consumer \"CMD ARGS\"\n"
     "                run your own programs. Quoting as in a shell ('...', \"...\", \\);\n"
@@ -92,8 +94,9 @@ static int role_main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0); /* stdout is the launcher's pipe: keep lines in order */
   int tensors = 8;
   if (argc >= 5 && strcmp(argv[3], "--tensors") == 0 && parse_count(argv[4], 1, 1000, &tensors) != 0) return 2;
-  if (strcmp(argv[2], "producer") == 0) return demo_producer_main(tensors);
-  if (strcmp(argv[2], "consumer") == 0) return demo_consumer_main(tensors);
+  bool cuda = argc >= 7 && strcmp(argv[5], "--device") == 0 && strcmp(argv[6], "cuda") == 0;
+  if (strcmp(argv[2], "producer") == 0) return demo_producer_main(tensors, cuda);
+  if (strcmp(argv[2], "consumer") == 0) return demo_consumer_main(tensors, cuda);
   fprintf(stderr, "tshare-launch: unknown role '%s'\n", argv[2]);
   return 2;
 }
@@ -175,14 +178,24 @@ int main(int argc, char **argv) {
   char tensors_text[16];
   if (demo) {
     if (producer_cmd || consumer_cmd) return usage_error("%s", "demo runs its own roles: drop --producer/--consumer");
-    if (strcmp(device, "cuda") == 0)
-      return usage_error("%s", "--device cuda: CUDA shares are not built into this version of tshare yet");
-    if (strcmp(device, "cpu") != 0 && strcmp(device, "auto") != 0)
+    if (strcmp(device, "cpu") != 0 && strcmp(device, "auto") != 0 && strcmp(device, "cuda") != 0)
       return usage_error("--device '%s': use cpu, cuda or auto", device);
-    if (plan.channel == TSHARE_CHANNEL_PIPES)
-      return usage_error("%s", "demo shares host memory, which travels as fds: use --channel socket");
-    printf("tshare-launch demo: %d tensors, %d consumer%s, device cpu%s\n", tensors, consumers,
-           consumers == 1 ? "" : "s", strcmp(device, "auto") == 0 ? " (auto: CUDA shares are not built)" : "");
+    bool cuda = false;
+    const char *device_note = "";
+    if (strcmp(device, "cpu") != 0) {
+      tshare_error cerr;
+      int crc = tshare_cuda_init(&cerr);
+      cuda = crc == TSHARE_OK;
+      if (!cuda && strcmp(device, "cuda") == 0) {
+        fprintf(stderr, "tshare-launch: --device cuda: %s\n", cerr.message);
+        return crc == TSHARE_E_UNSUPPORTED ? LAUNCH_USAGE : LAUNCH_ROLE_FAILED;
+      }
+      if (strcmp(device, "auto") == 0) device_note = cuda ? " (auto: a CUDA device is usable)" : " (auto: no CUDA device)";
+    }
+    if (plan.channel == TSHARE_CHANNEL_PIPES && !cuda)
+      return usage_error("%s", "the cpu demo shares host memory, which travels as fds: use --channel socket");
+    printf("tshare-launch demo: %d tensors, %d consumer%s, device %s%s\n", tensors, consumers,
+           consumers == 1 ? "" : "s", cuda ? "cuda" : "cpu", device_note);
     fflush(stdout);
     snprintf(tensors_text, sizeof tensors_text, "%d", tensors);
     static char self[PATH_MAX];
@@ -192,9 +205,9 @@ int main(int argc, char **argv) {
       return LAUNCH_NOT_STARTED;
     }
     self[n] = '\0';
-    static char *pargv[6], *cargv[6];
-    char *p[] = {self, "__role", "producer", "--tensors", tensors_text, NULL};
-    char *c[] = {self, "__role", "consumer", "--tensors", tensors_text, NULL};
+    static char *pargv[8], *cargv[8];
+    char *p[] = {self, "__role", "producer", "--tensors", tensors_text, cuda ? "--device" : NULL, "cuda", NULL};
+    char *c[] = {self, "__role", "consumer", "--tensors", tensors_text, cuda ? "--device" : NULL, "cuda", NULL};
     memcpy(pargv, p, sizeof p);
     memcpy(cargv, c, sizeof c);
     plan.producer_argv = pargv;

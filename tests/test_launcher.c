@@ -195,14 +195,27 @@ TS_TEST(demo_many_tensors_four_consumers) {
 }
 
 TS_TEST(demo_refuses_what_it_cannot_do) {
-  char *cuda[] = {"demo", "--device", "cuda", NULL};
-  run_launcher(cuda);
-  expect_exit(2);
-  expect_output("not built");
-  char *pipes[] = {"demo", "--channel", "pipe", NULL};
+  char *pipes[] = {"demo", "--device", "cpu", "--channel", "pipe", NULL};
   run_launcher(pipes);
   expect_exit(2);
   expect_output("--channel socket");
+  char *bad_device[] = {"demo", "--device", "tpu", NULL};
+  run_launcher(bad_device);
+  expect_exit(2);
+  expect_output("use cpu, cuda or auto");
+}
+
+/* Without a usable GPU, --device cuda says why and fails; auto falls back. */
+TS_TEST(demo_device_cuda_without_gpu) {
+  if (tshare_cuda_init(NULL) == TSHARE_OK) TS_SKIP("a CUDA device is usable here (the GPU suite covers it)");
+  char *cuda[] = {"demo", "--device", "cuda", NULL};
+  run_launcher(cuda);
+  CHECK(result.status.kind == TSHARE_EXIT_CODE && (result.status.value == 1 || result.status.value == 2));
+  expect_output("--device cuda: ");
+  char *autodev[] = {"demo", "--device", "auto", NULL};
+  run_launcher(autodev);
+  expect_exit(0);
+  expect_output("device cpu (auto: no CUDA device)");
 }
 
 TS_TEST(demo_consumer_catches_wrong_data) {
