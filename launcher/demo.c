@@ -207,7 +207,7 @@ int demo_producer_main(int tensors, bool cuda) {
     desc[i] = layout_of(i, used[s]);
     uint64_t begin, end;
     char why[200];
-    rc = tshare_tensor_check(&desc[i], tshare_host_buffer_size(seg[s]), &begin, &end, why, sizeof why);
+    rc = tshare_tensor_check(&desc[i], SEGMENT_BYTES, &begin, &end, why, sizeof why);
     if (rc != TSHARE_OK) return fail("layout (too many tensors for the demo segments?)", rc, why);
     used[s] = (end + 255) / 256 * 256;
     long long unused;
