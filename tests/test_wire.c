@@ -148,6 +148,55 @@ TS_TEST(roundtrip_release) {
   for (uint32_t i = 0; i < g.u.release.count; i++) CHECK_EQ(g.u.release.share_ids[i], 1000 + i * 3);
 }
 
+/* Minor 1: event and retire frames, and the fields appended to a share. */
+TS_TEST(roundtrip_event_retire_and_minor1_share_fields) {
+  tshare_frame f, g;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_EVENT;
+  f.u.event.slot = TSHARE_EVENT_SLOTS_MAX - 1;
+  for (int i = 0; i < TSHARE_HANDLE_MAX; i++) f.u.event.handle[i] = (uint8_t)(i * 7);
+  CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.event.slot, TSHARE_EVENT_SLOTS_MAX - 1);
+  CHECK(memcmp(g.u.event.handle, f.u.event.handle, TSHARE_HANDLE_MAX) == 0);
+  f.u.event.slot = TSHARE_EVENT_SLOTS_MAX; /* over the limit: refused both ways */
+  size_t len = 0;
+  CHECK_EQ(tshare_wire_encode(&f, buf, sizeof buf, &len, NULL, 0), TSHARE_E_TOO_LARGE);
+  f.u.event.slot = 1;
+  len = encode(&f, buf);
+  put_u32(buf + TSHARE_WIRE_HEADER_SIZE, TSHARE_EVENT_SLOTS_MAX);
+  CHECK_EQ(decode(buf, len, &g), TSHARE_E_TOO_LARGE);
+
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_RETIRE;
+  f.u.retire.closed = 1;
+  f.u.retire.count = 3;
+  f.u.retire.alloc_ids[0] = 0; /* a buffer id may be 0 */
+  f.u.retire.alloc_ids[1] = 77;
+  f.u.retire.alloc_ids[2] = UINT64_MAX;
+  CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.retire.closed, 1);
+  CHECK_EQ(g.u.retire.count, 3);
+  CHECK(g.u.retire.alloc_ids[2] == UINT64_MAX);
+  len = encode(&f, buf);
+  buf[TSHARE_WIRE_HEADER_SIZE] = 2; /* closed is 0 or 1 */
+  CHECK_EQ(decode(buf, len, &g), TSHARE_E_MALFORMED);
+
+  f = sample_share();
+  f.u.share.origin_pid = 4242;
+  f.u.share.share_flags = TSHARE_SHARE_FLAG_RETIRE_NOTICE;
+  len = encode(&f, buf);
+  CHECK_RC(decode(buf, len, &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.share.origin_pid, 4242);
+  CHECK_EQ(g.u.share.share_flags, TSHARE_SHARE_FLAG_RETIRE_NOTICE);
+  /* A minor-0 sender's share ends before those fields: they read as 0. */
+  put_u32(buf + 8, (uint32_t)(len - TSHARE_WIRE_HEADER_SIZE - 8));
+  buf[5] = 0;
+  CHECK_RC(decode(buf, len - 8, &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.share.origin_pid, 0);
+  CHECK_EQ(g.u.share.share_flags, 0);
+}
+
 TS_TEST(roundtrip_bye_and_error) {
   tshare_frame f, g;
   memset(&f, 0, sizeof f);
