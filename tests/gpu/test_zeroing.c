@@ -21,8 +21,7 @@ static int run(const char *cmd, int emulated) {
   /* ASan must be the first library loaded; a preloaded one before it aborts. */
   if (emulated && getenv("TSHARE_SANITIZED")) TS_SKIP("the emulator is preloaded, which sanitizer builds refuse");
   char full[4096];
-  snprintf(full, sizeof full, "%s%s%s %s 2>&1", emulated ? "LD_PRELOAD=" : "", emulated ? emu : "",
-           emulated ? "" : "", cmd);
+  snprintf(full, sizeof full, "%s%s %s 2>&1", emulated ? "LD_PRELOAD=" : "", emulated ? emu : "", cmd);
   FILE *p = popen(full, "r");
   CHECK(p != NULL);
   size_t n = fread(output, 1, sizeof output - 1, p);
