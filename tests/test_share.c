@@ -364,4 +364,88 @@ TS_TEST(host_share_over_pipes_is_refused_clearly) {
   tshare_channel_close(ch);
 }
 
+/* ---- sharing received views on ------------------------------------------ */
+
+static int drops;
+static void count_drop(void *keep) {
+  CHECK(keep == &drops);
+  drops++;
+}
+
+static void third_writes_through(int fd) {
+  tshare_channel *ch = open_sock(fd, "third", NULL, NULL);
+  tshare_view *part, *whole;
+  CHECK_RC(tshare_view_recv(ch, 5000, &part), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_view_recv(ch, 5000, &whole), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK(strcmp(tshare_view_tag(part), "every other of 100..119") == 0);
+  CHECK(strcmp(tshare_view_tag(whole), "orig") == 0); /* a forward keeps the tag unless given one */
+  const tshare_tensor_desc *d = tshare_view_desc(part);
+  CHECK_EQ(d->shape[0], 10);
+  int32_t *q = tshare_view_data(part);
+  for (int i = 0; i < 10; i++) CHECK_EQ(q[i * d->strides[0]], 100 + 2 * i);
+  /* Both forwards name one allocation of the forwarder: mapped once here. */
+  CHECK((char *)tshare_view_data(part) - d->byte_offset ==
+        (char *)tshare_view_data(whole) - tshare_view_desc(whole)->byte_offset);
+  CHECK_EQ(((int32_t *)tshare_view_data(whole))[500], 500);
+  q[0] = -5; /* the owner, two processes away, sees this */
+  tshare_view_release(part);
+  tshare_view_release(whole);
+  tshare_channel_close(ch);
+}
+
+static void forwarder(int fd) {
+  tshare_channel *up = open_sock(fd, "forwarder", NULL, NULL);
+  int down_fd;
+  pid_t third = fork_with_socket(third_writes_through, &down_fd);
+  tshare_channel *down = open_sock(down_fd, "forwarder down", NULL, NULL);
+  tshare_share_info info;
+  CHECK_RC(tshare_channel_peek_share(up, 5000, &info), TSHARE_OK, tshare_channel_last_error(up));
+  CHECK_EQ(info.device_type, TSHARE_DEVICE_CPU);
+  CHECK_EQ(info.cuda_device, -1);
+  CHECK_EQ(info.share_id, 1);
+  tshare_view *v;
+  CHECK_RC(tshare_view_recv(up, 5000, &v), TSHARE_OK, tshare_channel_last_error(up));
+  CHECK_EQ(tshare_view_share_id(v), info.share_id);
+
+  /* A part outside what the producer shared is refused, and drop still runs. */
+  tshare_tensor_desc too_big = desc_1d((tshare_dtype){TSHARE_DTYPE_INT, 32, 1}, 1 << 20, 0);
+  CHECK_RC(tshare_share_view_part(down, v, &too_big, NULL, NULL, count_drop, &drops, NULL, 5000, NULL),
+           TSHARE_E_OUT_OF_BOUNDS, tshare_channel_last_error(down));
+  CHECK_EQ(drops, 1);
+
+  int64_t n = 10;
+  tshare_tensor_desc every_other = tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_INT, 32, 1}, 1, &n, 400);
+  every_other.strides[0] = 2;
+  uint64_t part_id, whole_id;
+  CHECK_RC(tshare_share_view_part(down, v, &every_other, NULL, "every other of 100..119", count_drop, &drops, NULL,
+                                  5000, &part_id),
+           TSHARE_OK, tshare_channel_last_error(down));
+  CHECK_RC(tshare_share_view(down, v, NULL, NULL, NULL, 5000, &whole_id), TSHARE_OK, tshare_channel_last_error(down));
+  CHECK_RC(tshare_channel_wait_released(down, 0, 5000), TSHARE_OK, tshare_channel_last_error(down));
+  CHECK_EQ(drops, 2);
+  CHECK_CHILD_OK(third);
+  tshare_channel_close(down);
+  tshare_channel_close(up); /* the whole view was released by its forward */
+}
+
+TS_TEST(forwarded_views_reach_a_third_process) {
+  int sock;
+  pid_t pid = fork_with_socket(forwarder, &sock);
+  tshare_channel *ch = open_sock(sock, "owner", count_releases, NULL);
+  tshare_host_buffer *a;
+  CHECK_RC(tshare_host_buffer_create(1000 * sizeof(int32_t), "tshare-test-forward", &a, NULL), TSHARE_OK, "");
+  int32_t *p = tshare_host_buffer_data(a);
+  for (int i = 0; i < 1000; i++) p[i] = i;
+  tshare_tensor_desc t = desc_1d((tshare_dtype){TSHARE_DTYPE_INT, 32, 1}, 1000, 0);
+  uint64_t id;
+  CHECK_RC(tshare_share_host(ch, a, &t, "orig", NULL, 5000, &id), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_channel_wait_released(ch, id, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(released_ok, 1);
+  CHECK_EQ(p[100], -5);
+  CHECK_EQ(p[101], 101);
+  CHECK_CHILD_OK(pid);
+  tshare_host_buffer_destroy(a);
+  tshare_channel_close(ch);
+}
+
 TS_TEST_MAIN

@@ -33,6 +33,8 @@ typedef struct ts_mapping {
   size_t size;
   unsigned long ino, dev; /* of the memfd: a reused alloc_id cannot alias another file */
   size_t views;           /* live views into it */
+  int fd;                 /* the memfd, kept so views can be shared on */
+  uint64_t forward_id;    /* this process's alloc id for it when shared on */
 } ts_mapping;
 
 /* A received share, as the consumer holds it. */
@@ -110,6 +112,7 @@ void ts_share_free_mappings(tshare_channel *ch);
 
 /* hostmem.c: references held by shares */
 struct tshare_host_buffer;
+uint64_t ts_host_next_alloc_id(void); /* host allocation ids, unique in the process */
 void ts_host_buffer_retain(struct tshare_host_buffer *buf);
 void ts_host_buffer_release(void *buf);
 

@@ -27,6 +27,12 @@ int ts_cuda_flush(tshare_channel *ch, int timeout_ms, bool *busy);
 /* Map a CUDA share into view v (consumer side). */
 int ts_cuda_import(tshare_channel *ch, const tshare_frame *f, void *stream, struct tshare_view *v);
 
+/* Share (part of) received CUDA view v on ch; desc->byte_offset is relative to
+ * the producer's allocation and already checked. e is consumed. */
+struct ts_export;
+int ts_cuda_share_view(tshare_channel *ch, struct tshare_view *v, const tshare_tensor_desc *desc, void *stream,
+                       const char *tag, struct ts_export *e, int timeout_ms, uint64_t *share_id);
+
 /* A CUDA view's release: queued until its stream's work is done. */
 void ts_cuda_view_release(struct tshare_view *v);
 

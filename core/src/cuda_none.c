@@ -90,9 +90,18 @@ int tshare_share_cuda(tshare_channel *ch, const void *data, const tshare_tensor_
   (void)data, (void)desc, (void)stream, (void)tag, (void)user_data, (void)timeout_ms;
   return unsupported(ch, share_id);
 }
-int tshare_share_view(tshare_channel *ch, tshare_view *view, void *stream, const char *tag, void *user_data,
-                      int timeout_ms, uint64_t *share_id) {
-  (void)view, (void)stream, (void)tag, (void)user_data, (void)timeout_ms;
+int tshare_share_cuda_keep(tshare_channel *ch, const void *data, const tshare_tensor_desc *desc, void *stream,
+                           const char *tag, tshare_drop_fn drop, void *keep, void *user_data, int timeout_ms,
+                           uint64_t *share_id) {
+  (void)data, (void)desc, (void)stream, (void)tag, (void)user_data, (void)timeout_ms;
+  if (drop) drop(keep);
+  return unsupported(ch, share_id);
+}
+int ts_cuda_share_view(tshare_channel *ch, struct tshare_view *v, const tshare_tensor_desc *desc, void *stream,
+                       const char *tag, struct ts_export *e, int timeout_ms, uint64_t *share_id) {
+  (void)v, (void)desc, (void)stream, (void)tag, (void)timeout_ms; /* no CUDA view can exist here */
+  e->release(e->owner);
+  free(e);
   return unsupported(ch, share_id);
 }
 

@@ -194,22 +194,44 @@ static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, uint64_t
 
 static void no_release(void *owner) { (void)owner; }
 
-int tshare_share_cuda(tshare_channel *ch, const void *data, const tshare_tensor_desc *desc, void *stream,
-                      const char *tag, void *user_data, int timeout_ms, uint64_t *share_id) {
+/* Foreign memory: the caller keeps it alive, through keep or otherwise. */
+static int share_foreign(tshare_channel *ch, const void *data, const tshare_tensor_desc *desc, void *stream,
+                         const char *tag, tshare_drop_fn drop, void *keep, void *user_data, int timeout_ms,
+                         uint64_t *share_id) {
   if (share_id) *share_id = 0;
-  if (!data || !desc) return ch ? ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "share: NULL argument")
-                                : TSHARE_E_INVALID_ARG;
-  int rc = check_can_share(ch, tag);
-  if (rc != TSHARE_OK) return rc;
+  int rc = TSHARE_OK;
+  if (!data || !desc)
+    rc = ch ? ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "share: NULL argument") : TSHARE_E_INVALID_ARG;
+  if (rc == TSHARE_OK) rc = check_can_share(ch, tag);
   ts_cuda_export x;
-  rc = ts_cuda_export_of((CUdeviceptr)(uintptr_t)data, &x, ch->err, sizeof ch->err);
-  if (rc != TSHARE_OK) return rc;
-  ts_export *e = calloc(1, sizeof *e);
-  if (!e) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
-  e->release = no_release;
+  if (rc == TSHARE_OK) rc = ts_cuda_export_of((CUdeviceptr)(uintptr_t)data, &x, ch->err, sizeof ch->err);
+  ts_export *e = rc == TSHARE_OK ? calloc(1, sizeof *e) : NULL;
+  if (rc == TSHARE_OK && !e) rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
+  if (rc != TSHARE_OK) {
+    drop(keep);
+    return rc;
+  }
+  e->release = drop;
+  e->owner = keep;
   e->user_data = user_data;
   return send_cuda_share(ch, &x, (uint64_t)((CUdeviceptr)(uintptr_t)data - x.base), (uint32_t)getpid(), 0, desc,
                          stream, tag, e, timeout_ms, share_id);
+}
+
+int tshare_share_cuda(tshare_channel *ch, const void *data, const tshare_tensor_desc *desc, void *stream,
+                      const char *tag, void *user_data, int timeout_ms, uint64_t *share_id) {
+  return share_foreign(ch, data, desc, stream, tag, no_release, NULL, user_data, timeout_ms, share_id);
+}
+
+int tshare_share_cuda_keep(tshare_channel *ch, const void *data, const tshare_tensor_desc *desc, void *stream,
+                           const char *tag, tshare_drop_fn drop, void *keep, void *user_data, int timeout_ms,
+                           uint64_t *share_id) {
+  if (!drop) {
+    if (share_id) *share_id = 0;
+    return ch ? ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "share: NULL drop function")
+              : TSHARE_E_INVALID_ARG;
+  }
+  return share_foreign(ch, data, desc, stream, tag, drop, keep, user_data, timeout_ms, share_id);
 }
 
 int tshare_share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const tshare_tensor_desc *desc, void *stream,
@@ -251,17 +273,14 @@ int tshare_share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const 
                          timeout_ms, share_id);
 }
 
-static void release_forwarded_view(void *view) { tshare_view_release(view); }
-
-int tshare_share_view(tshare_channel *ch, tshare_view *v, void *stream, const char *tag, void *user_data,
-                      int timeout_ms, uint64_t *share_id) {
-  if (share_id) *share_id = 0;
-  if (!v) return ch ? ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "share: NULL view") : TSHARE_E_INVALID_ARG;
+int ts_cuda_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_desc *desc, void *stream,
+                       const char *tag, ts_export *e, int timeout_ms, uint64_t *share_id) {
   int rc = check_can_share(ch, tag);
-  if (rc != TSHARE_OK) return rc;
-  if (!v->cuda_import)
-    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
-                   "share: forwarding host views is not supported; share the memfd buffer from its owner");
+  if (rc != TSHARE_OK) {
+    e->release(e->owner);
+    free(e);
+    return rc;
+  }
   /* The original allocation travels under its owner's identity, so a third
    * process that also gets it from the owner maps it once. */
   ts_cuda_export x;
@@ -272,15 +291,10 @@ int tshare_share_view(tshare_channel *ch, tshare_view *v, void *stream, const ch
   memcpy(x.uuid, v->frame.device_uuid, 16);
   memcpy(x.handle.reserved, v->frame.handle, TSHARE_HANDLE_MAX);
   uint32_t origin = v->frame.origin_pid ? v->frame.origin_pid : v->ch->peer.pid;
-  tshare_tensor_desc desc = v->frame.tensor;
-  desc.byte_offset = 0;
-  ts_export *e = calloc(1, sizeof *e);
-  if (!e) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
-  e->release = release_forwarded_view; /* the view is held until the third process releases */
-  e->owner = v;
-  e->user_data = user_data;
-  return send_cuda_share(ch, &x, v->frame.tensor.byte_offset, origin, 0, &desc, stream ? stream : v->stream,
-                         tag ? tag : v->tag, e, timeout_ms, share_id);
+  tshare_tensor_desc rel = *desc; /* desc is relative to the allocation; send_cuda_share adds the offset */
+  rel.byte_offset = 0;
+  return send_cuda_share(ch, &x, desc->byte_offset, origin, 0, &rel, stream ? stream : v->stream, tag, e, timeout_ms,
+                         share_id);
 }
 
 /* ---- consumer ------------------------------------------------------------- */

@@ -24,6 +24,8 @@ struct tshare_host_buffer {
  * cheapest such identity and is never reused, unlike addresses or inodes. */
 static atomic_uint_fast64_t next_buffer_id = 1;
 
+uint64_t ts_host_next_alloc_id(void) { return atomic_fetch_add(&next_buffer_id, 1); }
+
 int tshare_host_buffer_create(size_t size, const char *name, tshare_host_buffer **out, tshare_error *err) {
   char msg[TSHARE_ERROR_MSG_MAX];
   if (!out) return TSHARE_E_INVALID_ARG;
@@ -62,7 +64,7 @@ int tshare_host_buffer_create(size_t size, const char *name, tshare_host_buffer 
     return rc;
   }
   b->size = rounded;
-  b->id = atomic_fetch_add(&next_buffer_id, 1);
+  b->id = ts_host_next_alloc_id();
   atomic_init(&b->refs, 1);
   atomic_init(&b->outstanding, 0);
   ts_error_fill(err, TSHARE_OK, "");

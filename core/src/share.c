@@ -77,6 +77,102 @@ int ts_share_send_export(tshare_channel *ch, tshare_frame *f, int fd, ts_export 
   return TSHARE_OK;
 }
 
+/* The host half of sharing a received view on: the memfd the mapping kept
+ * travels under this process's id for the allocation. */
+static int share_host_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_desc *desc, const char *tag,
+                           ts_export *e, int timeout_ms, uint64_t *share_id) {
+  ts_mapping *m = v->mapping;
+  int rc = TSHARE_OK;
+  if (ch->kind != TSHARE_CHANNEL_SOCKET || !(ch->peer.capabilities & TSHARE_CAP_HOST_MEMFD))
+    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
+                 "share: host memory travels as an fd and needs a socket channel whose peer imports memfds");
+  else if (!m || m->fd < 0)
+    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: the view has no mapped memory to share on");
+  if (rc != TSHARE_OK) {
+    e->release(e->owner);
+    free(e);
+    return rc;
+  }
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_SHARE;
+  f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+  tshare_share_frame *s = &f.u.share;
+  s->alloc_id = m->forward_id;
+  s->mem_kind = TSHARE_MEM_HOST_MEMFD;
+  s->device_type = TSHARE_DEVICE_CPU;
+  s->alloc_size = m->size;
+  s->tensor = *desc;
+  s->tag_len = (uint8_t)strlen(tag);
+  memcpy(s->tag, tag, s->tag_len);
+  return ts_share_send_export(ch, &f, m->fd, e, timeout_ms, share_id);
+}
+
+/* Both ways of sharing a view on end here; e (release and owner set) is consumed. */
+static int share_view_export(tshare_channel *ch, tshare_view *v, const tshare_tensor_desc *part, void *stream,
+                             const char *tag, void *user_data, ts_export *e, int timeout_ms, uint64_t *share_id) {
+  int rc = TSHARE_OK;
+  tshare_tensor_desc desc = *part;
+  if (!tag) tag = v->tag;
+  if (strlen(tag) > TSHARE_TAG_MAX) {
+    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_TOO_LARGE, "share: tag of %zu bytes over %d", strlen(tag),
+                 TSHARE_TAG_MAX);
+  } else if (ch->closed || ch->wfd < 0) {
+    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: channel is closed");
+  } else {
+    /* From the view's first element to an offset in the producer's allocation,
+     * and the layout must stay inside what the view's producer mapped. */
+    uint64_t view_offset = v->frame.tensor.byte_offset;
+    char why[160];
+    if (desc.byte_offset > UINT64_MAX - view_offset)
+      rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_OVERFLOW, "share: byte_offset %llu overflows",
+                   (unsigned long long)desc.byte_offset);
+    else if (desc.byte_offset += view_offset,
+             (rc = tshare_tensor_check(&desc, v->frame.alloc_size, NULL, NULL, why, sizeof why)) != TSHARE_OK)
+      ts_errf(ch->err, sizeof ch->err, rc, "share: %s", why);
+  }
+  e->user_data = user_data;
+  e->event_slot = -1;
+  if (rc != TSHARE_OK) {
+    e->release(e->owner);
+    free(e);
+    return rc;
+  }
+  if (v->cuda_import) return ts_cuda_share_view(ch, v, &desc, stream, tag, e, timeout_ms, share_id);
+  return share_host_view(ch, v, &desc, tag, e, timeout_ms, share_id);
+}
+
+static void release_forwarded_view(void *view) { tshare_view_release(view); }
+
+int tshare_share_view(tshare_channel *ch, tshare_view *v, void *stream, const char *tag, void *user_data,
+                      int timeout_ms, uint64_t *share_id) {
+  if (share_id) *share_id = 0;
+  if (!ch || !v) return TSHARE_E_INVALID_ARG;
+  ts_export *e = calloc(1, sizeof *e);
+  if (!e) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
+  e->release = release_forwarded_view; /* the view is held until the third process releases */
+  e->owner = v;
+  tshare_tensor_desc whole = v->desc;
+  whole.byte_offset = 0;
+  return share_view_export(ch, v, &whole, stream, tag, user_data, e, timeout_ms, share_id);
+}
+
+int tshare_share_view_part(tshare_channel *ch, tshare_view *v, const tshare_tensor_desc *desc, void *stream,
+                           const char *tag, tshare_drop_fn drop, void *keep, void *user_data, int timeout_ms,
+                           uint64_t *share_id) {
+  if (share_id) *share_id = 0;
+  ts_export *e = ch && v && desc && drop ? calloc(1, sizeof *e) : NULL;
+  if (!e) {
+    if (drop) drop(keep);
+    if (!ch) return TSHARE_E_INVALID_ARG;
+    return ts_errf(ch->err, sizeof ch->err, v && desc && drop ? TSHARE_E_NOMEM : TSHARE_E_INVALID_ARG,
+                   v && desc && drop ? "share: out of memory" : "share: NULL view, descriptor or drop function");
+  }
+  e->release = drop;
+  e->owner = keep;
+  return share_view_export(ch, v, desc, stream, tag, user_data, e, timeout_ms, share_id);
+}
+
 size_t tshare_channel_outstanding(const tshare_channel *ch) { return ch ? ch->exports.count : 0; }
 
 int tshare_share_is_released(const tshare_channel *ch, uint64_t share_id) {
@@ -159,6 +255,12 @@ void ts_share_queue_release_locked(tshare_channel *ch, uint64_t share_id) {
   }
 }
 
+static void unmap(ts_mapping *m) {
+  if (m->base) munmap(m->base, m->size);
+  if (m->fd >= 0) close(m->fd);
+  free(m);
+}
+
 void tshare_view_release(tshare_view *v) {
   if (!v) return;
   if (v->cuda_import) {
@@ -171,9 +273,8 @@ void tshare_view_release(tshare_view *v) {
   if (m && --m->views == 0) {
     /* Unmap before the release goes out: once the producer frees the memory,
      * nothing here may still reference it. */
-    if (m->base) munmap(m->base, m->size);
     ts_u64map_remove(&ch->mappings, m->alloc_id);
-    free(m);
+    unmap(m);
   }
   ts_share_queue_release_locked(ch, v->share_id);
   pthread_mutex_unlock(&ch->lock);
@@ -184,11 +285,7 @@ void tshare_view_release(tshare_view *v) {
 void ts_share_free_mappings(tshare_channel *ch) {
   uint64_t key;
   void *value;
-  for (size_t pos = 0; ts_u64map_next(&ch->mappings, &pos, &key, &value);) {
-    ts_mapping *m = value;
-    if (m->base) munmap(m->base, m->size);
-    free(m);
-  }
+  for (size_t pos = 0; ts_u64map_next(&ch->mappings, &pos, &key, &value);) unmap(value);
   ts_u64map_free(&ch->mappings);
 }
 
@@ -311,7 +408,10 @@ int tshare_channel_wait_released(tshare_channel *ch, uint64_t share_id, int time
   }
 }
 
-static int import_host(tshare_channel *ch, const tshare_share_frame *s, int fd, tshare_view *v) {
+/* Map a host share into v. A new mapping takes *fd (set to -1) so the view
+ * can be shared on; otherwise the caller closes it. */
+static int import_host(tshare_channel *ch, const tshare_share_frame *s, int *fdp, tshare_view *v) {
+  int fd = *fdp;
   struct stat st;
   if (fd < 0)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "import: share %llu has no fd",
@@ -343,6 +443,7 @@ static int import_host(tshare_channel *ch, const tshare_share_frame *s, int fd, 
       return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
     }
     m->alloc_id = s->alloc_id;
+    m->fd = -1;
     m->size = (size_t)s->alloc_size;
     m->ino = (unsigned long)st.st_ino;
     m->dev = (unsigned long)st.st_dev;
@@ -357,16 +458,36 @@ static int import_host(tshare_channel *ch, const tshare_share_frame *s, int fd, 
       }
     }
     if (ts_u64map_put(&ch->mappings, m->alloc_id, m) != 0) {
-      if (m->base) munmap(m->base, m->size);
-      free(m);
+      unmap(m);
       pthread_mutex_unlock(&ch->lock);
       return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
     }
+    m->fd = fd;
+    *fdp = -1;
+    m->forward_id = ts_host_next_alloc_id();
   }
   m->views++;
   pthread_mutex_unlock(&ch->lock);
   v->mapping = m;
   v->data = m->base ? (char *)m->base + s->tensor.byte_offset : NULL;
+  return TSHARE_OK;
+}
+
+int tshare_channel_peek_share(tshare_channel *ch, int timeout_ms, tshare_share_info *info) {
+  if (!ch || !info) return TSHARE_E_INVALID_ARG;
+  memset(info, 0, sizeof *info);
+  info->cuda_device = -1;
+  if (ch->closed) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "receive: channel is closed");
+  int64_t deadline = ts_deadline(timeout_ms);
+  while (!ch->in_len) {
+    bool got;
+    int rc = drive_once(ch, ts_remaining(deadline), NULL, NULL, &got);
+    if (rc != TSHARE_OK) return rc;
+  }
+  const tshare_share_frame *s = &ch->incoming[ch->in_head].frame.u.share;
+  info->share_id = s->share_id;
+  info->device_type = s->device_type;
+  if (s->device_type == TSHARE_DEVICE_CUDA) info->cuda_device = tshare_cuda_device_from_uuid(s->device_uuid);
   return TSHARE_OK;
 }
 
@@ -404,14 +525,14 @@ int tshare_view_recv_stream(tshare_channel *ch, void *stream, int timeout_ms, ts
   const tshare_share_frame *s = &f.u.share;
   int rc;
   if (s->mem_kind == TSHARE_MEM_HOST_MEMFD)
-    rc = import_host(ch, s, fd, v);
+    rc = import_host(ch, s, &fd, v);
   else if (s->mem_kind == TSHARE_MEM_CUDA_IPC)
     rc = ts_cuda_import(ch, &f, stream, v);
   else
     rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
                  "import: share %llu is CUDA VMM memory (an fd), which this version cannot import",
                  (unsigned long long)s->share_id);
-  if (fd >= 0) close(fd); /* a mapping keeps the memory; the fd is no longer needed */
+  if (fd >= 0) close(fd); /* the mapping has the first fd of its allocation */
   if (rc != TSHARE_OK) {
     free(v);
     /* The producer still holds the memory for this share: tell it to let go. */

@@ -143,11 +143,16 @@ int tshare_share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const 
 int tshare_share_cuda(tshare_channel *ch, const void *data, const tshare_tensor_desc *desc, void *stream,
                       const char *tag, void *user_data, int timeout_ms, uint64_t *share_id);
 
-/* Share a received CUDA view on to another channel: the original allocation
- * travels, not a copy. The view stays held until the new share is released;
- * stream orders the third process after work queued on it. */
-int tshare_share_view(tshare_channel *ch, tshare_view *view, void *stream, const char *tag, void *user_data,
-                      int timeout_ms, uint64_t *share_id);
+/* The same, with something kept alive for the share: drop(keep) runs once,
+ * when the share is released or dropped, or at once when it fails. This is
+ * how a bridge holds a caching allocator's block (LibTorch: the Storage). */
+int tshare_share_cuda_keep(tshare_channel *ch, const void *data, const tshare_tensor_desc *desc, void *stream,
+                           const char *tag, tshare_drop_fn drop, void *keep, void *user_data, int timeout_ms,
+                           uint64_t *share_id);
+
+/* A received CUDA view is shared on with tshare_share_view() or
+ * tshare_share_view_part() (share.h); stream orders the third process after
+ * work queued on it (NULL: the view's stream). */
 
 /* ---- receiving ------------------------------------------------------------ */
 

@@ -38,6 +38,10 @@ extern "C" {
 int tshare_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_tensor_desc *desc, const char *tag,
                       void *user_data, int timeout_ms, uint64_t *share_id);
 
+/* Runs once when a share is released or dropped with its channel, or at once
+ * when the share fails: what the sharer kept alive for it may go then. */
+typedef void (*tshare_drop_fn)(void *keep);
+
 /* Shares sent on this channel that the peer has not yet released. */
 size_t tshare_channel_outstanding(const tshare_channel *ch);
 
@@ -68,6 +72,31 @@ const char *tshare_view_tag(const tshare_view *view); /* "" when none */
 uint64_t tshare_view_share_id(const tshare_view *view);
 int tshare_view_device_type(const tshare_view *view); /* TSHARE_DEVICE_* */
 
+/* Share a received view on to another channel: the producer's memory
+ * travels, not a copy (host views need a socket channel; CUDA views go under
+ * their owner's identity, so a process that also gets them from the owner
+ * maps them once). stream: CUDA only, the stream whose work the third
+ * process must wait for (NULL: the view's). tag NULL: the view's tag.
+ * The view is consumed: it stays held until the new share is released, and
+ * the caller must not release it itself, also when this fails. */
+int tshare_share_view(tshare_channel *ch, tshare_view *view, void *stream, const char *tag, void *user_data,
+                      int timeout_ms, uint64_t *share_id);
+/* Share a part of a received view on: desc->byte_offset is relative to
+ * tshare_view_data(view), and the layout must lie inside the memory the view's
+ * producer shared. The view is not consumed: the caller keeps it alive until
+ * drop(keep) runs, which happens exactly once (at once on failure). */
+int tshare_share_view_part(tshare_channel *ch, tshare_view *view, const tshare_tensor_desc *desc, void *stream,
+                           const char *tag, tshare_drop_fn drop, void *keep, void *user_data, int timeout_ms,
+                           uint64_t *share_id);
+/* Where the next share lives, without taking it: waits up to timeout_ms like
+ * tshare_view_recv() and returns the same codes. A receiver picks its stream
+ * with this (a LibTorch consumer: the current stream of that device). */
+typedef struct tshare_share_info {
+  uint64_t share_id;
+  int device_type; /* TSHARE_DEVICE_* */
+  int cuda_device; /* CUDA: the ordinal this process sees it as, -1 if none (or host) */
+} tshare_share_info;
+int tshare_channel_peek_share(tshare_channel *ch, int timeout_ms, tshare_share_info *info);
 /* Release the view: exactly once per view, from any thread, never blocking. */
 void tshare_view_release(tshare_view *view);
 
