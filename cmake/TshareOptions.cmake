@@ -33,18 +33,41 @@ else()
   message(STATUS "tshare: CUDA disabled (TSHARE_WITH_CUDA=OFF)")
 endif()
 
-# LibTorch: the bridge builds on it.
+# LibTorch: the bridge builds on it. Looked for in this order: Torch_DIR,
+# python3's torch (torch.utils.cmake_prefix_path), then the system (Debian's
+# libtorch-dev, which scripts/install-deps.sh installs where it can).
 set(TSHARE_HAVE_TORCH OFF)
+set(TSHARE_HAVE_TORCH_CUDA OFF)
 if(NOT TSHARE_WITH_TORCH STREQUAL "OFF")
-  find_package(Torch QUIET)
+  include(CheckLanguage)
+  check_language(CXX)
+  if(CMAKE_CXX_COMPILER)
+    enable_language(CXX)
+    if(NOT Torch_DIR AND NOT DEFINED ENV{Torch_DIR})
+      find_program(TSHARE_PYTHON3 python3)
+      if(TSHARE_PYTHON3)
+        execute_process(COMMAND ${TSHARE_PYTHON3} -c "import torch.utils; print(torch.utils.cmake_prefix_path)"
+          OUTPUT_VARIABLE _tshare_py_torch RESULT_VARIABLE _tshare_py_rc ERROR_QUIET OUTPUT_STRIP_TRAILING_WHITESPACE)
+        if(_tshare_py_rc EQUAL 0 AND IS_DIRECTORY "${_tshare_py_torch}")
+          list(APPEND CMAKE_PREFIX_PATH "${_tshare_py_torch}")
+        endif()
+      endif()
+    endif()
+    find_package(Torch QUIET)
+  endif()
   if(Torch_FOUND)
     set(TSHARE_HAVE_TORCH ON)
-    message(STATUS "tshare: LibTorch found at ${Torch_DIR} (the bridge is not part of this version yet)")
+    if(TSHARE_HAVE_CUDA AND TARGET c10_cuda)
+      set(TSHARE_HAVE_TORCH_CUDA ON)
+    endif()
+    message(STATUS "tshare: LibTorch ${Torch_VERSION} found at ${Torch_DIR}; "
+                   "the bridge is built (CUDA tensors: ${TSHARE_HAVE_TORCH_CUDA})")
   elseif(TSHARE_WITH_TORCH STREQUAL "ON")
-    message(FATAL_ERROR "tshare: TSHARE_WITH_TORCH=ON but LibTorch was not found. "
-                        "Set Torch_DIR to LibTorch's share/cmake/Torch, or use TSHARE_WITH_TORCH=AUTO/OFF.")
+    message(FATAL_ERROR "tshare: TSHARE_WITH_TORCH=ON but LibTorch was not found. Set Torch_DIR to LibTorch's "
+                        "share/cmake/Torch, install torch for python3, or install libtorch-dev; or use "
+                        "TSHARE_WITH_TORCH=AUTO/OFF.")
   else()
-    message(STATUS "tshare: LibTorch not found; the torch bridge is not built")
+    message(STATUS "tshare: LibTorch not found (Torch_DIR, python3's torch, system); the torch bridge is not built")
   endif()
 else()
   message(STATUS "tshare: LibTorch bridge disabled (TSHARE_WITH_TORCH=OFF)")

@@ -1,8 +1,8 @@
 # Warnings for tshare's own targets (never exported to users of the package).
 add_library(tshare_warnings INTERFACE)
 target_compile_options(tshare_warnings INTERFACE
-  -Wall -Wextra -Wshadow -Wconversion -Wpointer-arith -Wstrict-prototypes
-  -Wmissing-prototypes -Wformat=2 -Wundef -Wvla)
+  -Wall -Wextra -Wshadow -Wconversion -Wpointer-arith -Wformat=2 -Wundef -Wvla
+  $<$<COMPILE_LANGUAGE:C>:-Wstrict-prototypes -Wmissing-prototypes>)
 if(TSHARE_WERROR)
   target_compile_options(tshare_warnings INTERFACE -Werror)
 endif()
