@@ -15,6 +15,17 @@ install(TARGETS tshare-launch RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 install(TARGETS tshare_warnings EXPORT tshareTargets)
 
 install(EXPORT tshareTargets NAMESPACE tshare:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/tshare)
+
+# The bridge has its own export set: the package loads it only for projects
+# that use C++ (or ask for the torch component), since it needs LibTorch.
+set(TSHARE_TORCH_DIR_HINT "")
+if(TARGET tshare_torch)
+  install(TARGETS tshare_torch EXPORT tshareTorchTargets ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
+  install(FILES ${PROJECT_SOURCE_DIR}/torch_bridge/include/tshare/torch.h
+    DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/tshare)
+  install(EXPORT tshareTorchTargets NAMESPACE tshare:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/tshare)
+  set(TSHARE_TORCH_DIR_HINT "${Torch_DIR}")
+endif()
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/tshareConfig.cmake.in
   ${PROJECT_BINARY_DIR}/tshareConfig.cmake INSTALL_DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/tshare)
 write_basic_package_version_file(${PROJECT_BINARY_DIR}/tshareConfigVersion.cmake COMPATIBILITY SameMajorVersion)

@@ -20,5 +20,14 @@ if command -v pkg-config >/dev/null 2>&1; then
 else
   echo "pkg-config not installed: skipped the pkg-config half"
 fi
+if [ -f "$work"/prefix/lib*/cmake/tshare/tshareTorchTargets.cmake ]; then
+  # The bridge was built: a LibTorch project finds it (and LibTorch) the same way.
+  cmake -S "$src_dir/../package_consumer_torch" -B "$work/torch-build" -DCMAKE_PREFIX_PATH="$work/prefix" \
+    -DCMAKE_CXX_FLAGS="$extra_cflags" -DCMAKE_EXE_LINKER_FLAGS="$extra_cflags" >/dev/null
+  cmake --build "$work/torch-build" >/dev/null
+  "$work/torch-build/uses_tshare_torch"
+else
+  echo "the torch bridge is not built: skipped the LibTorch project"
+fi
 "$work/prefix/bin/tshare-launch" --help >/dev/null
 echo "installed package works"
