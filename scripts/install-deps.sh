@@ -2,7 +2,10 @@
 # Install what building and testing tshare needs, where it is missing.
 # Debian/Ubuntu: apt-get (as root, or through sudo). Elsewhere: says what to install.
 # Required: cmake >= 3.25, make, a C compiler. Optional: pkg-config (the
-# package test's pkg-config half), clang (the libFuzzer target).
+# package test's pkg-config half), clang (the libFuzzer target), a C++
+# compiler and LibTorch for the torch bridge: Debian's libtorch-dev (CPU-only)
+# where no LibTorch is found (Torch_DIR, python3's torch, the system).
+# TSHARE_WITH_TORCH=OFF in the environment skips LibTorch.
 set -eu
 
 need=""
@@ -17,6 +20,20 @@ else
 fi
 optional=""
 command -v pkg-config >/dev/null 2>&1 || optional="$optional pkg-config"
+
+have_torch() {
+  [ -n "${Torch_DIR:-}" ] && return 0
+  for f in /usr/lib/*/cmake/Torch/TorchConfig.cmake /usr/lib/cmake/Torch/TorchConfig.cmake \
+    /usr/local/share/cmake/Torch/TorchConfig.cmake; do
+    [ -f "$f" ] && return 0
+  done
+  command -v python3 >/dev/null 2>&1 && python3 -c "import torch.utils" >/dev/null 2>&1 && return 0
+  return 1
+}
+if [ "${TSHARE_WITH_TORCH:-AUTO}" != "OFF" ]; then
+  command -v c++ >/dev/null 2>&1 || optional="$optional g++"
+  have_torch || optional="$optional libtorch-dev"
+fi
 
 [ -z "$need$optional" ] && exit 0
 
