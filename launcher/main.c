@@ -17,7 +17,7 @@
 #include <unistd.h>
 
 static const char usage_text[] =
-    "usage: tshare-launch demo [--tensors N] [--consumers K] [--device cpu|cuda|auto] [OPTIONS]\n"
+    "usage: tshare-launch demo [--tensors N] [--consumers K] [--device cpu|cuda|auto] [--api c|torch|auto] [OPTIONS]\n"
     "       tshare-launch --producer \"CMD ARGS\" --consumer \"CMD ARGS\" [--consumers K] [OPTIONS]\n"
     "\n"
     "Starts one producer and K consumers, connects the producer to each consumer\n"
@@ -33,6 +33,11 @@ static const char usage_text[] =
     "  --tensors N   tensors to share (default 8, at most 1000)\n"
     "  --device D    cpu, cuda or auto (default auto: cuda where a device is usable, else cpu);\n"
     "                cuda exits 1 with the reason when no device is usable\n"
+    "  --api A       c, torch or auto (default auto: torch where the LibTorch bridge and its\n"
+    "                examples are built). torch runs examples/torch instead: a weights server\n"
+    "                shares a model's weights with every consumer and hands N batches out\n"
+    "                round robin; each consumer checks its batches arrived intact and writes\n"
+    "                the logits back in place, and the server checks every answer\n"
     "\n"
     "--producer \"CMD ARGS\", --consumer \"CMD ARGS\"\n"
     "                run your own programs. Quoting as in a shell ('...', \"...\", \\);\n"
@@ -101,6 +106,22 @@ static int role_main(int argc, char **argv) {
   return 2;
 }
 
+/* The LibTorch example named name: installed beside us (../libexec/tshare),
+ * or in the build tree this launcher came from. */
+static bool find_torch_example(const char *self, const char *name, char *out, size_t cap) {
+  char dir[PATH_MAX];
+  snprintf(dir, sizeof dir, "%s", self);
+  char *slash = strrchr(dir, '/');
+  if (slash) *slash = '\0';
+  int len = snprintf(out, cap, "%s/../libexec/tshare/%s", dir, name);
+  if (len > 0 && (size_t)len < cap && access(out, X_OK) == 0) return true;
+#ifdef TSHARE_TORCH_EXAMPLES_DIR
+  len = snprintf(out, cap, "%s/%s", TSHARE_TORCH_EXAMPLES_DIR, name);
+  if (len > 0 && (size_t)len < cap && access(out, X_OK) == 0) return true;
+#endif
+  return false;
+}
+
 int main(int argc, char **argv) {
   if (argc >= 3 && strcmp(argv[1], "__role") == 0) return role_main(argc, argv);
 
@@ -112,7 +133,8 @@ int main(int argc, char **argv) {
     OPT_CONSUMER,
     OPT_CHANNEL,
     OPT_TIMEOUT,
-    OPT_GRACE
+    OPT_GRACE,
+    OPT_API
   };
   static const struct option longopts[] = {{"tensors", required_argument, NULL, OPT_TENSORS},
                                            {"consumers", required_argument, NULL, OPT_CONSUMERS},
@@ -122,10 +144,11 @@ int main(int argc, char **argv) {
                                            {"channel", required_argument, NULL, OPT_CHANNEL},
                                            {"timeout", required_argument, NULL, OPT_TIMEOUT},
                                            {"grace", required_argument, NULL, OPT_GRACE},
+                                           {"api", required_argument, NULL, OPT_API},
                                            {"help", no_argument, NULL, 'h'},
                                            {NULL, 0, NULL, 0}};
   int tensors = 8, consumers = 1;
-  const char *device = "auto", *producer_cmd = NULL, *consumer_cmd = NULL;
+  const char *device = "auto", *api = "auto", *producer_cmd = NULL, *consumer_cmd = NULL;
   launch_plan plan = {.consumers = 1, .channel = TSHARE_CHANNEL_SOCKET, .timeout_s = 0, .grace_s = 3.0};
   int opt;
   opterr = 0;
@@ -142,6 +165,9 @@ int main(int argc, char **argv) {
       break;
     case OPT_DEVICE:
       device = optarg;
+      break;
+    case OPT_API:
+      api = optarg;
       break;
     case OPT_PRODUCER:
       producer_cmd = optarg;
@@ -192,19 +218,40 @@ int main(int argc, char **argv) {
       }
       if (strcmp(device, "auto") == 0) device_note = cuda ? " (auto: a CUDA device is usable)" : " (auto: no CUDA device)";
     }
+    if (strcmp(api, "c") != 0 && strcmp(api, "torch") != 0 && strcmp(api, "auto") != 0)
+      return usage_error("--api '%s': use c, torch or auto", api);
     if (plan.channel == TSHARE_CHANNEL_PIPES && !cuda)
       return usage_error("%s", "the cpu demo shares host memory, which travels as fds: use --channel socket");
-    printf("tshare-launch demo: %d tensors, %d consumer%s, device %s%s\n", tensors, consumers,
-           consumers == 1 ? "" : "s", cuda ? "cuda" : "cpu", device_note);
-    fflush(stdout);
-    snprintf(tensors_text, sizeof tensors_text, "%d", tensors);
-    static char self[PATH_MAX];
+    static char self[PATH_MAX], server[PATH_MAX], worker[PATH_MAX];
     ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
     if (n <= 0) {
       perror("tshare-launch: readlink /proc/self/exe");
       return LAUNCH_NOT_STARTED;
     }
     self[n] = '\0';
+    bool torch = strcmp(api, "c") != 0 && find_torch_example(self, "weights_server", server, sizeof server) &&
+                 find_torch_example(self, "inference_worker", worker, sizeof worker);
+    if (!torch && strcmp(api, "torch") == 0) {
+      fprintf(stderr, "tshare-launch: --api torch: the LibTorch examples (weights_server, inference_worker) are not "
+                      "built or installed; build tshare with LibTorch (see the README)\n");
+      return LAUNCH_USAGE;
+    }
+    printf("tshare-launch demo: %d %s, %d consumer%s, device %s%s, %s\n", tensors, torch ? "batches" : "tensors",
+           consumers, consumers == 1 ? "" : "s", cuda ? "cuda" : "cpu", device_note,
+           torch ? "LibTorch bridge (examples/torch)" : "C API");
+    fflush(stdout);
+    snprintf(tensors_text, sizeof tensors_text, "%d", tensors);
+    if (torch) {
+      static char *pargv[8], *cargv[2];
+      char *p[] = {server, "--batches", tensors_text, cuda ? "--device" : NULL, "cuda", NULL};
+      memcpy(pargv, p, sizeof p);
+      cargv[0] = worker;
+      plan.producer_argv = pargv;
+      plan.consumer_argv = cargv;
+      plan.expect_shared = tensors;
+      plan.expect_verified = tensors; /* each batch goes to one consumer */
+      return launch_run(&plan);
+    }
     static char *pargv[8], *cargv[8];
     char *p[] = {self, "__role", "producer", "--tensors", tensors_text, cuda ? "--device" : NULL, "cuda", NULL};
     char *c[] = {self, "__role", "consumer", "--tensors", tensors_text, cuda ? "--device" : NULL, "cuda", NULL};

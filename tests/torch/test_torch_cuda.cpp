@@ -1,0 +1,315 @@
+// The LibTorch bridge with CUDA tensors between real processes: every dtype
+// and layout, caching-allocator blocks with live neighbours in one segment,
+// the storage kept until release, ordering on the current streams of both
+// sides, forwarding, and the zeroing guard on the emulated affected driver.
+// The other processes are this binary again (`--role NAME`, posix_spawn: a
+// CUDA process must not fork). Without a GPU every test exits 77.
+#include "torch_test_util.h"
+
+#include <ATen/cuda/Sleep.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+static const int TIMEOUT = 20000;
+
+static void need_gpu() {
+  tshare_error err;
+  if (tshare_cuda_init(&err) != TSHARE_OK) TS_SKIP("%s", err.message);
+  if (c10::cuda::device_count() == 0) TS_SKIP("LibTorch sees no CUDA device");
+}
+
+// `this-binary --role ROLE` with its channel on fd 3 (and env added).
+static tshare_process *spawn_role(const char *role, int channel_fd, char *const *env = nullptr) {
+  char *argv[] = {(char *)"/proc/self/exe", (char *)"--role", (char *)role, nullptr};
+  tshare_fd_map fds[1] = {{3, channel_fd}};
+  tshare_spawn_options so = {};
+  so.file = "/proc/self/exe";
+  so.argv = argv;
+  so.env_set = env;
+  so.fds = fds;
+  so.nfds = 1;
+  tshare_process *p = nullptr;
+  tshare_error err;
+  if (tshare_spawn(&so, &p, &err) != TSHARE_OK) TS_FAIL("spawn %s: %s", role, err.message);
+  close(channel_fd);
+  return p;
+}
+
+// A socketpair: our end comes back, the role gets the other on fd 3.
+static tshare_process *start(const char *role, int *our_fd, char *const *env = nullptr) {
+  int sv[2];
+  tshare_error err;
+  if (tshare_socketpair(sv, &err) != TSHARE_OK) TS_FAIL("%s", err.message);
+  *our_fd = sv[0];
+  return spawn_role(role, sv[1], env);
+}
+
+static void finish(tshare_process *p, const char *what) {
+  tshare_exit_status st;
+  if (tshare_process_wait(p, TIMEOUT, &st) != TSHARE_OK) {
+    tshare_process_terminate(p, 1000, &st);
+    TS_FAIL("%s did not end", what);
+  }
+  tshare_process_destroy(p);
+  char why[64];
+  if (st.kind != TSHARE_EXIT_CODE || st.value != 0) TS_FAIL("%s: %s", what, tshare_exit_describe(st, why, sizeof why));
+}
+
+static const at::TensorOptions on_gpu = at::TensorOptions().device(at::kCUDA, 0);
+
+static at::Tensor cuda_base() { return at::arange(120, on_gpu.dtype(at::kFloat)).view({4, 5, 6}); }
+
+// ---- roles ---------------------------------------------------------------------
+
+// Every dtype, then every layout of cuda_base(); writes -1 through "offset row".
+static int role_check_all(tshare_channel *ch) {
+  for (at::ScalarType t : all_dtypes) {
+    auto r = tt::recv(ch, {TIMEOUT});
+    CHECK(r && r->tag == c10::toString(t));
+    CHECK(r->tensor.is_cuda() && r->tensor.scalar_type() == t);
+    CHECK(at::equal(r->tensor, pattern(t, 100, r->tensor.device())));
+  }
+  at::Tensor mine = cuda_base();
+  for (auto &e : layouts_of(mine)) {
+    auto r = tt::recv(ch, {TIMEOUT});
+    CHECK(r && r->tag == e.first);
+    if (r->tensor.sizes() != e.second.sizes() || r->tensor.strides() != e.second.strides())
+      TS_FAIL("%s: layout differs", e.first.c_str());
+    CHECK(at::equal(r->tensor, e.second));
+    if (e.first == "offset row") r->tensor[1][0].fill_(-1.0f);
+  }
+  CHECK(!tt::recv(ch, {TIMEOUT}));
+  return 0;
+}
+
+// Adds 10 to whatever arrives (on this process's own pool stream).
+static int role_add_ten(tshare_channel *ch) {
+  c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
+  while (auto r = tt::recv(ch, {TIMEOUT})) {
+    CHECK(at::equal(r->tensor, at::full_like(r->tensor, 2)));
+    r->tensor.add_(10);
+  }
+  return 0;
+}
+
+// Reads after the producer says it dropped its tensor and reused the memory.
+static int role_late_reader(tshare_channel *ch) {
+  auto r = tt::recv(ch, {TIMEOUT});
+  CHECK(r);
+  auto go = tt::recv(ch, {TIMEOUT});
+  CHECK(go && go->tag == "dropped and reallocated");
+  CHECK(at::equal(r->tensor, at::arange(1 << 20, on_gpu.dtype(at::kInt))));
+  r.reset();
+  go.reset();
+  CHECK(!tt::recv(ch, {TIMEOUT}));
+  return 0;
+}
+
+// Receives on a pool stream and checks there, with no host sync in between.
+static int role_ordered_reader(tshare_channel *ch) {
+  c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
+  auto r = tt::recv(ch, {TIMEOUT});
+  CHECK(r);
+  int64_t wrong = (r->tensor != 7).sum().item<int64_t>(); // queued after the event wait
+  printf("consumer on its own stream: %lld of %lld elements wrong\n", (long long)wrong,
+         (long long)r->tensor.numel());
+  CHECK_EQ(wrong, 0);
+  r.reset();
+  CHECK(!tt::recv(ch, {TIMEOUT}));
+  return 0;
+}
+
+static int role_third(tshare_channel *ch) {
+  auto r = tt::recv(ch, {TIMEOUT});
+  CHECK(r && r->tag == "column 3");
+  CHECK(at::equal(r->tensor, at::arange(64, on_gpu.dtype(at::kDouble)).view({8, 8}).select(1, 3)));
+  r->tensor.fill_(-7);
+  r.reset();
+  CHECK(!tt::recv(ch, {TIMEOUT}));
+  return 0;
+}
+
+static int role_forwarder(tshare_channel *up) {
+  int down_fd;
+  tshare_process *third = start("third", &down_fd);
+  tshare_channel *down = open_channel(down_fd, "forwarder down");
+  {
+    auto r = tt::recv(up, {TIMEOUT});
+    CHECK(r);
+    tt::send(down, r->tensor.select(1, 3), {"column 3"});
+  }
+  CHECK_RC(tshare_channel_send_bye(down, 0, TIMEOUT), TSHARE_OK, "");
+  CHECK_RC(tshare_channel_wait_released(down, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(down));
+  finish(third, "third");
+  tshare_channel_close(down);
+  CHECK(!tt::recv(up, {TIMEOUT}));
+  return 0;
+}
+
+// Three neighbours in one caching-allocator segment; the middle one is sent.
+static int neighbours_producer(tshare_channel *ch, bool expect_guard) {
+  // Decide the guard first: in auto mode its probe makes one export of its own.
+  const char *why = "";
+  int guard = tshare_cuda_export_guard_active(&why);
+  printf("guard: %s\n", why);
+  CHECK_EQ(guard, expect_guard ? 1 : 0);
+  tshare_cuda_export_stats before;
+  tshare_cuda_stats(&before);
+  at::Tensor a = at::full({1000}, 1, on_gpu.dtype(at::kFloat));
+  at::Tensor b = at::full({1000}, 2, on_gpu.dtype(at::kFloat));
+  at::Tensor c = at::full({1000}, 3, on_gpu.dtype(at::kFloat));
+  // A strided view with a storage offset: every other element of b[100:300].
+  at::Tensor part = b.narrow(0, 100, 200).view({100, 2}).select(1, 0);
+  tt::send(ch, part);
+  tt::send(ch, b.narrow(0, 900, 10));
+  CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, "");
+  CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK(at::equal(a, at::full_like(a, 1)));
+  CHECK(at::equal(c, at::full_like(c, 3)));
+  at::Tensor want = at::full_like(b, 2);
+  want.narrow(0, 100, 200).view({100, 2}).select(1, 0).add_(10);
+  want.narrow(0, 900, 10).add_(10);
+  CHECK(at::equal(b, want));
+  tshare_cuda_export_stats st;
+  tshare_cuda_stats(&st);
+  unsigned long long exports = st.exports - before.exports, hits = st.cache_hits - before.cache_hits,
+                     guarded = st.guarded - before.guarded, restored = st.restored - before.restored;
+  printf("neighbours intact; exports %llu, handle cache hits %llu, guarded %llu, restored %llu\n", exports, hits,
+         guarded, restored);
+  CHECK_EQ(exports, 1); // one segment, exported once: base + offset
+  CHECK_EQ(hits, 1);
+  if (expect_guard) CHECK(guarded == 1 && restored == 1);
+  return 0;
+}
+
+static int role_neighbours_producer(tshare_channel *ch) { return neighbours_producer(ch, true); }
+
+static int role_main(int argc, char **argv) {
+  if (argc < 3) return 2;
+  tshare_channel *ch = open_channel(3, argv[2]);
+  std::string role = argv[2];
+  int rc = role == "check_all"            ? role_check_all(ch)
+           : role == "add_ten"            ? role_add_ten(ch)
+           : role == "late_reader"        ? role_late_reader(ch)
+           : role == "ordered_reader"     ? role_ordered_reader(ch)
+           : role == "third"              ? role_third(ch)
+           : role == "forwarder"          ? role_forwarder(ch)
+           : role == "neighbours_producer" ? role_neighbours_producer(ch)
+                                          : 2;
+  tshare_channel_close(ch);
+  fflush(stdout);
+  return rc;
+}
+__attribute__((constructor)) static void set_role() { ts_role_main = role_main; }
+
+// ---- tests ---------------------------------------------------------------------
+
+TS_TEST(cuda_every_dtype_and_layout) {
+  need_gpu();
+  int fd;
+  tshare_process *p = start("check_all", &fd);
+  tshare_channel *ch = open_channel(fd, "producer");
+  for (at::ScalarType t : all_dtypes) tt::send(ch, pattern(t, 100, at::Device(at::kCUDA, 0)), {c10::toString(t)});
+  at::Tensor base = cuda_base();
+  for (auto &e : layouts_of(base)) tt::send(ch, e.second, {e.first});
+  CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, "");
+  CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(base[2][1][0].item<float>(), -1);
+  CHECK_EQ(base[2][1][1].item<float>(), 67);
+  finish(p, "consumer");
+  tshare_cuda_export_stats st;
+  tshare_cuda_stats(&st);
+  printf("shares %zu, exports %llu, handle cache hits %llu, host syncs %llu\n", all_dtypes.size() + 8,
+         (unsigned long long)st.exports, (unsigned long long)st.cache_hits, (unsigned long long)st.host_syncs);
+  CHECK_EQ(st.host_syncs, 0);
+  tshare_channel_close(ch);
+}
+
+TS_TEST(cuda_neighbours_in_one_segment) {
+  need_gpu();
+  int fd;
+  tshare_process *p = start("add_ten", &fd);
+  tshare_channel *ch = open_channel(fd, "producer");
+  neighbours_producer(ch, false);
+  finish(p, "consumer");
+  tshare_channel_close(ch);
+}
+
+TS_TEST(cuda_storage_kept_until_released) {
+  need_gpu();
+  int fd;
+  tshare_process *p = start("late_reader", &fd);
+  tshare_channel *ch = open_channel(fd, "producer");
+  {
+    at::Tensor x = at::arange(1 << 20, on_gpu.dtype(at::kInt));
+    tt::send(ch, x);
+  }
+  // Our tensor is gone and the cache emptied: were the block free, this
+  // allocation would take it and overwrite it.
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  at::Tensor y = at::full({1 << 20}, -1, on_gpu.dtype(at::kInt));
+  c10::cuda::device_synchronize();
+  tt::send(ch, at::zeros({1}), {"dropped and reallocated"});
+  CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, "");
+  CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  finish(p, "consumer");
+  tshare_channel_close(ch);
+}
+
+TS_TEST(cuda_ordering_on_current_streams) {
+  need_gpu();
+  int fd;
+  tshare_process *p = start("ordered_reader", &fd);
+  tshare_channel *ch = open_channel(fd, "producer");
+  {
+    c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
+    at::Tensor x = at::zeros({1 << 22}, on_gpu.dtype(at::kInt));
+    at::cuda::sleep(int64_t(1) << 30); // about half a second of GPU time on this stream
+    x.fill_(7);
+    tt::send(ch, x); // no host sync: the consumer waits on our event
+  }
+  tshare_cuda_export_stats st;
+  tshare_cuda_stats(&st);
+  CHECK_EQ(st.host_syncs, 0);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, "");
+  CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  finish(p, "consumer");
+  tshare_channel_close(ch);
+}
+
+TS_TEST(cuda_received_tensor_sent_on_to_a_third_process) {
+  need_gpu();
+  int fd;
+  tshare_process *p = start("forwarder", &fd);
+  tshare_channel *ch = open_channel(fd, "owner");
+  at::Tensor m = at::arange(64, on_gpu.dtype(at::kDouble)).view({8, 8});
+  tt::send(ch, m);
+  CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK(at::equal(m.select(1, 3), at::full({8}, -7.0, on_gpu.dtype(at::kDouble))));
+  CHECK_EQ(m[0][2].item<double>(), 2);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, "");
+  finish(p, "forwarder");
+  tshare_channel_close(ch);
+}
+
+// The emulated affected driver zeroes the whole allocation at every export.
+// Through the bridge the tensor and its neighbours in the segment survive.
+TS_TEST(cuda_zeroing_guard_through_the_bridge) {
+  const char *emulator = getenv("TSHARE_ZEROING_EMULATOR");
+  if (getenv("TSHARE_SANITIZED")) TS_SKIP("the emulator is preloaded, which a sanitizer runtime refuses");
+  if (!emulator) TS_SKIP("TSHARE_ZEROING_EMULATOR is not set (run through ctest)");
+  need_gpu();
+  int sv[2];
+  tshare_error err;
+  CHECK_RC(tshare_socketpair(sv, &err), TSHARE_OK, err.message);
+  std::string preload = std::string("LD_PRELOAD=") + emulator;
+  char *env[] = {(char *)preload.c_str(), (char *)"TSHARE_EXPORT_GUARD=auto", nullptr};
+  tshare_process *producer = spawn_role("neighbours_producer", sv[0], env);
+  tshare_process *consumer = spawn_role("add_ten", sv[1]);
+  finish(producer, "producer under the emulated driver");
+  finish(consumer, "consumer");
+}
+
+TS_TEST_MAIN
