@@ -176,8 +176,9 @@ static char *role_cmd(const char *name) {
 
 /* ---- the tests ---------------------------------------------------------------- */
 
+/* The C API's demo roles (--api c: where the bridge is built, auto picks it). */
 TS_TEST(demo_default) {
-  char *args[] = {"demo", NULL};
+  char *args[] = {"demo", "--api", "c", NULL};
   run_launcher(args);
   expect_exit(0);
   expect_output("tshare-launch: OK: 8 tensors shared with 1 consumer, 8 of 8 verified intact");
@@ -186,7 +187,7 @@ TS_TEST(demo_default) {
 }
 
 TS_TEST(demo_many_tensors_four_consumers) {
-  char *args[] = {"--consumers", "4", "demo", "--tensors", "60", NULL};
+  char *args[] = {"--consumers", "4", "demo", "--tensors", "60", "--api", "c", NULL};
   run_launcher(args);
   expect_exit(0);
   expect_output("tshare-launch: OK: 60 tensors shared with 4 consumers, 240 of 240 verified intact");
@@ -203,6 +204,10 @@ TS_TEST(demo_refuses_what_it_cannot_do) {
   run_launcher(bad_device);
   expect_exit(2);
   expect_output("use cpu, cuda or auto");
+  char *bad_api[] = {"demo", "--api", "python", NULL};
+  run_launcher(bad_api);
+  expect_exit(2);
+  expect_output("use c, torch or auto");
 }
 
 /* Without a usable GPU, --device cuda says why and fails; auto falls back. */
