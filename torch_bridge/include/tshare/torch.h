@@ -90,7 +90,8 @@ at::Tensor tensor_from_view(tshare_view *view);
 at::Tensor empty_shared(at::IntArrayRef sizes, const at::TensorOptions &options = {});
 
 // Move t's storage into shared memory in place (a no-op when it is there
-// already) and return t. Other tensors on the same storage move with it.
+// already) and return t. Other tensors on the same storage move with it. Not
+// while another thread uses the storage: its data pointer changes.
 const at::Tensor &share_memory_(const at::Tensor &t);
 
 // True when t can be sent without a copy: CUDA memory, a received tensor, or
