@@ -3,6 +3,7 @@
 #define TSHARE_TEST_PROC_UTIL_H
 
 #include "harness.h"
+#include "tshare/channel.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -11,6 +12,20 @@
 #include <errno.h>
 #include <signal.h>
 #include <sys/wait.h>
+
+/* A channel on one end of a connected socket, named name; cb (optional) gets
+ * the releases of what this end shares. */
+static inline tshare_channel *open_socket_channel(int fd, const char *name, tshare_release_cb cb, void *cb_user) {
+  tshare_channel_options o;
+  tshare_channel_options_init(&o);
+  o.name = name;
+  o.on_release = cb;
+  o.cb_user = cb_user;
+  tshare_channel *ch = NULL;
+  tshare_error err;
+  CHECK_RC(tshare_channel_open_socket(fd, &o, &ch, &err), TSHARE_OK, err.message);
+  return ch;
+}
 
 /* Fork; the child runs fn(arg) and exits 0 (a failed CHECK exits 1). */
 static inline pid_t fork_child(void (*fn)(int), int arg) {

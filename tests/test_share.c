@@ -11,18 +11,6 @@
 #include <sys/mman.h>
 #include <time.h>
 
-static tshare_channel *open_sock(int fd, const char *name, tshare_release_cb cb, void *cb_user) {
-  tshare_channel_options o;
-  tshare_channel_options_init(&o);
-  o.name = name;
-  o.on_release = cb;
-  o.cb_user = cb_user;
-  tshare_channel *ch = NULL;
-  tshare_error err;
-  CHECK_RC(tshare_channel_open_socket(fd, &o, &ch, &err), TSHARE_OK, err.message);
-  return ch;
-}
-
 static tshare_tensor_desc desc_1d(tshare_dtype dt, int64_t n, uint64_t offset) {
   return tshare_tensor_contiguous(dt, 1, &n, offset);
 }
@@ -33,7 +21,7 @@ static const tshare_dtype I64 = {TSHARE_DTYPE_INT, 64, 1};
 /* ---- contents, layouts and writes back ----------------------------------- */
 
 static void consumer_checks_contents(int fd) {
-  tshare_channel *ch = open_sock(fd, "consumer", NULL, NULL);
+  tshare_channel *ch = open_socket_channel(fd, "consumer", NULL, NULL);
   tshare_view *v[3];
   for (int i = 0; i < 3; i++) CHECK_RC(tshare_view_recv(ch, 5000, &v[i]), TSHARE_OK, tshare_channel_last_error(ch));
   /* 0: 1000 floats, value 0.5*i */
@@ -68,7 +56,7 @@ static void consumer_checks_contents(int fd) {
 TS_TEST(host_share_contents_layouts_and_writes) {
   int sock;
   pid_t pid = fork_with_socket(consumer_checks_contents, &sock);
-  tshare_channel *ch = open_sock(sock, "producer", NULL, NULL);
+  tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
   tshare_host_buffer *a, *b;
   tshare_error err;
   CHECK_RC(tshare_host_buffer_create(64 * 1024, "tshare-test-a", &a, &err), TSHARE_OK, err.message);
@@ -109,7 +97,7 @@ TS_TEST(host_share_contents_layouts_and_writes) {
 /* ---- argument checks that need no second process -------------------------- */
 
 static void handshake_then_wait_bye(int fd) {
-  tshare_channel *ch = open_sock(fd, "idle consumer", NULL, NULL);
+  tshare_channel *ch = open_socket_channel(fd, "idle consumer", NULL, NULL);
   tshare_view *v;
   CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_END, tshare_channel_last_error(ch));
   tshare_channel_close(ch);
@@ -118,7 +106,7 @@ static void handshake_then_wait_bye(int fd) {
 TS_TEST(share_refuses_bad_views_and_tags) {
   int sock;
   pid_t pid = fork_with_socket(handshake_then_wait_bye, &sock);
-  tshare_channel *ch = open_sock(sock, "producer", NULL, NULL);
+  tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
   tshare_host_buffer *a;
   CHECK_RC(tshare_host_buffer_create(4096, "tshare-test-a", &a, NULL), TSHARE_OK, "");
   tshare_tensor_desc t = desc_1d(F32, 1025, 0); /* one float too many */
@@ -150,7 +138,7 @@ static void count_releases(void *user, uint64_t id, void *user_data, int status)
 }
 
 static void consumer_holds_then_releases(int fd) {
-  tshare_channel *ch = open_sock(fd, "consumer", NULL, NULL);
+  tshare_channel *ch = open_socket_channel(fd, "consumer", NULL, NULL);
   tshare_view *v;
   CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_OK, tshare_channel_last_error(ch));
   /* Wait until the producer says it has dropped its own handle. */
@@ -166,7 +154,7 @@ static void consumer_holds_then_releases(int fd) {
 TS_TEST(release_frees_the_memory) {
   int sock;
   pid_t pid = fork_with_socket(consumer_holds_then_releases, &sock);
-  tshare_channel *ch = open_sock(sock, "producer", count_releases, NULL);
+  tshare_channel *ch = open_socket_channel(sock, "producer", count_releases, NULL);
   int fds_before = count_open_fds();
   tshare_host_buffer *a;
   CHECK_RC(tshare_host_buffer_create(1 << 20, "tshare-test-free", &a, NULL), TSHARE_OK, "");
@@ -192,7 +180,7 @@ TS_TEST(release_frees_the_memory) {
 enum { STREAM = 200, HOLD = 37 };
 
 static void consumer_dies_holding(int fd) {
-  tshare_channel *ch = open_sock(fd, "doomed consumer", NULL, NULL);
+  tshare_channel *ch = open_socket_channel(fd, "doomed consumer", NULL, NULL);
   for (int i = 0; i < HOLD; i++) {
     tshare_view *v;
     CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_OK, tshare_channel_last_error(ch));
@@ -204,7 +192,7 @@ static void consumer_dies_holding(int fd) {
 TS_TEST(consumer_killed_mid_stream_frees_everything) {
   int sock;
   pid_t pid = fork_with_socket(consumer_dies_holding, &sock);
-  tshare_channel *ch = open_sock(sock, "producer", count_releases, NULL);
+  tshare_channel *ch = open_socket_channel(sock, "producer", count_releases, NULL);
   int fds_before = count_open_fds();
   tshare_host_buffer *bufs[4];
   for (int b = 0; b < 4; b++)
@@ -233,7 +221,7 @@ TS_TEST(consumer_killed_mid_stream_frees_everything) {
 TS_TEST(producer_close_drops_unreleased_shares) {
   int sock;
   pid_t pid = fork_with_socket(handshake_then_wait_bye, &sock);
-  tshare_channel *ch = open_sock(sock, "producer", count_releases, NULL);
+  tshare_channel *ch = open_socket_channel(sock, "producer", count_releases, NULL);
   tshare_host_buffer *a;
   CHECK_RC(tshare_host_buffer_create(4096, "tshare-test-close", &a, NULL), TSHARE_OK, "");
   tshare_tensor_desc t = desc_1d(F32, 4, 0);
@@ -259,7 +247,7 @@ static void *release_later(void *arg) {
 }
 
 static void consumer_releases_on_a_thread(int fd) {
-  tshare_channel *ch = open_sock(fd, "threaded consumer", NULL, NULL);
+  tshare_channel *ch = open_socket_channel(fd, "threaded consumer", NULL, NULL);
   for (int round = 0; round < 3; round++) {
     tshare_view *v;
     CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_OK, tshare_channel_last_error(ch));
@@ -278,7 +266,7 @@ static void consumer_releases_on_a_thread(int fd) {
 TS_TEST(release_from_another_thread_wakes_a_blocked_receiver) {
   int sock;
   pid_t pid = fork_with_socket(consumer_releases_on_a_thread, &sock);
-  tshare_channel *ch = open_sock(sock, "producer", NULL, NULL);
+  tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
   tshare_host_buffer *a;
   CHECK_RC(tshare_host_buffer_create(4096, "tshare-test-thread", &a, NULL), TSHARE_OK, "");
   tshare_tensor_desc t = desc_1d((tshare_dtype){TSHARE_DTYPE_INT, 32, 1}, 1, 0);
@@ -299,7 +287,7 @@ TS_TEST(release_from_another_thread_wakes_a_blocked_receiver) {
 static int hostile_case;
 
 static void consumer_refuses(int fd) {
-  tshare_channel *ch = open_sock(fd, "careful consumer", NULL, NULL);
+  tshare_channel *ch = open_socket_channel(fd, "careful consumer", NULL, NULL);
   tshare_view *v = NULL;
   int want = hostile_case == 0 ? TSHARE_E_PROTOCOL : TSHARE_E_OUT_OF_BOUNDS;
   CHECK_RC(tshare_view_recv(ch, 5000, &v), want, tshare_channel_last_error(ch));
@@ -314,7 +302,7 @@ static void send_hostile_share(int kind) {
   hostile_case = kind;
   int sock;
   pid_t pid = fork_with_socket(consumer_refuses, &sock);
-  tshare_channel *ch = open_sock(sock, "hostile producer", NULL, NULL);
+  tshare_channel *ch = open_socket_channel(sock, "hostile producer", NULL, NULL);
   /* Case 0: a memfd without seals (could be truncated under the consumer).
    * Case 1: a sealed memfd smaller than the allocation size claimed. */
   int mfd = memfd_create("hostile", MFD_CLOEXEC | MFD_ALLOW_SEALING);
@@ -373,7 +361,7 @@ static void count_drop(void *keep) {
 }
 
 static void third_writes_through(int fd) {
-  tshare_channel *ch = open_sock(fd, "third", NULL, NULL);
+  tshare_channel *ch = open_socket_channel(fd, "third", NULL, NULL);
   tshare_view *part, *whole;
   CHECK_RC(tshare_view_recv(ch, 5000, &part), TSHARE_OK, tshare_channel_last_error(ch));
   CHECK_RC(tshare_view_recv(ch, 5000, &whole), TSHARE_OK, tshare_channel_last_error(ch));
@@ -394,10 +382,10 @@ static void third_writes_through(int fd) {
 }
 
 static void forwarder(int fd) {
-  tshare_channel *up = open_sock(fd, "forwarder", NULL, NULL);
+  tshare_channel *up = open_socket_channel(fd, "forwarder", NULL, NULL);
   int down_fd;
   pid_t third = fork_with_socket(third_writes_through, &down_fd);
-  tshare_channel *down = open_sock(down_fd, "forwarder down", NULL, NULL);
+  tshare_channel *down = open_socket_channel(down_fd, "forwarder down", NULL, NULL);
   tshare_share_info info;
   CHECK_RC(tshare_channel_peek_share(up, 5000, &info), TSHARE_OK, tshare_channel_last_error(up));
   CHECK_EQ(info.device_type, TSHARE_DEVICE_CPU);
@@ -431,7 +419,7 @@ static void forwarder(int fd) {
 TS_TEST(forwarded_views_reach_a_third_process) {
   int sock;
   pid_t pid = fork_with_socket(forwarder, &sock);
-  tshare_channel *ch = open_sock(sock, "owner", count_releases, NULL);
+  tshare_channel *ch = open_socket_channel(sock, "owner", count_releases, NULL);
   tshare_host_buffer *a;
   CHECK_RC(tshare_host_buffer_create(1000 * sizeof(int32_t), "tshare-test-forward", &a, NULL), TSHARE_OK, "");
   int32_t *p = tshare_host_buffer_data(a);

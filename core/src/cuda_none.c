@@ -100,8 +100,7 @@ int tshare_share_cuda_keep(tshare_channel *ch, const void *data, const tshare_te
 int ts_cuda_share_view(tshare_channel *ch, struct tshare_view *v, const tshare_tensor_desc *desc, void *stream,
                        const char *tag, struct ts_export *e, int timeout_ms, uint64_t *share_id) {
   (void)v, (void)desc, (void)stream, (void)tag, (void)timeout_ms; /* no CUDA view can exist here */
-  e->release(e->owner);
-  free(e);
+  ts_export_drop(e);
   return unsupported(ch, share_id);
 }
 

@@ -185,8 +185,7 @@ static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, uint64_t
   }
   if (status != TSHARE_OK) {
     if (e->event_slot >= 0) c->busy[e->event_slot] = false;
-    e->release(e->owner);
-    free(e);
+    ts_export_drop(e);
     return status;
   }
   return ts_share_send_export(ch, &f, -1, e, timeout_ms, share_id);
@@ -277,8 +276,7 @@ int ts_cuda_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_d
                        const char *tag, ts_export *e, int timeout_ms, uint64_t *share_id) {
   int rc = check_can_share(ch, tag);
   if (rc != TSHARE_OK) {
-    e->release(e->owner);
-    free(e);
+    ts_export_drop(e);
     return rc;
   }
   /* The original allocation travels under its owner's identity, so a third

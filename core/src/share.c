@@ -18,32 +18,45 @@
 
 /* ---- producer side ------------------------------------------------------ */
 
-int tshare_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_tensor_desc *desc, const char *tag,
-                      void *user_data, int timeout_ms, uint64_t *share_id) {
-  if (share_id) *share_id = 0;
-  if (!ch || !buf || !desc) return TSHARE_E_INVALID_ARG;
-  if (ch->closed || ch->wfd < 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: channel is closed");
-  if (ch->kind != TSHARE_CHANNEL_SOCKET || !(ch->peer.capabilities & TSHARE_CAP_HOST_MEMFD))
+void ts_export_drop(ts_export *e) {
+  e->release(e->owner);
+  free(e);
+}
+
+/* A memfd share: the one frame both a producer's buffer and a forwarded host
+ * view travel as. tag is checked; e is consumed. */
+static int send_memfd_share(tshare_channel *ch, uint64_t alloc_id, uint64_t alloc_size, int fd,
+                            const tshare_tensor_desc *desc, const char *tag, ts_export *e, int timeout_ms,
+                            uint64_t *share_id) {
+  if (ch->kind != TSHARE_CHANNEL_SOCKET || !(ch->peer.capabilities & TSHARE_CAP_HOST_MEMFD)) {
+    ts_export_drop(e);
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
                    "share: host memory travels as an fd and needs a socket channel whose peer imports memfds");
-  size_t tag_len = tag ? strlen(tag) : 0;
-  if (tag_len > TSHARE_TAG_MAX)
-    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TOO_LARGE, "share: tag of %zu bytes over %d", tag_len,
-                   TSHARE_TAG_MAX);
-
+  }
   tshare_frame f;
   memset(&f, 0, sizeof f);
   f.type = TSHARE_FRAME_SHARE;
   f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
   tshare_share_frame *s = &f.u.share;
-  s->share_id = ch->next_share_id;
-  s->alloc_id = tshare_host_buffer_id(buf);
+  s->alloc_id = alloc_id;
   s->mem_kind = TSHARE_MEM_HOST_MEMFD;
   s->device_type = TSHARE_DEVICE_CPU;
-  s->alloc_size = tshare_host_buffer_size(buf);
+  s->alloc_size = alloc_size;
   s->tensor = *desc;
-  s->tag_len = (uint8_t)tag_len;
-  if (tag_len) memcpy(s->tag, tag, tag_len);
+  s->tag_len = (uint8_t)(tag ? strlen(tag) : 0);
+  if (s->tag_len) memcpy(s->tag, tag, s->tag_len);
+  return ts_share_send_export(ch, &f, fd, e, timeout_ms, share_id);
+}
+
+int tshare_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_tensor_desc *desc, const char *tag,
+                      void *user_data, int timeout_ms, uint64_t *share_id) {
+  if (share_id) *share_id = 0;
+  if (!ch || !buf || !desc) return TSHARE_E_INVALID_ARG;
+  if (ch->closed || ch->wfd < 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: channel is closed");
+  size_t tag_len = tag ? strlen(tag) : 0;
+  if (tag_len > TSHARE_TAG_MAX)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TOO_LARGE, "share: tag of %zu bytes over %d", tag_len,
+                   TSHARE_TAG_MAX);
   ts_export *e = malloc(sizeof *e);
   if (!e) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
   e->user_data = user_data;
@@ -51,7 +64,8 @@ int tshare_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_
   e->owner = buf;
   e->event_slot = -1;
   ts_host_buffer_retain(buf);
-  return ts_share_send_export(ch, &f, tshare_host_buffer_fd(buf), e, timeout_ms, share_id);
+  return send_memfd_share(ch, tshare_host_buffer_id(buf), tshare_host_buffer_size(buf), tshare_host_buffer_fd(buf),
+                          desc, tag, e, timeout_ms, share_id);
 }
 
 int ts_share_send_export(tshare_channel *ch, tshare_frame *f, int fd, ts_export *e, int timeout_ms,
@@ -68,8 +82,7 @@ int ts_share_send_export(tshare_channel *ch, tshare_frame *f, int fd, ts_export 
   }
   if (rc != TSHARE_OK) {
     if (e->event_slot >= 0) ts_cuda_slot_free(ch, e->event_slot);
-    e->release(e->owner);
-    free(e);
+    ts_export_drop(e);
     return rc;
   }
   ch->next_share_id++;
@@ -82,30 +95,11 @@ int ts_share_send_export(tshare_channel *ch, tshare_frame *f, int fd, ts_export 
 static int share_host_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_desc *desc, const char *tag,
                            ts_export *e, int timeout_ms, uint64_t *share_id) {
   ts_mapping *m = v->mapping;
-  int rc = TSHARE_OK;
-  if (ch->kind != TSHARE_CHANNEL_SOCKET || !(ch->peer.capabilities & TSHARE_CAP_HOST_MEMFD))
-    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
-                 "share: host memory travels as an fd and needs a socket channel whose peer imports memfds");
-  else if (!m || m->fd < 0)
-    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: the view has no mapped memory to share on");
-  if (rc != TSHARE_OK) {
-    e->release(e->owner);
-    free(e);
-    return rc;
+  if (!m || m->fd < 0) {
+    ts_export_drop(e);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: the view has no mapped memory to share on");
   }
-  tshare_frame f;
-  memset(&f, 0, sizeof f);
-  f.type = TSHARE_FRAME_SHARE;
-  f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
-  tshare_share_frame *s = &f.u.share;
-  s->alloc_id = m->forward_id;
-  s->mem_kind = TSHARE_MEM_HOST_MEMFD;
-  s->device_type = TSHARE_DEVICE_CPU;
-  s->alloc_size = m->size;
-  s->tensor = *desc;
-  s->tag_len = (uint8_t)strlen(tag);
-  memcpy(s->tag, tag, s->tag_len);
-  return ts_share_send_export(ch, &f, m->fd, e, timeout_ms, share_id);
+  return send_memfd_share(ch, m->forward_id, m->size, m->fd, desc, tag, e, timeout_ms, share_id);
 }
 
 /* Both ways of sharing a view on end here; e (release and owner set) is consumed. */
@@ -134,8 +128,7 @@ static int share_view_export(tshare_channel *ch, tshare_view *v, const tshare_te
   e->user_data = user_data;
   e->event_slot = -1;
   if (rc != TSHARE_OK) {
-    e->release(e->owner);
-    free(e);
+    ts_export_drop(e);
     return rc;
   }
   if (v->cuda_import) return ts_cuda_share_view(ch, v, &desc, stream, tag, e, timeout_ms, share_id);

@@ -34,8 +34,7 @@ TS_TEST(every_dtype_round_trips) {
     o.tag = c10::toString(t);
     tt::send(ch, pattern(t, 100), o);
   }
-  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, "");
-  CHECK_RC(tshare_channel_wait_released(ch, 0, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+  bye_and_wait_released(ch, 10000);
   CHECK_CHILD_OK(pid);
   tshare_channel_close(ch);
 }
@@ -78,8 +77,7 @@ TS_TEST(layouts_and_offsets_arrive_as_sent_and_writes_come_back) {
   }
   CHECK(tt::is_shared(base));
   CHECK(base.data_ptr() != before); // moved into a memfd, in place
-  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, "");
-  CHECK_RC(tshare_channel_wait_released(ch, 0, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+  bye_and_wait_released(ch, 10000);
   CHECK_EQ(base[2][1][0].item<float>(), -1);
   CHECK_EQ(base[2][1][1].item<float>(), 2 * 30 + 6 + 1);
   CHECK_CHILD_OK(pid);
@@ -207,8 +205,7 @@ static void forwarder(int fd) {
     CHECK(r);
     tt::send(down, r->tensor.select(1, 3), {"column 3"});
   } // our references are gone; the forward holds the view
-  CHECK_RC(tshare_channel_send_bye(down, 0, 5000), TSHARE_OK, "");
-  CHECK_RC(tshare_channel_wait_released(down, 0, 5000), TSHARE_OK, tshare_channel_last_error(down));
+  bye_and_wait_released(down, 5000);
   CHECK_CHILD_OK(pid);
   tshare_channel_close(down);
   CHECK(!tt::recv(up, {5000}));

@@ -140,8 +140,7 @@ static int role_forwarder(tshare_channel *up) {
     CHECK(r);
     tt::send(down, r->tensor.select(1, 3), {"column 3"});
   }
-  CHECK_RC(tshare_channel_send_bye(down, 0, TIMEOUT), TSHARE_OK, "");
-  CHECK_RC(tshare_channel_wait_released(down, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(down));
+  bye_and_wait_released(down, TIMEOUT);
   finish(third, "third");
   tshare_channel_close(down);
   CHECK(!tt::recv(up, {TIMEOUT}));
@@ -164,8 +163,7 @@ static int neighbours_producer(tshare_channel *ch, bool expect_guard) {
   at::Tensor part = b.narrow(0, 100, 200).view({100, 2}).select(1, 0);
   tt::send(ch, part);
   tt::send(ch, b.narrow(0, 900, 10));
-  CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, "");
-  CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  bye_and_wait_released(ch, TIMEOUT);
   CHECK(at::equal(a, at::full_like(a, 1)));
   CHECK(at::equal(c, at::full_like(c, 3)));
   at::Tensor want = at::full_like(b, 2);
@@ -214,8 +212,7 @@ TS_TEST(cuda_every_dtype_and_layout) {
   for (at::ScalarType t : all_dtypes) tt::send(ch, pattern(t, 100, at::Device(at::kCUDA, 0)), {c10::toString(t)});
   at::Tensor base = cuda_base();
   for (auto &e : layouts_of(base)) tt::send(ch, e.second, {e.first});
-  CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, "");
-  CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  bye_and_wait_released(ch, TIMEOUT);
   CHECK_EQ(base[2][1][0].item<float>(), -1);
   CHECK_EQ(base[2][1][1].item<float>(), 67);
   finish(p, "consumer");
@@ -252,8 +249,7 @@ TS_TEST(cuda_storage_kept_until_released) {
   at::Tensor y = at::full({1 << 20}, -1, on_gpu.dtype(at::kInt));
   c10::cuda::device_synchronize();
   tt::send(ch, at::zeros({1}), {"dropped and reallocated"});
-  CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, "");
-  CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  bye_and_wait_released(ch, TIMEOUT);
   finish(p, "consumer");
   tshare_channel_close(ch);
 }
@@ -273,8 +269,7 @@ TS_TEST(cuda_ordering_on_current_streams) {
   tshare_cuda_export_stats st;
   tshare_cuda_stats(&st);
   CHECK_EQ(st.host_syncs, 0);
-  CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, "");
-  CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  bye_and_wait_released(ch, TIMEOUT);
   finish(p, "consumer");
   tshare_channel_close(ch);
 }

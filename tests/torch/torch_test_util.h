@@ -17,15 +17,13 @@ namespace tt = tshare::torch;
 
 static inline tshare_channel *open_channel(int fd, const char *name, tshare_release_cb cb = nullptr,
                                            void *cb_user = nullptr) {
-  tshare_channel_options o;
-  tshare_channel_options_init(&o);
-  o.name = name;
-  o.on_release = cb;
-  o.cb_user = cb_user;
-  tshare_channel *ch = nullptr;
-  tshare_error err;
-  CHECK_RC(tshare_channel_open_socket(fd, &o, &ch, &err), TSHARE_OK, err.message);
-  return ch;
+  return open_socket_channel(fd, name, cb, cb_user);
+}
+
+// Say bye, then wait until the peer released everything sent on ch.
+static inline void bye_and_wait_released(tshare_channel *ch, int timeout_ms) {
+  CHECK_RC(tshare_channel_send_bye(ch, 0, timeout_ms), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_channel_wait_released(ch, 0, timeout_ms), TSHARE_OK, tshare_channel_last_error(ch));
 }
 
 // Every dtype the bridge carries.
