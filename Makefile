@@ -1,7 +1,8 @@
 # The two commands a new user runs:
 #   make demo   build, then share tensors between a producer and two consumers
 #   make test   build, then run every test (GPU tests skip without a GPU)
-# More: make asan (tests under ASan+UBSan), make fuzz (libFuzzer on the decoder),
+# More: make bench (tshare against the floor and torch.multiprocessing; BENCH_ARGS=--quick),
+# make asan (tests under ASan+UBSan), make fuzz (libFuzzer on the decoder),
 # make install PREFIX=..., make clean.
 
 BUILD_DIR ?= build
@@ -12,7 +13,7 @@ FUZZ_SECONDS ?= 60
 # CI builds with -Werror; the exported flags never carry it.
 CMAKE_FLAGS ?= $(if $(CI),-DTSHARE_WERROR=ON)
 
-.PHONY: all deps build demo test asan fuzz install clean
+.PHONY: all deps build demo test bench asan fuzz install clean
 
 all: build
 
@@ -30,6 +31,9 @@ demo: build
 
 test: build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS)
+
+bench: build
+	$(BUILD_DIR)/bench/tshare-bench --out $(BUILD_DIR)/bench-results $(BENCH_ARGS)
 
 asan: deps
 	cmake -S . -B $(ASAN_BUILD_DIR) -DCMAKE_BUILD_TYPE=Debug -DTSHARE_SANITIZE=address,undefined $(CMAKE_FLAGS)

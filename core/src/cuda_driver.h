@@ -41,6 +41,7 @@
   X(cuMemcpyDtoH, CUresult, (void *, CUdeviceptr, size_t))                                                            \
   X(cuMemcpyHtoDAsync, CUresult, (CUdeviceptr, const void *, size_t, CUstream))                                       \
   X(cuMemcpyDtoHAsync, CUresult, (void *, CUdeviceptr, size_t, CUstream))                                             \
+  X(cuMemcpyDtoDAsync, CUresult, (CUdeviceptr, CUdeviceptr, size_t, CUstream))                                        \
   X(cuMemsetD8, CUresult, (CUdeviceptr, unsigned char, size_t))                                                       \
   X(cuMemsetD32, CUresult, (CUdeviceptr, unsigned int, size_t))                                                       \
   X(cuIpcGetMemHandle, CUresult, (CUipcMemHandle *, CUdeviceptr))                                                     \
@@ -53,6 +54,7 @@
   X(cuEventRecord, CUresult, (CUevent, CUstream))                                                                     \
   X(cuEventQuery, CUresult, (CUevent))                                                                                \
   X(cuEventSynchronize, CUresult, (CUevent))                                                                          \
+  X(cuEventElapsedTime, CUresult, (float *, CUevent, CUevent))                                                        \
   X(cuStreamCreate, CUresult, (CUstream *, unsigned int))                                                             \
   X(cuStreamDestroy, CUresult, (CUstream))                                                                            \
   X(cuStreamGetCtx, CUresult, (CUstream, CUcontext *))                                                                \

@@ -51,6 +51,35 @@ struct ts_cuda_chan {
   size_t nacks, cap_acks;
 };
 
+/* Every event tshare creates, opens or destroys goes through these, so the
+ * statistics show how many it holds (a stream of shares must not grow it). */
+static CUresult event_create(const ts_cuda_api *cu, CUevent *ev, unsigned flags) {
+  CUresult rc = cu->cuEventCreate(ev, flags);
+  if (rc == CUDA_SUCCESS) {
+    pthread_mutex_lock(&ts_cuda_lock);
+    ts_cuda_counters.events++;
+    pthread_mutex_unlock(&ts_cuda_lock);
+  }
+  return rc;
+}
+
+static CUresult event_open(const ts_cuda_api *cu, CUevent *ev, CUipcEventHandle h) {
+  CUresult rc = cu->cuIpcOpenEventHandle(ev, h);
+  if (rc == CUDA_SUCCESS) {
+    pthread_mutex_lock(&ts_cuda_lock);
+    ts_cuda_counters.events++;
+    pthread_mutex_unlock(&ts_cuda_lock);
+  }
+  return rc;
+}
+
+static void event_destroy(const ts_cuda_api *cu, CUevent ev) {
+  cu->cuEventDestroy(ev);
+  pthread_mutex_lock(&ts_cuda_lock);
+  ts_cuda_counters.events--;
+  pthread_mutex_unlock(&ts_cuda_lock);
+}
+
 /* u64map keys must be nonzero; a buffer id of 0 is not ruled out. */
 #define MAPKEY(buffer_id) ((buffer_id) + 1)
 
@@ -92,11 +121,11 @@ static int pool_take(tshare_channel *ch, struct ts_cuda_chan *c, CUcontext ctx, 
   memset(&f, 0, sizeof f);
   f.type = TSHARE_FRAME_EVENT;
   f.u.event.slot = c->nslots;
-  CUresult rc = cu->cuEventCreate(&ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
+  CUresult rc = event_create(cu, &ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
   if (rc == CUDA_SUCCESS) {
     CUipcEventHandle h;
     rc = cu->cuIpcGetEventHandle(&h, ev);
-    if (rc != CUDA_SUCCESS) cu->cuEventDestroy(ev);
+    if (rc != CUDA_SUCCESS) event_destroy(cu, ev);
     memcpy(f.u.event.handle, h.reserved, TSHARE_HANDLE_MAX);
   }
   if (rc != CUDA_SUCCESS) {
@@ -105,7 +134,7 @@ static int pool_take(tshare_channel *ch, struct ts_cuda_chan *c, CUcontext ctx, 
   }
   *status = ts_channel_send(ch, &f, -1, timeout_ms);
   if (*status != TSHARE_OK) {
-    cu->cuEventDestroy(ev);
+    event_destroy(cu, ev);
     return -1;
   }
   c->pool[c->nslots] = ev;
@@ -365,7 +394,7 @@ int ts_cuda_import(tshare_channel *ch, const tshare_frame *f, void *stream, tsha
     if (status == TSHARE_OK && ts_cuda_push(ctx)) {
       rc = CUDA_SUCCESS;
       if (!pe->ev) {
-        rc = cu->cuIpcOpenEventHandle(&pe->ev, pe->handle);
+        rc = event_open(cu, &pe->ev, pe->handle);
         if (rc == CUDA_SUCCESS) pe->ctx = ctx;
       }
       if (rc == CUDA_SUCCESS) rc = cu->cuStreamWaitEvent((CUstream)stream, pe->ev, 0);

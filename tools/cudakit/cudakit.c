@@ -7,10 +7,12 @@
 
 #define MAX_CTX 16
 
-static struct {
+typedef struct kernels {
   CUcontext ctx;
-  CUfunction fill, spin, count;
-} loaded[MAX_CTX];
+  CUfunction fill, spin, count, read_sum;
+} kernels;
+
+static kernels loaded[MAX_CTX];
 
 const ts_cuda_api *ck_init(char *why, size_t cap) {
   int status;
@@ -31,26 +33,25 @@ const ts_cuda_api *ck_init(char *why, size_t cap) {
   return cu;
 }
 
-static int functions(CUfunction *fill, CUfunction *spin, CUfunction *count) {
+/* The kernels of the current context, loaded on first use; NULL on failure. */
+static const kernels *functions(void) {
   const ts_cuda_api *cu = ts_cuda_if_loaded();
   CUcontext ctx;
-  if (!cu || cu->cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx) return -1;
+  if (!cu || cu->cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx) return NULL;
   int i = 0;
   while (i < MAX_CTX && loaded[i].ctx && loaded[i].ctx != ctx) i++;
-  if (i == MAX_CTX) return -1;
+  if (i == MAX_CTX) return NULL;
   if (!loaded[i].ctx) {
     CUmodule m;
     if (cu->cuModuleLoadData(&m, kernels_ptx) != CUDA_SUCCESS ||
         cu->cuModuleGetFunction(&loaded[i].fill, m, "tk_fill_i32") != CUDA_SUCCESS ||
         cu->cuModuleGetFunction(&loaded[i].spin, m, "tk_spin_fill_i32") != CUDA_SUCCESS ||
-        cu->cuModuleGetFunction(&loaded[i].count, m, "tk_count_bad_i32") != CUDA_SUCCESS)
-      return -1;
+        cu->cuModuleGetFunction(&loaded[i].count, m, "tk_count_bad_i32") != CUDA_SUCCESS ||
+        cu->cuModuleGetFunction(&loaded[i].read_sum, m, "tk_read_sum_u32") != CUDA_SUCCESS)
+      return NULL;
     loaded[i].ctx = ctx;
   }
-  *fill = loaded[i].fill;
-  *spin = loaded[i].spin;
-  *count = loaded[i].count;
-  return 0;
+  return &loaded[i];
 }
 
 static unsigned blocks_for(size_t n) {
@@ -59,36 +60,45 @@ static unsigned blocks_for(size_t n) {
 }
 
 CUresult ck_fill(CUdeviceptr p, size_t n, int base, int step, CUstream stream) {
-  CUfunction fill, spin, count;
-  if (functions(&fill, &spin, &count) != 0) return CUDA_ERROR_INVALID_CONTEXT;
+  const kernels *k = functions();
+  if (!k) return CUDA_ERROR_INVALID_CONTEXT;
   unsigned long long nn = n;
   void *args[] = {&p, &nn, &base, &step};
-  return ts_cuda_if_loaded()->cuLaunchKernel(fill, blocks_for(n), 1, 1, 256, 1, 1, 0, stream, args, NULL);
+  return ts_cuda_if_loaded()->cuLaunchKernel(k->fill, blocks_for(n), 1, 1, 256, 1, 1, 0, stream, args, NULL);
 }
 
 CUresult ck_spin_fill(CUdeviceptr p, size_t n, int base, int step, uint64_t spin_ns, CUstream stream) {
-  CUfunction fill, spin, count;
-  if (functions(&fill, &spin, &count) != 0) return CUDA_ERROR_INVALID_CONTEXT;
+  const kernels *k = functions();
+  if (!k) return CUDA_ERROR_INVALID_CONTEXT;
   unsigned long long nn = n, ns = spin_ns;
   void *args[] = {&p, &nn, &base, &step, &ns};
-  return ts_cuda_if_loaded()->cuLaunchKernel(spin, 1, 1, 1, 256, 1, 1, 0, stream, args, NULL);
+  return ts_cuda_if_loaded()->cuLaunchKernel(k->spin, 1, 1, 1, 256, 1, 1, 0, stream, args, NULL);
 }
 
 CUresult ck_count_bad(CUdeviceptr p, size_t n, int base, int step, CUstream stream, unsigned long long *bad) {
   const ts_cuda_api *cu = ts_cuda_if_loaded();
-  CUfunction fill, spin, count;
-  if (!cu || functions(&fill, &spin, &count) != 0) return CUDA_ERROR_INVALID_CONTEXT;
+  const kernels *k = functions();
+  if (!cu || !k) return CUDA_ERROR_INVALID_CONTEXT;
   CUdeviceptr d = 0;
   CUresult rc = cu->cuMemAlloc(&d, sizeof *bad);
   if (rc != CUDA_SUCCESS) return rc;
   unsigned long long nn = n, zero = 0;
   void *args[] = {&p, &nn, &base, &step, &d};
   if ((rc = cu->cuMemcpyHtoDAsync(d, &zero, sizeof zero, stream)) == CUDA_SUCCESS &&
-      (rc = cu->cuLaunchKernel(count, blocks_for(n), 1, 1, 256, 1, 1, 0, stream, args, NULL)) == CUDA_SUCCESS &&
+      (rc = cu->cuLaunchKernel(k->count, blocks_for(n), 1, 1, 256, 1, 1, 0, stream, args, NULL)) == CUDA_SUCCESS &&
       (rc = cu->cuMemcpyDtoHAsync(bad, d, sizeof *bad, stream)) == CUDA_SUCCESS)
     rc = cu->cuStreamSynchronize(stream);
   cu->cuMemFree(d);
   return rc;
+}
+
+CUresult ck_read_sum(CUdeviceptr p, size_t bytes, CUdeviceptr out, CUstream stream) {
+  const kernels *k = functions();
+  if (!k) return CUDA_ERROR_INVALID_CONTEXT;
+  unsigned long long n = bytes / 16;
+  void *args[] = {&p, &n, &out};
+  return ts_cuda_if_loaded()->cuLaunchKernel(k->read_sum, blocks_for(n), 1, 1, 256, 1, 1, 0, stream, args,
+                                             NULL);
 }
 
 size_t ck_count_bad_host(const int32_t *v, size_t n, int base, int step) {

@@ -23,6 +23,10 @@ CUresult ck_spin_fill(CUdeviceptr p, size_t n, int base, int step, uint64_t spin
  * is ordered by whatever the stream waits on), then sync that stream. */
 CUresult ck_count_bad(CUdeviceptr p, size_t n, int base, int step, CUstream stream, unsigned long long *bad);
 
+/* Add every 32-bit word of [p, p + bytes) into the device word *out, queued
+ * on stream (bytes a multiple of 16): one full-width read of the buffer. */
+CUresult ck_read_sum(CUdeviceptr p, size_t bytes, CUdeviceptr out, CUstream stream);
+
 /* Host-side check of a copy: elements differing from base + i * step. */
 size_t ck_count_bad_host(const int32_t *v, size_t n, int base, int step);
 

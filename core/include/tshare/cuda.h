@@ -93,6 +93,7 @@ typedef struct tshare_cuda_export_stats {
   uint64_t import_hits;  /* received shares served by an open mapping */
   uint64_t import_closes;/* mappings closed */
   uint64_t host_syncs;   /* shares sent without an event (stream synchronised instead) */
+  uint64_t events;       /* CUDA events tshare holds now (pools, opened peer events, release events) */
 } tshare_cuda_export_stats;
 
 void tshare_cuda_stats(tshare_cuda_export_stats *out);

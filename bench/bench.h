@@ -1,0 +1,70 @@
+/* tshare-bench: what one run measures and the pieces that measure it.
+ *
+ * bench_host.c   the floors (bare frames), host-memory hand-offs, the
+ *                pipelined-share pump, host memory over a long stream
+ * bench_cuda.c   CUDA hand-offs (new allocation, reused, slab), raw IPC,
+ *                throughput, bandwidth, GPU memory over a long stream
+ * bench_peer.c   baselines run as other programs (torch.multiprocessing,
+ *                the LibTorch bridge) and read back as result lines
+ * bench_main.c   options, the consumers, targets, output */
+#ifndef TSHARE_BENCH_H
+#define TSHARE_BENCH_H
+
+#include "bench_peers.h"
+#include "bench_report.h"
+#include "bench_stats.h"
+#include "tshare/tshare.h"
+
+#define BENCH_MAX_CONSUMERS 4
+#define BENCH_TIMEOUT_MS 60000
+#define BENCH_SMALL_ELEMS 1024 /* the hand-off tensor: 1024 float32, 4 KiB */
+
+typedef struct bench_opts {
+  long iters;         /* timed hand-offs per latency row */
+  long warmup;        /* untimed hand-offs before them */
+  long pipelined;     /* shares per consumer in a throughput row */
+  long memory_shares; /* shares between the memory snapshots */
+  size_t bw_bytes;    /* the bandwidth tensor */
+  int window;         /* shares in flight per consumer when pipelining */
+  const char *python; /* interpreter for the torch.multiprocessing peer */
+  const char *peer_script;
+  const char *torch_bench; /* the LibTorch bridge's hand-off program, or NULL */
+} bench_opts;
+
+typedef struct bench {
+  bench_opts opt;
+  br_report rep;
+  bp_peer peers[BENCH_MAX_CONSUMERS];
+  int npeers;
+  int have_gpu;
+  char no_gpu_why[200];
+} bench;
+
+/* A share call for the pump: share src on ch once. */
+typedef int (*bench_share_fn)(tshare_channel *ch, void *src, uint64_t *share_id);
+
+/* Share through every one of the first npeers consumers at once (a thread
+ * each, window shares in flight), per_peer shares each, the consumers
+ * receiving and releasing. Shares per second overall, or a negative value
+ * with why filled. */
+double bench_pump(bench *b, int npeers, bench_share_fn share, void *src, long per_peer, char *why, size_t cap);
+
+/* A latency row from samples in nanoseconds. */
+br_row *bench_latency_row(bench *b, const char *key, const char *label, bs_samples *ns, const char *floor_key,
+                          const char *peer_key);
+
+/* One command to consumer 0 and its answer; a failure skips the row key. */
+int bench_ask(bench *b, int peer, char *reply, size_t cap, const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+void bench_host(bench *b);
+void bench_cuda(bench *b);
+void bench_peers_external(bench *b);
+
+/* Consumer side: commands the two halves answer (0 ok, -1 error, 1 not theirs). */
+int bench_host_consumer(tshare_channel *ch, const char *cmd, char *reply, size_t cap);
+int bench_cuda_consumer(tshare_channel *ch, const char *cmd, char *reply, size_t cap);
+void *bench_cuda_consumer_stream(void); /* the consumer's stream, NULL without a GPU */
+int bench_cuda_probe(char *why, size_t cap); /* 1 if a GPU is usable here */
+void bench_cuda_describe(char *out, size_t cap);
+
+#endif

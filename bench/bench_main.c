@@ -1,0 +1,235 @@
+/* tshare-bench: tshare against the floor and against torch.multiprocessing,
+ * in one run on one machine. See bench.h for the parts and README.md
+ * ("Benchmarks") for what each row measures.
+ *
+ *   tshare-bench [--quick] [--out DIR] [--iters N] [--warmup N]
+ *                [--pipelined N] [--memory-shares N] [--bw-mib N]
+ *                [--python PATH] [--no-peers]
+ */
+#include "bench.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifndef TSHARE_BENCH_VERSION
+#define TSHARE_BENCH_VERSION "?"
+#endif
+#ifndef TSHARE_BENCH_PEER_SCRIPT
+#define TSHARE_BENCH_PEER_SCRIPT "torch_mp_peer.py"
+#endif
+
+static int consumer_command(tshare_channel *ch, const char *cmd, char *reply, size_t cap) {
+  int rc = bench_host_consumer(ch, cmd, reply, cap);
+  if (rc == 1) rc = bench_cuda_consumer(ch, cmd, reply, cap);
+  if (rc == 1) {
+    snprintf(reply, cap, "unknown command '%s'", cmd);
+    rc = -1;
+  }
+  return rc;
+}
+
+static int consumer_main(int rank) {
+  char why[256], name[48];
+  (void)bench_cuda_probe(why, sizeof why); /* host rows run without a GPU */
+  snprintf(name, sizeof name, "bench consumer %d", rank);
+  tshare_channel_options o;
+  tshare_channel_options_init(&o);
+  o.name = name;
+  tshare_channel *ch = NULL;
+  tshare_error err;
+  if (tshare_channel_open_socket(BP_DATA_FD, &o, &ch, &err) != TSHARE_OK) {
+    fprintf(stderr, "tshare-bench consumer %d: %s\n", rank, err.message);
+    return 1;
+  }
+  int rc = bp_consumer_loop(ch, consumer_command);
+  tshare_channel_close(ch);
+  return rc;
+}
+
+static void usage(FILE *out) {
+  fprintf(out, "usage: tshare-bench [--quick] [--out DIR] [--iters N] [--warmup N] [--pipelined N]\n"
+               "                    [--memory-shares N] [--bw-mib N] [--python PATH] [--no-peers]\n"
+               "  --quick           few iterations: checks that every row runs, numbers are rough\n"
+               "  --out DIR         write bench.json and bench.csv there (default: bench-results)\n"
+               "  --iters N         timed hand-offs per latency row (default 20000)\n"
+               "  --warmup N        untimed hand-offs before them (default 2000)\n"
+               "  --pipelined N     shares per consumer in a throughput row (default 200000)\n"
+               "  --memory-shares N shares between the memory snapshots (default 1000000)\n"
+               "  --bw-mib N        size of the bandwidth tensor (default 1024)\n"
+               "  --python PATH     interpreter for the torch.multiprocessing peer (default python3)\n"
+               "  --no-peers        skip the rows run by other programs\n");
+}
+
+static int parse_long(const char *s, long *out) {
+  char *end;
+  errno = 0;
+  long v = strtol(s, &end, 10);
+  if (errno || *end || v <= 0) return -1;
+  *out = v;
+  return 0;
+}
+
+static double value_of(bench *b, const char *key) {
+  br_row *row = br_find(&b->rep, key);
+  return row ? row->value : NAN;
+}
+
+static void targets(bench *b) {
+  br_report *r = &b->rep;
+  double fl = value_of(b, "floor"), rb = value_of(b, "cuda_reused"), rc = value_of(b, "cuda_slab");
+  double ra = value_of(b, "cuda_new_alloc"), open = value_of(b, "open_cost"), mp = value_of(b, "torch_mp_cuda");
+  double t1 = value_of(b, "cuda_pipelined_1"), t4 = value_of(b, "cuda_pipelined_4");
+  double bws = value_of(b, "bw_shared"), bwl = value_of(b, "bw_local");
+  if (isnan(fl) || isnan(rb) || isnan(rc))
+    br_target_add(r, "(b) and (c) p50 within 1.3x of the floor", -1, "not measured");
+  else
+    br_target_add(r, "(b) and (c) p50 within 1.3x of the floor", rb <= 1.3 * fl && rc <= 1.3 * fl,
+                  "(b) %.2fx, (c) %.2fx of %.2f us", rb / fl, rc / fl, fl);
+  if (isnan(mp) || isnan(rb))
+    br_target_add(r, "at least 40x faster than torch.multiprocessing at p50", -1, "not measured");
+  else
+    br_target_add(r, "at least 40x faster than torch.multiprocessing at p50", mp / rb >= 40 && mp / rc >= 40,
+                  "(b) %.1fx, (c) %.1fx (%.1f us vs %.1f / %.1f us)", mp / rb, mp / rc, mp, rb, rc);
+  if (isnan(ra) || isnan(open) || isnan(fl))
+    br_target_add(r, "(a) no more than the open cost + the floor + 10 us", -1, "not measured");
+  else
+    br_target_add(r, "(a) no more than the open cost + the floor + 10 us", ra <= open + fl + 10,
+                  "%.1f us vs %.1f + %.1f + 10 = %.1f us", ra, open, fl, open + fl + 10);
+  if (isnan(t1) || isnan(t4))
+    br_target_add(r, "at least 200k shares/s to one consumer, scaling to 4", -1, "not measured");
+  else
+    br_target_add(r, "at least 200k shares/s to one consumer, scaling to 4", t1 >= 200000 && t4 >= 2 * t1,
+                  "%.0f/s to 1, %.0f/s to 4 (%.2fx; scaling asks >= 2x)", t1, t4, t4 / t1);
+  if (isnan(bws) || isnan(bwl))
+    br_target_add(r, "zero-copy read at least 0.97x local", -1, "not measured");
+  else
+    br_target_add(r, "zero-copy read at least 0.97x local", bws >= 0.97 * bwl, "%.3fx (%.0f vs %.0f GB/s)",
+                  bws / bwl, bws, bwl);
+  /* No growth: counts not higher, GPU memory not lower by more than half a
+   * MiB, RSS within 1% + 1 MiB (the allocator's own slack). */
+  int measured = 0, grew = 0;
+  char worst[160] = "none";
+  for (int i = 0; i < r->nrows; i++) {
+    br_row *row = &r->rows[i];
+    if (row->kind != BR_MEMORY || row->skipped[0] || isnan(row->value) || isnan(row->before)) continue;
+    measured++;
+    double d = row->value - row->before;
+    int bad = strcmp(row->unit, "KiB") == 0 ? d > 1024 + row->before / 100
+              : strcmp(row->unit, "MiB") == 0 ? d < -0.5
+                                              : d > 0;
+    if (bad && !grew++) snprintf(worst, sizeof worst, "%s %+.0f %s", row->label, d, row->unit);
+  }
+  if (!measured)
+    br_target_add(r, "no growth over the long stream", -1, "not measured");
+  else
+    br_target_add(r, "no growth over the long stream", !grew, "%d figures, %d grew; first: %s", measured, grew, worst);
+}
+
+int main(int argc, char **argv) {
+  if (argc == 3 && strcmp(argv[1], "--consumer") == 0) return consumer_main(atoi(argv[2]));
+  static bench b;
+  b.opt = (bench_opts){.iters = 20000, .warmup = 2000, .pipelined = 200000, .memory_shares = 1000000,
+                       .bw_bytes = (size_t)1 << 30, .window = 64, .python = "python3",
+                       .peer_script = TSHARE_BENCH_PEER_SCRIPT};
+#ifdef TSHARE_BENCH_TORCH
+  b.opt.torch_bench = TSHARE_BENCH_TORCH;
+#endif
+  const char *out_dir = "bench-results";
+  int peers = 1;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+    long n = 0;
+    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+      usage(stdout);
+      return 0;
+    } else if (strcmp(a, "--quick") == 0) {
+      b.opt.iters = 500;
+      b.opt.warmup = 50;
+      b.opt.pipelined = 2000;
+      b.opt.memory_shares = 5000;
+      b.opt.bw_bytes = 64u << 20;
+    } else if (strcmp(a, "--no-peers") == 0) {
+      peers = 0;
+    } else if (v && strcmp(a, "--out") == 0) {
+      out_dir = v, i++;
+    } else if (v && strcmp(a, "--python") == 0) {
+      b.opt.python = v, i++;
+    } else if (v && parse_long(v, &n) == 0 && strcmp(a, "--iters") == 0) {
+      b.opt.iters = n, i++;
+    } else if (v && parse_long(v, &n) == 0 && strcmp(a, "--warmup") == 0) {
+      b.opt.warmup = n, i++;
+    } else if (v && parse_long(v, &n) == 0 && strcmp(a, "--pipelined") == 0) {
+      b.opt.pipelined = n, i++;
+    } else if (v && parse_long(v, &n) == 0 && strcmp(a, "--memory-shares") == 0) {
+      b.opt.memory_shares = n, i++;
+    } else if (v && parse_long(v, &n) == 0 && n <= 65536 && strcmp(a, "--bw-mib") == 0) {
+      b.opt.bw_bytes = (size_t)n << 20, i++;
+    } else {
+      fprintf(stderr, "tshare-bench: bad argument '%s'%s\n", a, v ? " (or its value)" : "");
+      usage(stderr);
+      return 2;
+    }
+  }
+
+  b.have_gpu = bench_cuda_probe(b.no_gpu_why, sizeof b.no_gpu_why);
+  if (b.have_gpu) bench_cuda_describe(b.rep.device, sizeof b.rep.device);
+  else snprintf(b.rep.device, sizeof b.rep.device, "no GPU: %s", b.no_gpu_why);
+  char host[64] = "?", date[32] = "?";
+  gethostname(host, sizeof host);
+  time_t now = time(NULL);
+  strftime(date, sizeof date, "%Y-%m-%d %H:%M", localtime(&now));
+  snprintf(b.rep.title, sizeof b.rep.title,
+           "tshare-bench %s on %s, %s: %ld timed hand-offs per latency row, %ld shares per pipelined consumer, %ld "
+           "between memory snapshots",
+           TSHARE_BENCH_VERSION, host, date, b.opt.iters, b.opt.pipelined, b.opt.memory_shares);
+
+  for (int i = 0; i < BENCH_MAX_CONSUMERS; i++) {
+    char why[512];
+    if (bp_start(&b.peers[i], "/proc/self/exe", i, why, sizeof why) != 0) {
+      fprintf(stderr, "tshare-bench: starting consumer %d: %s\n", i, why);
+      for (int j = 0; j < b.npeers; j++) bp_stop(&b.peers[j]);
+      return 1;
+    }
+    b.npeers++;
+  }
+  fprintf(stderr, "tshare-bench: %s\n", b.rep.device);
+  bench_host(&b);
+  if (b.have_gpu) {
+    bench_cuda(&b);
+  } else {
+    const char *rows[][3] = {{"latency", "cuda_new_alloc", "cuda (a), (b), (c) hand-offs and raw CUDA IPC"},
+                             {"throughput", "cuda_pipelined_1", "cuda: shares/s to 1 and 4 consumers"},
+                             {"bandwidth", "bw_shared", "consumer kernel on shared vs local memory"},
+                             {"memory", "cuda_memory", "cuda: memory and handles"}};
+    char why[sizeof b.no_gpu_why + 16];
+    snprintf(why, sizeof why, "no GPU (%s)", b.no_gpu_why);
+    for (size_t i = 0; i < sizeof rows / sizeof *rows; i++)
+      br_skip(&b.rep, strcmp(rows[i][0], "memory") == 0 ? BR_MEMORY : BR_VALUE, rows[i][0], rows[i][1], rows[i][2],
+              why);
+  }
+  for (int i = 0; i < b.npeers; i++) bp_stop(&b.peers[i]);
+  if (peers) bench_peers_external(&b);
+  targets(&b);
+
+  br_print(&b.rep, stdout);
+  if (mkdir(out_dir, 0755) != 0 && errno != EEXIST) {
+    fprintf(stderr, "tshare-bench: cannot create %s: %s\n", out_dir, strerror(errno));
+    return 1;
+  }
+  char json[4096], csv[4096];
+  snprintf(json, sizeof json, "%s/bench.json", out_dir);
+  snprintf(csv, sizeof csv, "%s/bench.csv", out_dir);
+  if (br_write_json(&b.rep, json) != 0 || br_write_csv(&b.rep, csv) != 0) {
+    fprintf(stderr, "tshare-bench: cannot write %s or %s\n", json, csv);
+    return 1;
+  }
+  printf("written: %s, %s\n", json, csv);
+  return 0;
+}

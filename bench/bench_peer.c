@@ -1,0 +1,119 @@
+/* Baselines that run as other programs: torch.multiprocessing (python3) and
+ * the LibTorch bridge's hand-off. Each prints "result p50_us=... p99_us=...
+ * n=..." or "skip: why" (exit 77); their rows sit beside tshare's. */
+#include "bench.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <poll.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#define PEER_TIMEOUT_MS 300000
+
+/* Run argv, keep the last line it printed; 0 when it ran to exit 0. */
+static int run_capture(char *const *argv, char *last, size_t cap, char *why, size_t why_cap) {
+  int out[2];
+  if (pipe2(out, O_CLOEXEC) != 0) {
+    snprintf(why, why_cap, "pipe: %s", strerror(errno));
+    return -1;
+  }
+  tshare_fd_map fds[1] = {{1, out[1]}};
+  tshare_spawn_options so = {.file = argv[0], .argv = argv, .fds = fds, .nfds = 1};
+  tshare_process *p = NULL;
+  tshare_error err;
+  int rc = tshare_spawn(&so, &p, &err);
+  close(out[1]);
+  if (rc != TSHARE_OK) {
+    close(out[0]);
+    snprintf(why, why_cap, "%s", err.message);
+    return -1;
+  }
+  char buf[8192];
+  size_t len = 0;
+  uint64_t deadline = bs_now_ns() + (uint64_t)PEER_TIMEOUT_MS * 1000000u;
+  for (;;) {
+    struct pollfd pfd = {.fd = out[0], .events = POLLIN, .revents = 0};
+    uint64_t now = bs_now_ns();
+    if (now >= deadline) break;
+    int n = poll(&pfd, 1, (int)((deadline - now) / 1000000u) + 1);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    if (len == sizeof buf - 1) { /* keep the tail: the result line comes last */
+      memmove(buf, buf + sizeof buf / 2, len - sizeof buf / 2);
+      len -= sizeof buf / 2;
+    }
+    ssize_t r = read(out[0], buf + len, sizeof buf - 1 - len);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) break;
+    len += (size_t)r;
+  }
+  close(out[0]);
+  buf[len] = 0;
+  while (len && buf[len - 1] == '\n') buf[--len] = 0;
+  char *nl = strrchr(buf, '\n');
+  bs_copy(last, cap, nl ? nl + 1 : buf);
+  tshare_exit_status st;
+  if (tshare_process_wait(p, 5000, &st) != TSHARE_OK) tshare_process_terminate(p, 1000, &st);
+  tshare_process_destroy(p);
+  if (st.kind == TSHARE_EXIT_CODE && st.value == 0 && strncmp(last, "result", 6) == 0) return 0;
+  char how[64];
+  if (strncmp(last, "skip: ", 6) == 0) snprintf(why, why_cap, "%s", last + 6);
+  else snprintf(why, why_cap, "%s%s%s", tshare_exit_describe(st, how, sizeof how), *last ? ": " : "", last);
+  return -1;
+}
+
+static void peer_row(bench *b, char *const *argv, const char *key, const char *label, const char *floor_key,
+                     const char *peer_key) {
+  char last[512], why[600];
+  if (run_capture(argv, last, sizeof last, why, sizeof why) != 0) {
+    br_skip(&b->rep, BR_LATENCY, "latency", key, label, why);
+    return;
+  }
+  br_row *row = br_add(&b->rep, BR_LATENCY, "latency", key, label, "us");
+  row->value = bp_field(last, "p50_us");
+  row->p99 = bp_field(last, "p99_us");
+  row->n = (long)bp_field(last, "n");
+  snprintf(row->floor_key, sizeof row->floor_key, "%s", floor_key);
+  snprintf(row->peer_key, sizeof row->peer_key, "%s", peer_key ? peer_key : "");
+  const char *torch = strstr(last, "torch=");
+  if (torch) snprintf(row->note, sizeof row->note, "%s", torch);
+}
+
+void bench_peers_external(bench *b) {
+  char iters[32], warmup[32];
+  snprintf(iters, sizeof iters, "%ld", b->opt.iters);
+  snprintf(warmup, sizeof warmup, "%ld", b->opt.warmup);
+  const char *devices[2] = {"cuda", "cpu"};
+  for (int i = 0; i < 2; i++) {
+    const char *dev = devices[i];
+    int gpu = i == 0;
+    char key[48], label[80], why[256];
+    snprintf(key, sizeof key, "torch_mp_%s", dev);
+    snprintf(label, sizeof label, "torch.multiprocessing Queue, %s tensor (the peer)", dev);
+    if (gpu && !b->have_gpu) {
+      snprintf(why, sizeof why, "no GPU: %s", b->no_gpu_why);
+      br_skip(&b->rep, BR_LATENCY, "latency", key, label, why);
+    } else {
+      char *argv[] = {(char *)b->opt.python, (char *)b->opt.peer_script, (char *)"--device", (char *)dev,
+                      (char *)"--iters", iters, (char *)"--warmup", warmup, NULL};
+      peer_row(b, argv, key, label, gpu ? "floor" : "floor_fd", NULL);
+    }
+    snprintf(key, sizeof key, "torch_bridge_%s", dev);
+    snprintf(label, sizeof label, "tshare LibTorch bridge, %s tensor", dev);
+    if (!b->opt.torch_bench) {
+      br_skip(&b->rep, BR_LATENCY, "latency", key, label, "built without LibTorch");
+    } else if (gpu && !b->have_gpu) {
+      snprintf(why, sizeof why, "no GPU: %s", b->no_gpu_why);
+      br_skip(&b->rep, BR_LATENCY, "latency", key, label, why);
+    } else {
+      char peer_key[48];
+      snprintf(peer_key, sizeof peer_key, "torch_mp_%s", dev);
+      char *argv[] = {(char *)b->opt.torch_bench, (char *)"--device", (char *)dev, (char *)"--iters", iters,
+                      (char *)"--warmup", warmup, NULL};
+      peer_row(b, argv, key, label, gpu ? "floor" : "floor_fd", peer_key);
+    }
+  }
+}

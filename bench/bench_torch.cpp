@@ -1,0 +1,137 @@
+// The LibTorch bridge's hand-off, for tshare-bench: the same 4 KiB float32
+// tensor round trip as the torch.multiprocessing peer, tensor in and tensor
+// out: tshare::torch::send, the consumer's recv gives an at::Tensor, and
+// dropping it releases the share. Eight tensors are reused in turn.
+//
+//   bench_torch --device cuda|cpu --iters N --warmup W
+//
+// Prints "result p50_us=... p99_us=... n=... torch=..." or "skip: why" (exit 77).
+// The consumer is this binary again (--consumer, posix_spawn: a CUDA process
+// must not fork).
+#include <tshare/torch.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+static const int TIMEOUT = 60000;
+
+static long arg_long(int argc, char **argv, const char *name, long fallback) {
+  for (int i = 1; i + 1 < argc; i++)
+    if (std::strcmp(argv[i], name) == 0) return std::atol(argv[i + 1]);
+  return fallback;
+}
+
+static std::string arg_str(int argc, char **argv, const char *name, const char *fallback) {
+  for (int i = 1; i + 1 < argc; i++)
+    if (std::strcmp(argv[i], name) == 0) return argv[i + 1];
+  return fallback;
+}
+
+static int consumer() {
+  tshare_channel *ch = nullptr;
+  tshare_error err;
+  if (tshare_channel_open_socket(3, nullptr, &ch, &err) != TSHARE_OK) {
+    std::fprintf(stderr, "bench_torch consumer: %s\n", err.message);
+    return 1;
+  }
+  tshare::torch::ChannelPtr owned(ch);
+  try {
+    while (auto got = tshare::torch::recv(ch, {TIMEOUT}))
+      if (got->tensor.numel() != 1024) return 1; // usable here; dropping it releases the share
+  } catch (const std::exception &e) {
+    std::fprintf(stderr, "bench_torch consumer: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  if (argc > 1 && std::strcmp(argv[1], "--consumer") == 0) return consumer();
+  std::string device = arg_str(argc, argv, "--device", "cuda");
+  long iters = arg_long(argc, argv, "--iters", 10000), warmup = arg_long(argc, argv, "--warmup", 1000);
+  tshare_error err;
+  if (device == "cuda") {
+    if (tshare_cuda_init(&err) != TSHARE_OK) {
+      std::printf("skip: %s\n", err.message);
+      return 77;
+    }
+    if (!at::hasCUDA()) {
+      std::printf("skip: this LibTorch has no CUDA\n");
+      return 77;
+    }
+  }
+  int sv[2];
+  if (tshare_socketpair(sv, &err) != TSHARE_OK) {
+    std::printf("error: %s\n", err.message);
+    return 1;
+  }
+  char *child_argv[] = {(char *)"/proc/self/exe", (char *)"--consumer", nullptr};
+  tshare_fd_map fds[1] = {{3, sv[1]}};
+  tshare_spawn_options so = {};
+  so.file = "/proc/self/exe";
+  so.argv = child_argv;
+  so.fds = fds;
+  so.nfds = 1;
+  tshare_process *child = nullptr;
+  if (tshare_spawn(&so, &child, &err) != TSHARE_OK) {
+    std::printf("error: %s\n", err.message);
+    return 1;
+  }
+  close(sv[1]);
+  tshare_channel *ch = nullptr;
+  if (tshare_channel_open_socket(sv[0], nullptr, &ch, &err) != TSHARE_OK) {
+    std::printf("error: %s\n", err.message);
+    tshare_process_destroy(child);
+    return 1;
+  }
+  std::vector<double> us;
+  try {
+    std::vector<at::Tensor> pool;
+    for (int i = 0; i < 8; i++) {
+      at::Tensor t = device == "cuda" ? at::full({1024}, float(i), at::TensorOptions().device(at::kCUDA))
+                                      : tshare::torch::empty_shared({1024}).fill_(float(i));
+      pool.push_back(t);
+    }
+    for (long i = 0; i < warmup + iters; i++) {
+      auto t0 = std::chrono::steady_clock::now();
+      uint64_t id = tshare::torch::send(ch, pool[size_t(i % 8)], {"", TIMEOUT});
+      int rc = tshare_channel_wait_released(ch, id, TIMEOUT);
+      auto t1 = std::chrono::steady_clock::now();
+      if (rc != TSHARE_OK) throw tshare::torch::Error(rc, tshare_channel_last_error(ch));
+      if (i >= warmup) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    }
+    tshare_channel_send_bye(ch, 0, TIMEOUT);
+    tshare_channel_wait_released(ch, 0, TIMEOUT);
+  } catch (const std::exception &e) {
+    std::printf("error: %s\n", e.what());
+    tshare_channel_close(ch);
+    tshare_process_destroy(child);
+    return 1;
+  }
+  tshare_channel_close(ch);
+  tshare_exit_status st;
+  if (tshare_process_wait(child, TIMEOUT, &st) != TSHARE_OK || st.kind != TSHARE_EXIT_CODE || st.value != 0) {
+    std::printf("error: the consumer failed\n");
+    tshare_process_destroy(child);
+    return 1;
+  }
+  tshare_process_destroy(child);
+  std::sort(us.begin(), us.end());
+  auto pct = [&](double p) { // nearest rank, as tshare-bench takes it
+    size_t rank = size_t(std::ceil(p / 100.0 * double(us.size())));
+    return us[std::min(us.size(), std::max<size_t>(rank, 1)) - 1];
+  };
+  std::printf("result p50_us=%.2f p99_us=%.2f n=%zu torch=%s\n", pct(50), pct(99), us.size(), TORCH_VERSION);
+  return 0;
+}

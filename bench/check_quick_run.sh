@@ -1,0 +1,45 @@
+#!/bin/sh
+# bench.quick_run: `tshare-bench --quick` runs every row and writes them all.
+# Checks the output's shape and that what was measured is a real figure, not
+# the figures themselves (timings are never asserted in tests).
+set -eu
+bench=$1
+out=$2
+command -v python3 >/dev/null 2>&1 || { echo "python3 is needed to read bench.json"; exit 77; }
+rm -rf "$out"
+"$bench" --quick --out "$out"
+exec python3 - "$out" <<'PY'
+import csv, json, math, sys
+out = sys.argv[1]
+doc = json.load(open(f"{out}/bench.json"))
+rows = {r["key"]: r for r in doc["rows"]}
+def fail(msg):
+    print("FAILED:", msg); sys.exit(1)
+def measured(key):
+    r = rows.get(key) or fail(f"row {key} missing")
+    if r["skipped"]: fail(f"row {key} skipped: {r['skipped']}")
+    if r["value"] is None or not math.isfinite(r["value"]): fail(f"row {key} has no figure")
+    return r
+for key in ["floor", "floor_fd", "host_reused"]:
+    r = measured(key)
+    if not 0 < r["value"] <= r["p99"]: fail(f"{key}: p50 {r['value']} p99 {r['p99']}")
+    if r["n"] != 500: fail(f"{key}: {r['n']} samples, not 500")
+if rows["host_reused"]["vs_floor"] is None: fail("host_reused has no ratio to its floor")
+for key in ["host_pipelined_1", "host_pipelined_4"]:
+    if measured(key)["value"] <= 0: fail(f"{key} is not a rate")
+mem = [r for r in doc["rows"] if r["group"] == "memory" and r["key"].startswith("host_")]
+if len(mem) != 5 or any(r["skipped"] or r["before"] is None for r in mem): fail(f"host memory rows: {mem}")
+gpu = not doc["device"].startswith(("no GPU", "built without"))
+for key in ["cuda_new_alloc", "cuda_pipelined_1", "bw_shared"]:
+    r = rows.get(key) or fail(f"row {key} missing")
+    if gpu: measured(key)
+    elif not r["skipped"]: fail(f"{key} measured without a GPU?")
+for key in ["torch_mp_cuda", "torch_mp_cpu", "torch_bridge_cuda", "torch_bridge_cpu"]:
+    r = rows.get(key) or fail(f"row {key} missing")
+    if not r["skipped"]: measured(key)
+if len(doc["targets"]) != 6: fail("targets missing")
+with open(f"{out}/bench.csv") as f:
+    lines = list(csv.DictReader(f))
+if len(lines) != len(doc["rows"]): fail("the CSV and the JSON disagree")
+print(f"bench.quick_run: {len(doc['rows'])} rows, device: {doc['device']}")
+PY
