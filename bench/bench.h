@@ -40,8 +40,9 @@ typedef struct bench {
   char no_gpu_why[200];
 } bench;
 
-/* A share call for the pump: share src on ch once. */
-typedef int (*bench_share_fn)(tshare_channel *ch, void *src, uint64_t *share_id);
+/* A share call for the pump: share src on ch once. lane: which consumer's
+ * thread calls (0..npeers-1), e.g. to pick a stream of its own. */
+typedef int (*bench_share_fn)(tshare_channel *ch, void *src, int lane, uint64_t *share_id);
 
 /* Share through every one of the first npeers consumers at once (a thread
  * each, window shares in flight), per_peer shares each, the consumers
@@ -52,6 +53,10 @@ double bench_pump(bench *b, int npeers, bench_share_fn share, void *src, long pe
 /* A latency row from samples in nanoseconds. */
 br_row *bench_latency_row(bench *b, const char *key, const char *label, bs_samples *ns, const char *floor_key,
                           const char *peer_key);
+
+/* Note where a hand-off's time goes: the producer's share call (share_ns)
+ * and the consumer's receive and release (its "recvt" answer). */
+void bench_breakdown(br_row *row, bs_samples *share_ns, const char *reply);
 
 /* One command to consumer 0 and its answer; a failure skips the row key. */
 int bench_ask(bench *b, int peer, char *reply, size_t cap, const char *fmt, ...) __attribute__((format(printf, 5, 6)));

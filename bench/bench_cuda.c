@@ -13,6 +13,7 @@
 
 static const ts_cuda_api *cu;
 static CUstream stream; /* this process's stream: the producer's or the consumer's */
+static CUstream lanes[BENCH_MAX_CONSUMERS]; /* the producer's per-consumer streams when pipelining */
 
 #define CU_OK(call) ((call) == CUDA_SUCCESS)
 
@@ -30,11 +31,13 @@ int bench_cuda_probe(char *why, size_t cap) {
   }
   cu = ck_init(why, cap);
   if (!cu) return 0;
-  if (!CU_OK(cu->cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING))) {
-    snprintf(why, cap, "cuStreamCreate failed");
-    cu = NULL;
-    return 0;
-  }
+  for (int i = 0; i < BENCH_MAX_CONSUMERS; i++)
+    if (!CU_OK(cu->cuStreamCreate(&lanes[i], CU_STREAM_NON_BLOCKING))) {
+      snprintf(why, cap, "cuStreamCreate failed");
+      cu = NULL;
+      return 0;
+    }
+  stream = lanes[0];
   return 1;
 }
 
@@ -48,12 +51,16 @@ void bench_cuda_describe(char *out, size_t cap) {
   if (cu) cu->cuDriverGetVersion(&version);
   char drv[128] = "";
   FILE *f = fopen("/proc/driver/nvidia/version", "r");
-  if (f) { /* "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  ..." */
+  if (f) { /* "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build ..." */
     char line[256];
-    if (fgets(line, sizeof line, f)) {
-      char *k = strstr(line, "Module");
-      if (k && sscanf(k + 6, " %127s", drv) != 1) drv[0] = 0;
-    }
+    if (fgets(line, sizeof line, f))
+      for (char *tok = strtok(line, " \t"); tok; tok = strtok(NULL, " \t")) {
+        unsigned major, minor;
+        if (sscanf(tok, "%u.%u", &major, &minor) == 2 && major >= 100) {
+          bs_copy(drv, sizeof drv, tok);
+          break;
+        }
+      }
     fclose(f);
   }
   snprintf(out, cap, "%s, driver %s (CUDA %d.%d)", name, drv[0] ? drv : "?", version / 1000, version % 1000 / 10);
@@ -108,24 +115,29 @@ static void handoff_row(bench *b, handoff_kind kind, const char *key, const char
   long total = b->opt.warmup + b->opt.iters;
   tshare_channel *ch = b->peers[0].ch;
   char reply[512] = "";
-  bs_samples ns = {0};
-  int rc = bp_send(&b->peers[0], "recv %ld", total) == 0 ? TSHARE_OK : TSHARE_E_PEER_CLOSED;
+  bs_samples ns = {0}, share_ns = {0};
+  int rc = bp_send(&b->peers[0], "recvt %ld", total) == 0 ? TSHARE_OK : TSHARE_E_PEER_CLOSED;
   for (long i = 0; i < total && rc == TSHARE_OK; i++) {
     uint64_t id;
     tshare_cuda_buffer *buf;
     uint64_t t0 = bs_now_ns();
     rc = share_once(ch, &src, &id, &buf);
+    uint64_t ts = bs_now_ns();
     if (rc == TSHARE_OK) rc = tshare_channel_wait_released(ch, id, BENCH_TIMEOUT_MS);
     tshare_cuda_buffer_release(buf);
     uint64_t t1 = bs_now_ns();
-    if (i >= b->opt.warmup) bs_add(&ns, (double)(t1 - t0));
+    if (i >= b->opt.warmup) {
+      bs_add(&ns, (double)(t1 - t0));
+      bs_add(&share_ns, (double)(ts - t0));
+    }
   }
   int ok = bp_reply(&b->peers[0], reply, sizeof reply, BENCH_TIMEOUT_MS) == 0 && rc == TSHARE_OK;
   if (!ok)
     br_skip(&b->rep, BR_LATENCY, "latency", key, label, rc != TSHARE_OK ? tshare_channel_last_error(ch) : reply);
   else
-    bench_latency_row(b, key, label, &ns, "floor", "torch_mp_cuda");
+    bench_breakdown(bench_latency_row(b, key, label, &ns, "floor", "torch_mp_cuda"), &share_ns, reply);
   bs_free(&ns);
+  bs_free(&share_ns);
   tshare_channel_wait_released(ch, 0, BENCH_TIMEOUT_MS);
   tshare_channel_poll(ch, 10); /* retire handshakes of what (a) freed */
   for (int i = 0; i < 8; i++)
@@ -194,9 +206,10 @@ static void raw_ipc_rows(bench *b) {
 
 /* ---- throughput -------------------------------------------------------- */
 
-static int share_small_buffer(tshare_channel *ch, void *src, uint64_t *id) {
+/* Each thread records on its own stream, as independent producers would. */
+static int share_small_buffer(tshare_channel *ch, void *src, int lane, uint64_t *id) {
   tshare_tensor_desc d = small_desc(0);
-  return tshare_share_cuda_buffer(ch, src, &d, stream, NULL, NULL, BENCH_TIMEOUT_MS, id);
+  return tshare_share_cuda_buffer(ch, src, &d, lanes[lane], NULL, NULL, BENCH_TIMEOUT_MS, id);
 }
 
 static void throughput_rows(bench *b) {
@@ -336,7 +349,8 @@ typedef struct churn {
 
 /* Random sizes from a slab; every 512th share a fresh allocation, so
  * mappings open and close along the way. */
-static int share_churn(tshare_channel *ch, void *src, uint64_t *id) {
+static int share_churn(tshare_channel *ch, void *src, int lane, uint64_t *id) {
+  (void)lane;
   churn *c = src;
   unsigned r = (unsigned)rand_r(&c->seed);
   size_t bytes = 256 + (r % 1024) * 256;

@@ -3,6 +3,7 @@
 #include "bench.h"
 
 #include <math.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -36,6 +37,11 @@ br_row *bench_latency_row(bench *b, const char *key, const char *label, bs_sampl
   snprintf(row->floor_key, sizeof row->floor_key, "%s", floor_key ? floor_key : "");
   snprintf(row->peer_key, sizeof row->peer_key, "%s", peer_key ? peer_key : "");
   return row;
+}
+
+void bench_breakdown(br_row *row, bs_samples *share_ns, const char *reply) {
+  snprintf(row->note, sizeof row->note, "p50 parts: share call %.1f, consumer import %.1f, release %.1f us",
+           bs_percentile(share_ns, 50) / 1000.0, bp_field(reply, "import_us"), bp_field(reply, "release_us"));
 }
 
 /* ---- the floor: a frame of a share's size there and a release's back ---- */
@@ -121,32 +127,38 @@ static void host_handoff_row(bench *b) {
   long total = b->opt.warmup + b->opt.iters;
   tshare_channel *ch = b->peers[0].ch;
   char reply[512];
-  if (bp_send(&b->peers[0], "recv %ld", total) != 0) {
+  if (bp_send(&b->peers[0], "recvt %ld", total) != 0) {
     br_skip(&b->rep, BR_LATENCY, "latency", key, label, "consumer is gone");
     tshare_host_buffer_destroy(buf);
     return;
   }
-  bs_samples ns = {0};
+  bs_samples ns = {0}, share_ns = {0};
   int rc = TSHARE_OK;
   for (long i = 0; i < total && rc == TSHARE_OK; i++) {
     uint64_t id, t0 = bs_now_ns();
     rc = tshare_share_host(ch, buf, &d, NULL, NULL, BENCH_TIMEOUT_MS, &id);
+    uint64_t ts = bs_now_ns();
     if (rc == TSHARE_OK) rc = tshare_channel_wait_released(ch, id, BENCH_TIMEOUT_MS);
     uint64_t t1 = bs_now_ns();
-    if (i >= b->opt.warmup) bs_add(&ns, (double)(t1 - t0));
+    if (i >= b->opt.warmup) {
+      bs_add(&ns, (double)(t1 - t0));
+      bs_add(&share_ns, (double)(ts - t0));
+    }
   }
   tshare_host_buffer_destroy(buf);
   if (bp_reply(&b->peers[0], reply, sizeof reply, BENCH_TIMEOUT_MS) != 0 || rc != TSHARE_OK)
     br_skip(&b->rep, BR_LATENCY, "latency", key, label, rc != TSHARE_OK ? tshare_channel_last_error(ch) : reply);
   else
-    bench_latency_row(b, key, label, &ns, "floor_fd", "torch_mp_cpu");
+    bench_breakdown(bench_latency_row(b, key, label, &ns, "floor_fd", "torch_mp_cpu"), &share_ns, reply);
   bs_free(&ns);
+  bs_free(&share_ns);
 }
 
 /* ---- the pump ------------------------------------------------------------ */
 
 typedef struct pump_arg {
   tshare_channel *ch;
+  int lane;
   bench_share_fn share;
   void *src;
   long n;
@@ -162,7 +174,7 @@ static void *pump_one(void *p) {
   while (rc == TSHARE_OK && sent < a->n) {
     while (rc == TSHARE_OK && sent < a->n && tshare_channel_outstanding(a->ch) < (size_t)a->window) {
       uint64_t id;
-      rc = a->share(a->ch, a->src, &id);
+      rc = a->share(a->ch, a->src, a->lane, &id);
       sent++;
     }
     if (rc == TSHARE_OK) {
@@ -186,7 +198,7 @@ double bench_pump(bench *b, int npeers, bench_share_fn share, void *src, long pe
     }
   uint64_t t0 = bs_now_ns();
   for (int i = 0; i < npeers; i++) {
-    args[i] = (pump_arg){.ch = b->peers[i].ch, .share = share, .src = src, .n = per_peer, .window = b->opt.window};
+    args[i] = (pump_arg){.ch = b->peers[i].ch, .lane = i, .share = share, .src = src, .n = per_peer, .window = b->opt.window};
     if (pthread_create(&threads[i], NULL, pump_one, &args[i]) != 0) {
       args[i].rc = TSHARE_E_SYSTEM;
       snprintf(args[i].why, sizeof args[i].why, "pthread_create failed");
@@ -211,7 +223,8 @@ double bench_pump(bench *b, int npeers, bench_share_fn share, void *src, long pe
   return rate;
 }
 
-static int share_host_small(tshare_channel *ch, void *src, uint64_t *id) {
+static int share_host_small(tshare_channel *ch, void *src, int lane, uint64_t *id) {
+  (void)lane;
   int64_t shape[1] = {BENCH_SMALL_ELEMS};
   tshare_tensor_desc d = tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_FLOAT, 32, 1}, 1, shape, 0);
   return tshare_share_host(ch, src, &d, NULL, NULL, BENCH_TIMEOUT_MS, id);
@@ -256,7 +269,8 @@ typedef struct host_pool {
 } host_pool;
 
 /* A random slice of one of several buffers: mappings come and go. */
-static int share_host_random(tshare_channel *ch, void *src, uint64_t *id) {
+static int share_host_random(tshare_channel *ch, void *src, int lane, uint64_t *id) {
+  (void)lane;
   host_pool *p = src;
   unsigned r = (unsigned)rand_r(&p->seed);
   tshare_host_buffer *buf = p->bufs[r % 8];
@@ -364,6 +378,47 @@ static int consume_views(tshare_channel *ch, long n, char *reply, size_t cap) {
   return 0;
 }
 
+/* The same one at a time, timing the import (the share is read and decoded
+ * first, so neither the wait for it nor the read is in it) and the release
+ * with the drive that sends it. */
+static int consume_views_timed(tshare_channel *ch, long n, char *reply, size_t cap) {
+  void *stream = bench_cuda_consumer_stream();
+  bs_samples recv_ns = {0}, release_ns = {0};
+  int rc = 0;
+  for (long i = 0; i < n && rc == 0; i++) {
+    tshare_share_info info;
+    int got;
+    while ((got = tshare_channel_peek_share(ch, 0, &info)) == TSHARE_E_TIMEOUT) {
+      struct pollfd p = {.fd = tshare_channel_fd(ch), .events = POLLIN, .revents = 0};
+      poll(&p, 1, 1);
+    }
+    if (got != TSHARE_OK) {
+      snprintf(reply, cap, "recv: %s", tshare_channel_last_error(ch));
+      rc = -1;
+      break;
+    }
+    tshare_view *v;
+    uint64_t t0 = bs_now_ns();
+    if (tshare_view_recv_stream(ch, stream, BENCH_TIMEOUT_MS, &v) != TSHARE_OK) {
+      snprintf(reply, cap, "recv: %s", tshare_channel_last_error(ch));
+      rc = -1;
+      break;
+    }
+    uint64_t t1 = bs_now_ns();
+    tshare_view_release(v);
+    (void)tshare_channel_poll(ch, 0);
+    uint64_t t2 = bs_now_ns();
+    bs_add(&recv_ns, (double)(t1 - t0));
+    bs_add(&release_ns, (double)(t2 - t1));
+  }
+  if (rc == 0)
+    snprintf(reply, cap, "import_us=%.2f release_us=%.2f", bs_percentile(&recv_ns, 50) / 1000.0,
+             bs_percentile(&release_ns, 50) / 1000.0);
+  bs_free(&recv_ns);
+  bs_free(&release_ns);
+  return rc;
+}
+
 /* Mappings of host memory still open: the process's maps naming tshare's memfds. */
 static long count_memfd_maps(void) {
   FILE *f = fopen("/proc/self/maps", "r");
@@ -380,6 +435,7 @@ int bench_host_consumer(tshare_channel *ch, const char *cmd, char *reply, size_t
   long n = 0;
   if (sscanf(cmd, "floor %ld", &n) == 1) return consume_floor(ch, n, reply, cap);
   if (sscanf(cmd, "recv %ld", &n) == 1) return consume_views(ch, n, reply, cap);
+  if (sscanf(cmd, "recvt %ld", &n) == 1) return consume_views_timed(ch, n, reply, cap);
   if (strcmp(cmd, "stats") == 0) {
     tshare_cuda_export_stats st;
     tshare_cuda_stats(&st);

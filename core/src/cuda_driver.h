@@ -60,6 +60,7 @@
   X(cuStreamGetCtx, CUresult, (CUstream, CUcontext *))                                                                \
   X(cuStreamWaitEvent, CUresult, (CUstream, CUevent, unsigned int))                                                   \
   X(cuStreamSynchronize, CUresult, (CUstream))                                                                        \
+  X(cuStreamQuery, CUresult, (CUstream))                                                                              \
   X(cuModuleLoadData, CUresult, (CUmodule *, const void *))                                                           \
   X(cuModuleGetFunction, CUresult, (CUfunction *, CUmodule, const char *))                                            \
   X(cuLaunchKernel, CUresult,                                                                                         \

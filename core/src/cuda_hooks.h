@@ -21,8 +21,16 @@ int ts_cuda_on_frame(tshare_channel *ch, const tshare_frame *f);
 
 /* Driver-side housekeeping before every receive: releases whose GPU work has
  * finished move to the pending list, retire notices and acks go out.
- * *busy is set while releases still wait for the GPU (the caller then polls). */
-int ts_cuda_flush(tshare_channel *ch, int timeout_ms, bool *busy);
+ * *gpu_wait says whether releases still wait for the GPU and how soon to
+ * look again: a release queued moments ago usually finishes within
+ * microseconds, so the caller spins briefly before it sleeps. */
+typedef enum ts_gpu_wait {
+  TS_GPU_IDLE = 0, /* nothing waits */
+  TS_GPU_SOON = 1, /* the newest waiting release is under TS_GPU_SPIN_US old: look again at once */
+  TS_GPU_LATER = 2 /* look again in a millisecond */
+} ts_gpu_wait;
+#define TS_GPU_SPIN_US 200
+int ts_cuda_flush(tshare_channel *ch, int timeout_ms, ts_gpu_wait *gpu_wait);
 
 /* Map a CUDA share into view v (consumer side). */
 int ts_cuda_import(tshare_channel *ch, const tshare_frame *f, void *stream, struct tshare_view *v);

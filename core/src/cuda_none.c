@@ -110,9 +110,9 @@ int ts_cuda_on_frame(tshare_channel *ch, const tshare_frame *f) {
   return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "receive: %s frame, but this side offered no CUDA",
                  tshare_frame_type_name(f->type));
 }
-int ts_cuda_flush(tshare_channel *ch, int timeout_ms, bool *busy) {
+int ts_cuda_flush(tshare_channel *ch, int timeout_ms, ts_gpu_wait *busy) {
   (void)ch, (void)timeout_ms;
-  *busy = false;
+  *busy = TS_GPU_IDLE;
   return TSHARE_OK;
 }
 int ts_cuda_import(tshare_channel *ch, const tshare_frame *f, void *stream, struct tshare_view *v) {

@@ -5,6 +5,7 @@
  * waiting for the GPU are under ch->lock, since views are released from any
  * thread. */
 #include "channel_internal.h"
+#include "clock.h"
 #include "cuda_hooks.h"
 #include "cuda_internal.h"
 #include "error_detail.h"
@@ -27,8 +28,19 @@ typedef struct peer_event {
 typedef struct drain {
   uint64_t share_id;
   CUevent done; /* recorded on the view's stream at release */
+  CUcontext ctx;
   ts_cuda_mapping *imp;
+  int64_t queued_us;
 } drain;
+
+/* A release event to record again: one per release would cost a create and
+ * a destroy each time. */
+typedef struct spare_event {
+  CUcontext ctx;
+  CUevent ev;
+} spare_event;
+
+#define SPARES_MAX 64
 
 typedef struct peer_mapped {
   ts_cuda_alloc *alloc;
@@ -47,6 +59,8 @@ struct ts_cuda_chan {
   peer_event *events; /* TSHARE_EVENT_SLOTS_MAX entries, allocated with the first event frame */
   drain *drains;      /* under ch->lock */
   size_t ndrain, cap_drain;
+  spare_event spares[SPARES_MAX]; /* under ch->lock */
+  size_t nspares;
   uint64_t *acks; /* retire acks to send */
   size_t nacks, cap_acks;
 };
@@ -397,7 +411,15 @@ int ts_cuda_import(tshare_channel *ch, const tshare_frame *f, void *stream, tsha
         rc = event_open(cu, &pe->ev, pe->handle);
         if (rc == CUDA_SUCCESS) pe->ctx = ctx;
       }
-      if (rc == CUDA_SUCCESS) rc = cu->cuStreamWaitEvent((CUstream)stream, pe->ev, 0);
+      /* The producer's work is usually done by the time its frame is here:
+       * then there is nothing to wait for, and the stream stays empty (so
+       * the release need not wait on the GPU either). The slot is not
+       * recorded again before this share is released, so a completed
+       * query speaks of this share's point. */
+      if (rc == CUDA_SUCCESS) {
+        rc = cu->cuEventQuery(pe->ev);
+        if (rc == CUDA_ERROR_NOT_READY) rc = cu->cuStreamWaitEvent((CUstream)stream, pe->ev, 0);
+      }
       ts_cuda_pop();
       if (rc != CUDA_SUCCESS) status = ts_cuda_fail(ch->err, sizeof ch->err, "import: waiting on the producer's event", rc);
       else pe->last_gen = s->event_generation;
@@ -415,7 +437,8 @@ int ts_cuda_import(tshare_channel *ch, const tshare_frame *f, void *stream, tsha
   return TSHARE_OK;
 }
 
-static bool push_drain_locked(struct ts_cuda_chan *c, uint64_t share_id, CUevent done, ts_cuda_mapping *imp) {
+static bool push_drain_locked(struct ts_cuda_chan *c, uint64_t share_id, CUevent done, CUcontext ctx,
+                              ts_cuda_mapping *imp) {
   if (c->ndrain == c->cap_drain) {
     size_t cap = c->cap_drain ? c->cap_drain * 2 : 16;
     drain *d = realloc(c->drains, cap * sizeof *d);
@@ -423,36 +446,64 @@ static bool push_drain_locked(struct ts_cuda_chan *c, uint64_t share_id, CUevent
     c->drains = d;
     c->cap_drain = cap;
   }
-  c->drains[c->ndrain++] = (drain){share_id, done, imp};
+  c->drains[c->ndrain++] = (drain){share_id, done, ctx, imp, ts_now_us()};
   return true;
+}
+
+static CUevent spare_take_locked(struct ts_cuda_chan *c, CUcontext ctx) {
+  for (size_t i = c->nspares; i-- > 0;)
+    if (c->spares[i].ctx == ctx) {
+      CUevent ev = c->spares[i].ev;
+      c->spares[i] = c->spares[--c->nspares];
+      return ev;
+    }
+  return NULL;
+}
+
+static void spare_put_locked(struct ts_cuda_chan *c, const ts_cuda_api *cu, CUcontext ctx, CUevent ev) {
+  if (c->nspares < SPARES_MAX) c->spares[c->nspares++] = (spare_event){ctx, ev};
+  else event_destroy(cu, ev);
 }
 
 void ts_cuda_view_release(tshare_view *v) {
   tshare_channel *ch = v->ch;
   const ts_cuda_api *cu = ts_cuda_if_loaded();
   CUevent done = NULL;
+  bool idle = false;
   /* The producer may reuse the memory once it has the release, so the
-   * release waits for the work queued on the view's stream until now. */
+   * release waits for the work queued on the view's stream until now. An
+   * empty stream has none: the release goes out at once. */
   if (cu && ts_cuda_push(v->ctx)) {
-    if (cu->cuEventCreate(&done, CU_EVENT_DISABLE_TIMING) == CUDA_SUCCESS &&
-        cu->cuEventRecord(done, (CUstream)v->stream) != CUDA_SUCCESS) {
-      cu->cuEventDestroy(done);
-      done = NULL;
+    idle = cu->cuStreamQuery((CUstream)v->stream) == CUDA_SUCCESS;
+    if (!idle) {
+      pthread_mutex_lock(&ch->lock);
+      done = ch->cuda ? spare_take_locked(ch->cuda, v->ctx) : NULL;
+      pthread_mutex_unlock(&ch->lock);
+      if (!done && event_create(cu, &done, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) done = NULL;
+      if (done && cu->cuEventRecord(done, (CUstream)v->stream) != CUDA_SUCCESS) {
+        event_destroy(cu, done);
+        done = NULL;
+      }
     }
     ts_cuda_pop();
   }
   pthread_mutex_lock(&ch->lock);
-  bool queued = !ch->closed && ch->cuda && done && push_drain_locked(ch->cuda, v->share_id, done, v->cuda_import);
+  bool queued = !idle && !ch->closed && ch->cuda && done &&
+                push_drain_locked(ch->cuda, v->share_id, done, v->ctx, v->cuda_import);
   if (queued) {
     uint64_t one = 1;
     if (write(ch->wake_fd, &one, sizeof one) < 0) {
       /* EAGAIN: already signalled */
     }
   } else {
-    /* Closed channel, or no event: finish here, waiting for the GPU. */
+    /* An idle stream, a closed channel, or no event: finish here (waiting
+     * for the GPU in the last two cases). */
     if (done) {
       cu->cuEventSynchronize(done);
-      cu->cuEventDestroy(done);
+      event_destroy(cu, done);
+    } else if (!idle && cu && ts_cuda_push(v->ctx)) {
+      cu->cuStreamSynchronize((CUstream)v->stream);
+      ts_cuda_pop();
     }
     ts_cuda_import_put(v->cuda_import);
     ts_share_queue_release_locked(ch, v->share_id);
@@ -520,25 +571,27 @@ static int send_retire(tshare_channel *ch, uint8_t closed, const uint64_t *ids, 
   return TSHARE_OK;
 }
 
-int ts_cuda_flush(tshare_channel *ch, int timeout_ms, bool *busy) {
-  *busy = false;
+int ts_cuda_flush(tshare_channel *ch, int timeout_ms, ts_gpu_wait *busy) {
+  *busy = TS_GPU_IDLE;
   struct ts_cuda_chan *c = ch->cuda;
   if (!c) return TSHARE_OK;
   const ts_cuda_api *cu = ts_cuda_if_loaded();
   pthread_mutex_lock(&ch->lock);
   size_t keep = 0;
+  int64_t newest = 0;
   for (size_t i = 0; i < c->ndrain; i++) {
     drain d = c->drains[i];
     if (cu && cu->cuEventQuery(d.done) == CUDA_ERROR_NOT_READY) {
       c->drains[keep++] = d;
+      if (d.queued_us > newest) newest = d.queued_us;
       continue;
     }
-    if (cu) cu->cuEventDestroy(d.done);
+    if (cu) spare_put_locked(c, cu, d.ctx, d.done);
     ts_cuda_import_put(d.imp);
     ts_share_queue_release_locked(ch, d.share_id);
   }
   c->ndrain = keep;
-  *busy = keep > 0;
+  if (keep) *busy = ts_now_us() - newest < TS_GPU_SPIN_US ? TS_GPU_SOON : TS_GPU_LATER;
   pthread_mutex_unlock(&ch->lock);
 
   int64_t deadline = ts_deadline(timeout_ms);
@@ -585,14 +638,15 @@ void ts_cuda_chan_free(tshare_channel *ch) {
   for (size_t i = 0; i < c->ndrain; i++) {
     if (cu) {
       cu->cuEventSynchronize(c->drains[i].done);
-      cu->cuEventDestroy(c->drains[i].done);
+      event_destroy(cu, c->drains[i].done);
     }
     ts_cuda_import_put(c->drains[i].imp);
   }
   if (cu) {
-    for (uint32_t i = 0; i < c->nslots; i++) cu->cuEventDestroy(c->pool[i]);
+    for (uint32_t i = 0; i < c->nslots; i++) event_destroy(cu, c->pool[i]);
     for (uint32_t i = 0; c->events && i < TSHARE_EVENT_SLOTS_MAX; i++)
-      if (c->events[i].ev) cu->cuEventDestroy(c->events[i].ev);
+      if (c->events[i].ev) event_destroy(cu, c->events[i].ev);
+    for (size_t i = 0; i < c->nspares; i++) event_destroy(cu, c->spares[i].ev);
   }
   free(c->events);
   free(c->drains);

@@ -326,15 +326,17 @@ static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, i
   int frame_fd;
   int rc;
   for (;;) {
-    bool gpu_busy = false;
+    ts_gpu_wait gpu_busy = TS_GPU_IDLE;
     rc = ts_cuda_flush(ch, ts_remaining(deadline), &gpu_busy);
     if (rc == TSHARE_OK) rc = ts_share_flush_pending(ch, ts_remaining(deadline));
     if (rc == TSHARE_E_PEER_CLOSED) ts_share_drop_all(ch, rc);
     if (rc != TSHARE_OK) return rc;
     if (ch->peer_bye) return TSHARE_END;
-    /* Releases waiting for the GPU are looked at again every millisecond. */
+    /* Releases waiting for the GPU are looked at again at once while they
+     * are fresh, then every millisecond. */
     int wait_ms = ts_remaining(deadline);
-    if (gpu_busy && (wait_ms < 0 || wait_ms > 1)) wait_ms = 1;
+    int cap = gpu_busy == TS_GPU_SOON ? 0 : 1;
+    if (gpu_busy != TS_GPU_IDLE && (wait_ms < 0 || wait_ms > cap)) wait_ms = cap;
     rc = ts_channel_recv_raw(ch, &f, &frame_fd, wait_ms);
     if (rc == TSHARE_E_TIMEOUT && gpu_busy && ts_remaining(deadline) != 0) continue;
     break;
