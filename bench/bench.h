@@ -37,6 +37,8 @@ typedef struct bench {
   bp_peer peers[BENCH_MAX_CONSUMERS];
   int npeers;
   int have_gpu;
+  double pump_share_us; /* last pump: mean time of one share call */
+  double pump_busy;     /* last pump: share calls' share of each thread's time */
   char no_gpu_why[200];
 } bench;
 
@@ -49,6 +51,9 @@ typedef int (*bench_share_fn)(tshare_channel *ch, void *src, int lane, uint64_t 
  * receiving and releasing. Shares per second overall, or a negative value
  * with why filled. */
 double bench_pump(bench *b, int npeers, bench_share_fn share, void *src, long per_peer, char *why, size_t cap);
+
+/* Where the last pump's producer time went, for the throughput rows' note. */
+void bench_pump_note(const bench *b, br_row *row);
 
 /* A latency row from samples in nanoseconds. */
 br_row *bench_latency_row(bench *b, const char *key, const char *label, bs_samples *ns, const char *floor_key,

@@ -147,14 +147,16 @@ static void handoff_row(bench *b, handoff_kind kind, const char *key, const char
 
 /* The same hand-off with bare driver calls and a bare frame: what (a) cannot
  * go below. The consumer times its open and close, we our alloc, export and
- * free. */
+ * free. Runs on consumer 1, whose channel has carried no CUDA share: no
+ * event or retire frame of the library's can come between these. */
 static void raw_ipc_rows(bench *b) {
   const char *key = "raw_ipc", *label = "raw CUDA IPC: alloc, export, frame, open, close, free";
   long total = b->opt.warmup + b->opt.iters;
-  tshare_channel *ch = b->peers[0].ch;
+  bp_peer *peer = &b->peers[b->npeers > 1 ? 1 : 0];
+  tshare_channel *ch = peer->ch;
   char reply[512] = "";
   bs_samples ns = {0}, own = {0};
-  int rc = bp_send(&b->peers[0], "raw %ld", total) == 0 ? TSHARE_OK : TSHARE_E_PEER_CLOSED;
+  int rc = bp_send(peer, "raw %ld", total) == 0 ? TSHARE_OK : TSHARE_E_PEER_CLOSED;
   for (long i = 0; i < total && rc == TSHARE_OK; i++) {
     tshare_frame f, back;
     memset(&f, 0, sizeof f);
@@ -179,6 +181,8 @@ static void raw_ipc_rows(bench *b) {
     int fd = -1;
     rc = tshare_channel_send_frame(ch, &f, -1, BENCH_TIMEOUT_MS);
     if (rc == TSHARE_OK) rc = tshare_channel_recv_frame(ch, &back, &fd, BENCH_TIMEOUT_MS);
+    if (rc == TSHARE_OK && (back.type != TSHARE_FRAME_RELEASE || back.u.release.share_ids[0] != s->share_id))
+      rc = TSHARE_E_PROTOCOL;
     uint64_t t2 = bs_now_ns();
     cu->cuMemFree(p);
     uint64_t t3 = bs_now_ns();
@@ -187,9 +191,10 @@ static void raw_ipc_rows(bench *b) {
       bs_add(&own, (double)(t1 - t0 + t3 - t2));
     }
   }
-  int ok = bp_reply(&b->peers[0], reply, sizeof reply, BENCH_TIMEOUT_MS) == 0 && rc == TSHARE_OK;
+  int ok = bp_reply(peer, reply, sizeof reply, BENCH_TIMEOUT_MS) == 0 && rc == TSHARE_OK;
   if (!ok) {
-    br_skip(&b->rep, BR_LATENCY, "latency", key, label, rc != TSHARE_OK ? "a driver call failed" : reply);
+    br_skip(&b->rep, BR_LATENCY, "latency", key, label,
+            rc == TSHARE_E_CUDA ? "a driver call failed" : rc != TSHARE_OK ? tshare_channel_last_error(ch) : reply);
   } else {
     bench_latency_row(b, key, label, &ns, "floor", "torch_mp_cuda");
     /* The open cost of (a): the driver calls alone, medians added. */
@@ -234,6 +239,7 @@ static void throughput_rows(bench *b) {
     row->value = rate;
     row->n = b->opt.pipelined * n;
     row->higher_is_better = 1;
+    bench_pump_note(b, row);
     if (n > 1) snprintf(row->ratio_key, sizeof row->ratio_key, "cuda_pipelined_1");
   }
   tshare_cuda_buffer_release(buf);

@@ -317,6 +317,20 @@ static int enqueue_incoming(tshare_channel *ch, const tshare_frame *f, int fd) {
   return TSHARE_OK;
 }
 
+/* Releases go out before this end may block for the next frame (the peer
+ * may be waiting for them), or once enough have gathered. While frames are
+ * already buffered they wait, so a stream of shares is answered with one
+ * release frame per batch rather than one per share. */
+#define RELEASE_BATCH 16
+
+static bool releases_due(tshare_channel *ch) {
+  if (tshare_decoder_pending(ch->dec) == 0) return true;
+  pthread_mutex_lock(&ch->lock);
+  bool due = ch->npending >= RELEASE_BATCH;
+  pthread_mutex_unlock(&ch->lock);
+  return due;
+}
+
 /* Receive and handle one frame. A share is returned through share/fd when the
  * caller asked for one (share != NULL), otherwise queued. */
 static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, int *fd, bool *got_share) {
@@ -328,7 +342,7 @@ static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, i
   for (;;) {
     ts_gpu_wait gpu_busy = TS_GPU_IDLE;
     rc = ts_cuda_flush(ch, ts_remaining(deadline), &gpu_busy);
-    if (rc == TSHARE_OK) rc = ts_share_flush_pending(ch, ts_remaining(deadline));
+    if (rc == TSHARE_OK && releases_due(ch)) rc = ts_share_flush_pending(ch, ts_remaining(deadline));
     if (rc == TSHARE_E_PEER_CLOSED) ts_share_drop_all(ch, rc);
     if (rc != TSHARE_OK) return rc;
     if (ch->peer_bye) return TSHARE_END;
