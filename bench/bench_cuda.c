@@ -68,11 +68,12 @@ void bench_cuda_describe(char *out, size_t cap) {
 
 /* ---- hand-off latency ---------------------------------------------------- */
 
-typedef enum { NEW_ALLOC, REUSED, SLAB } handoff_kind;
+typedef enum { NEW_ALLOC, REUSED, FOREIGN, SLAB } handoff_kind;
 
 typedef struct handoff_src {
   handoff_kind kind;
-  CUdeviceptr foreign[8];
+  CUdeviceptr foreign[8];       /* FOREIGN: cuMemAlloc'd, as a caching allocator's segments */
+  tshare_cuda_buffer *owned[8]; /* REUSED */
   tshare_cuda_slab *slab;
   long i;
 } handoff_src;
@@ -91,6 +92,8 @@ static int share_once(tshare_channel *ch, handoff_src *s, uint64_t *id, tshare_c
   case SLAB:
     rc = tshare_cuda_slab_alloc(s->slab, BENCH_SMALL_ELEMS * 4, buf);
     break;
+  case REUSED:
+    return tshare_share_cuda_buffer(ch, s->owned[s->i++ % 8], &d, stream, NULL, NULL, BENCH_TIMEOUT_MS, id);
   default:
     return tshare_share_cuda(ch, (void *)(uintptr_t)s->foreign[s->i++ % 8], &d, stream, NULL, NULL, BENCH_TIMEOUT_MS,
                              id);
@@ -102,12 +105,16 @@ static int share_once(tshare_channel *ch, handoff_src *s, uint64_t *id, tshare_c
 static void handoff_row(bench *b, handoff_kind kind, const char *key, const char *label) {
   handoff_src src = {.kind = kind};
   tshare_error err;
-  if (kind == REUSED)
-    for (int i = 0; i < 8; i++)
-      if (!CU_OK(cu->cuMemAlloc(&src.foreign[i], 64 << 10))) {
-        br_skip(&b->rep, BR_LATENCY, "latency", key, label, "cuMemAlloc failed");
-        return;
-      }
+  for (int i = 0; i < 8; i++) {
+    if (kind == FOREIGN && !CU_OK(cu->cuMemAlloc(&src.foreign[i], 64 << 10))) {
+      br_skip(&b->rep, BR_LATENCY, "latency", key, label, "cuMemAlloc failed");
+      return;
+    }
+    if (kind == REUSED && tshare_cuda_buffer_create(0, 64 << 10, &src.owned[i], &err) != TSHARE_OK) {
+      br_skip(&b->rep, BR_LATENCY, "latency", key, label, err.message);
+      return;
+    }
+  }
   if (kind == SLAB && tshare_cuda_slab_create(0, 64u << 20, &src.slab, &err) != TSHARE_OK) {
     br_skip(&b->rep, BR_LATENCY, "latency", key, label, err.message);
     return;
@@ -140,8 +147,10 @@ static void handoff_row(bench *b, handoff_kind kind, const char *key, const char
   bs_free(&share_ns);
   tshare_channel_wait_released(ch, 0, BENCH_TIMEOUT_MS);
   tshare_channel_poll(ch, 10); /* retire handshakes of what (a) freed */
-  for (int i = 0; i < 8; i++)
+  for (int i = 0; i < 8; i++) {
     if (src.foreign[i]) cu->cuMemFree(src.foreign[i]);
+    tshare_cuda_buffer_release(src.owned[i]);
+  }
   tshare_cuda_slab_release(src.slab);
 }
 
@@ -434,6 +443,7 @@ void bench_cuda(bench *b) {
   raw_ipc_rows(b);
   handoff_row(b, REUSED, "cuda_reused", "cuda (b): reused allocations (import cache)");
   handoff_row(b, SLAB, "cuda_slab", "cuda (c): slab pieces, pooled events");
+  handoff_row(b, FOREIGN, "cuda_foreign", "cuda: reused cudaMalloc memory (not tshare's)");
   throughput_rows(b);
   bandwidth_rows(b);
   memory_rows(b);

@@ -203,7 +203,12 @@ static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, uint64_t
   CUresult rc = CUDA_SUCCESS;
   if (!ts_cuda_push(x->ctx)) {
     status = ts_errf(ch->err, sizeof ch->err, TSHARE_E_CUDA, "share: cannot enter the memory's context");
+  } else if ((rc = cu->cuStreamQuery((CUstream)stream)) == CUDA_SUCCESS) {
+    /* The work that wrote the tensor has finished: nothing to order the
+     * consumer after, so no event (and no slot) at all. */
+    ts_cuda_pop();
   } else {
+    rc = CUDA_SUCCESS;
     int slot = pool_take(ch, c, x->ctx, timeout_ms, &status);
     if (status == TSHARE_OK && slot >= 0) {
       /* The consumer's stream waits for this point of ours: no host sync. */
