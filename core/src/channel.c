@@ -158,26 +158,56 @@ static int fdq_pop(tshare_channel *ch) {
   return fd;
 }
 
-/* Wait for bytes from the peer. A view released on another thread meanwhile
- * wakes the wait so its release goes out now: the peer may be waiting for it
- * before it sends what this thread is waiting for. */
+void ts_channel_wake_locked(tshare_channel *ch) {
+  ch->woken = true;
+  if (!ch->waiting) return;
+  uint64_t one = 1;
+  if (write(ch->wake_fd, &one, sizeof one) < 0) {
+    /* EAGAIN: the counter is already nonzero, the driver wakes anyway. */
+  }
+}
+
+/* Wait for bytes from the peer. Releases queued meanwhile (by this thread
+ * before it got here, or by another one while it waits) go out first: the
+ * peer may be waiting for them before it sends what this thread waits for.
+ * Releases that wait for the GPU are looked at again at once while fresh,
+ * then every millisecond. */
 static int wait_readable(tshare_channel *ch, int64_t deadline) {
+  ts_gpu_wait gpu = TS_GPU_IDLE;
   for (;;) {
+    pthread_mutex_lock(&ch->lock);
+    bool work = ch->woken;
+    ch->woken = false;
+    ch->waiting = !work;
+    pthread_mutex_unlock(&ch->lock);
+    if (work) {
+      int rc = ts_cuda_flush(ch, ts_remaining(deadline), &gpu);
+      if (rc == TSHARE_OK) rc = ts_share_flush_pending(ch, ts_remaining(deadline));
+      if (rc != TSHARE_OK) return rc;
+      continue;
+    }
+    int wait_ms = ts_remaining(deadline);
+    int cap = gpu == TS_GPU_SOON ? 0 : 1;
+    if (gpu != TS_GPU_IDLE && (wait_ms < 0 || wait_ms > cap)) wait_ms = cap;
     struct pollfd p[2] = {{.fd = ch->rfd, .events = POLLIN, .revents = 0},
                           {.fd = ch->wake_fd, .events = POLLIN, .revents = 0}};
-    int n = poll(p, 2, ts_remaining(deadline));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "poll (receive)");
-    if (n == 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TIMEOUT, "receive: timed out");
+    int n = poll(p, 2, wait_ms);
+    int err = errno;
+    pthread_mutex_lock(&ch->lock);
+    ch->waiting = false;
+    if (n == 0 && gpu != TS_GPU_IDLE) ch->woken = true; /* look at the GPU's releases again */
+    pthread_mutex_unlock(&ch->lock);
+    if (n < 0 && err == EINTR) continue;
+    if (n < 0) return ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, err, "poll (receive)");
     if (p[1].revents & POLLIN) {
-      uint64_t count;
+      uint64_t count; /* the waker set `woken` too */
       if (read(ch->wake_fd, &count, sizeof count) < 0) {
         /* EAGAIN: another reader drained it; nothing to do */
       }
-      int rc = ts_share_flush_pending(ch, ts_remaining(deadline));
-      if (rc != TSHARE_OK) return rc;
     }
     if (p[0].revents) return TSHARE_OK;
+    if (n == 0 && ts_remaining(deadline) == 0)
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TIMEOUT, "receive: timed out");
   }
 }
 

@@ -66,6 +66,8 @@ struct tshare_channel {
   tshare_channel_kind kind;
   int rfd, wfd; /* equal for sockets; -1 once closed */
   int wake_fd;  /* eventfd: a release is queued; written and closed under lock */
+  bool woken;   /* under lock: releases were queued since the driver last looked */
+  bool waiting; /* under lock: the driving thread is blocked in a receive */
   bool closed;  /* the user closed it; views may still live */
   int broken;   /* sticky receive-side failure, 0 if none */
   bool peer_bye;
@@ -104,6 +106,12 @@ void ts_channel_unref(tshare_channel *ch);
 int ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r);
 void ts_share_drop_all(tshare_channel *ch, int status); /* peer gone or channel closed */
 int ts_share_flush_pending(tshare_channel *ch, int timeout_ms);
+
+/* Tell the driving thread that releases are queued (with ch->lock held). The
+ * eventfd is written only while it is blocked in a receive: a driver that is
+ * not blocked looks at `woken` before it blocks, so the common case (the
+ * driving thread released the view itself) costs no system call. */
+void ts_channel_wake_locked(tshare_channel *ch);
 void ts_share_queue_release_locked(tshare_channel *ch, uint64_t share_id); /* with ch->lock held */
 int ts_share_send_export(tshare_channel *ch, tshare_frame *f, int fd, ts_export *e, int timeout_ms,
                          uint64_t *share_id);

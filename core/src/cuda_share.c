@@ -496,10 +496,7 @@ void ts_cuda_view_release(tshare_view *v) {
   bool queued = !idle && !ch->closed && ch->cuda && done &&
                 push_drain_locked(ch->cuda, v->share_id, done, v->ctx, v->cuda_import);
   if (queued) {
-    uint64_t one = 1;
-    if (write(ch->wake_fd, &one, sizeof one) < 0) {
-      /* EAGAIN: already signalled */
-    }
+    ts_channel_wake_locked(ch);
   } else {
     /* An idle stream, a closed channel, or no event: finish here (waiting
      * for the GPU in the last two cases). */

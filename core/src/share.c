@@ -242,10 +242,7 @@ void ts_share_queue_release_locked(tshare_channel *ch, uint64_t share_id) {
     ch->pending_cap = cap;
   }
   ch->pending[ch->npending++] = share_id;
-  uint64_t one = 1;
-  if (write(ch->wake_fd, &one, sizeof one) < 0) {
-    /* EAGAIN: the counter is already nonzero, the driver wakes anyway. */
-  }
+  ts_channel_wake_locked(ch);
 }
 
 static void unmap(ts_mapping *m) {
