@@ -55,6 +55,13 @@ double bench_pump(bench *b, int npeers, bench_share_fn share, void *src, long pe
 /* Where the last pump's producer time went, for the throughput rows' note. */
 void bench_pump_note(const bench *b, br_row *row);
 
+/* The throughput rows of one kind ("host", "cuda"): to 1 and to 4
+ * consumers; unavailable (non-NULL) skips both with that reason. */
+void bench_throughput_rows(bench *b, const char *what, bench_share_fn share, void *src, const char *unavailable);
+
+/* A memory row: a figure before and after the long stream. */
+void bench_memory_row(bench *b, const char *key, const char *label, double before, double after, const char *unit);
+
 /* A latency row from samples in nanoseconds. */
 br_row *bench_latency_row(bench *b, const char *key, const char *label, bs_samples *ns, const char *floor_key,
                           const char *peer_key);

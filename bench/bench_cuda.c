@@ -230,27 +230,7 @@ static void throughput_rows(bench *b) {
   tshare_cuda_buffer *buf = NULL;
   tshare_error err;
   int have = tshare_cuda_buffer_create(0, 1u << 20, &buf, &err) == TSHARE_OK;
-  static const int counts[] = {1, 4};
-  for (size_t k = 0; k < 2; k++) {
-    int n = counts[k];
-    char key[48], label[80], why[256] = "";
-    snprintf(key, sizeof key, "cuda_pipelined_%d", n);
-    snprintf(label, sizeof label, "cuda: shares/s to %d consumer%s", n, n > 1 ? "s" : "");
-    double rate = -1;
-    if (!have) bs_copy(why, sizeof why, err.message);
-    else if (n > b->npeers) snprintf(why, sizeof why, "not enough consumers");
-    else rate = bench_pump(b, n, share_small_buffer, buf, b->opt.pipelined, why, sizeof why);
-    if (rate < 0) {
-      br_skip(&b->rep, BR_VALUE, "throughput", key, label, why);
-      continue;
-    }
-    br_row *row = br_add(&b->rep, BR_VALUE, "throughput", key, label, "shares/s");
-    row->value = rate;
-    row->n = b->opt.pipelined * n;
-    row->higher_is_better = 1;
-    bench_pump_note(b, row);
-    if (n > 1) snprintf(row->ratio_key, sizeof row->ratio_key, "cuda_pipelined_1");
-  }
+  bench_throughput_rows(b, "cuda", share_small_buffer, buf, have ? NULL : err.message);
   tshare_cuda_buffer_release(buf);
   tshare_channel_wait_released(b->peers[0].ch, 0, BENCH_TIMEOUT_MS);
 }
@@ -400,13 +380,6 @@ static int take_snapshot(bench *b, snapshot *s) {
   return bench_ask(b, 0, s->consumer, sizeof s->consumer, "stats");
 }
 
-static void add_memory_row(bench *b, const char *key, const char *label, double before, double after, const char *u) {
-  br_row *row = br_add(&b->rep, BR_MEMORY, "memory", key, label, u);
-  row->before = before;
-  row->value = after;
-  row->n = b->opt.memory_shares;
-}
-
 static void memory_rows(bench *b) {
   churn c = {.seed = 777};
   tshare_error err;
@@ -424,17 +397,17 @@ static void memory_rows(bench *b) {
     br_skip(&b->rep, BR_MEMORY, "memory", "cuda_memory", "cuda: memory", why);
     return;
   }
-  add_memory_row(b, "cuda_gpu_free", "cuda: GPU memory free", s0.gpu_free_mib, s1.gpu_free_mib, "MiB");
-  add_memory_row(b, "cuda_producer_fds", "cuda: producer open fds", s0.fds, s1.fds, "");
-  add_memory_row(b, "cuda_producer_events", "cuda: producer events", s0.events, s1.events, "");
-  add_memory_row(b, "cuda_producer_rss", "cuda: producer RSS", s0.rss_kib, s1.rss_kib, "KiB");
-  add_memory_row(b, "cuda_consumer_fds", "cuda: consumer open fds", bp_field(s0.consumer, "fds"),
+  bench_memory_row(b, "cuda_gpu_free", "cuda: GPU memory free", s0.gpu_free_mib, s1.gpu_free_mib, "MiB");
+  bench_memory_row(b, "cuda_producer_fds", "cuda: producer open fds", s0.fds, s1.fds, "");
+  bench_memory_row(b, "cuda_producer_events", "cuda: producer events", s0.events, s1.events, "");
+  bench_memory_row(b, "cuda_producer_rss", "cuda: producer RSS", s0.rss_kib, s1.rss_kib, "KiB");
+  bench_memory_row(b, "cuda_consumer_fds", "cuda: consumer open fds", bp_field(s0.consumer, "fds"),
                  bp_field(s1.consumer, "fds"), "");
-  add_memory_row(b, "cuda_consumer_mappings", "cuda: consumer IPC mappings open",
+  bench_memory_row(b, "cuda_consumer_mappings", "cuda: consumer IPC mappings open",
                  bp_field(s0.consumer, "cuda_mappings"), bp_field(s1.consumer, "cuda_mappings"), "");
-  add_memory_row(b, "cuda_consumer_events", "cuda: consumer events", bp_field(s0.consumer, "events"),
+  bench_memory_row(b, "cuda_consumer_events", "cuda: consumer events", bp_field(s0.consumer, "events"),
                  bp_field(s1.consumer, "events"), "");
-  add_memory_row(b, "cuda_consumer_rss", "cuda: consumer RSS", bp_field(s0.consumer, "rss_kib"),
+  bench_memory_row(b, "cuda_consumer_rss", "cuda: consumer RSS", bp_field(s0.consumer, "rss_kib"),
                  bp_field(s1.consumer, "rss_kib"), "KiB");
 }
 

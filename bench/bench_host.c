@@ -244,24 +244,17 @@ static int share_host_small(tshare_channel *ch, void *src, int lane, uint64_t *i
   return tshare_share_host(ch, src, &d, NULL, NULL, BENCH_TIMEOUT_MS, id);
 }
 
-static void host_throughput_rows(bench *b) {
-  tshare_host_buffer *buf = NULL;
-  tshare_error err;
-  if (tshare_host_buffer_create(1u << 20, "bench", &buf, &err) != TSHARE_OK) {
-    br_skip(&b->rep, BR_VALUE, "throughput", "host_pipelined_1", "host: shares/s to 1 consumer", err.message);
-    return;
-  }
+void bench_throughput_rows(bench *b, const char *what, bench_share_fn share, void *src, const char *unavailable) {
   static const int counts[] = {1, 4};
   for (size_t k = 0; k < 2; k++) {
     int n = counts[k];
     char key[48], label[80], why[256] = "";
-    snprintf(key, sizeof key, "host_pipelined_%d", n);
-    snprintf(label, sizeof label, "host: shares/s to %d consumer%s", n, n > 1 ? "s" : "");
-    if (n > b->npeers) {
-      br_skip(&b->rep, BR_VALUE, "throughput", key, label, "not enough consumers");
-      continue;
-    }
-    double rate = bench_pump(b, n, share_host_small, buf, b->opt.pipelined, why, sizeof why);
+    snprintf(key, sizeof key, "%s_pipelined_%d", what, n);
+    snprintf(label, sizeof label, "%s: shares/s to %d consumer%s", what, n, n > 1 ? "s" : "");
+    double rate = -1;
+    if (unavailable) bs_copy(why, sizeof why, unavailable);
+    else if (n > b->npeers) snprintf(why, sizeof why, "not enough consumers");
+    else rate = bench_pump(b, n, share, src, b->opt.pipelined, why, sizeof why);
     if (rate < 0) {
       br_skip(&b->rep, BR_VALUE, "throughput", key, label, why);
       continue;
@@ -271,8 +264,15 @@ static void host_throughput_rows(bench *b) {
     row->n = b->opt.pipelined * n;
     row->higher_is_better = 1;
     bench_pump_note(b, row);
-    if (n > 1) snprintf(row->ratio_key, sizeof row->ratio_key, "host_pipelined_1");
+    if (n > 1) snprintf(row->ratio_key, sizeof row->ratio_key, "%s_pipelined_1", what);
   }
+}
+
+static void host_throughput_rows(bench *b) {
+  tshare_host_buffer *buf = NULL;
+  tshare_error err;
+  int have = tshare_host_buffer_create(1u << 20, "bench", &buf, &err) == TSHARE_OK;
+  bench_throughput_rows(b, "host", share_host_small, buf, have ? NULL : err.message);
   tshare_host_buffer_destroy(buf);
 }
 
@@ -295,11 +295,7 @@ static int share_host_random(tshare_channel *ch, void *src, int lane, uint64_t *
   return tshare_share_host(ch, buf, &d, NULL, NULL, BENCH_TIMEOUT_MS, id);
 }
 
-static void memory_rows_from(bench *b, const char *prefix, const char *what, double before, double after,
-                             const char *unit) {
-  char key[48], label[80];
-  snprintf(key, sizeof key, "%s_%s", prefix, what);
-  snprintf(label, sizeof label, "%s: %s", strncmp(prefix, "host", 4) == 0 ? "host" : "cuda", what);
+void bench_memory_row(bench *b, const char *key, const char *label, double before, double after, const char *unit) {
   br_row *row = br_add(&b->rep, BR_MEMORY, "memory", key, label, unit);
   row->before = before;
   row->value = after;
@@ -338,12 +334,14 @@ static void host_memory_rows(bench *b) {
     br_skip(&b->rep, BR_MEMORY, "memory", "host_memory", "host: memory", why);
     return;
   }
-  memory_rows_from(b, "host", "producer open fds", (double)fds0, (double)fds1, "");
-  memory_rows_from(b, "host", "producer RSS", (double)rss0, (double)rss1, "KiB");
-  memory_rows_from(b, "host", "consumer open fds", bp_field(before, "fds"), bp_field(after, "fds"), "");
-  memory_rows_from(b, "host", "consumer RSS", bp_field(before, "rss_kib"), bp_field(after, "rss_kib"), "KiB");
-  memory_rows_from(b, "host", "consumer mappings", bp_field(before, "host_mappings"), bp_field(after, "host_mappings"),
+  bench_memory_row(b, "host_producer_fds", "host: producer open fds", (double)fds0, (double)fds1, "");
+  bench_memory_row(b, "host_producer_rss", "host: producer RSS", (double)rss0, (double)rss1, "KiB");
+  bench_memory_row(b, "host_consumer_fds", "host: consumer open fds", bp_field(before, "fds"), bp_field(after, "fds"),
                    "");
+  bench_memory_row(b, "host_consumer_rss", "host: consumer RSS", bp_field(before, "rss_kib"),
+                   bp_field(after, "rss_kib"), "KiB");
+  bench_memory_row(b, "host_consumer_mappings", "host: consumer mappings", bp_field(before, "host_mappings"),
+                   bp_field(after, "host_mappings"), "");
 }
 
 void bench_host(bench *b) {

@@ -67,31 +67,25 @@ struct ts_cuda_chan {
 
 /* Every event tshare creates, opens or destroys goes through these, so the
  * statistics show how many it holds (a stream of shares must not grow it). */
-static CUresult event_create(const ts_cuda_api *cu, CUevent *ev, unsigned flags) {
-  CUresult rc = cu->cuEventCreate(ev, flags);
+static CUresult count_event(CUresult rc, int delta) {
   if (rc == CUDA_SUCCESS) {
     pthread_mutex_lock(&ts_cuda_lock);
-    ts_cuda_counters.events++;
+    ts_cuda_counters.events += (uint64_t)(int64_t)delta;
     pthread_mutex_unlock(&ts_cuda_lock);
   }
   return rc;
+}
+
+static CUresult event_create(const ts_cuda_api *cu, CUevent *ev, unsigned flags) {
+  return count_event(cu->cuEventCreate(ev, flags), 1);
 }
 
 static CUresult event_open(const ts_cuda_api *cu, CUevent *ev, CUipcEventHandle h) {
-  CUresult rc = cu->cuIpcOpenEventHandle(ev, h);
-  if (rc == CUDA_SUCCESS) {
-    pthread_mutex_lock(&ts_cuda_lock);
-    ts_cuda_counters.events++;
-    pthread_mutex_unlock(&ts_cuda_lock);
-  }
-  return rc;
+  return count_event(cu->cuIpcOpenEventHandle(ev, h), 1);
 }
 
 static void event_destroy(const ts_cuda_api *cu, CUevent ev) {
-  cu->cuEventDestroy(ev);
-  pthread_mutex_lock(&ts_cuda_lock);
-  ts_cuda_counters.events--;
-  pthread_mutex_unlock(&ts_cuda_lock);
+  (void)count_event(cu->cuEventDestroy(ev), -1);
 }
 
 /* u64map keys must be nonzero; a buffer id of 0 is not ruled out. */

@@ -23,12 +23,16 @@
  * work that wrote the tensor; the consumer's stream waits on it, so neither
  * side syncs the host on the hot path. Events come from a per-channel pool,
  * each announced once; a slot is reused only after its share was released.
+ * Where the stream has no work left when the share is made, no event is
+ * needed and none is sent; a consumer skips the wait on one that has already
+ * completed.
  *
  * Consumer. tshare_view_recv_stream() maps the allocation (once per process
  * and producer allocation, cached) on the device whose UUID the producer
  * named, whatever CUDA_VISIBLE_DEVICES says, and makes the stream wait on the
  * producer's event. A view released with tshare_view_release() is given back
- * once the work queued on that stream before the release has finished.
+ * once the work queued on that stream before the release has finished (at
+ * once when the stream is idle).
  *
  * The zeroing bug. Some drivers (Windows and WSL2) zero an allocation when
  * cudaIpcGetMemHandle is called after data was written to it. The export

@@ -9,11 +9,14 @@
  * Consumer: tshare_view_recv() takes the next share and maps its memory. Each
  * allocation is mapped once per channel however many shares point into it
  * (keyed by the producer's allocation id and checked against the fd's inode);
- * it is unmapped when its last view is released. tshare_view_release() sends
- * the release frame; it is safe from any thread and never blocks: if the
- * channel cannot take the frame right now, it is queued and sent by the next
- * call that drives the channel (or by close). A view's memory is the
- * producer's: writes through a view are visible to the producer.
+ * it is unmapped when its last view is released. tshare_view_release() is
+ * safe from any thread and never blocks: it queues the release, which goes
+ * out when the channel is next driven (tshare_view_recv(), poll, wait, bye or
+ * close; at once if a thread is blocked in one of them). Releases queued
+ * while further shares are already buffered go out together, one frame per
+ * batch. A consumer that stops receiving should call tshare_channel_poll()
+ * (timeout 0) after its last release. A view's memory is the producer's:
+ * writes through a view are visible to the producer.
  *
  * Either end of a channel may share and receive.
  */
