@@ -44,7 +44,7 @@ typedef struct br_target {
 #define BR_TARGETS_MAX 16
 
 typedef struct br_report {
-  char title[200];
+  char title[320];
   char device[240]; /* "NVIDIA H100 80GB HBM3, driver 580.159.04" or "no GPU: ..." */
   br_row rows[BR_ROWS_MAX];
   int nrows;
