@@ -270,12 +270,10 @@ static void bandwidth_rows(bench *b) {
     snprintf(local->label, sizeof local->label, "consumer kernel reads %s, local allocation", what);
     local->value = bp_field(reply, "local_gbs");
     local->n = reps;
-    local->higher_is_better = 1;
     br_row *shared = br_add(&b->rep, BR_VALUE, "bandwidth", "bw_shared", "", "GB/s");
     snprintf(shared->label, sizeof shared->label, "consumer kernel reads %s, tshare zero copy", what);
     shared->value = bp_field(reply, "shared_gbs");
     shared->n = reps;
-    shared->higher_is_better = 1;
     snprintf(shared->ratio_key, sizeof shared->ratio_key, "bw_local");
     snprintf(shared->note, sizeof shared->note, "the same sum on both: %s",
              bp_field(reply, "same") == 1 ? "yes" : "NO");

@@ -262,7 +262,6 @@ void bench_throughput_rows(bench *b, const char *what, bench_share_fn share, voi
     br_row *row = br_add(&b->rep, BR_VALUE, "throughput", key, label, "shares/s");
     row->value = rate;
     row->n = b->opt.pipelined * n;
-    row->higher_is_better = 1;
     bench_pump_note(b, row);
     if (n > 1) snprintf(row->ratio_key, sizeof row->ratio_key, "%s_pipelined_1", what);
   }

@@ -122,6 +122,32 @@ void br_print(const br_report *r, FILE *out) {
   fprintf(out, "\n");
 }
 
+/* The fields of a row, in the order both files list them. */
+typedef struct field {
+  const char *name;
+  const char *str; /* NULL: a number */
+  double num;
+} field;
+
+#define ROW_FIELDS 13
+
+static void row_fields(const br_report *r, const br_row *row, field out[ROW_FIELDS]) {
+  field f[ROW_FIELDS] = {{"group", row->group, 0},
+                         {"key", row->key, 0},
+                         {"label", row->label, 0},
+                         {"unit", row->unit, 0},
+                         {"value", NULL, row->value},
+                         {"p99", NULL, row->p99},
+                         {"before", NULL, row->before},
+                         {"n", NULL, (double)row->n},
+                         {"vs_floor", NULL, ratio_to(r, row, row->floor_key, 0)},
+                         {"peer_over_this", NULL, ratio_to(r, row, row->peer_key, 1)},
+                         {"ratio", NULL, ratio_to(r, row, row->ratio_key, 0)},
+                         {"skipped", row->skipped, 0},
+                         {"note", row->note, 0}};
+  memcpy(out, f, sizeof f);
+}
+
 static void json_str(FILE *f, const char *s) {
   fputc('"', f);
   for (; *s; s++) {
@@ -135,7 +161,7 @@ static void json_str(FILE *f, const char *s) {
 
 static void json_num(FILE *f, double v) {
   if (isnan(v) || isinf(v)) fprintf(f, "null");
-  else fprintf(f, "%.6g", v);
+  else fprintf(f, "%.10g", v);
 }
 
 int br_write_json(const br_report *r, const char *path) {
@@ -147,31 +173,13 @@ int br_write_json(const br_report *r, const char *path) {
   json_str(f, r->device);
   fprintf(f, ",\n  \"rows\": [\n");
   for (int i = 0; i < r->nrows; i++) {
-    const br_row *row = &r->rows[i];
-    fprintf(f, "    {\"group\": ");
-    json_str(f, row->group);
-    fprintf(f, ", \"key\": ");
-    json_str(f, row->key);
-    fprintf(f, ", \"label\": ");
-    json_str(f, row->label);
-    fprintf(f, ", \"unit\": ");
-    json_str(f, row->unit);
-    fprintf(f, ", \"value\": ");
-    json_num(f, row->value);
-    fprintf(f, ", \"p99\": ");
-    json_num(f, row->p99);
-    fprintf(f, ", \"before\": ");
-    json_num(f, row->before);
-    fprintf(f, ", \"n\": %ld, \"vs_floor\": ", row->n);
-    json_num(f, ratio_to(r, row, row->floor_key, 0));
-    fprintf(f, ", \"peer_over_this\": ");
-    json_num(f, ratio_to(r, row, row->peer_key, 1));
-    fprintf(f, ", \"ratio\": ");
-    json_num(f, ratio_to(r, row, row->ratio_key, 0));
-    fprintf(f, ", \"skipped\": ");
-    json_str(f, row->skipped);
-    fprintf(f, ", \"note\": ");
-    json_str(f, row->note);
+    field fields[ROW_FIELDS];
+    row_fields(r, &r->rows[i], fields);
+    for (int k = 0; k < ROW_FIELDS; k++) {
+      fprintf(f, "%s\"%s\": ", k ? ", " : "    {", fields[k].name);
+      if (fields[k].str) json_str(f, fields[k].str);
+      else json_num(f, fields[k].num);
+    }
     fprintf(f, "}%s\n", i + 1 < r->nrows ? "," : "");
   }
   fprintf(f, "  ],\n  \"targets\": [\n");
@@ -196,39 +204,22 @@ static void csv_str(FILE *f, const char *s) {
   fputc('"', f);
 }
 
-static void csv_num(FILE *f, double v) {
-  if (!isnan(v) && !isinf(v)) fprintf(f, "%.6g", v);
-}
-
 int br_write_csv(const br_report *r, const char *path) {
   FILE *f = fopen(path, "w");
   if (!f) return -1;
-  fprintf(f, "group,key,label,unit,value,p99,before,n,vs_floor,peer_over_this,ratio,skipped,note\n");
+  field fields[ROW_FIELDS];
+  br_row none;
+  memset(&none, 0, sizeof none);
+  row_fields(r, &none, fields);
+  for (int k = 0; k < ROW_FIELDS; k++) fprintf(f, "%s%s", k ? "," : "", fields[k].name);
+  fputc('\n', f);
   for (int i = 0; i < r->nrows; i++) {
-    const br_row *row = &r->rows[i];
-    csv_str(f, row->group);
-    fputc(',', f);
-    csv_str(f, row->key);
-    fputc(',', f);
-    csv_str(f, row->label);
-    fputc(',', f);
-    csv_str(f, row->unit);
-    fputc(',', f);
-    csv_num(f, row->value);
-    fputc(',', f);
-    csv_num(f, row->p99);
-    fputc(',', f);
-    csv_num(f, row->before);
-    fprintf(f, ",%ld,", row->n);
-    csv_num(f, ratio_to(r, row, row->floor_key, 0));
-    fputc(',', f);
-    csv_num(f, ratio_to(r, row, row->peer_key, 1));
-    fputc(',', f);
-    csv_num(f, ratio_to(r, row, row->ratio_key, 0));
-    fputc(',', f);
-    csv_str(f, row->skipped);
-    fputc(',', f);
-    csv_str(f, row->note);
+    row_fields(r, &r->rows[i], fields);
+    for (int k = 0; k < ROW_FIELDS; k++) {
+      if (k) fputc(',', f);
+      if (fields[k].str) csv_str(f, fields[k].str);
+      else if (!isnan(fields[k].num) && !isinf(fields[k].num)) fprintf(f, "%.10g", fields[k].num);
+    }
     fputc('\n', f);
   }
   return fclose(f) == 0 ? 0 : -1;

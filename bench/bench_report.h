@@ -29,7 +29,6 @@ typedef struct br_row {
   char floor_key[48];  /* latency: value / floor's value */
   char peer_key[48];   /* latency: peer's value / value ("x faster") */
   char ratio_key[48];  /* value / that row's value */
-  int higher_is_better;
   char skipped[200];   /* non-empty: not measured, and why */
   char note[200];
 } br_row;
