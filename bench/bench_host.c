@@ -452,7 +452,7 @@ int bench_host_consumer(tshare_channel *ch, const char *cmd, char *reply, size_t
     tshare_cuda_export_stats st;
     tshare_cuda_stats(&st);
     snprintf(reply, cap, "fds=%ld rss_kib=%ld host_mappings=%ld cuda_mappings=%lld events=%llu", bs_open_fds(),
-             bs_rss_kib(), count_memfd_maps(), (long long)(st.imports - st.import_closes),
+             bs_rss_kib(), count_memfd_maps(), (long long)(st.imports + st.fd_imports - st.import_closes),
              (unsigned long long)st.events);
     return 0;
   }

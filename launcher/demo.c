@@ -189,7 +189,12 @@ int demo_producer_main(int tensors, bool cuda) {
 #endif
   for (int s = 0; s < 2; s++) {
     if (cuda) {
-      rc = tshare_cuda_buffer_create(0, SEGMENT_BYTES, &dseg[s], &err);
+      /* fd capabilities travel only on sockets; pipes get legacy handles */
+      rc = tshare_cuda_buffer_create_kind(0, SEGMENT_BYTES,
+                                          tshare_channel_kind_of(ch[0]) == TSHARE_CHANNEL_PIPES
+                                              ? TSHARE_CUDA_HANDLE_LEGACY
+                                              : TSHARE_CUDA_HANDLE_AUTO,
+                                          &dseg[s], &err);
       staging[s] = calloc(1, SEGMENT_BYTES);
       if (rc == TSHARE_OK && !staging[s]) rc = TSHARE_E_NOMEM;
     } else {

@@ -61,6 +61,19 @@
   X(cuStreamWaitEvent, CUresult, (CUstream, CUevent, unsigned int))                                                   \
   X(cuStreamSynchronize, CUresult, (CUstream))                                                                        \
   X(cuStreamQuery, CUresult, (CUstream))                                                                              \
+  X(cuDeviceGetAttribute, CUresult, (int *, CUdevice_attribute, CUdevice))                                            \
+  X(cuMemGetAllocationGranularity, CUresult,                                                                          \
+    (size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags))                                        \
+  X(cuMemCreate, CUresult, (CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long)) \
+  X(cuMemRelease, CUresult, (CUmemGenericAllocationHandle))                                                           \
+  X(cuMemAddressReserve, CUresult, (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))                  \
+  X(cuMemAddressFree, CUresult, (CUdeviceptr, size_t))                                                                \
+  X(cuMemMap, CUresult, (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long))              \
+  X(cuMemUnmap, CUresult, (CUdeviceptr, size_t))                                                                      \
+  X(cuMemSetAccess, CUresult, (CUdeviceptr, size_t, const CUmemAccessDesc *, size_t))                                 \
+  X(cuMemExportToShareableHandle, CUresult,                                                                           \
+    (void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType, unsigned long long))                            \
+  X(cuMemImportFromShareableHandle, CUresult, (CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType))    \
   X(cuModuleLoadData, CUresult, (CUmodule *, const void *))                                                           \
   X(cuModuleGetFunction, CUresult, (CUfunction *, CUmodule, const char *))                                            \
   X(cuLaunchKernel, CUresult,                                                                                         \

@@ -32,8 +32,9 @@ typedef enum ts_gpu_wait {
 #define TS_GPU_SPIN_US 200
 int ts_cuda_flush(tshare_channel *ch, int timeout_ms, ts_gpu_wait *gpu_wait);
 
-/* Map a CUDA share into view v (consumer side). */
-int ts_cuda_import(tshare_channel *ch, const tshare_frame *f, void *stream, struct tshare_view *v);
+/* Map a CUDA share into view v (consumer side). *fdp is the fd that came with
+ * the frame (VMM memory) or -1; a new mapping takes it and sets *fdp to -1. */
+int ts_cuda_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, struct tshare_view *v);
 
 /* Share (part of) received CUDA view v on ch; desc->byte_offset is relative to
  * the producer's allocation and already checked. e is consumed. */

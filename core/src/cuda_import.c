@@ -10,6 +10,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 struct ts_cuda_mapping {
   uint32_t origin_pid;
@@ -17,6 +18,7 @@ struct ts_cuda_mapping {
   CUcontext ctx;
   CUdeviceptr ptr;
   size_t size;
+  int fd; /* VMM memory: the fd it was imported from, else -1 */
   size_t views;
   bool keep_idle; /* the owner sends a retire notice before it frees */
   bool gone;      /* the owner retired it or went away: close at the last view */
@@ -42,9 +44,15 @@ static void close_locked(ts_cuda_mapping *imp) {
   if (*pp) *pp = imp->next;
   const ts_cuda_api *cu = ts_cuda_if_loaded();
   if (cu && ts_cuda_push(imp->ctx)) {
-    cu->cuIpcCloseMemHandle(imp->ptr);
+    if (imp->fd >= 0) {
+      cu->cuMemUnmap(imp->ptr, imp->size);
+      cu->cuMemAddressFree(imp->ptr, imp->size);
+    } else {
+      cu->cuIpcCloseMemHandle(imp->ptr);
+    }
     ts_cuda_pop();
   }
+  if (imp->fd >= 0) close(imp->fd);
   ts_cuda_counters.import_closes++;
   free(imp);
 }
@@ -65,7 +73,37 @@ static void trim_locked(void) {
   }
 }
 
-int ts_cuda_import_get(uint32_t origin_pid, uint64_t alloc_id, CUcontext ctx, const CUipcMemHandle *handle,
+/* Map VMM memory from its fd: import, reserve, map, grant this context's
+ * device access. The mapping holds the physical memory: it stays valid even
+ * after its owner released it, until it is unmapped here. */
+static CUresult vmm_map(const ts_cuda_api *cu, int fd, size_t size, CUdeviceptr *ptr) {
+  CUdevice dev;
+  CUmemGenericAllocationHandle h;
+  CUresult rc = cu->cuCtxGetDevice(&dev);
+  if (rc != CUDA_SUCCESS ||
+      (rc = cu->cuMemImportFromShareableHandle(&h, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) !=
+          CUDA_SUCCESS)
+    return rc;
+  bool reserved = false;
+  if ((rc = cu->cuMemAddressReserve(ptr, size, 0, 0, 0)) == CUDA_SUCCESS) {
+    reserved = true;
+    rc = cu->cuMemMap(*ptr, size, 0, h, 0);
+  }
+  cu->cuMemRelease(h); /* the mapping keeps the memory */
+  if (rc == CUDA_SUCCESS) {
+    CUmemAccessDesc access;
+    memset(&access, 0, sizeof access);
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = (int)dev;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    rc = cu->cuMemSetAccess(*ptr, size, &access, 1);
+    if (rc != CUDA_SUCCESS) cu->cuMemUnmap(*ptr, size);
+  }
+  if (rc != CUDA_SUCCESS && reserved) cu->cuMemAddressFree(*ptr, size);
+  return rc;
+}
+
+int ts_cuda_import_get(uint32_t origin_pid, uint64_t alloc_id, CUcontext ctx, const CUipcMemHandle *handle, int *fdp,
                        size_t size, bool keep_idle, ts_cuda_mapping **out, char *err, size_t cap) {
   *out = NULL;
   int status = TSHARE_OK;
@@ -89,8 +127,10 @@ int ts_cuda_import_get(uint32_t origin_pid, uint64_t alloc_id, CUcontext ctx, co
       return ts_errf(err, cap, TSHARE_E_NOMEM, "import: out of memory");
     }
     CUresult rc = CUDA_ERROR_INVALID_CONTEXT;
+    bool vmm = fdp && *fdp >= 0;
     if (ts_cuda_push(ctx)) {
-      rc = cu->cuIpcOpenMemHandle(&imp->ptr, *handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+      rc = vmm ? vmm_map(cu, *fdp, size, &imp->ptr)
+               : cu->cuIpcOpenMemHandle(&imp->ptr, *handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
       ts_cuda_pop();
     }
     if (rc != CUDA_SUCCESS) {
@@ -101,7 +141,14 @@ int ts_cuda_import_get(uint32_t origin_pid, uint64_t alloc_id, CUcontext ctx, co
                        "import: this GPU cannot map the producer's GPU memory: peer access between them is not "
                        "possible (%s)",
                        ts_cuda_strerror(rc));
-      return ts_cuda_fail(err, cap, "import: cudaIpcOpenMemHandle", rc);
+      return ts_cuda_fail(err, cap, vmm ? "import: mapping the VMM fd" : "import: cudaIpcOpenMemHandle", rc);
+    }
+    imp->fd = vmm ? *fdp : -1;
+    if (vmm) {
+      *fdp = -1;
+      ts_cuda_counters.fd_imports++;
+    } else {
+      ts_cuda_counters.imports++;
     }
     imp->origin_pid = origin_pid;
     imp->alloc_id = alloc_id;
@@ -109,7 +156,6 @@ int ts_cuda_import_get(uint32_t origin_pid, uint64_t alloc_id, CUcontext ctx, co
     imp->size = size;
     imp->next = imports;
     imports = imp;
-    ts_cuda_counters.imports++;
   }
   imp->keep_idle = keep_idle;
   imp->views++;
@@ -120,6 +166,7 @@ int ts_cuda_import_get(uint32_t origin_pid, uint64_t alloc_id, CUcontext ctx, co
 }
 
 CUdeviceptr ts_cuda_import_ptr(const ts_cuda_mapping *imp) { return imp->ptr; }
+int ts_cuda_import_fd(const ts_cuda_mapping *imp) { return imp->fd; }
 
 void ts_cuda_import_put(ts_cuda_mapping *imp) {
   pthread_mutex_lock(&ts_cuda_lock);

@@ -35,7 +35,8 @@ typedef struct ts_cuda_export {
   int ordinal;
   CUcontext ctx;
   uint8_t uuid[16];
-  CUipcMemHandle handle;
+  CUipcMemHandle handle; /* legacy memory */
+  int fd;                /* VMM memory: its POSIX-fd capability (kept by its owner), else -1 */
 } ts_cuda_export;
 
 /* Find the allocation holding ptr and its handle, exporting it (guarded when
@@ -61,10 +62,13 @@ bool ts_cuda_alloc_unused(const ts_cuda_alloc *a); /* only peer references left 
 typedef struct ts_cuda_mapping ts_cuda_mapping;
 
 /* Open (or reuse) the mapping of an allocation of process origin_pid in ctx.
+ * Legacy memory comes as handle; VMM memory as *fdp >= 0 (a new mapping
+ * keeps that fd, so views can be shared on, and sets *fdp to -1).
  * keep_idle: it may stay open with no view (the owner announces retirement). */
-int ts_cuda_import_get(uint32_t origin_pid, uint64_t alloc_id, CUcontext ctx, const CUipcMemHandle *handle,
+int ts_cuda_import_get(uint32_t origin_pid, uint64_t alloc_id, CUcontext ctx, const CUipcMemHandle *handle, int *fdp,
                        size_t size, bool keep_idle, ts_cuda_mapping **out, char *err, size_t cap);
 CUdeviceptr ts_cuda_import_ptr(const ts_cuda_mapping *imp);
+int ts_cuda_import_fd(const ts_cuda_mapping *imp); /* VMM: the capability the mapping came with; else -1 */
 void ts_cuda_import_put(ts_cuda_mapping *imp); /* a view is gone */
 
 /* The owner says the allocation goes away; true if nothing maps it any more. */

@@ -2,9 +2,11 @@
 #include "cuda_internal.h"
 #include "error_detail.h"
 
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define SLAB_ALIGN 256             /* what cudaMalloc guarantees: any dtype, vector loads */
 #define EXPORT_CACHE_MAX 1024      /* allocations whose handle is remembered */
@@ -15,7 +17,8 @@ typedef struct range {
 } range;
 
 struct ts_cuda_alloc {
-  ts_cuda_export x;
+  ts_cuda_export x; /* x.fd >= 0: VMM memory, x.size rounded to the granularity */
+  CUmemGenericAllocationHandle mem; /* VMM: the physical allocation */
   size_t refs;      /* buffers in it, the slab handle; under ts_cuda_lock */
   size_t peer_refs; /* channels whose peer may keep it mapped */
   bool is_slab;
@@ -117,6 +120,7 @@ int ts_cuda_export_of(CUdeviceptr ptr, ts_cuda_export *out, char *err, size_t ca
   ts_cuda_export x;
   memset(&x, 0, sizeof x);
   x.ctx = ctx;
+  x.fd = -1;
   unsigned long long id = 0;
   int ordinal = -1;
   CUuuid uuid;
@@ -165,7 +169,108 @@ out:
 
 /* ---- owned allocations ---------------------------------------------------- */
 
-static int alloc_create(int device, size_t size, bool slab, ts_cuda_alloc **out, tshare_error *err) {
+/* ---- how owned memory travels -------------------------------------------- */
+
+static int handle_policy = -1; /* tshare_cuda_handle_kind; -1: not yet read from the environment */
+
+void tshare_cuda_set_handle_kind(tshare_cuda_handle_kind kind) {
+  pthread_mutex_lock(&ts_cuda_lock);
+  handle_policy = kind;
+  pthread_mutex_unlock(&ts_cuda_lock);
+}
+
+static tshare_cuda_handle_kind default_handle_kind(void) {
+  pthread_mutex_lock(&ts_cuda_lock);
+  if (handle_policy < 0) {
+    const char *env = getenv("TSHARE_CUDA_HANDLES");
+    handle_policy = TSHARE_CUDA_HANDLE_AUTO;
+    if (env && strcmp(env, "fd") == 0) handle_policy = TSHARE_CUDA_HANDLE_FD;
+    if (env && strcmp(env, "legacy") == 0) handle_policy = TSHARE_CUDA_HANDLE_LEGACY;
+  }
+  tshare_cuda_handle_kind k = (tshare_cuda_handle_kind)handle_policy;
+  pthread_mutex_unlock(&ts_cuda_lock);
+  return k;
+}
+
+/* The VMM calls and POSIX-fd export both have to be there. */
+static bool device_exports_fds(const ts_cuda_api *cu, CUdevice dev) {
+  int vmm = 0, fds = 0;
+  return cu->cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev) ==
+             CUDA_SUCCESS &&
+         vmm &&
+         cu->cuDeviceGetAttribute(&fds, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev) ==
+             CUDA_SUCCESS &&
+         fds;
+}
+
+int tshare_cuda_fd_handles_supported(int device) {
+  int status = TSHARE_OK;
+  char err[TSHARE_ERROR_MSG_MAX];
+  const ts_cuda_api *cu = ts_cuda_require(err, sizeof err, &status);
+  if (!cu) return status;
+  CUdevice dev;
+  if (device < 0 || device >= tshare_cuda_device_count() || cu->cuDeviceGet(&dev, device) != CUDA_SUCCESS)
+    return TSHARE_E_INVALID_ARG;
+  return device_exports_fds(cu, dev) ? 1 : 0;
+}
+
+/* Physical memory, mapped read-write for its device and exported as an fd:
+ * the fd is a capability, so only processes it is sent to can map it. Sizes
+ * are rounded up to the allocation granularity (2 MiB on current GPUs). */
+static CUresult vmm_create(const ts_cuda_api *cu, CUdevice dev, size_t size, ts_cuda_alloc *a) {
+  CUmemAllocationProp prop;
+  memset(&prop, 0, sizeof prop);
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = (int)dev;
+  size_t gran = 0;
+  CUresult rc = cu->cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+  if (rc != CUDA_SUCCESS) return rc;
+  if (gran == 0) gran = 1;
+  size_t rounded = (size + gran - 1) / gran * gran;
+  bool created = false, reserved = false, mapped = false;
+  int fd = -1;
+  if ((rc = cu->cuMemCreate(&a->mem, rounded, &prop, 0)) != CUDA_SUCCESS) goto fail;
+  created = true;
+  if ((rc = cu->cuMemAddressReserve(&a->x.base, rounded, 0, 0, 0)) != CUDA_SUCCESS) goto fail;
+  reserved = true;
+  if ((rc = cu->cuMemMap(a->x.base, rounded, 0, a->mem, 0)) != CUDA_SUCCESS) goto fail;
+  mapped = true;
+  CUmemAccessDesc access;
+  memset(&access, 0, sizeof access);
+  access.location = prop.location;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  if ((rc = cu->cuMemSetAccess(a->x.base, rounded, &access, 1)) != CUDA_SUCCESS ||
+      (rc = cu->cuMemExportToShareableHandle(&fd, a->mem, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)) !=
+          CUDA_SUCCESS)
+    goto fail;
+  fcntl(fd, F_SETFD, FD_CLOEXEC); /* a role spawned by this process must not inherit the capability */
+  a->x.fd = fd;
+  a->x.size = rounded;
+  return CUDA_SUCCESS;
+fail:
+  if (mapped) cu->cuMemUnmap(a->x.base, rounded);
+  if (reserved) cu->cuMemAddressFree(a->x.base, rounded);
+  if (created) cu->cuMemRelease(a->mem);
+  a->x.base = 0;
+  return rc;
+}
+
+static void vmm_free(const ts_cuda_api *cu, ts_cuda_alloc *a) {
+  cu->cuMemUnmap(a->x.base, a->x.size);
+  cu->cuMemAddressFree(a->x.base, a->x.size);
+  cu->cuMemRelease(a->mem); /* the physical memory goes once every importer unmapped it too */
+  close(a->x.fd);
+}
+
+/* ---- owned allocations ---------------------------------------------------- */
+
+static uint64_t vmm_ids; /* under ts_cuda_lock; VMM memory has no driver buffer id */
+#define VMM_ID_BASE ((uint64_t)1 << 62) /* far above the driver's ids, which count up from 1 */
+
+static int alloc_create(int device, size_t size, tshare_cuda_handle_kind kind, bool slab, ts_cuda_alloc **out,
+                        tshare_error *err) {
   char msg[TSHARE_ERROR_MSG_MAX];
   int status = TSHARE_OK;
   *out = NULL;
@@ -175,13 +280,26 @@ static int alloc_create(int device, size_t size, bool slab, ts_cuda_alloc **out,
     status = ts_errf(msg, sizeof msg, TSHARE_E_INVALID_ARG, "cuda buffer: size %zu outside 1..2^48", size);
     goto fail;
   }
+  if (kind != TSHARE_CUDA_HANDLE_AUTO && kind != TSHARE_CUDA_HANDLE_FD && kind != TSHARE_CUDA_HANDLE_LEGACY) {
+    status = ts_errf(msg, sizeof msg, TSHARE_E_INVALID_ARG, "cuda buffer: unknown handle kind %d", (int)kind);
+    goto fail;
+  }
   int count = tshare_cuda_device_count();
   CUcontext ctx = device >= 0 && device < count ? ts_cuda_primary_ctx(device) : NULL;
-  if (!ctx) {
+  CUdevice dev;
+  if (!ctx || cu->cuDeviceGet(&dev, device) != CUDA_SUCCESS) {
     status = ts_errf(msg, sizeof msg, TSHARE_E_INVALID_ARG, "cuda buffer: device %d: this process sees %d device(s)",
                      device, count);
     goto fail;
   }
+  if (kind == TSHARE_CUDA_HANDLE_AUTO) kind = default_handle_kind();
+  bool fds = device_exports_fds(cu, dev);
+  if (kind == TSHARE_CUDA_HANDLE_FD && !fds) {
+    status = ts_errf(msg, sizeof msg, TSHARE_E_UNSUPPORTED,
+                     "cuda buffer: device %d cannot export memory as POSIX fds (CUDA VMM); use legacy handles", device);
+    goto fail;
+  }
+  bool vmm = fds && kind != TSHARE_CUDA_HANDLE_LEGACY;
   ts_cuda_alloc *a = calloc(1, sizeof *a);
   if (!a) {
     status = ts_errf(msg, sizeof msg, TSHARE_E_NOMEM, "cuda buffer: out of memory");
@@ -190,27 +308,34 @@ static int alloc_create(int device, size_t size, bool slab, ts_cuda_alloc **out,
   ts_cuda_push(ctx);
   CUresult rc;
   unsigned long long id = 0;
-  CUdevice dev;
   CUuuid uuid;
   a->x.ctx = ctx;
   a->x.size = size;
   a->x.ordinal = device;
+  a->x.fd = -1;
   /* Exported first, before any byte is written: safe on every driver. */
-  if ((rc = cu->cuMemAlloc(&a->x.base, size)) != CUDA_SUCCESS ||
-      (rc = cu->cuIpcGetMemHandle(&a->x.handle, a->x.base)) != CUDA_SUCCESS ||
-      (rc = cu->cuPointerGetAttribute(&id, CU_POINTER_ATTRIBUTE_BUFFER_ID, a->x.base)) != CUDA_SUCCESS ||
-      (rc = cu->cuDeviceGet(&dev, device)) != CUDA_SUCCESS || (rc = cu->cuDeviceGetUuid(&uuid, dev)) != CUDA_SUCCESS ||
-      (rc = cu->cuMemsetD8(a->x.base, 0, size)) != CUDA_SUCCESS || (rc = cu->cuCtxSynchronize()) != CUDA_SUCCESS) {
-    if (a->x.base) cu->cuMemFree(a->x.base);
+  if (vmm)
+    rc = vmm_create(cu, dev, size, a);
+  else if ((rc = cu->cuMemAlloc(&a->x.base, size)) == CUDA_SUCCESS &&
+           (rc = cu->cuIpcGetMemHandle(&a->x.handle, a->x.base)) == CUDA_SUCCESS)
+    rc = cu->cuPointerGetAttribute(&id, CU_POINTER_ATTRIBUTE_BUFFER_ID, a->x.base);
+  if (rc == CUDA_SUCCESS && (rc = cu->cuDeviceGetUuid(&uuid, dev)) == CUDA_SUCCESS &&
+      (rc = cu->cuMemsetD8(a->x.base, 0, a->x.size)) == CUDA_SUCCESS)
+    rc = cu->cuCtxSynchronize();
+  if (rc != CUDA_SUCCESS) {
+    if (a->x.fd >= 0)
+      vmm_free(cu, a);
+    else if (a->x.base)
+      cu->cuMemFree(a->x.base);
     ts_cuda_pop();
     free(a);
-    char what[64];
-    snprintf(what, sizeof what, "cuda buffer: %zu bytes on device %d", size, device);
+    char what[96];
+    snprintf(what, sizeof what, "cuda buffer: %zu bytes on device %d%s", size, device,
+             vmm ? " (VMM, fd handle)" : "");
     status = ts_cuda_fail(msg, sizeof msg, what, rc);
     goto fail;
   }
   ts_cuda_pop();
-  a->x.buffer_id = id;
   memcpy(a->x.uuid, uuid.bytes, 16);
   a->refs = 1;
   a->is_slab = slab;
@@ -219,19 +344,28 @@ static int alloc_create(int device, size_t size, bool slab, ts_cuda_alloc **out,
     if (!a->free) {
       a->refs = 0;
       ts_cuda_push(ctx);
-      cu->cuMemFree(a->x.base);
+      if (vmm)
+        vmm_free(cu, a);
+      else
+        cu->cuMemFree(a->x.base);
       ts_cuda_pop();
       free(a);
       status = ts_errf(msg, sizeof msg, TSHARE_E_NOMEM, "cuda slab: out of memory");
       goto fail;
     }
-    a->free[0] = (range){0, size};
+    a->free[0] = (range){0, a->x.size};
     a->nfree = a->cap_free = 1;
-    a->free_bytes = size;
+    a->free_bytes = a->x.size;
   }
   pthread_mutex_lock(&ts_cuda_lock);
-  ts_cuda_counters.exports++;
-  cache_put(&a->x);
+  if (vmm) {
+    a->x.buffer_id = VMM_ID_BASE + ++vmm_ids;
+    ts_cuda_counters.fd_exports++;
+  } else {
+    a->x.buffer_id = id;
+    ts_cuda_counters.exports++;
+    cache_put(&a->x); /* the legacy handle also serves tshare_share_cuda() on a pointer into it */
+  }
   pthread_mutex_unlock(&ts_cuda_lock);
   ts_error_fill(err, TSHARE_OK, "");
   *out = a;
@@ -244,11 +378,16 @@ fail:
 /* With ts_cuda_lock held; frees a when nothing holds it any more. */
 static void alloc_maybe_free_locked(ts_cuda_alloc *a) {
   if (a->refs || a->peer_refs) return;
-  cache_remove(a->x.base);
   const ts_cuda_api *cu = ts_cuda_if_loaded();
+  if (a->x.fd < 0) cache_remove(a->x.base);
   if (cu && ts_cuda_push(a->x.ctx)) {
-    cu->cuMemFree(a->x.base);
+    if (a->x.fd >= 0)
+      vmm_free(cu, a);
+    else
+      cu->cuMemFree(a->x.base);
     ts_cuda_pop();
+  } else if (a->x.fd >= 0) {
+    close(a->x.fd);
   }
   free(a->free);
   free(a);
@@ -284,6 +423,11 @@ bool ts_cuda_alloc_unused(const ts_cuda_alloc *a) {
 /* ---- buffers ------------------------------------------------------------- */
 
 int tshare_cuda_buffer_create(int device, size_t size, tshare_cuda_buffer **out, tshare_error *err) {
+  return tshare_cuda_buffer_create_kind(device, size, TSHARE_CUDA_HANDLE_AUTO, out, err);
+}
+
+int tshare_cuda_buffer_create_kind(int device, size_t size, tshare_cuda_handle_kind kind, tshare_cuda_buffer **out,
+                                   tshare_error *err) {
   if (!out) return TSHARE_E_INVALID_ARG;
   *out = NULL;
   tshare_cuda_buffer *b = calloc(1, sizeof *b);
@@ -291,7 +435,7 @@ int tshare_cuda_buffer_create(int device, size_t size, tshare_cuda_buffer **out,
     ts_error_fill(err, TSHARE_E_NOMEM, "cuda buffer: out of memory");
     return TSHARE_E_NOMEM;
   }
-  int rc = alloc_create(device, size, false, &b->alloc, err);
+  int rc = alloc_create(device, size, kind, false, &b->alloc, err);
   if (rc != TSHARE_OK) {
     free(b);
     return rc;
@@ -307,6 +451,9 @@ void *tshare_cuda_buffer_ptr(const tshare_cuda_buffer *b) {
 }
 size_t tshare_cuda_buffer_size(const tshare_cuda_buffer *b) { return b ? b->size : 0; }
 int tshare_cuda_buffer_device(const tshare_cuda_buffer *b) { return b ? b->alloc->x.ordinal : -1; }
+int tshare_cuda_buffer_mem_kind(const tshare_cuda_buffer *b) {
+  return !b ? 0 : b->alloc->x.fd >= 0 ? TSHARE_MEM_CUDA_FD : TSHARE_MEM_CUDA_IPC;
+}
 ts_cuda_alloc *ts_cuda_buffer_alloc(const tshare_cuda_buffer *b) { return b->alloc; }
 size_t ts_cuda_buffer_offset(const tshare_cuda_buffer *b) { return b->offset; }
 
@@ -365,6 +512,11 @@ void ts_cuda_buffer_release_cb(void *b) { tshare_cuda_buffer_release(b); }
 /* ---- slabs --------------------------------------------------------------- */
 
 int tshare_cuda_slab_create(int device, size_t size, tshare_cuda_slab **out, tshare_error *err) {
+  return tshare_cuda_slab_create_kind(device, size, TSHARE_CUDA_HANDLE_AUTO, out, err);
+}
+
+int tshare_cuda_slab_create_kind(int device, size_t size, tshare_cuda_handle_kind kind, tshare_cuda_slab **out,
+                                 tshare_error *err) {
   if (!out) return TSHARE_E_INVALID_ARG;
   *out = NULL;
   tshare_cuda_slab *s = calloc(1, sizeof *s);
@@ -372,7 +524,7 @@ int tshare_cuda_slab_create(int device, size_t size, tshare_cuda_slab **out, tsh
     ts_error_fill(err, TSHARE_E_NOMEM, "cuda slab: out of memory");
     return TSHARE_E_NOMEM;
   }
-  int rc = alloc_create(device, size, true, &s->alloc, err);
+  int rc = alloc_create(device, size, kind, true, &s->alloc, err);
   if (rc != TSHARE_OK) {
     free(s);
     return rc;

@@ -44,6 +44,25 @@ int tshare_cuda_buffer_create(int device, size_t size, tshare_cuda_buffer **out,
   if (out) *out = NULL;
   return tshare_cuda_init(err);
 }
+int tshare_cuda_buffer_create_kind(int device, size_t size, tshare_cuda_handle_kind kind, tshare_cuda_buffer **out,
+                                   tshare_error *err) {
+  (void)kind;
+  return tshare_cuda_buffer_create(device, size, out, err);
+}
+int tshare_cuda_slab_create_kind(int device, size_t size, tshare_cuda_handle_kind kind, tshare_cuda_slab **out,
+                                 tshare_error *err) {
+  (void)kind;
+  return tshare_cuda_slab_create(device, size, out, err);
+}
+void tshare_cuda_set_handle_kind(tshare_cuda_handle_kind kind) { (void)kind; }
+int tshare_cuda_fd_handles_supported(int device) {
+  (void)device;
+  return TSHARE_E_UNSUPPORTED;
+}
+int tshare_cuda_buffer_mem_kind(const tshare_cuda_buffer *buf) {
+  (void)buf;
+  return 0;
+}
 void *tshare_cuda_buffer_ptr(const tshare_cuda_buffer *buf) {
   (void)buf;
   return NULL;
@@ -115,8 +134,8 @@ int ts_cuda_flush(tshare_channel *ch, int timeout_ms, ts_gpu_wait *busy) {
   *busy = TS_GPU_IDLE;
   return TSHARE_OK;
 }
-int ts_cuda_import(tshare_channel *ch, const tshare_frame *f, void *stream, struct tshare_view *v) {
-  (void)stream, (void)v;
+int ts_cuda_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, struct tshare_view *v) {
+  (void)fdp, (void)stream, (void)v;
   return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED, "import: share %llu is CUDA memory; %s",
                  (unsigned long long)f->u.share.share_id, NO_CUDA);
 }

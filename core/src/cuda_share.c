@@ -101,7 +101,7 @@ static struct ts_cuda_chan *chan_of(tshare_channel *ch) {
 
 /* ---- hello ---------------------------------------------------------------- */
 
-uint64_t ts_cuda_hello_caps(void) { return TSHARE_CAP_CUDA_IPC; }
+uint64_t ts_cuda_hello_caps(void) { return TSHARE_CAP_CUDA_IPC | TSHARE_CAP_CUDA_FD; }
 
 void ts_cuda_hello_devices(tshare_hello *h) {
   if (!ts_cuda_if_loaded()) return;
@@ -173,15 +173,28 @@ static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, uint64_t
                            int timeout_ms, uint64_t *share_id) {
   struct ts_cuda_chan *c = ch->cuda;
   const ts_cuda_api *cu = ts_cuda_if_loaded();
+  if (x->fd >= 0 && (ch->kind != TSHARE_CHANNEL_SOCKET || !(ch->peer.capabilities & TSHARE_CAP_CUDA_FD))) {
+    ts_export_drop(e);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
+                   "share: this GPU memory travels as an fd capability (CUDA VMM), and %s; create the buffer with "
+                   "TSHARE_CUDA_HANDLE_LEGACY (or TSHARE_CUDA_HANDLES=legacy) for this channel",
+                   ch->kind != TSHARE_CHANNEL_SOCKET ? "a pipe channel cannot carry fds"
+                                                      : "the peer cannot import fd handles");
+  }
   tshare_frame f;
   memset(&f, 0, sizeof f);
   f.type = TSHARE_FRAME_SHARE;
   tshare_share_frame *s = &f.u.share;
   s->alloc_id = x->buffer_id;
-  s->mem_kind = TSHARE_MEM_CUDA_IPC;
   s->device_type = TSHARE_DEVICE_CUDA;
-  s->handle_len = TSHARE_HANDLE_MAX;
-  memcpy(s->handle, x->handle.reserved, TSHARE_HANDLE_MAX);
+  if (x->fd >= 0) {
+    s->mem_kind = TSHARE_MEM_CUDA_FD;
+    f.flags |= TSHARE_FRAME_FLAG_FD_ATTACHED;
+  } else {
+    s->mem_kind = TSHARE_MEM_CUDA_IPC;
+    s->handle_len = TSHARE_HANDLE_MAX;
+    memcpy(s->handle, x->handle.reserved, TSHARE_HANDLE_MAX);
+  }
   memcpy(s->device_uuid, x->uuid, 16);
   s->alloc_size = x->size;
   s->tensor = *desc;
@@ -230,7 +243,7 @@ static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, uint64_t
     ts_export_drop(e);
     return status;
   }
-  return ts_share_send_export(ch, &f, -1, e, timeout_ms, share_id);
+  return ts_share_send_export(ch, &f, x->fd, e, timeout_ms, share_id);
 }
 
 static void no_release(void *owner) { (void)owner; }
@@ -330,6 +343,7 @@ int ts_cuda_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_d
   x.ctx = v->ctx;
   memcpy(x.uuid, v->frame.device_uuid, 16);
   memcpy(x.handle.reserved, v->frame.handle, TSHARE_HANDLE_MAX);
+  x.fd = ts_cuda_import_fd(v->cuda_import);
   uint32_t origin = v->frame.origin_pid ? v->frame.origin_pid : v->ch->peer.pid;
   tshare_tensor_desc rel = *desc; /* desc is relative to the allocation; send_cuda_share adds the offset */
   rel.byte_offset = 0;
@@ -339,7 +353,7 @@ int ts_cuda_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_d
 
 /* ---- consumer ------------------------------------------------------------- */
 
-int ts_cuda_import(tshare_channel *ch, const tshare_frame *f, void *stream, tshare_view *v) {
+int ts_cuda_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v) {
   const tshare_share_frame *s = &f->u.share;
   int status = TSHARE_OK;
   const ts_cuda_api *cu = ts_cuda_require(ch->err, sizeof ch->err, &status);
@@ -391,8 +405,12 @@ int ts_cuda_import(tshare_channel *ch, const tshare_frame *f, void *stream, tsha
   ts_cuda_mapping *imp;
   CUipcMemHandle h;
   memcpy(h.reserved, s->handle, TSHARE_HANDLE_MAX);
-  status = ts_cuda_import_get(origin, s->alloc_id, ctx, &h, (size_t)s->alloc_size, keep_idle, &imp, ch->err,
-                              sizeof ch->err);
+  bool vmm = s->mem_kind == TSHARE_MEM_CUDA_FD;
+  if (vmm && *fdp < 0)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "import: share %llu is CUDA VMM memory without its fd",
+                   (unsigned long long)s->share_id);
+  status = ts_cuda_import_get(origin, s->alloc_id, ctx, &h, vmm ? fdp : NULL, (size_t)s->alloc_size, keep_idle, &imp,
+                              ch->err, sizeof ch->err);
   if (status != TSHARE_OK) return status;
   if (f->flags & TSHARE_FRAME_FLAG_HAS_EVENT) {
     peer_event *pe = c->events && s->event_slot < TSHARE_EVENT_SLOTS_MAX ? &c->events[s->event_slot] : NULL;

@@ -532,12 +532,8 @@ int tshare_view_recv_stream(tshare_channel *ch, void *stream, int timeout_ms, ts
   int rc;
   if (s->mem_kind == TSHARE_MEM_HOST_MEMFD)
     rc = import_host(ch, s, &fd, v);
-  else if (s->mem_kind == TSHARE_MEM_CUDA_IPC)
-    rc = ts_cuda_import(ch, &f, stream, v);
   else
-    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
-                 "import: share %llu is CUDA VMM memory (an fd), which this version cannot import",
-                 (unsigned long long)s->share_id);
+    rc = ts_cuda_import(ch, &f, &fd, stream, v);
   if (fd >= 0) close(fd); /* the mapping has the first fd of its allocation */
   if (rc != TSHARE_OK) {
     free(v);

@@ -78,6 +78,9 @@ int tshare_wire_check_share(const tshare_share_frame *s, const tshare_wire_limit
     if (s->device_type != TSHARE_DEVICE_CUDA)
       return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: CUDA fd memory with device_type %u",
                      (unsigned)s->device_type);
+    if (s->handle_len != 0)
+      return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: CUDA fd memory carries %u handle bytes",
+                     (unsigned)s->handle_len);
     break;
   default:
     return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: unknown mem_kind %u", (unsigned)s->mem_kind);

@@ -1,7 +1,8 @@
 #!/bin/sh
-# compute-sanitizer memcheck over a GPU test, both processes included.
-# Usage: sanitize.sh COMPUTE_SANITIZER TEST_BINARY TEST_NAME
-sanitizer=$1 bin=$2 name=$3
+# compute-sanitizer over a GPU test, every process it starts included.
+# Usage: sanitize.sh COMPUTE_SANITIZER TOOL TEST_BINARY TEST_NAME
+# (TOOL: memcheck, racecheck, synccheck or initcheck)
+sanitizer=$1 tool=$2 bin=$3 name=$4
 "$bin" has_device >/dev/null 2>&1 || { echo "SKIP: no CUDA device"; exit 77; }
 [ -x "$sanitizer" ] || { echo "SKIP: compute-sanitizer not found"; exit 77; }
-exec "$sanitizer" --tool memcheck --target-processes all --error-exitcode 1 "$bin" "$name"
+exec "$sanitizer" --tool "$tool" --target-processes all --error-exitcode 1 "$bin" "$name"

@@ -8,6 +8,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -124,7 +125,7 @@ static int role_checker(const char *arg, tshare_channel *ch, FILE *out) {
   tshare_cuda_export_stats st;
   tshare_cuda_stats(&st);
   fprintf(out, "views=%zu bad=%llu imports=%llu hits=%llu device=%d\n", views, bad_total,
-          (unsigned long long)st.imports, (unsigned long long)st.import_hits, device);
+          (unsigned long long)(st.imports + st.fd_imports), (unsigned long long)st.import_hits, device);
   fflush(out);
   for (size_t i = 0; i < nheld; i++) tshare_view_release(held[i]);
   tshare_channel_poll(ch, 100); /* let the releases go out */
@@ -140,10 +141,24 @@ static int role_unordered(tshare_channel *ch, FILE *out) {
     int rc = tshare_channel_recv_frame(ch, &f, &fd, TIMEOUT);
     if (rc != TSHARE_OK) TS_FAIL("recv: %s", tshare_channel_last_error(ch));
   } while (f.type != TSHARE_FRAME_SHARE);
-  CUipcMemHandle h;
-  memcpy(h.reserved, f.u.share.handle, sizeof h.reserved);
   CUdeviceptr p;
-  CHECK(cu->cuIpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) == CUDA_SUCCESS);
+  size_t size = f.u.share.alloc_size;
+  if (f.u.share.mem_kind == TSHARE_MEM_CUDA_FD) { /* VMM memory: map the fd by hand */
+    CUmemGenericAllocationHandle h;
+    CHECK(fd >= 0);
+    CHECK(cu->cuMemImportFromShareableHandle(&h, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) ==
+          CUDA_SUCCESS);
+    CHECK(cu->cuMemAddressReserve(&p, size, 0, 0, 0) == CUDA_SUCCESS);
+    CHECK(cu->cuMemMap(p, size, 0, h, 0) == CUDA_SUCCESS);
+    CUmemAccessDesc a = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0},
+                         .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    CHECK(cu->cuMemSetAccess(p, size, &a, 1) == CUDA_SUCCESS);
+    cu->cuMemRelease(h);
+  } else {
+    CUipcMemHandle h;
+    memcpy(h.reserved, f.u.share.handle, sizeof h.reserved);
+    CHECK(cu->cuIpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) == CUDA_SUCCESS);
+  }
   CUstream s;
   CHECK(cu->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
   int base, step, n;
@@ -152,7 +167,13 @@ static int role_unordered(tshare_channel *ch, FILE *out) {
   CHECK(ck_count_bad(p + f.u.share.tensor.byte_offset, (size_t)n, base, step, s, &bad) == CUDA_SUCCESS);
   fprintf(out, "bad=%llu\n", bad);
   fflush(out);
-  cu->cuIpcCloseMemHandle(p);
+  if (f.u.share.mem_kind == TSHARE_MEM_CUDA_FD) {
+    cu->cuMemUnmap(p, size);
+    cu->cuMemAddressFree(p, size);
+    close(fd);
+  } else {
+    cu->cuIpcCloseMemHandle(p);
+  }
   return 0;
 }
 
@@ -607,6 +628,86 @@ TS_TEST(forward_to_third) {
   CHECK_EQ(finish(&third), 0);
   tshare_channel_close(ch);
   tshare_cuda_buffer_release(b);
+}
+
+typedef struct pipe_end {
+  int rfd, wfd;
+  tshare_channel *ch;
+} pipe_end;
+
+static void *open_pipe_end(void *arg) {
+  pipe_end *e = arg;
+  tshare_error err;
+  if (tshare_channel_open_pipes(e->rfd, e->wfd, NULL, &e->ch, &err) != TSHARE_OK) e->ch = NULL;
+  return NULL;
+}
+
+/* Owned buffers travel as fd capabilities (CUDA VMM) where the device can
+ * export them; legacy buffers as IPC handles. A pipe refuses an fd buffer
+ * with a reason and carries a legacy one. */
+TS_TEST(fd_capability_handles) {
+  need_gpu(1);
+  if (tshare_cuda_fd_handles_supported(0) != 1) TS_SKIP("device 0 cannot export VMM memory as POSIX fds");
+  tshare_cuda_export_stats st0, st1;
+  tshare_cuda_stats(&st0);
+  tshare_cuda_buffer *fdb, *legacy;
+  tshare_error err;
+  CHECK_RC(tshare_cuda_buffer_create(0, 3u << 20, &fdb, &err), TSHARE_OK, err.message);
+  CHECK_RC(tshare_cuda_buffer_create_kind(0, 1u << 20, TSHARE_CUDA_HANDLE_LEGACY, &legacy, &err), TSHARE_OK,
+           err.message);
+  CHECK_EQ(tshare_cuda_buffer_mem_kind(fdb), TSHARE_MEM_CUDA_FD);
+  CHECK_EQ(tshare_cuda_buffer_mem_kind(legacy), TSHARE_MEM_CUDA_IPC);
+  CHECK_EQ(tshare_cuda_buffer_size(fdb), 3u << 20);
+
+  peer c = start_role("checker", "", NULL, -1, -1);
+  tshare_channel *ch = open_ch(c.channel_fd, "producer");
+  for (int i = 0; i < 4; i++) {
+    tshare_cuda_buffer *b = i < 3 ? fdb : legacy;
+    size_t off = i < 3 ? (size_t)i * (1u << 20) + 4096 : 0;
+    CHECK(ck_fill((CUdeviceptr)(uintptr_t)tshare_cuda_buffer_ptr(b) + off, 8192, 300 * i, 3, NULL) == CUDA_SUCCESS);
+    tshare_tensor_desc d = vec_i32(8192);
+    d.byte_offset = off;
+    char tag[32];
+    snprintf(tag, sizeof tag, "%d 3 8192", 300 * i);
+    CHECK_RC(tshare_share_cuda_buffer(ch, b, &d, NULL, tag, NULL, TIMEOUT, NULL), TSHARE_OK,
+             tshare_channel_last_error(ch));
+  }
+  CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  size_t views;
+  unsigned long long bad, imports, hits;
+  int device;
+  parse_checker(result_line(&c), &views, &bad, &imports, &hits, &device);
+  CHECK_EQ(finish(&c), 0);
+  tshare_channel_close(ch);
+  tshare_cuda_stats(&st1);
+  printf("fd capability: %zu views, %llu wrong, consumer mappings %llu, hits %llu; fd exports %llu\n", views, bad,
+         imports, hits, (unsigned long long)(st1.fd_exports - st0.fd_exports));
+  CHECK_EQ(views, 4);
+  CHECK_EQ(bad, 0);
+  CHECK_EQ(imports, 2); /* the VMM buffer once, the legacy one once */
+  CHECK_EQ(hits, 2);
+  CHECK_EQ(st1.fd_exports - st0.fd_exports, 1);
+
+  int down[2], up[2];
+  CHECK(pipe2(down, O_CLOEXEC) == 0 && pipe2(up, O_CLOEXEC) == 0);
+  pipe_end far = {down[0], up[1], NULL};
+  pthread_t t;
+  CHECK(pthread_create(&t, NULL, open_pipe_end, &far) == 0);
+  tshare_channel *pc;
+  CHECK_RC(tshare_channel_open_pipes(up[0], down[1], NULL, &pc, &err), TSHARE_OK, err.message);
+  pthread_join(t, NULL);
+  CHECK(far.ch != NULL);
+  tshare_tensor_desc d = vec_i32(16);
+  CHECK_EQ(tshare_share_cuda_buffer(pc, fdb, &d, NULL, NULL, NULL, TIMEOUT, NULL), TSHARE_E_UNSUPPORTED);
+  printf("fd buffer on a pipe: %s\n", tshare_channel_last_error(pc));
+  CHECK(strstr(tshare_channel_last_error(pc), "pipe") != NULL);
+  CHECK_RC(tshare_share_cuda_buffer(pc, legacy, &d, NULL, NULL, NULL, TIMEOUT, NULL), TSHARE_OK,
+           tshare_channel_last_error(pc));
+  tshare_channel_close(pc);
+  tshare_channel_close(far.ch);
+  tshare_cuda_buffer_release(fdb);
+  tshare_cuda_buffer_release(legacy);
 }
 
 TS_TEST(guard_report) {

@@ -118,10 +118,11 @@ uint64_t send_cuda(tshare_channel *ch, const at::Tensor &t, const SendOptions &o
   int rc;
   if (t.storage().data() == nullptr) {
     // An empty storage has no allocation to export: a small owned buffer
-    // carries the (empty) layout instead.
+    // carries the (empty) layout instead. Legacy: it holds no data, and a
+    // VMM buffer would round 256 bytes up to 2 MiB.
     tshare_cuda_buffer *buffer = nullptr;
     tshare_error err;
-    rc = tshare_cuda_buffer_create(t.device().index(), 256, &buffer, &err);
+    rc = tshare_cuda_buffer_create_kind(t.device().index(), 256, TSHARE_CUDA_HANDLE_LEGACY, &buffer, &err);
     if (rc != TSHARE_OK) fail(rc, std::string("send (empty CUDA tensor): ") + err.message);
     tshare_tensor_desc d = describe(t, nullptr);
     rc = tshare_share_cuda_buffer(ch, buffer, &d, stream, o.tag.c_str(), nullptr, o.timeout_ms, &id);

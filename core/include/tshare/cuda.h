@@ -8,11 +8,15 @@
  * stream argument is a cudaStream_t / CUstream of the caller (NULL: the
  * device's legacy default stream).
  *
- * Producer. Memory is exported once per allocation with cudaIpcGetMemHandle's
- * driver call and the handle is cached, so a stream of tensors costs one
- * message each. Three ways in:
+ * Producer. Memory is exported once per allocation and the handle is cached,
+ * so a stream of tensors costs one message each. Three ways in:
  *   - owned buffers (tshare_cuda_buffer_create): exported at allocation time,
- *     before any data is written, which is safe on every driver;
+ *     before any data is written, which is safe on every driver. Where the
+ *     device supports it they are CUDA VMM memory exported as a POSIX fd, a
+ *     capability that travels with SCM_RIGHTS and that only its receivers
+ *     can map (socket channels only); otherwise, or when asked for, a legacy
+ *     cudaIpcMemHandle, a bearer token any local process holding its 64
+ *     bytes can map (works over pipes too);
  *   - slabs (tshare_cuda_slab_*): one owned allocation carved into many
  *     buffers, so the consumer opens it once however many tensors pass;
  *   - any device pointer (tshare_share_cuda), e.g. a caching allocator's
@@ -98,6 +102,8 @@ typedef struct tshare_cuda_export_stats {
   uint64_t import_closes;/* mappings closed */
   uint64_t host_syncs;   /* shares sent without an event (stream synchronised instead) */
   uint64_t events;       /* CUDA events tshare holds now (pools, opened peer events, release events) */
+  uint64_t fd_exports;   /* owned allocations made as VMM memory with an fd capability */
+  uint64_t fd_imports;   /* VMM mappings made from a received fd */
 } tshare_cuda_export_stats;
 
 void tshare_cuda_stats(tshare_cuda_export_stats *out);
@@ -110,9 +116,32 @@ void tshare_cuda_set_import_cache_limits(size_t max_idle, size_t max_idle_bytes)
 
 typedef struct tshare_cuda_buffer tshare_cuda_buffer;
 
+/* How an owned allocation travels. */
+typedef enum tshare_cuda_handle_kind {
+  TSHARE_CUDA_HANDLE_AUTO = 0,  /* the process default: TSHARE_CUDA_HANDLES=auto|fd|legacy, else auto, which
+                                   is an fd where the device supports it and legacy elsewhere */
+  TSHARE_CUDA_HANDLE_FD = 1,    /* VMM memory with an fd capability, or TSHARE_E_UNSUPPORTED */
+  TSHARE_CUDA_HANDLE_LEGACY = 2 /* cuMemAlloc memory with a cudaIpcMemHandle (a bearer token) */
+} tshare_cuda_handle_kind;
+
+/* Override TSHARE_CUDA_HANDLES for this process's later allocations. */
+void tshare_cuda_set_handle_kind(tshare_cuda_handle_kind kind);
+
+/* 1 if the device can export VMM memory as POSIX fds, 0 if not, negative
+ * when CUDA is unusable or the ordinal is not a device. */
+int tshare_cuda_fd_handles_supported(int device);
+
 /* Allocate size bytes on device ordinal and export them before anything is
- * written. The memory is zeroed. */
+ * written. The memory is zeroed. VMM allocations are rounded up to the
+ * device's granularity (2 MiB on current GPUs): many small tensors belong in
+ * a slab. */
 int tshare_cuda_buffer_create(int device, size_t size, tshare_cuda_buffer **out, tshare_error *err);
+int tshare_cuda_buffer_create_kind(int device, size_t size, tshare_cuda_handle_kind kind, tshare_cuda_buffer **out,
+                                   tshare_error *err);
+
+/* TSHARE_MEM_CUDA_FD or TSHARE_MEM_CUDA_IPC (wire.h): how buf travels. A
+ * buffer of fd kind needs a socket channel whose peer imports fds. */
+int tshare_cuda_buffer_mem_kind(const tshare_cuda_buffer *buf);
 
 void *tshare_cuda_buffer_ptr(const tshare_cuda_buffer *buf); /* device address */
 size_t tshare_cuda_buffer_size(const tshare_cuda_buffer *buf);
@@ -126,6 +155,8 @@ typedef struct tshare_cuda_slab tshare_cuda_slab;
 
 /* One owned, exported allocation of size bytes, carved into buffers. */
 int tshare_cuda_slab_create(int device, size_t size, tshare_cuda_slab **out, tshare_error *err);
+int tshare_cuda_slab_create_kind(int device, size_t size, tshare_cuda_handle_kind kind, tshare_cuda_slab **out,
+                                 tshare_error *err);
 
 /* A buffer of bytes (rounded up to 256) inside the slab. TSHARE_AGAIN when
  * no free range is large enough now (pieces come back as they are released). */

@@ -71,6 +71,7 @@ typedef enum tshare_frame_type {
 #define TSHARE_CAP_FD_PASSING (1u << 0) /* the channel can carry fds */
 #define TSHARE_CAP_HOST_MEMFD (1u << 1) /* can import host memfd shares */
 #define TSHARE_CAP_CUDA_IPC (1u << 2)   /* can import legacy CUDA IPC shares */
+#define TSHARE_CAP_CUDA_FD (1u << 3)    /* can import CUDA VMM shares whose memory travels as an fd */
 
 /* Share flags (share_flags, minor 1). Unknown bits are ignored. */
 #define TSHARE_SHARE_FLAG_RETIRE_NOTICE (1u << 0) /* the sender announces with a retire frame before it frees the
