@@ -21,6 +21,7 @@ void tshare_channel_options_init(tshare_channel_options *o) {
   memset(o, 0, sizeof *o);
   o->name = "tshare";
   o->handshake_timeout_ms = 10000;
+  o->allow_uid = -1;
 }
 
 int tshare_socketpair(int fds[2], tshare_error *err) {
@@ -335,6 +336,20 @@ static bool all_zero(const uint8_t *p, size_t n) {
   return true;
 }
 
+/* The kernel's credentials of a socket's peer: nothing a peer says about
+ * itself counts before this. */
+static int check_peer_cred(tshare_channel *ch, struct ucred *cred) {
+  socklen_t len = sizeof *cred;
+  if (getsockopt(ch->rfd, SOL_SOCKET, SO_PEERCRED, cred, &len) != 0)
+    return ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "channel: getsockopt(SO_PEERCRED)");
+  long allow = ch->opts.allow_uid;
+  if (cred->uid == getuid() || allow == TSHARE_ANY_UID || (allow >= 0 && (uid_t)allow == cred->uid)) return TSHARE_OK;
+  return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PERMISSION,
+                 "channel: the peer (pid %ld) runs as uid %ld, this process as uid %ld; set allow_uid in the channel "
+                 "options to accept it",
+                 (long)cred->pid, (long)cred->uid, (long)getuid());
+}
+
 static int handshake(tshare_channel *ch) {
   tshare_frame f;
   memset(&f, 0, sizeof f);
@@ -430,7 +445,14 @@ static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare
     if (getsockopt(rfd, SOL_SOCKET, SO_TYPE, &type, &len) != 0 || type != SOCK_STREAM)
       rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "channel: fd %d is not a stream socket", rfd);
   }
+  struct ucred cred = {0, 0, 0};
+  if (rc == TSHARE_OK && kind == TSHARE_CHANNEL_SOCKET) rc = check_peer_cred(ch, &cred);
   if (rc == TSHARE_OK) rc = handshake(ch);
+  if (rc == TSHARE_OK && kind == TSHARE_CHANNEL_SOCKET && ch->peer.uid != (uint32_t)cred.uid) {
+    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                 "hello: peer '%s' claims uid %u, the kernel says %ld", ch->peer.name, ch->peer.uid, (long)cred.uid);
+    tshare_channel_send_error(ch, rc, ch->err);
+  }
   if (rc != TSHARE_OK) {
     ts_error_fill(err, rc, ch->err);
     tshare_channel_close(ch);

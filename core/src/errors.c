@@ -38,6 +38,7 @@ static const struct {
     {TSHARE_E_STATE, "TSHARE_E_STATE", "object is closed or in the wrong state"},
     {TSHARE_E_NO_DEVICE, "TSHARE_E_NO_DEVICE", "no CUDA device"},
     {TSHARE_E_CUDA, "TSHARE_E_CUDA", "CUDA call failed"},
+    {TSHARE_E_PERMISSION, "TSHARE_E_PERMISSION", "peer or path not allowed"},
 };
 
 const char *tshare_status_str(int status) {

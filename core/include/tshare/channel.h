@@ -4,7 +4,11 @@
  * fds with SCM_RIGHTS) or a pair of pipes (no fds). Opening a channel runs the
  * hello exchange: both ends send versions, pid, uid, boot id, capabilities and
  * a name, and a peer on another major version or another boot is refused with
- * TSHARE_E_VERSION or TSHARE_E_PEER_MISMATCH.
+ * TSHARE_E_VERSION or TSHARE_E_PEER_MISMATCH. On a socket, the kernel's word
+ * on who the peer is (SO_PEERCRED) is checked before anything is sent: a
+ * peer running as another user is refused with TSHARE_E_PERMISSION unless
+ * allowed, and one whose hello claims another uid than the kernel's is a
+ * TSHARE_E_PROTOCOL error.
  *
  * Sends and receives are blocking with a timeout in milliseconds (< 0 waits
  * forever, 0 never waits), retry on EINTR, and never raise SIGPIPE: a dead
@@ -43,7 +47,13 @@ typedef struct tshare_channel_options {
   const tshare_wire_limits *limits; /* NULL: tshare_wire_limits_default() */
   tshare_release_cb on_release;     /* optional */
   void *cb_user;
+  /* Socket channels: the peer's uid as the kernel reports it (SO_PEERCRED)
+   * must be this process's uid, or allow_uid when that is >= 0 (default -1).
+   * TSHARE_ANY_UID accepts every user: anyone who can reach the socket. */
+  long allow_uid;
 } tshare_channel_options;
+
+#define TSHARE_ANY_UID (-2L)
 
 void tshare_channel_options_init(tshare_channel_options *opts);
 

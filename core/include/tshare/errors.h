@@ -42,7 +42,8 @@ typedef enum tshare_status {
   TSHARE_E_SPAWN = -19,         /* a process could not be started; the detail has path and errno */
   TSHARE_E_STATE = -20,         /* the object is closed or in the wrong state */
   TSHARE_E_NO_DEVICE = -21,     /* no usable CUDA device */
-  TSHARE_E_CUDA = -22           /* a CUDA call failed */
+  TSHARE_E_CUDA = -22,          /* a CUDA call failed */
+  TSHARE_E_PERMISSION = -23     /* the peer runs as a user that is not allowed, or a path is not private */
 } tshare_status;
 
 /* Static description of a status; never NULL, also for unknown values. */

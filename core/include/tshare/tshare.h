@@ -6,6 +6,7 @@
 #include "tshare/cuda.h"
 #include "tshare/errors.h"
 #include "tshare/hostmem.h"
+#include "tshare/rendezvous.h"
 #include "tshare/role.h"
 #include "tshare/share.h"
 #include "tshare/spawn.h"

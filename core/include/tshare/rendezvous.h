@@ -1,0 +1,59 @@
+/* tshare/rendezvous.h - channels between processes that meet by a socket path.
+ *
+ * tshare-launch wires its roles itself. Processes started some other way
+ * meet through a Unix socket: one listens on a path, the others connect to
+ * it, and every accepted connection is a channel of its own.
+ *
+ * The socket lives in a private directory. tshare_listen() creates the
+ * directory (mode 0700) if it does not exist, and refuses one that is a
+ * symlink, that another user owns, or that group or others may enter
+ * (TSHARE_E_PERMISSION): no other user can connect, replace the socket or
+ * race its creation. Both ends then check who the other is with SO_PEERCRED
+ * (channel.h: same uid unless allow_uid says otherwise).
+ *
+ * A name without a '/' is placed in the default directory,
+ * $XDG_RUNTIME_DIR/tshare, or /tmp/tshare-UID where that is unset.
+ */
+#ifndef TSHARE_RENDEZVOUS_H
+#define TSHARE_RENDEZVOUS_H
+
+#include "tshare/channel.h"
+#include "tshare/errors.h"
+
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tshare_listener tshare_listener;
+
+/* The socket path a name stands for (a path with a '/' is returned as is). */
+int tshare_rendezvous_path(const char *name, char *out, size_t cap, tshare_error *err);
+
+/* Listen on name (see above). A socket file left behind by a listener that
+ * is gone is replaced; a live listener on the path is TSHARE_E_STATE. */
+int tshare_listen(const char *name, tshare_listener **out, tshare_error *err);
+
+/* Accept the next peer and open a channel on it (the hello and the peer
+ * check included). TSHARE_E_TIMEOUT when nobody came in time. A peer that
+ * fails the check is refused and the error returned; the listener goes on. */
+int tshare_listener_accept(tshare_listener *l, const tshare_channel_options *opts, int timeout_ms,
+                           tshare_channel **out, tshare_error *err);
+
+int tshare_listener_fd(const tshare_listener *l);           /* readable when a peer waits */
+const char *tshare_listener_path(const tshare_listener *l); /* the socket's path */
+
+/* Stop listening and remove the socket file (not the directory). Channels
+ * accepted from it live on. NULL is a no-op. */
+void tshare_listener_close(tshare_listener *l);
+
+/* Connect to the listener on name and open a channel. Waits up to timeout_ms
+ * for the listener to appear (TSHARE_E_NOT_FOUND when it did not). */
+int tshare_connect(const char *name, const tshare_channel_options *opts, int timeout_ms, tshare_channel **out,
+                   tshare_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TSHARE_RENDEZVOUS_H */
