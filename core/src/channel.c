@@ -41,17 +41,6 @@ const char *tshare_channel_last_error(const tshare_channel *ch) {
 }
 int tshare_channel_fd(const tshare_channel *ch) { return ch->rfd; }
 
-/* Wait until fd is ready for events or the deadline passes. */
-static int wait_fd(tshare_channel *ch, int fd, short events, int64_t deadline, const char *what) {
-  for (;;) {
-    struct pollfd p = {.fd = fd, .events = events, .revents = 0};
-    int n = poll(&p, 1, ts_remaining(deadline));
-    if (n > 0) return TSHARE_OK; /* errors and hangups surface in the read/write */
-    if (n == 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TIMEOUT, "%s: timed out", what);
-    if (errno != EINTR) return ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "poll (%s)", what);
-  }
-}
-
 /* write() to a pipe whose reader is gone raises SIGPIPE. Block it on this
  * thread for the write and swallow the one we caused, leaving any SIGPIPE
  * that was already pending for the application. */
@@ -72,6 +61,69 @@ static ssize_t pipe_write_nosigpipe(int fd, const void *buf, size_t n) {
   pthread_sigmask(SIG_SETMASK, &old_set, NULL);
   errno = saved;
   return r;
+}
+
+#define SPILL_MAX (16u << 20) /* bytes read ahead while sending; beyond this a send just waits */
+
+static void fdq_push(tshare_channel *ch, int fd);
+
+/* One read from the peer into buf: fds that come along go to the fd queue.
+ * Like recvmsg: bytes read, 0 at EOF, -1 with errno (EPROTO: fds cut off). */
+static ssize_t recv_into(tshare_channel *ch, uint8_t *buf, size_t cap) {
+  if (ch->kind != TSHARE_CHANNEL_SOCKET) return read(ch->rfd, buf, cap);
+  struct iovec iov = {.iov_base = buf, .iov_len = cap};
+  union {
+    char space[CMSG_SPACE(sizeof(int) * 8)];
+    struct cmsghdr align;
+  } ctl;
+  struct msghdr msg = {0};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = ctl.space;
+  msg.msg_controllen = sizeof ctl.space;
+  ssize_t r = recvmsg(ch->rfd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  if (r < 0) return r;
+  for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < n; i++) {
+      int fd;
+      memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+      fdq_push(ch, fd);
+    }
+  }
+  if (msg.msg_flags & MSG_CTRUNC) {
+    errno = EPROTO;
+    return -1;
+  }
+  return r;
+}
+
+/* Read what the peer has sent into the spill buffer (a send is waiting for
+ * room). Errors are left for the next receive to find. */
+static void spill_read(tshare_channel *ch) {
+  if (!ch->spill && !(ch->spill = malloc(SPILL_MAX))) return;
+  if (ch->spill_off == ch->spill_len) ch->spill_off = ch->spill_len = 0;
+  ssize_t r = recv_into(ch, ch->spill + ch->spill_len, SPILL_MAX - ch->spill_len);
+  if (r > 0) ch->spill_len += (size_t)r;
+  if (r == 0) ch->spill_eof = true;
+}
+
+/* Wait until the peer can take bytes, reading what it sends meanwhile. */
+static int wait_writable(tshare_channel *ch, int64_t deadline) {
+  for (;;) {
+    /* One read brings at most 8 fds: stop while the fd queue could overflow. */
+    bool can_read = ch->dec && !ch->spill_eof && ch->spill_len < SPILL_MAX && ch->rfd >= 0 &&
+                    ch->fdq_len + 8 <= TS_FD_QUEUE_MAX;
+    struct pollfd p[2] = {{.fd = ch->wfd, .events = POLLOUT, .revents = 0},
+                          {.fd = ch->rfd, .events = POLLIN, .revents = 0}};
+    int n = poll(p, can_read ? 2 : 1, ts_remaining(deadline));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "poll (send)");
+    if (n == 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TIMEOUT, "send: timed out");
+    if (p[0].revents) return TSHARE_OK; /* errors and hangups surface in the write */
+    if (can_read && p[1].revents) spill_read(ch);
+  }
 }
 
 static int send_bytes(tshare_channel *ch, const uint8_t *buf, size_t len, int fd, int64_t deadline) {
@@ -106,13 +158,29 @@ static int send_bytes(tshare_channel *ch, const uint8_t *buf, size_t len, int fd
       continue;
     }
     if (r < 0 && errno == EINTR) continue;
+    if (r < 0 && errno == ETOOMANYREFS && off == 0) {
+      /* The kernel caps fds in flight to a peer that does not read (a
+       * stopped consumer): that is back-pressure like a full buffer. */
+      int left = ts_remaining(deadline);
+      if (left == 0)
+        return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TIMEOUT,
+                       "send: peer '%s' (pid %u) does not take the fds already in flight", ch->peer.name,
+                       ch->peer.pid);
+      usleep(1000);
+      continue;
+    }
     if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      int rc = wait_fd(ch, ch->wfd, POLLOUT, deadline, "send");
-      if (rc != TSHARE_OK) {
-        /* A partly written frame cannot be taken back: the stream is lost. */
-        if (off > 0) ch->broken = rc;
-        return rc;
+      int rc = wait_writable(ch, deadline);
+      if (rc == TSHARE_E_TIMEOUT && off > 0) {
+        /* A begun frame cannot be taken back, and cutting it would break the
+         * stream: its end waits in the tail and goes first later. The frame
+         * counts as sent (its fd already went with its first byte). */
+        memmove(ch->tail, buf + off, len - off);
+        ch->tail_len = len - off;
+        atomic_store(&ch->tail_pending, true);
+        return TSHARE_OK;
       }
+      if (rc != TSHARE_OK) return rc;
       continue;
     }
     if (r < 0 && (errno == EPIPE || errno == ECONNRESET))
@@ -121,6 +189,30 @@ static int send_bytes(tshare_channel *ch, const uint8_t *buf, size_t len, int fd
     return ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "send");
   }
   return TSHARE_OK;
+}
+
+/* Send the end of a frame cut short by a timeout (with send_lock held).
+ * TSHARE_E_TIMEOUT leaves what is left of it for later. */
+static int flush_tail_locked(tshare_channel *ch, int64_t deadline) {
+  size_t n = ch->tail_len;
+  if (n == 0) return TSHARE_OK;
+  ch->tail_len = 0;
+  atomic_store(&ch->tail_pending, false);
+  int rc = send_bytes(ch, ch->tail, n, -1, deadline); /* may keep a shorter tail */
+  if (rc != TSHARE_OK && ch->tail_len == 0 && rc == TSHARE_E_TIMEOUT) {
+    ch->tail_len = n; /* nothing went: all of it is still there */
+    atomic_store(&ch->tail_pending, true);
+  }
+  return rc;
+}
+
+/* The driving thread's chance to finish a cut frame without sending anything
+ * new: at once if the socket takes it, else when poll says it can. */
+static void try_flush_tail(tshare_channel *ch) {
+  if (!atomic_load(&ch->tail_pending)) return;
+  pthread_mutex_lock(&ch->send_lock);
+  (void)flush_tail_locked(ch, ts_deadline(0));
+  pthread_mutex_unlock(&ch->send_lock);
 }
 
 int ts_channel_send(tshare_channel *ch, const tshare_frame *f, int fd, int timeout_ms) {
@@ -134,8 +226,10 @@ int ts_channel_send(tshare_channel *ch, const tshare_frame *f, int fd, int timeo
   size_t len;
   int rc = tshare_wire_encode(f, buf, sizeof buf, &len, ch->err, sizeof ch->err);
   if (rc != TSHARE_OK) return rc;
+  int64_t deadline = ts_deadline(timeout_ms);
   pthread_mutex_lock(&ch->send_lock);
-  rc = send_bytes(ch, buf, len, fd, ts_deadline(timeout_ms));
+  rc = flush_tail_locked(ch, deadline);
+  if (rc == TSHARE_OK) rc = send_bytes(ch, buf, len, fd, deadline);
   pthread_mutex_unlock(&ch->send_lock);
   return rc;
 }
@@ -187,12 +281,16 @@ static int wait_readable(tshare_channel *ch, int64_t deadline) {
       if (rc != TSHARE_OK) return rc;
       continue;
     }
+    try_flush_tail(ch); /* the peer may wait for the rest of a frame before it sends */
+    bool tail = atomic_load(&ch->tail_pending);
     int wait_ms = ts_remaining(deadline);
     int cap = gpu == TS_GPU_SOON ? 0 : 1;
     if (gpu != TS_GPU_IDLE && (wait_ms < 0 || wait_ms > cap)) wait_ms = cap;
-    struct pollfd p[2] = {{.fd = ch->rfd, .events = POLLIN, .revents = 0},
-                          {.fd = ch->wake_fd, .events = POLLIN, .revents = 0}};
-    int n = poll(p, 2, wait_ms);
+    struct pollfd p[3] = {{.fd = ch->rfd, .events = POLLIN, .revents = 0},
+                          {.fd = ch->wake_fd, .events = POLLIN, .revents = 0},
+                          {.fd = ch->wfd, .events = POLLOUT, .revents = 0}};
+    int n = poll(p, tail ? 3 : 2, wait_ms);
+    if (n > 0 && tail && (p[2].revents & POLLOUT) && !p[0].revents && !p[1].revents) continue;
     int err = errno;
     pthread_mutex_lock(&ch->lock);
     ch->waiting = false;
@@ -220,34 +318,17 @@ static int read_some(tshare_channel *ch, int64_t deadline) {
     int rc = tshare_decoder_space(ch->dec, &space, &avail);
     if (rc != TSHARE_OK) return ts_errf(ch->err, sizeof ch->err, rc, "receive: %s", tshare_decoder_last_error(ch->dec));
     ssize_t r;
-    if (ch->kind == TSHARE_CHANNEL_SOCKET) {
-      struct iovec iov = {.iov_base = space, .iov_len = avail};
-      union {
-        char space[CMSG_SPACE(sizeof(int) * 8)];
-        struct cmsghdr align;
-      } ctl;
-      struct msghdr msg = {0};
-      msg.msg_iov = &iov;
-      msg.msg_iovlen = 1;
-      msg.msg_control = ctl.space;
-      msg.msg_controllen = sizeof ctl.space;
-      r = recvmsg(ch->rfd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-      if (r >= 0) {
-        for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
-          if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-          size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-          for (size_t i = 0; i < n; i++) {
-            int fd;
-            memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-            fdq_push(ch, fd);
-          }
-        }
-        if (msg.msg_flags & MSG_CTRUNC)
-          return ch->broken = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
-                                      "receive: peer sent more fds than one frame may carry");
-      }
+    if (ch->spill_off < ch->spill_len) { /* read ahead while a send waited */
+      r = (ssize_t)(ch->spill_len - ch->spill_off < avail ? ch->spill_len - ch->spill_off : avail);
+      memcpy(space, ch->spill + ch->spill_off, (size_t)r);
+      ch->spill_off += (size_t)r;
+    } else if (ch->spill_eof) {
+      r = 0;
     } else {
-      r = read(ch->rfd, space, avail);
+      r = recv_into(ch, space, avail);
+      if (r < 0 && errno == EPROTO)
+        return ch->broken = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                                    "receive: peer sent more fds than one frame may carry");
     }
     if (r > 0) {
       tshare_decoder_commit(ch->dec, (size_t)r);
@@ -527,6 +608,11 @@ void ts_channel_unref(tshare_channel *ch) {
 void tshare_channel_close(tshare_channel *ch) {
   if (!ch) return;
   if (ch->wfd >= 0 && !ch->broken) ts_share_flush_pending(ch, 100);
+  if (ch->wfd >= 0 && atomic_load(&ch->tail_pending)) {
+    pthread_mutex_lock(&ch->send_lock);
+    (void)flush_tail_locked(ch, ts_deadline(100));
+    pthread_mutex_unlock(&ch->send_lock);
+  }
   ts_share_drop_all(ch, TSHARE_E_PEER_CLOSED);
   ts_share_free_incoming(ch);
   while (ch->fdq_len) close(fdq_pop(ch));
@@ -542,5 +628,7 @@ void tshare_channel_close(tshare_channel *ch) {
   pthread_mutex_unlock(&ch->lock);
   tshare_decoder_destroy(ch->dec);
   ch->dec = NULL;
+  free(ch->spill);
+  ch->spill = NULL;
   ts_channel_unref(ch);
 }

@@ -69,6 +69,18 @@ struct tshare_channel {
   bool woken;   /* under lock: releases were queued since the driver last looked */
   bool waiting; /* under lock: the driving thread is blocked in a receive */
   bool closed;  /* the user closed it; views may still live */
+  /* Under send_lock: the end of a frame whose start went out before a send
+   * timed out. It is sent before anything else (the peer cannot skip a frame
+   * it has begun), so the timed-out send counts as done. */
+  uint8_t tail[TSHARE_WIRE_FRAME_MAX];
+  size_t tail_len;
+  atomic_bool tail_pending; /* tail_len > 0, readable without the lock */
+  /* Bytes read while a send waited for room (driving thread only): a peer
+   * blocked sending to us (releases) must not keep us from sending to it.
+   * Fed to the decoder before anything new is read. */
+  uint8_t *spill;
+  size_t spill_len, spill_off;
+  bool spill_eof;
   int broken;   /* sticky receive-side failure, 0 if none */
   bool peer_bye;
   char err[TSHARE_ERROR_MSG_MAX];
