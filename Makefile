@@ -2,18 +2,21 @@
 #   make demo   build, then share tensors between a producer and two consumers
 #   make test   build, then run every test (GPU tests skip without a GPU)
 # More: make bench (tshare against the floor and torch.multiprocessing; BENCH_ARGS=--quick),
-# make asan (tests under ASan+UBSan), make fuzz (libFuzzer on the decoder),
-# make install PREFIX=..., make clean.
+# make asan (tests under ASan+UBSan), make valgrind (CPU tests under valgrind),
+# make fuzz (libFuzzer on the decoder and share validation), make faults (fault
+# trials), make load (the load test), make gpu-sanitize (compute-sanitizer memcheck
+# and racecheck, on a GPU machine), make install PREFIX=..., make clean.
 
 BUILD_DIR ?= build
 ASAN_BUILD_DIR ?= build-asan
+VALGRIND_BUILD_DIR ?= build-valgrind
 PREFIX ?= /usr/local
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 FUZZ_SECONDS ?= 60
 # CI builds with -Werror; the exported flags never carry it.
 CMAKE_FLAGS ?= $(if $(CI),-DTSHARE_WERROR=ON)
 
-.PHONY: all deps build demo test bench asan fuzz install clean
+.PHONY: all deps build demo test bench asan valgrind fuzz faults load gpu-sanitize install clean
 
 all: build
 
@@ -41,14 +44,43 @@ asan: deps
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  ctest --test-dir $(ASAN_BUILD_DIR) --output-on-failure -j $(JOBS)
 
+# Every CPU test binary under valgrind memcheck, children included; a leak or
+# an error fails the test. (LibTorch, the bench, the fuzzer and the stress
+# runs are left to make asan: valgrind makes them take too long.)
+VALGRIND = valgrind;--error-exitcode=99;--leak-check=full;--errors-for-leak-kinds=definite;--trace-children=yes;--trace-children-skip=*/sh,*/sleep,*/env,*/true,*/false,*/python3*;--quiet
+valgrind: deps
+	@command -v valgrind >/dev/null || { echo "make valgrind needs valgrind (Debian: apt-get install valgrind)"; exit 1; }
+	cmake -S . -B $(VALGRIND_BUILD_DIR) -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CROSSCOMPILING_EMULATOR=$(VALGRIND)" $(CMAKE_FLAGS)
+	cmake --build $(VALGRIND_BUILD_DIR) -j $(JOBS)
+	ctest --test-dir $(VALGRIND_BUILD_DIR) --output-on-failure -j $(JOBS) -LE 'torch|bench|fuzz|stress|gpu' --timeout 600
+
+# Fault trials and the load test (tests/stress): host memory, then GPU memory
+# where a device is usable. FAULT_TRIALS / LOAD_SHARES scale them.
+FAULT_TRIALS ?= 100
+LOAD_SHARES ?= 100000
+faults: build
+	./tests/stress/run.sh faults $(BUILD_DIR) $(FAULT_TRIALS)
+
+load: build
+	./tests/stress/run.sh load $(BUILD_DIR) $(LOAD_SHARES)
+
+gpu-sanitize: build
+	ctest --test-dir $(BUILD_DIR) --output-on-failure -L sanitizer
+
+# libFuzzer (ASan+UBSan) on the frame decoder and share validation for
+# FUZZ_SECONDS. A crash is copied into tests/fuzz/corpus as regress-*, where
+# the corpus replay (make test) runs it from then on, and the target fails.
 fuzz: build
 	@test -x $(BUILD_DIR)/tests/fuzz/fuzz_decoder || { echo "make fuzz needs clang with its libFuzzer runtime (Debian: apt-get install clang); see the cmake output"; exit 1; }
-	mkdir -p $(BUILD_DIR)/fuzz-corpus
-	$(BUILD_DIR)/tests/fuzz/fuzz_decoder -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
-	  $(BUILD_DIR)/fuzz-corpus tests/fuzz/corpus
+	mkdir -p $(BUILD_DIR)/fuzz-corpus $(BUILD_DIR)/fuzz-crashes
+	rc=0; $(BUILD_DIR)/tests/fuzz/fuzz_decoder -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 -max_len=4200 \
+	  -artifact_prefix=$(BUILD_DIR)/fuzz-crashes/ $(BUILD_DIR)/fuzz-corpus tests/fuzz/corpus || rc=$$?; \
+	for f in $(BUILD_DIR)/fuzz-crashes/*; do [ -f "$$f" ] || continue; \
+	  cp "$$f" tests/fuzz/corpus/regress-$$(sha1sum "$$f" | cut -c1-16); \
+	  echo "fuzz: $$f added to tests/fuzz/corpus as a regression input"; rc=1; done; exit $$rc
 
 install: build
 	cmake --install $(BUILD_DIR) --prefix $(PREFIX)
 
 clean:
-	rm -rf $(BUILD_DIR) $(ASAN_BUILD_DIR)
+	rm -rf $(BUILD_DIR) $(ASAN_BUILD_DIR) $(VALGRIND_BUILD_DIR)

@@ -3,7 +3,8 @@
 # Debian/Ubuntu: apt-get (as root, or through sudo). Elsewhere: says what to install.
 # Required: cmake >= 3.25, make, a C compiler. Optional: pkg-config (the
 # package test's pkg-config half), python3 (the bench's check and its
-# torch.multiprocessing peer), clang (the libFuzzer target), a C++
+# torch.multiprocessing peer), clang (the libFuzzer target), valgrind
+# (make valgrind), a C++
 # compiler and LibTorch for the torch bridge: Debian's libtorch-dev (CPU-only)
 # where no LibTorch is found (Torch_DIR, python3's torch, the system).
 # TSHARE_WITH_TORCH=OFF in the environment skips LibTorch.
@@ -22,6 +23,8 @@ fi
 optional=""
 command -v pkg-config >/dev/null 2>&1 || optional="$optional pkg-config"
 command -v python3 >/dev/null 2>&1 || optional="$optional python3"
+command -v clang >/dev/null 2>&1 || optional="$optional clang"
+command -v valgrind >/dev/null 2>&1 || optional="$optional valgrind"
 
 have_torch() {
   [ -n "${Torch_DIR:-}" ] && return 0
