@@ -127,8 +127,10 @@ TS_TEST(pipe_frames_and_no_fds) {
 
 /* ---- a peer that goes away ------------------------------------------------ */
 
+static tshare_channel *volatile quitter; /* still reachable when the child dies on purpose */
+
 static void dies_mid_frame(int fd) {
-  tshare_channel *ch = open_sock(fd, "quitter");
+  tshare_channel *ch = quitter = open_sock(fd, "quitter");
   uint8_t buf[TSHARE_WIRE_FRAME_MAX];
   size_t len;
   tshare_frame f = bye_frame(1);

@@ -179,12 +179,15 @@ TS_TEST(release_frees_the_memory) {
 
 enum { STREAM = 200, HOLD = 37 };
 
+static tshare_view *volatile held_at_death[HOLD]; /* reachable: held on purpose, not leaked */
+
 static void consumer_dies_holding(int fd) {
   tshare_channel *ch = open_socket_channel(fd, "doomed consumer", NULL, NULL);
   for (int i = 0; i < HOLD; i++) {
     tshare_view *v;
     CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_OK, tshare_channel_last_error(ch));
     if (i % 2) tshare_view_release(v); /* some released, the rest held at death */
+    else held_at_death[i] = v;
   }
   raise(SIGKILL);
 }

@@ -14,6 +14,10 @@
 #include <stdio.h>
 
 #define STRESS_SKIP 77
+/* CUDA events tshare may keep per channel: the producer's pool (256) and
+ * the releases' spares (64); a consumer opens at most the producer's pool.
+ * They grow to what the traffic needs and stay: bounded, not a leak. */
+#define STRESS_EVENTS_PER_CHANNEL (256 + 64)
 #define STRESS_TIMEOUT_MS 20000
 
 typedef enum stress_mem { STRESS_HOST = 0, STRESS_CUDA = 1 } stress_mem;

@@ -25,6 +25,7 @@ int stress_mem_ready(stress_mem mem, char *why, size_t cap) {
     return STRESS_SKIP;
   }
   stress_gpu_on = true;
+  (void)stress_gpu_free_bytes(); /* makes the context now: its fds belong to every baseline */
   return 0;
 }
 
