@@ -137,7 +137,7 @@ static long long check_view(stress_mem mem, tshare_view *v) {
 int stress_role_consumer(tshare_channel *ch, stress_mem mem, const char *arg) {
   uint32_t rng = (uint32_t)strtoul(arg, NULL, 10) | 1;
   bool report = strstr(arg, "report") != NULL;
-  tshare_view *held[HOLD_MAX];
+  tshare_view *held[HOLD_MAX + 1]; /* one more than held: a new view comes in before one goes */
   size_t nheld = 0, hold_target = 1 + stress_rand(&rng) % HOLD_MAX;
   unsigned long long views = 0, bad = 0;
   stress_snapshot warm, end;
