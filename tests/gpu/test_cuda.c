@@ -269,6 +269,24 @@ static void parse_checker(const char *line, size_t *views, unsigned long long *b
     TS_FAIL("checker said: %s", line);
 }
 
+/* Fill n int32s at offset off of b with base + k*step and share them, tagged
+ * so a checker can verify them. */
+static void share_pattern(tshare_channel *ch, tshare_cuda_buffer *b, size_t off, int n, int base, int step) {
+  CHECK(ck_fill((CUdeviceptr)(uintptr_t)tshare_cuda_buffer_ptr(b) + off, (size_t)n, base, step, NULL) == CUDA_SUCCESS);
+  tshare_tensor_desc d = vec_i32(n);
+  d.byte_offset = off;
+  char tag[48];
+  snprintf(tag, sizeof tag, "%d %d %d", base, step, n);
+  CHECK_RC(tshare_share_cuda_buffer(ch, b, &d, NULL, tag, NULL, TIMEOUT, NULL), TSHARE_OK,
+           tshare_channel_last_error(ch));
+}
+
+/* Say bye and wait until the peer released everything. */
+static void end_stream(tshare_channel *ch) {
+  CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+}
+
 /* ---- tests ------------------------------------------------------------------ */
 
 TS_TEST(has_device) { need_gpu(1); }
@@ -311,8 +329,7 @@ TS_TEST(roundtrip_offsets) {
              tshare_channel_last_error(ch));
     sent++;
   }
-  CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
-  CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  end_stream(ch);
   size_t views;
   unsigned long long bad, imports, hits;
   int device;
@@ -601,18 +618,8 @@ TS_TEST(forward_to_third) {
   tshare_channel *ch = open_ch(fwd.channel_fd, "owner");
   tshare_cuda_buffer *b;
   CHECK_RC(tshare_cuda_buffer_create(0, 1 << 20, &b, &err), TSHARE_OK, err.message);
-  for (int i = 0; i < 3; i++) {
-    CHECK(ck_fill((CUdeviceptr)(uintptr_t)tshare_cuda_buffer_ptr(b) + (size_t)i * 65536, 4096, 1000 * i, 1, NULL) ==
-          CUDA_SUCCESS);
-    tshare_tensor_desc d = vec_i32(4096);
-    d.byte_offset = (uint64_t)i * 65536;
-    char tag[32];
-    snprintf(tag, sizeof tag, "%d 1 4096", 1000 * i);
-    CHECK_RC(tshare_share_cuda_buffer(ch, b, &d, NULL, tag, NULL, TIMEOUT, NULL), TSHARE_OK,
-             tshare_channel_last_error(ch));
-  }
-  CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
-  CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  for (int i = 0; i < 3; i++) share_pattern(ch, b, (size_t)i * 65536, 4096, 1000 * i, 1);
+  end_stream(ch);
   size_t views;
   unsigned long long bad, imports, hits;
   int device;
@@ -661,19 +668,9 @@ TS_TEST(fd_capability_handles) {
 
   peer c = start_role("checker", "", NULL, -1, -1);
   tshare_channel *ch = open_ch(c.channel_fd, "producer");
-  for (int i = 0; i < 4; i++) {
-    tshare_cuda_buffer *b = i < 3 ? fdb : legacy;
-    size_t off = i < 3 ? (size_t)i * (1u << 20) + 4096 : 0;
-    CHECK(ck_fill((CUdeviceptr)(uintptr_t)tshare_cuda_buffer_ptr(b) + off, 8192, 300 * i, 3, NULL) == CUDA_SUCCESS);
-    tshare_tensor_desc d = vec_i32(8192);
-    d.byte_offset = off;
-    char tag[32];
-    snprintf(tag, sizeof tag, "%d 3 8192", 300 * i);
-    CHECK_RC(tshare_share_cuda_buffer(ch, b, &d, NULL, tag, NULL, TIMEOUT, NULL), TSHARE_OK,
-             tshare_channel_last_error(ch));
-  }
-  CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
-  CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  for (int i = 0; i < 3; i++) share_pattern(ch, fdb, (size_t)i * (1u << 20) + 4096, 8192, 300 * i, 3);
+  share_pattern(ch, legacy, 0, 8192, 900, 3);
+  end_stream(ch);
   size_t views;
   unsigned long long bad, imports, hits;
   int device;

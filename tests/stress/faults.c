@@ -183,20 +183,10 @@ int stress_kill_producer(int argc, char **argv) {
      * memfd lives while mapped), VMM memory stays too (the mapping holds
      * it); their contents must still be what was shared. */
     unsigned long long bad = 0;
+    bool readable = mem == STRESS_HOST || tshare_cuda_fd_handles_supported(0) == 1; /* legacy: undefined */
     for (int i = 0; i < nheld; i++) {
-      int base;
-      size_t n;
-      const char *tag = tshare_view_tag(held[i]);
-      if (sscanf(tag, "%d %zu", &base, &n) == 2 &&
-          (mem == STRESS_HOST || tshare_cuda_fd_handles_supported(0) == 1)) {
-        if (mem == STRESS_CUDA) {
-          long long b = stress_gpu_count_bad(tshare_view_data(held[i]), n, base);
-          bad += b < 0 ? n : (unsigned long long)b;
-        } else {
-          const int32_t *d = tshare_view_data(held[i]);
-          for (size_t k = 0; k < n; k++) bad += d[k] != base + (int32_t)k;
-        }
-      }
+      long long b = readable ? stress_view_bad(mem, held[i]) : 0;
+      bad += b < 0 ? 1 : (unsigned long long)b;
       tshare_view_release(held[i]);
     }
     held_total += (unsigned long long)nheld;

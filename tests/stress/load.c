@@ -20,14 +20,30 @@ typedef struct lane {
   pthread_barrier_t *warm;
 } lane;
 
+/* A consumer process and the memory to share with it. */
+static int lane_open(lane *l, stress_mem mem, const char *arg, uint32_t seed, long shares, char *why, size_t cap) {
+  l->shares = shares;
+  if (stress_peer_start("consumer", mem, arg, &l->peer, why, cap) != 0) return -1;
+  return (l->src = stress_source_create(mem, seed, why, cap)) ? 0 : -1;
+}
+
+/* Close the channel, free the memory, and the consumer's exit code. */
+static int lane_close(lane *l) {
+  tshare_channel_close(l->peer.ch);
+  stress_source_destroy(l->src);
+  return stress_peer_wait(&l->peer, STRESS_TIMEOUT_MS);
+}
+
+/* Share, say bye, wait for every release. With warm set, every lane meets
+ * the main thread there after WARMUP_SHARES (it looks at memory meanwhile). */
 static void *run_lane(void *arg) {
   lane *l = arg;
   l->rc = TSHARE_OK;
   for (long i = 0; i < l->shares; i++) {
-    if (i == WARMUP_SHARES) pthread_barrier_wait(l->warm), pthread_barrier_wait(l->warm);
+    if (i == WARMUP_SHARES && l->warm) pthread_barrier_wait(l->warm), pthread_barrier_wait(l->warm);
     if (l->rc == TSHARE_OK) l->rc = stress_source_share(l->src, l->peer.ch, (uint64_t)i, true, STRESS_TIMEOUT_MS);
   }
-  if (l->shares <= WARMUP_SHARES) pthread_barrier_wait(l->warm), pthread_barrier_wait(l->warm);
+  if (l->warm && l->shares <= WARMUP_SHARES) pthread_barrier_wait(l->warm), pthread_barrier_wait(l->warm);
   if (l->rc == TSHARE_OK) l->rc = tshare_channel_send_bye(l->peer.ch, 0, STRESS_TIMEOUT_MS);
   if (l->rc == TSHARE_OK) l->rc = tshare_channel_wait_released(l->peer.ch, 0, STRESS_TIMEOUT_MS);
   if (l->rc != TSHARE_OK)
@@ -56,19 +72,13 @@ int stress_load(int argc, char **argv) {
   fflush(stdout);
   /* One short lane first, so that what the driver and the allocator set up
    * once per process (its fds among them) is in the baseline. */
-  lane first = {.shares = 512};
-  if (stress_peer_start("consumer", mem, "3", &first.peer, why, sizeof why) != 0 ||
-      !(first.src = stress_source_create(mem, seed, why, sizeof why))) {
+  lane first = {0};
+  if (lane_open(&first, mem, "3", seed, 512, why, sizeof why) != 0) {
     fprintf(stderr, "load: %s\n", why);
     return 1;
   }
-  for (long i = 0; i < first.shares && first.rc == TSHARE_OK; i++)
-    first.rc = stress_source_share(first.src, first.peer.ch, (uint64_t)i, true, STRESS_TIMEOUT_MS);
-  if (first.rc == TSHARE_OK) first.rc = tshare_channel_send_bye(first.peer.ch, 0, STRESS_TIMEOUT_MS);
-  if (first.rc == TSHARE_OK) first.rc = tshare_channel_wait_released(first.peer.ch, 0, STRESS_TIMEOUT_MS);
-  tshare_channel_close(first.peer.ch);
-  stress_source_destroy(first.src);
-  if (stress_peer_wait(&first.peer, STRESS_TIMEOUT_MS) != 0 || first.rc != TSHARE_OK) {
+  run_lane(&first);
+  if (lane_close(&first) != 0 || first.rc != TSHARE_OK) {
     fprintf(stderr, "load: the first lane failed: %s\n", tshare_status_name(first.rc));
     return 1;
   }
@@ -84,12 +94,10 @@ int stress_load(int argc, char **argv) {
   for (int i = 0; i < consumers; i++) {
     char arg[48];
     snprintf(arg, sizeof arg, "%u,report", seed + (uint32_t)i * 7919u);
-    if (stress_peer_start("consumer", mem, arg, &lanes[i].peer, why, sizeof why) != 0 ||
-        !(lanes[i].src = stress_source_create(mem, seed + (uint32_t)i, why, sizeof why))) {
+    if (lane_open(&lanes[i], mem, arg, seed + (uint32_t)i, shares, why, sizeof why) != 0) {
       fprintf(stderr, "load: %s\n", why);
       return 1;
     }
-    lanes[i].shares = shares;
     lanes[i].warm = &barrier;
     pthread_create(&threads[i], NULL, run_lane, &lanes[i]);
   }
@@ -104,9 +112,7 @@ int stress_load(int argc, char **argv) {
   clock_gettime(CLOCK_MONOTONIC, &t1);
   stress_snapshot_take(&end); /* everything released, channels still open */
   for (int i = 0; i < consumers; i++) {
-    tshare_channel_close(lanes[i].peer.ch);
-    stress_source_destroy(lanes[i].src);
-    int code = stress_peer_wait(&lanes[i].peer, STRESS_TIMEOUT_MS);
+    int code = lane_close(&lanes[i]);
     if (code != 0) {
       fprintf(stderr, "load: consumer %d exited %d\n", i, code);
       failed++;

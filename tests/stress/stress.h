@@ -80,6 +80,10 @@ uint32_t stress_rand(uint32_t *state); /* xorshift32 */
 
 /* ---- roles ---- */
 
+/* Elements of v that differ from the pattern its tag names (0 when the tag
+ * asks for no check; -1 on a CUDA error). */
+long long stress_view_bad(stress_mem mem, tshare_view *v);
+
 /* Receive views until bye, check every element, hold a random number of
  * them and release in random order. arg: "seed[,report]"; prints
  * "views=N bad=N" (and memory at 10k views and at the end with report). */

@@ -1,7 +1,8 @@
 /* Memory kinds, snapshots of what a process holds, and peer processes. */
 #include "stress.h"
 
-#include <dirent.h>
+#include "bench_stats.h"
+
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -37,29 +38,10 @@ uint32_t stress_rand(uint32_t *s) {
   return *s = x;
 }
 
-static long count_fds(void) {
-  DIR *d = opendir("/proc/self/fd");
-  if (!d) return -1;
-  long n = 0;
-  for (struct dirent *e; (e = readdir(d));)
-    if (e->d_name[0] != '.') n++;
-  closedir(d);
-  return n - 1; /* the directory's own fd */
-}
-
-static long rss_kib(void) {
-  FILE *f = fopen("/proc/self/statm", "re");
-  long pages = 0, rss = 0;
-  if (!f) return -1;
-  if (fscanf(f, "%ld %ld", &pages, &rss) != 2) rss = -1;
-  fclose(f);
-  return rss < 0 ? -1 : rss * (sysconf(_SC_PAGESIZE) / 1024);
-}
-
 void stress_snapshot_take(stress_snapshot *s) {
   memset(s, 0, sizeof *s);
-  s->fds = count_fds();
-  s->rss_kib = rss_kib();
+  s->fds = bs_open_fds();
+  s->rss_kib = bs_rss_kib();
   s->gpu_free = stress_gpu_free_bytes();
   tshare_cuda_export_stats st;
   tshare_cuda_stats(&st);

@@ -122,7 +122,7 @@ int stress_source_share(stress_source *s, tshare_channel *ch, uint64_t seq, bool
 
 /* ---- consumer ---------------------------------------------------------- */
 
-static long long check_view(stress_mem mem, tshare_view *v) {
+long long stress_view_bad(stress_mem mem, tshare_view *v) {
   int base;
   size_t n;
   if (sscanf(tshare_view_tag(v), "%d %zu", &base, &n) != 2) return 0; /* "- N": not checked */
@@ -147,7 +147,7 @@ int stress_role_consumer(tshare_channel *ch, stress_mem mem, const char *arg) {
     tshare_view *v;
     rc = tshare_view_recv(ch, STRESS_TIMEOUT_MS, &v);
     if (rc != TSHARE_OK) break;
-    long long b = check_view(mem, v);
+    long long b = stress_view_bad(mem, v);
     bad += b < 0 ? 1 : (unsigned long long)b;
     held[nheld++] = v;
     /* Hold a random number of views; release a random one of them. */
