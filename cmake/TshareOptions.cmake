@@ -7,6 +7,10 @@ set_property(CACHE TSHARE_WITH_TORCH PROPERTY STRINGS AUTO ON OFF)
 option(TSHARE_BUILD_TESTS "Build the tests" ON)
 set(TSHARE_SANITIZE "" CACHE STRING "Sanitizers to build with, e.g. address,undefined")
 option(TSHARE_WERROR "Treat warnings as errors (CI)" OFF)
+# ctest's per-test limits, and the launcher deadline of the example test that
+# starts LibTorch in four processes, scale by this factor: make valgrind
+# raises it, since one LibTorch start there alone takes about 40 s.
+set(TSHARE_TEST_SLOWDOWN 1 CACHE STRING "Factor for the tests' time limits (slow runners such as valgrind)")
 
 foreach(opt TSHARE_WITH_CUDA TSHARE_WITH_TORCH)
   string(TOUPPER "${${opt}}" _v)

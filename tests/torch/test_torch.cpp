@@ -195,8 +195,12 @@ static void third(int fd) {
   tshare_channel_close(ch);
 }
 
+// The third process is forked by the forwarder and inherits its channel to
+// the owner; a static keeps that copy reachable, not leaked, in the third.
+static tshare_channel *volatile forwarder_upstream;
+
 static void forwarder(int fd) {
-  tshare_channel *up = open_channel(fd, "forwarder");
+  tshare_channel *up = forwarder_upstream = open_channel(fd, "forwarder");
   int down_fd;
   pid_t pid = fork_with_socket(third, &down_fd);
   tshare_channel *down = open_channel(down_fd, "forwarder down");
