@@ -18,6 +18,31 @@ static tshare_tensor_desc desc_1d(tshare_dtype dt, int64_t n, uint64_t offset) {
 static const tshare_dtype F32 = {TSHARE_DTYPE_FLOAT, 32, 1};
 static const tshare_dtype I64 = {TSHARE_DTYPE_INT, 64, 1};
 
+/* The producer end of a test: a forked consumer running fn, a channel to it
+ * and a host buffer of size bytes named name. */
+typedef struct producer_end {
+  pid_t consumer;
+  tshare_channel *ch;
+  tshare_host_buffer *buf;
+} producer_end;
+
+static producer_end start_producer(void (*fn)(int), size_t size, const char *name) {
+  producer_end p;
+  int sock;
+  p.consumer = fork_with_socket(fn, &sock);
+  p.ch = open_socket_channel(sock, "producer", NULL, NULL);
+  CHECK_RC(tshare_host_buffer_create(size, name, &p.buf, NULL), TSHARE_OK, "");
+  return p;
+}
+
+/* Bye, the consumer exits cleanly, then the buffer and the channel go. */
+static void end_producer(producer_end *p) {
+  CHECK_RC(tshare_channel_send_bye(p->ch, 0, 1000), TSHARE_OK, tshare_channel_last_error(p->ch));
+  CHECK_CHILD_OK(p->consumer);
+  tshare_host_buffer_destroy(p->buf);
+  tshare_channel_close(p->ch);
+}
+
 /* ---- contents, layouts and writes back ----------------------------------- */
 
 static void consumer_checks_contents(int fd) {
@@ -104,11 +129,9 @@ static void handshake_then_wait_bye(int fd) {
 }
 
 TS_TEST(share_refuses_bad_views_and_tags) {
-  int sock;
-  pid_t pid = fork_with_socket(handshake_then_wait_bye, &sock);
-  tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
-  tshare_host_buffer *a;
-  CHECK_RC(tshare_host_buffer_create(4096, "tshare-test-a", &a, NULL), TSHARE_OK, "");
+  producer_end p = start_producer(handshake_then_wait_bye, 4096, "tshare-test-a");
+  tshare_channel *ch = p.ch;
+  tshare_host_buffer *a = p.buf;
   tshare_tensor_desc t = desc_1d(F32, 1025, 0); /* one float too many */
   CHECK_RC(tshare_share_host(ch, a, &t, NULL, NULL, 1000, NULL), TSHARE_E_OUT_OF_BOUNDS, tshare_channel_last_error(ch));
   t = desc_1d(F32, 4, 0);
@@ -118,10 +141,7 @@ TS_TEST(share_refuses_bad_views_and_tags) {
   CHECK_RC(tshare_share_host(ch, a, &t, tag, NULL, 1000, NULL), TSHARE_E_TOO_LARGE, tshare_channel_last_error(ch));
   CHECK_EQ(tshare_host_buffer_outstanding(a), 0); /* failed shares hold nothing */
   CHECK_EQ(tshare_channel_outstanding(ch), 0);
-  CHECK_RC(tshare_channel_send_bye(ch, 0, 1000), TSHARE_OK, "");
-  CHECK_CHILD_OK(pid);
-  tshare_host_buffer_destroy(a);
-  tshare_channel_close(ch);
+  end_producer(&p);
 }
 
 /* ---- the lifetime protocol ------------------------------------------------- */
@@ -267,11 +287,9 @@ static void consumer_releases_on_a_thread(int fd) {
 }
 
 TS_TEST(release_from_another_thread_wakes_a_blocked_receiver) {
-  int sock;
-  pid_t pid = fork_with_socket(consumer_releases_on_a_thread, &sock);
-  tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
-  tshare_host_buffer *a;
-  CHECK_RC(tshare_host_buffer_create(4096, "tshare-test-thread", &a, NULL), TSHARE_OK, "");
+  producer_end p = start_producer(consumer_releases_on_a_thread, 4096, "tshare-test-thread");
+  tshare_channel *ch = p.ch;
+  tshare_host_buffer *a = p.buf;
   tshare_tensor_desc t = desc_1d((tshare_dtype){TSHARE_DTYPE_INT, 32, 1}, 1, 0);
   for (int round = 0; round < 3; round++) {
     *(int *)tshare_host_buffer_data(a) = round; /* reuse the memory only once it is released */
@@ -279,10 +297,128 @@ TS_TEST(release_from_another_thread_wakes_a_blocked_receiver) {
     CHECK_RC(tshare_share_host(ch, a, &t, NULL, NULL, 5000, &id), TSHARE_OK, tshare_channel_last_error(ch));
     CHECK_RC(tshare_channel_wait_released(ch, id, 3000), TSHARE_OK, tshare_channel_last_error(ch));
   }
-  CHECK_RC(tshare_channel_send_bye(ch, 0, 1000), TSHARE_OK, "");
-  CHECK_CHILD_OK(pid);
-  tshare_host_buffer_destroy(a);
+  end_producer(&p);
+}
+
+/* The driving thread is busy elsewhere (here: blocked outside tshare until
+ * the producer says it got the releases) while a worker thread releases: the
+ * releases must reach the producer without the driving thread's help. */
+static int producer_done[2]; /* a pipe: the producer writes one byte when it is done waiting */
+
+static void *release_all(void *arg) {
+  tshare_view **views = arg;
+  for (int i = 0; i < 3; i++) tshare_view_release(views[i]);
+  return NULL;
+}
+
+static void consumer_busy_while_a_worker_releases(int fd) {
+  close(producer_done[1]);
+  tshare_channel *ch = open_socket_channel(fd, "busy consumer", NULL, NULL);
+  tshare_view *views[3];
+  for (int i = 0; i < 3; i++) CHECK_RC(tshare_view_recv(ch, 5000, &views[i]), TSHARE_OK, tshare_channel_last_error(ch));
+  pthread_t t;
+  CHECK(pthread_create(&t, NULL, release_all, views) == 0);
+  CHECK(pthread_join(t, NULL) == 0);
+  char byte;
+  CHECK(read(producer_done[0], &byte, 1) == 1); /* not driving the channel meanwhile */
+  tshare_view *v;
+  CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_END, tshare_channel_last_error(ch));
   tshare_channel_close(ch);
+}
+
+TS_TEST(release_from_another_thread_goes_out_while_the_receiver_is_busy) {
+  CHECK(pipe(producer_done) == 0);
+  producer_end p = start_producer(consumer_busy_while_a_worker_releases, 4096, "tshare-test-busy");
+  tshare_channel *ch = p.ch;
+  tshare_host_buffer *a = p.buf;
+  close(producer_done[0]);
+  tshare_tensor_desc t = desc_1d((tshare_dtype){TSHARE_DTYPE_INT, 32, 1}, 4, 0);
+  for (int i = 0; i < 3; i++)
+    CHECK_RC(tshare_share_host(ch, a, &t, NULL, NULL, 5000, NULL), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_channel_wait_released(ch, 0, 3000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(tshare_channel_outstanding(ch), 0);
+  CHECK(write(producer_done[1], "x", 1) == 1);
+  close(producer_done[1]);
+  end_producer(&p);
+}
+
+/* Two worker threads release while the driving thread keeps receiving:
+ * their releases and the driving thread's frames share one socket, so this
+ * is where they could cut into each other. The producer reuses each of 32
+ * slots only once its share came back. */
+enum { RACE_SHARES = 4000, RACE_WINDOW = 32 };
+
+static struct {
+  pthread_mutex_t lock;
+  pthread_cond_t more;
+  tshare_view *views[RACE_SHARES];
+  int head, tail;
+  bool done;
+  int wrong;
+} race = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, {0}, 0, 0, false, 0};
+
+static void *race_releaser(void *arg) {
+  (void)arg;
+  for (;;) {
+    pthread_mutex_lock(&race.lock);
+    while (race.head == race.tail && !race.done) pthread_cond_wait(&race.more, &race.lock);
+    if (race.head == race.tail) {
+      pthread_mutex_unlock(&race.lock);
+      return NULL;
+    }
+    int i = race.head++;
+    tshare_view *v = race.views[i];
+    pthread_mutex_unlock(&race.lock);
+    if (*(const int *)tshare_view_data(v) != i) {
+      pthread_mutex_lock(&race.lock);
+      race.wrong++;
+      pthread_mutex_unlock(&race.lock);
+    }
+    tshare_view_release(v);
+  }
+}
+
+static void consumer_receives_while_workers_release(int fd) {
+  tshare_channel *ch = open_socket_channel(fd, "racing consumer", NULL, NULL);
+  pthread_t workers[2];
+  for (int w = 0; w < 2; w++) CHECK(pthread_create(&workers[w], NULL, race_releaser, NULL) == 0);
+  for (int i = 0;; i++) {
+    tshare_view *v;
+    int rc = tshare_view_recv(ch, 5000, &v);
+    if (rc == TSHARE_END) break;
+    CHECK_RC(rc, TSHARE_OK, tshare_channel_last_error(ch));
+    CHECK(i < RACE_SHARES);
+    pthread_mutex_lock(&race.lock);
+    race.views[race.tail++] = v;
+    pthread_cond_signal(&race.more);
+    pthread_mutex_unlock(&race.lock);
+  }
+  pthread_mutex_lock(&race.lock);
+  race.done = true;
+  pthread_cond_broadcast(&race.more);
+  pthread_mutex_unlock(&race.lock);
+  for (int w = 0; w < 2; w++) CHECK(pthread_join(workers[w], NULL) == 0);
+  CHECK_EQ(race.tail, RACE_SHARES);
+  CHECK_EQ(race.wrong, 0);
+  tshare_channel_close(ch);
+}
+
+TS_TEST(releases_from_worker_threads_interleave_with_the_driving_thread) {
+  producer_end p = start_producer(consumer_receives_while_workers_release, RACE_WINDOW * sizeof(int), "tshare-test-race");
+  tshare_channel *ch = p.ch;
+  tshare_host_buffer *a = p.buf;
+  int *slots = tshare_host_buffer_data(a);
+  static uint64_t ids[RACE_SHARES];
+  for (int i = 0; i < RACE_SHARES; i++) {
+    if (i >= RACE_WINDOW)
+      CHECK_RC(tshare_channel_wait_released(ch, ids[i - RACE_WINDOW], 5000), TSHARE_OK, tshare_channel_last_error(ch));
+    int slot = i % RACE_WINDOW;
+    slots[slot] = i;
+    tshare_tensor_desc t = desc_1d((tshare_dtype){TSHARE_DTYPE_INT, 32, 1}, 1, (uint64_t)slot * sizeof(int));
+    CHECK_RC(tshare_share_host(ch, a, &t, NULL, NULL, 5000, &ids[i]), TSHARE_OK, tshare_channel_last_error(ch));
+  }
+  CHECK_RC(tshare_channel_wait_released(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  end_producer(&p);
 }
 
 /* ---- hostile shares ----------------------------------------------------------- */

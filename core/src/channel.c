@@ -215,7 +215,49 @@ static void try_flush_tail(tshare_channel *ch) {
   pthread_mutex_unlock(&ch->send_lock);
 }
 
+unsigned long ts_thread_tag(void) {
+  static atomic_ulong next_tag;
+  static _Thread_local unsigned long tag;
+  if (!tag) tag = atomic_fetch_add(&next_tag, 1) + 1;
+  return tag;
+}
+
+static void mark_driver(tshare_channel *ch) {
+  unsigned long me = ts_thread_tag();
+  if (atomic_load_explicit(&ch->driver, memory_order_relaxed) != me)
+    atomic_store_explicit(&ch->driver, me, memory_order_relaxed);
+}
+
+bool ts_channel_send_now_locked(tshare_channel *ch, const tshare_frame *f) {
+  if (ch->wfd < 0 || atomic_load(&ch->tail_pending)) return false;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len;
+  char err[TSHARE_ERROR_MSG_MAX];
+  if (tshare_wire_encode(f, buf, sizeof buf, &len, err, sizeof err) != TSHARE_OK) return false;
+  int saved_errno = errno;
+  size_t off = 0;
+  while (off < len) {
+    ssize_t r = ch->kind == TSHARE_CHANNEL_SOCKET ? send(ch->wfd, buf + off, len - off, MSG_NOSIGNAL | MSG_DONTWAIT)
+                                                  : pipe_write_nosigpipe(ch->wfd, buf + off, len - off);
+    if (r > 0) {
+      off += (size_t)r;
+      continue;
+    }
+    if (r < 0 && errno == EINTR) continue;
+    break; /* full, or an error the driving thread meets on its own */
+  }
+  errno = saved_errno;
+  if (off == 0) return false;
+  if (off < len) { /* begun: the rest goes first, from the driving thread or the next send */
+    memcpy(ch->tail, buf + off, len - off);
+    ch->tail_len = len - off;
+    atomic_store(&ch->tail_pending, true);
+  }
+  return true;
+}
+
 int ts_channel_send(tshare_channel *ch, const tshare_frame *f, int fd, int timeout_ms) {
+  mark_driver(ch);
   if (ch->wfd < 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "send: channel is closed");
   if (fd >= 0 && ch->kind != TSHARE_CHANNEL_SOCKET)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED, "send: a pipe channel cannot carry fds");
@@ -359,6 +401,7 @@ static int read_some(tshare_channel *ch, int64_t deadline) {
 
 int ts_channel_recv_raw(tshare_channel *ch, tshare_frame *f, int *fd_out, int timeout_ms) {
   *fd_out = -1;
+  mark_driver(ch);
   if (ch->rfd < 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "receive: channel is closed");
   int64_t deadline = ts_deadline(timeout_ms);
   for (;;) {

@@ -69,6 +69,10 @@ struct tshare_channel {
   bool woken;   /* under lock: releases were queued since the driver last looked */
   bool waiting; /* under lock: the driving thread is blocked in a receive */
   bool closed;  /* the user closed it; views may still live */
+  /* ts_thread_tag() of the thread that last sent or received: releases from
+   * any other thread go out at once (ts_share_send_releases_now). Only a
+   * hint: a stale value costs a batch or a system call, never correctness. */
+  atomic_ulong driver;
   /* Under send_lock: the end of a frame whose start went out before a send
    * timed out. It is sent before anything else (the peer cannot skip a frame
    * it has begun), so the timed-out send counts as done. */
@@ -110,7 +114,14 @@ struct tshare_channel {
 };
 
 /* channel.c */
+unsigned long ts_thread_tag(void); /* a nonzero number per thread */
 int ts_channel_send(tshare_channel *ch, const tshare_frame *f, int fd, int timeout_ms);
+/* From any thread, with send_lock held: f goes out now, whole or with its end
+ * kept as the tail, and true comes back; or nothing goes (the socket is full,
+ * an earlier frame's end is still waiting, the peer is gone) and false comes
+ * back. Never waits, never reads, never writes ch->err: those belong to the
+ * driving thread. */
+bool ts_channel_send_now_locked(tshare_channel *ch, const tshare_frame *f);
 int ts_channel_recv_raw(tshare_channel *ch, tshare_frame *f, int *fd_out, int timeout_ms);
 void ts_channel_unref(tshare_channel *ch);
 
@@ -118,6 +129,10 @@ void ts_channel_unref(tshare_channel *ch);
 int ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r);
 void ts_share_drop_all(tshare_channel *ch, int status); /* peer gone or channel closed */
 int ts_share_flush_pending(tshare_channel *ch, int timeout_ms);
+/* After a release was queued (ch->lock not held): from a thread other than
+ * the driving one, while the driving thread is not blocked in a receive,
+ * send the queued releases now if that needs no waiting. */
+void ts_share_send_releases_now(tshare_channel *ch);
 
 /* Tell the driving thread that releases are queued (with ch->lock held). The
  * eventfd is written only while it is blocked in a receive: a driver that is

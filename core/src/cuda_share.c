@@ -523,6 +523,7 @@ void ts_cuda_view_release(tshare_view *v) {
     ts_share_queue_release_locked(ch, v->share_id);
   }
   pthread_mutex_unlock(&ch->lock);
+  if (!queued) ts_share_send_releases_now(ch);
   free(v);
   ts_channel_unref(ch);
 }

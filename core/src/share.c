@@ -228,6 +228,34 @@ int ts_share_flush_pending(tshare_channel *ch, int timeout_ms) {
   }
 }
 
+void ts_share_send_releases_now(tshare_channel *ch) {
+  /* The driving thread's own releases wait for its next receive, which sends
+   * them in batches; a blocked driving thread was woken and sends them. The
+   * send lock is only tried: a driving thread that holds it sends them. */
+  if (atomic_load_explicit(&ch->driver, memory_order_relaxed) == ts_thread_tag()) return;
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_RELEASE;
+  pthread_mutex_lock(&ch->lock);
+  if (ch->closed || ch->waiting || ch->npending == 0 || pthread_mutex_trylock(&ch->send_lock) != 0) {
+    pthread_mutex_unlock(&ch->lock);
+    return;
+  }
+  uint32_t n = ch->npending < ch->limits.max_release_ids ? (uint32_t)ch->npending : ch->limits.max_release_ids;
+  memcpy(f.u.release.share_ids, ch->pending, n * sizeof(uint64_t));
+  memmove(ch->pending, ch->pending + n, (ch->npending - n) * sizeof(uint64_t));
+  ch->npending -= n;
+  pthread_mutex_unlock(&ch->lock);
+  f.u.release.count = n;
+  bool sent = ts_channel_send_now_locked(ch, &f);
+  pthread_mutex_unlock(&ch->send_lock);
+  if (sent) return;
+  /* Nothing went: back to the driving thread, which is told. */
+  pthread_mutex_lock(&ch->lock);
+  for (uint32_t i = 0; i < n; i++) ts_share_queue_release_locked(ch, f.u.release.share_ids[i]);
+  pthread_mutex_unlock(&ch->lock);
+}
+
 /* Queue a release for the driving thread and wake it if it is blocked in a
  * receive. Called with ch->lock held, which also keeps wake_fd open. */
 void ts_share_queue_release_locked(tshare_channel *ch, uint64_t share_id) {
@@ -268,6 +296,7 @@ void tshare_view_release(tshare_view *v) {
   }
   ts_share_queue_release_locked(ch, v->share_id);
   pthread_mutex_unlock(&ch->lock);
+  ts_share_send_releases_now(ch);
   free(v);
   ts_channel_unref(ch);
 }

@@ -236,6 +236,44 @@ static int role_import_error(tshare_channel *ch, FILE *out) {
   return 0;
 }
 
+/* Receive count views, check them, and hand them to a worker thread that
+ * releases them while this (the driving) thread waits on fd 5, outside
+ * tshare, until the producer says it has them back. */
+static void *release_views(void *arg) {
+  tshare_view **views = arg;
+  for (int i = 0; views[i]; i++) tshare_view_release(views[i]);
+  return NULL;
+}
+
+static int role_busy_releaser(tshare_channel *ch, FILE *out, int count) {
+  CUstream s;
+  CHECK(cu->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+  tshare_view *views[17] = {0};
+  unsigned long long bad_total = 0;
+  CHECK(count > 0 && count < 17);
+  for (int i = 0; i < count; i++) {
+    CHECK_RC(tshare_view_recv_stream(ch, s, TIMEOUT, &views[i]), TSHARE_OK, tshare_channel_last_error(ch));
+    int base, step, n;
+    if (sscanf(tshare_view_tag(views[i]), "%d %d %d", &base, &step, &n) != 3) TS_FAIL("tag");
+    unsigned long long bad = 0;
+    CHECK(ck_count_bad((CUdeviceptr)(uintptr_t)tshare_view_data(views[i]), (size_t)n, base, step, s, &bad) ==
+          CUDA_SUCCESS);
+    bad_total += bad;
+  }
+  /* The stream is idle: each release can go out at once. */
+  CHECK(cu->cuStreamSynchronize(s) == CUDA_SUCCESS);
+  pthread_t t;
+  CHECK(pthread_create(&t, NULL, release_views, views) == 0);
+  CHECK(pthread_join(t, NULL) == 0);
+  char byte;
+  CHECK(read(5, &byte, 1) == 1);
+  tshare_view *v;
+  CHECK_RC(tshare_view_recv(ch, TIMEOUT, &v), TSHARE_END, tshare_channel_last_error(ch));
+  fprintf(out, "views=%d bad=%llu\n", count, bad_total);
+  fflush(out);
+  return 0;
+}
+
 static int role_main(int argc, char **argv) {
   if (argc < 4) return 2;
   const char *role = argv[2], *arg = argv[3];
@@ -256,6 +294,7 @@ static int role_main(int argc, char **argv) {
   if (strcmp(role, "share_and_die") == 0) rc = role_share_and_die(ch);
   if (strcmp(role, "forwarder") == 0) rc = role_forwarder(ch, out);
   if (strcmp(role, "import_error") == 0) rc = role_import_error(ch, out);
+  if (strcmp(role, "busy_releaser") == 0) rc = role_busy_releaser(ch, out, atoi(arg));
   tshare_channel_close(ch);
   fclose(out);
   return rc;
@@ -703,6 +742,36 @@ TS_TEST(fd_capability_handles) {
            tshare_channel_last_error(pc));
   tshare_channel_close(pc);
   tshare_channel_close(far.ch);
+  tshare_cuda_buffer_release(fdb);
+  tshare_cuda_buffer_release(legacy);
+}
+
+/* A consumer whose driving thread is busy elsewhere: the releases its worker
+ * thread makes still reach the producer (one VMM buffer, one legacy). */
+TS_TEST(release_from_a_worker_while_the_receiver_is_busy) {
+  need_gpu(1);
+  tshare_cuda_buffer *fdb, *legacy;
+  tshare_error err;
+  CHECK_RC(tshare_cuda_buffer_create(0, 1u << 20, &fdb, &err), TSHARE_OK, err.message);
+  CHECK_RC(tshare_cuda_buffer_create_kind(0, 1u << 20, TSHARE_CUDA_HANDLE_LEGACY, &legacy, &err), TSHARE_OK,
+           err.message);
+  int done[2];
+  CHECK(pipe2(done, O_CLOEXEC) == 0);
+  peer c = start_role("busy_releaser", "4", NULL, done[0], -1);
+  close(done[0]);
+  tshare_channel *ch = open_ch(c.channel_fd, "producer");
+  for (int i = 0; i < 2; i++) share_pattern(ch, fdb, (size_t)i * 65536, 4096, 10 * i, 7);
+  for (int i = 0; i < 2; i++) share_pattern(ch, legacy, (size_t)i * 65536, 4096, 50 + 10 * i, 7);
+  CHECK_RC(tshare_channel_wait_released(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(tshare_channel_outstanding(ch), 0);
+  CHECK(write(done[1], "x", 1) == 1);
+  close(done[1]);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  const char *line = result_line(&c);
+  printf("busy receiver: %s; every release came back while its driving thread waited elsewhere\n", line);
+  CHECK(strcmp(line, "views=4 bad=0") == 0);
+  CHECK_EQ(finish(&c), 0);
+  tshare_channel_close(ch);
   tshare_cuda_buffer_release(fdb);
   tshare_cuda_buffer_release(legacy);
 }

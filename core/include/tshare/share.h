@@ -10,13 +10,16 @@
  * allocation is mapped once per channel however many shares point into it
  * (keyed by the producer's allocation id and checked against the fd's inode);
  * it is unmapped when its last view is released. tshare_view_release() is
- * safe from any thread and never blocks: it queues the release, which goes
- * out when the channel is next driven (tshare_view_recv(), poll, wait, bye or
- * close; at once if a thread is blocked in one of them). Releases queued
- * while further shares are already buffered go out together, one frame per
- * batch. A consumer that stops receiving should call tshare_channel_poll()
- * (timeout 0) after its last release. A view's memory is the producer's:
- * writes through a view are visible to the producer.
+ * safe from any thread and never blocks. From a thread other than the one
+ * driving the channel, the release goes out at once whenever the socket has
+ * room: the driving thread may be busy elsewhere. The driving thread's own
+ * releases, and those whose GPU work is still queued, go out when the channel
+ * is next driven (tshare_view_recv(), poll, wait, bye or close; at once if a
+ * thread is blocked in one of them); queued while further shares are already
+ * buffered, they go out together, one frame per batch. A driving thread that
+ * stops receiving should call tshare_channel_poll() (timeout 0) after its
+ * last release. A view's memory is the producer's: writes through a view are
+ * visible to the producer.
  *
  * Either end of a channel may share and receive.
  */
