@@ -2,7 +2,8 @@
 #   make demo   build, then share tensors between a producer and two consumers
 #   make test   build, then run every test (GPU tests skip without a GPU)
 # More: make bench (tshare against the floor and torch.multiprocessing; BENCH_ARGS=--quick),
-# make asan (tests under ASan+UBSan), make valgrind (CPU tests under valgrind),
+# make asan (tests under ASan+UBSan), make tsan (tests under ThreadSanitizer),
+# make valgrind (CPU tests under valgrind),
 # make fuzz (libFuzzer on the decoder and share validation), make faults (fault
 # trials), make load (the load test), make gpu-sanitize (compute-sanitizer memcheck
 # and racecheck, on a GPU machine), make install PREFIX=..., make clean.
@@ -10,13 +11,14 @@
 BUILD_DIR ?= build
 ASAN_BUILD_DIR ?= build-asan
 VALGRIND_BUILD_DIR ?= build-valgrind
+TSAN_BUILD_DIR ?= build-tsan
 PREFIX ?= /usr/local
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 FUZZ_SECONDS ?= 60
 # CI builds with -Werror; the exported flags never carry it.
 CMAKE_FLAGS ?= $(if $(CI),-DTSHARE_WERROR=ON)
 
-.PHONY: all deps build demo test bench asan valgrind fuzz faults load gpu-sanitize install clean
+.PHONY: all deps build demo test bench asan tsan valgrind fuzz faults load gpu-sanitize install clean
 
 all: build
 
@@ -43,6 +45,15 @@ asan: deps
 	cmake --build $(ASAN_BUILD_DIR) -j $(JOBS)
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  ctest --test-dir $(ASAN_BUILD_DIR) --output-on-failure -j $(JOBS)
+
+# Every test under ThreadSanitizer: views are released from any thread, so the
+# channel's locks and atomics are checked here (CI runs it). Without LibTorch:
+# it is not built with TSan, and its own thread pool would be what is reported.
+tsan: deps
+	cmake -S . -B $(TSAN_BUILD_DIR) -DCMAKE_BUILD_TYPE=Debug -DTSHARE_SANITIZE=thread -DTSHARE_WITH_TORCH=OFF $(CMAKE_FLAGS)
+	cmake --build $(TSAN_BUILD_DIR) -j $(JOBS)
+	TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+	  ctest --test-dir $(TSAN_BUILD_DIR) --output-on-failure -j $(JOBS)
 
 # Every CPU test binary under valgrind memcheck, children included; a leak or
 # an error fails the test. Left to make asan: the bench, the libFuzzer run
@@ -94,4 +105,4 @@ install: build
 	cmake --install $(BUILD_DIR) --prefix $(PREFIX)
 
 clean:
-	rm -rf $(BUILD_DIR) $(ASAN_BUILD_DIR) $(VALGRIND_BUILD_DIR)
+	rm -rf $(BUILD_DIR) $(ASAN_BUILD_DIR) $(TSAN_BUILD_DIR) $(VALGRIND_BUILD_DIR)
