@@ -1,15 +1,12 @@
 #include "demo.h"
 
+#include "demo_gpu.h"
 #include "tshare/tshare.h"
 
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-#ifdef TSHARE_HAVE_CUDA
-#include "cuda_driver.h" /* the demo copies its patterns in and out with the driver tshare loaded */
-#endif
 
 #define SEGMENT_BYTES (4u << 20) /* each tensor sits at an offset inside one of two segments */
 #define TIMEOUT_MS 30000
@@ -151,21 +148,8 @@ static int fail(const char *what, int rc, const char *detail) {
   return 1;
 }
 
-/* Device memory is filled and read through host staging copies; the layouts
- * and checks are the host demo's. */
-#ifdef TSHARE_HAVE_CUDA
-static const ts_cuda_api *demo_cuda(void) {
-  tshare_error err;
-  if (tshare_cuda_init(&err) != TSHARE_OK) {
-    fprintf(stderr, "%s\n", err.message);
-    return NULL;
-  }
-  const ts_cuda_api *cu = ts_cuda(NULL, NULL);
-  CUcontext ctx = NULL;
-  if (cu->cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx) ts_cuda_push(ts_cuda_primary_ctx(0));
-  return cu;
-}
-#endif
+/* Device memory is filled and read through host staging copies (demo_gpu.h);
+ * the layouts and checks are the host demo's. */
 
 int demo_producer_main(int tensors, bool cuda) {
   tshare_role role;
@@ -181,20 +165,14 @@ int demo_producer_main(int tensors, bool cuda) {
   tshare_cuda_buffer *dseg[2] = {NULL, NULL};
   void *staging[2] = {NULL, NULL};
   void *stream = NULL;
-#ifdef TSHARE_HAVE_CUDA
-  const ts_cuda_api *cu = cuda ? demo_cuda() : NULL;
-  if (cuda && !cu) return 1;
-  if (cuda && cu->cuStreamCreate((CUstream *)&stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
-    return fail("stream", TSHARE_E_CUDA, "cuStreamCreate failed");
-#endif
+  if (cuda && (rc = demo_gpu_open(&stream, &err)) != TSHARE_OK) return fail("GPU", rc, err.message);
   for (int s = 0; s < 2; s++) {
     if (cuda) {
       /* fd capabilities travel only on sockets; pipes get legacy handles */
-      rc = tshare_cuda_buffer_create_kind(0, SEGMENT_BYTES,
-                                          tshare_channel_kind_of(ch[0]) == TSHARE_CHANNEL_PIPES
-                                              ? TSHARE_CUDA_HANDLE_LEGACY
-                                              : TSHARE_CUDA_HANDLE_AUTO,
-                                          &dseg[s], &err);
+      rc = tshare_cuda_buffer_create_kind(
+          0, SEGMENT_BYTES,
+          tshare_channel_kind_of(ch[0]) == TSHARE_CHANNEL_PIPES ? TSHARE_CUDA_HANDLE_LEGACY : TSHARE_CUDA_HANDLE_AUTO,
+          &dseg[s], &err);
       staging[s] = calloc(1, SEGMENT_BYTES);
       if (rc == TSHARE_OK && !staging[s]) rc = TSHARE_E_NOMEM;
     } else {
@@ -218,14 +196,11 @@ int demo_producer_main(int tensors, bool cuda) {
     long long unused;
     check_or_fill((char *)staging[s] + desc[i].byte_offset, &desc[i], i, true, &unused);
   }
-#ifdef TSHARE_HAVE_CUDA
   /* Queued on the stream; each share records an event after it, so the
    * consumers' streams wait for the copy without a host sync here. */
   for (int s = 0; cuda && s < 2; s++)
-    if (cu->cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)tshare_cuda_buffer_ptr(dseg[s]), staging[s], used[s],
-                              (CUstream)stream) != CUDA_SUCCESS)
-      return fail("copy to the GPU", TSHARE_E_CUDA, "cuMemcpyHtoDAsync failed");
-#endif
+    if ((rc = demo_gpu_upload(stream, tshare_cuda_buffer_ptr(dseg[s]), staging[s], used[s], &err)) != TSHARE_OK)
+      return fail("copy to the GPU", rc, err.message);
   for (int i = 0; i < tensors; i++) {
     char tag[16], what[96];
     snprintf(tag, sizeof tag, "t%d", i);
@@ -249,13 +224,11 @@ int demo_producer_main(int tensors, bool cuda) {
   }
   size_t held = 0;
   for (int c = 0; c < role.nchannels; c++) held += tshare_channel_outstanding(ch[c]);
-#ifdef TSHARE_HAVE_CUDA
   for (int s = 0; cuda && s < 2; s++) { /* read the GPU copy back to check it */
     memset(staging[s], 0, SEGMENT_BYTES);
-    if (cu->cuMemcpyDtoH(staging[s], (CUdeviceptr)(uintptr_t)tshare_cuda_buffer_ptr(dseg[s]), used[s]) != CUDA_SUCCESS)
-      return fail("copy from the GPU", TSHARE_E_CUDA, "cuMemcpyDtoH failed");
+    if ((rc = demo_gpu_download(stream, staging[s], tshare_cuda_buffer_ptr(dseg[s]), used[s], &err)) != TSHARE_OK)
+      return fail("copy from the GPU", rc, err.message);
   }
-#endif
   /* The producer's own copy must be intact too: sharing must never cost data. */
   long long damaged = 0, bad_k = 0;
   for (int i = 0; i < tensors; i++)
@@ -286,12 +259,8 @@ int demo_consumer_main(int tensors, bool cuda) {
   if (rc != TSHARE_OK) return fail("open channel", rc, err.message);
   int received = 0, intact = 0;
   void *stream = NULL, *host = NULL;
-#ifdef TSHARE_HAVE_CUDA
-  const ts_cuda_api *cu = cuda ? demo_cuda() : NULL;
-  if (cuda && (!cu || cu->cuStreamCreate((CUstream *)&stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS))
-    return fail("stream", TSHARE_E_NO_DEVICE, "no usable CUDA device");
-  host = cuda ? malloc(SEGMENT_BYTES) : NULL;
-#endif
+  if (cuda && (rc = demo_gpu_open(&stream, &err)) != TSHARE_OK) return fail("GPU", rc, err.message);
+  if (cuda && !(host = malloc(SEGMENT_BYTES))) return fail("GPU", TSHARE_E_NOMEM, "no memory for the staging copy");
   for (;;) {
     tshare_view *v;
     rc = tshare_view_recv_stream(ch, stream, TIMEOUT_MS, &v);
@@ -304,20 +273,17 @@ int demo_consumer_main(int tensors, bool cuda) {
     /* The layout must be the one the producer chose for tensor i, and then
      * every element must hold its value. */
     void *data = tshare_view_data(v);
-#ifdef TSHARE_HAVE_CUDA
     if (tshare_view_device_type(v) == TSHARE_DEVICE_CUDA) {
       /* Copy the bytes the view spans, on the stream that waited for the
        * producer's event, then check them here. */
       uint64_t begin, end;
       tshare_tensor_check(d, d->byte_offset + SEGMENT_BYTES, &begin, &end, NULL, 0);
-      if (!host || end - d->byte_offset > SEGMENT_BYTES ||
-          cu->cuMemcpyDtoHAsync(host, (CUdeviceptr)(uintptr_t)data, end - d->byte_offset, (CUstream)stream) !=
-              CUDA_SUCCESS ||
-          cu->cuStreamSynchronize((CUstream)stream) != CUDA_SUCCESS)
-        return fail("copy from the GPU", TSHARE_E_CUDA, "cuMemcpyDtoHAsync failed");
+      if (!host || end - d->byte_offset > SEGMENT_BYTES)
+        return fail("copy from the GPU", TSHARE_E_TOO_LARGE, "the view spans more than a demo segment");
+      if ((rc = demo_gpu_download(stream, host, data, end - d->byte_offset, &err)) != TSHARE_OK)
+        return fail("copy from the GPU", rc, err.message);
       data = host;
     }
-#endif
     long long bad = same_layout(d, i) ? check_or_fill(data, d, i, false, &bad_k) : n;
     char what[96];
     if (bad == 0) {
@@ -332,7 +298,6 @@ int demo_consumer_main(int tensors, bool cuda) {
   tshare_role_report(&role, "verified", intact);
   tshare_channel_close(ch);
   free(host);
-  (void)cuda;
   if (received != tensors) fprintf(stderr, "expected %d tensors, received %d\n", tensors, received);
   return intact == tensors && received == tensors ? 0 : 1;
 }

@@ -7,6 +7,7 @@
  * process, so an address freed and reused never maps stale memory. */
 #include "cuda_internal.h"
 #include "error_detail.h"
+#include "u64map.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -20,28 +21,90 @@ struct ts_cuda_mapping {
   size_t size;
   int fd; /* VMM memory: the fd it was imported from, else -1 */
   size_t views;
-  bool keep_idle; /* the owner sends a retire notice before it frees */
-  bool gone;      /* the owner retired it or went away: close at the last view */
-  uint64_t tick;  /* last use, for least-recently-used closing */
-  struct ts_cuda_mapping *next;
+  bool keep_idle;                                /* the owner sends a retire notice before it frees */
+  bool gone;                                     /* the owner retired it or went away: close at the last view */
+  bool idle;                                     /* on the idle list: no views, kept open for the next share */
+  struct ts_cuda_mapping *same_key;              /* the next mapping in its hash slot */
+  struct ts_cuda_mapping *prev, *next;           /* every mapping, for retiring by origin */
+  struct ts_cuda_mapping *idle_prev, *idle_next; /* idle ones, least recently used first */
 };
 
-static ts_cuda_mapping *imports; /* under ts_cuda_lock */
-static uint64_t tick;
+/* Under ts_cuda_lock. A consumer may hold views into thousands of
+ * allocations, and every share looks one up: mappings are found by a hash of
+ * (origin, allocation, context), and the idle ones close in LRU order. */
+static ts_u64map by_key;
+static ts_cuda_mapping *all;
+static ts_cuda_mapping *idle_oldest, *idle_newest;
+static size_t idle_count, idle_bytes;
 static size_t max_idle = 64;
 static size_t max_idle_bytes = (size_t)4 << 30;
+
+static void trim_locked(void);
 
 void tshare_cuda_set_import_cache_limits(size_t count, size_t bytes) {
   pthread_mutex_lock(&ts_cuda_lock);
   max_idle = count;
   max_idle_bytes = bytes;
+  trim_locked();
   pthread_mutex_unlock(&ts_cuda_lock);
 }
 
-static void close_locked(ts_cuda_mapping *imp) {
-  ts_cuda_mapping **pp = &imports;
-  while (*pp && *pp != imp) pp = &(*pp)->next;
-  if (*pp) *pp = imp->next;
+/* u64map keys are neither 0 (empty) nor UINT64_MAX (deleted). */
+static uint64_t key_of(uint32_t origin_pid, uint64_t alloc_id, CUcontext ctx) {
+  uint64_t h = alloc_id ^ ((uint64_t)origin_pid << 40) ^ ((uint64_t)(uintptr_t)ctx * 0x9e3779b97f4a7c15ull);
+  h ^= h >> 31;
+  h *= 0xbf58476d1ce4e5b9ull;
+  h ^= h >> 29;
+  return h % (UINT64_MAX - 1) + 1;
+}
+
+static bool same_identity(const ts_cuda_mapping *m, uint32_t origin_pid, uint64_t alloc_id, CUcontext ctx) {
+  return m->origin_pid == origin_pid && m->alloc_id == alloc_id && m->ctx == ctx;
+}
+
+static void idle_unlink(ts_cuda_mapping *m) {
+  if (!m->idle) return;
+  if (m->idle_prev)
+    m->idle_prev->idle_next = m->idle_next;
+  else
+    idle_oldest = m->idle_next;
+  if (m->idle_next)
+    m->idle_next->idle_prev = m->idle_prev;
+  else
+    idle_newest = m->idle_prev;
+  m->idle_prev = m->idle_next = NULL;
+  m->idle = false;
+  idle_count--;
+  idle_bytes -= m->size;
+}
+
+static void idle_append(ts_cuda_mapping *m) {
+  m->idle = true;
+  m->idle_prev = idle_newest;
+  m->idle_next = NULL;
+  if (idle_newest)
+    idle_newest->idle_next = m;
+  else
+    idle_oldest = m;
+  idle_newest = m;
+  idle_count++;
+  idle_bytes += m->size;
+}
+
+/* Index a new mapping; false when out of memory (then it is in nothing). */
+static bool insert_locked(ts_cuda_mapping *m) {
+  uint64_t key = key_of(m->origin_pid, m->alloc_id, m->ctx);
+  m->same_key = ts_u64map_get(&by_key, key);
+  if (ts_u64map_put(&by_key, key, m) != 0) return false;
+  m->prev = NULL;
+  m->next = all;
+  if (all) all->prev = m;
+  all = m;
+  return true;
+}
+
+/* Give the mapping back to the driver and free it (it is in no list). */
+static void unmap_and_free(ts_cuda_mapping *imp) {
   const ts_cuda_api *cu = ts_cuda_if_loaded();
   if (cu && ts_cuda_push(imp->ctx)) {
     if (imp->fd >= 0) {
@@ -53,24 +116,37 @@ static void close_locked(ts_cuda_mapping *imp) {
     ts_cuda_pop();
   }
   if (imp->fd >= 0) close(imp->fd);
-  ts_cuda_counters.import_closes++;
   free(imp);
 }
 
-/* Close idle mappings, oldest first, until the bounds hold. */
-static void trim_locked(void) {
-  for (;;) {
-    size_t n = 0, bytes = 0;
-    ts_cuda_mapping *oldest = NULL;
-    for (ts_cuda_mapping *i = imports; i; i = i->next) {
-      if (i->views) continue;
-      n++;
-      bytes += i->size;
-      if (!oldest || i->tick < oldest->tick) oldest = i;
-    }
-    if (!oldest || (n <= max_idle && bytes <= max_idle_bytes)) return;
-    close_locked(oldest);
+static void close_locked(ts_cuda_mapping *imp) {
+  idle_unlink(imp);
+  uint64_t key = key_of(imp->origin_pid, imp->alloc_id, imp->ctx);
+  ts_cuda_mapping *head = ts_u64map_get(&by_key, key);
+  if (head == imp) {
+    if (imp->same_key)
+      (void)ts_u64map_replace(&by_key, key, imp->same_key);
+    else
+      ts_u64map_remove(&by_key, key);
+  } else {
+    for (ts_cuda_mapping *i = head; i; i = i->same_key)
+      if (i->same_key == imp) {
+        i->same_key = imp->same_key;
+        break;
+      }
   }
+  if (imp->prev)
+    imp->prev->next = imp->next;
+  else
+    all = imp->next;
+  if (imp->next) imp->next->prev = imp->prev;
+  ts_cuda_counters.import_closes++;
+  unmap_and_free(imp);
+}
+
+/* Close idle mappings, least recently used first, until the bounds hold. */
+static void trim_locked(void) {
+  while (idle_oldest && (idle_count > max_idle || idle_bytes > max_idle_bytes)) close_locked(idle_oldest);
 }
 
 /* Map VMM memory from its fd: import, reserve, map, grant this context's
@@ -80,9 +156,8 @@ static CUresult vmm_map(const ts_cuda_api *cu, int fd, size_t size, CUdeviceptr 
   CUdevice dev;
   CUmemGenericAllocationHandle h;
   CUresult rc = cu->cuCtxGetDevice(&dev);
-  if (rc != CUDA_SUCCESS ||
-      (rc = cu->cuMemImportFromShareableHandle(&h, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) !=
-          CUDA_SUCCESS)
+  if (rc != CUDA_SUCCESS || (rc = cu->cuMemImportFromShareableHandle(
+                                 &h, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) != CUDA_SUCCESS)
     return rc;
   bool reserved = false;
   if ((rc = cu->cuMemAddressReserve(ptr, size, 0, 0, 0)) == CUDA_SUCCESS) {
@@ -110,8 +185,11 @@ int ts_cuda_import_get(uint32_t origin_pid, uint64_t alloc_id, CUcontext ctx, co
   const ts_cuda_api *cu = ts_cuda_require(err, cap, &status);
   if (!cu) return status;
   pthread_mutex_lock(&ts_cuda_lock);
-  ts_cuda_mapping *imp = imports;
-  while (imp && !(imp->origin_pid == origin_pid && imp->alloc_id == alloc_id && imp->ctx == ctx)) imp = imp->next;
+  /* A retired mapping still in use shares its slot with the fresh one that
+   * replaced it: take the live one, else the retired one (to reopen). */
+  ts_cuda_mapping *imp = NULL;
+  for (ts_cuda_mapping *i = ts_u64map_get(&by_key, key_of(origin_pid, alloc_id, ctx)); i; i = i->same_key)
+    if (same_identity(i, origin_pid, alloc_id, ctx) && (!imp || imp->gone)) imp = i;
   if (imp && !imp->gone) {
     if (imp->size != size) {
       pthread_mutex_unlock(&ts_cuda_lock);
@@ -154,12 +232,15 @@ int ts_cuda_import_get(uint32_t origin_pid, uint64_t alloc_id, CUcontext ctx, co
     imp->alloc_id = alloc_id;
     imp->ctx = ctx;
     imp->size = size;
-    imp->next = imports;
-    imports = imp;
+    if (!insert_locked(imp)) {
+      unmap_and_free(imp);
+      pthread_mutex_unlock(&ts_cuda_lock);
+      return ts_errf(err, cap, TSHARE_E_NOMEM, "import: out of memory");
+    }
   }
+  idle_unlink(imp);
   imp->keep_idle = keep_idle;
   imp->views++;
-  imp->tick = ++tick;
   pthread_mutex_unlock(&ts_cuda_lock);
   *out = imp;
   return TSHARE_OK;
@@ -170,18 +251,19 @@ int ts_cuda_import_fd(const ts_cuda_mapping *imp) { return imp->fd; }
 
 void ts_cuda_import_put(ts_cuda_mapping *imp) {
   pthread_mutex_lock(&ts_cuda_lock);
-  imp->tick = ++tick;
   if (--imp->views == 0) {
-    if (imp->gone || !imp->keep_idle)
+    if (imp->gone || !imp->keep_idle) {
       close_locked(imp);
-    else
+    } else {
+      idle_append(imp);
       trim_locked();
+    }
   }
   pthread_mutex_unlock(&ts_cuda_lock);
 }
 
 static void retire_where_locked(uint32_t origin_pid, bool any_alloc, uint64_t alloc_id) {
-  for (ts_cuda_mapping *i = imports, *next; i; i = next) {
+  for (ts_cuda_mapping *i = all, *next; i; i = next) {
     next = i->next;
     if (i->origin_pid != origin_pid || (!any_alloc && i->alloc_id != alloc_id)) continue;
     i->gone = true;

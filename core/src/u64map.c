@@ -55,6 +55,17 @@ static int grow(ts_u64map *m) {
   return 0;
 }
 
+int ts_u64map_replace(ts_u64map *m, uint64_t key, void *value) {
+  if (m->cap == 0 || key == EMPTY || key == DELETED) return -1;
+  for (size_t i = slot_of(key, m->cap);; i = (i + 1) & (m->cap - 1)) {
+    if (m->keys[i] == key) {
+      m->values[i] = value;
+      return 0;
+    }
+    if (m->keys[i] == EMPTY) return -1;
+  }
+}
+
 int ts_u64map_put(ts_u64map *m, uint64_t key, void *value) {
   if (key == EMPTY || key == DELETED) return -1;
   if ((m->used + 1) * 4 > m->cap * 3 && grow(m) != 0) return -1;

@@ -19,6 +19,8 @@ void ts_u64map_free(ts_u64map *m);
 void *ts_u64map_get(const ts_u64map *m, uint64_t key);
 int ts_u64map_put(ts_u64map *m, uint64_t key, void *value); /* 0 ok, -1 out of memory */
 void *ts_u64map_remove(ts_u64map *m, uint64_t key);         /* the removed value or NULL */
+/* Change the value of a key that is there; never allocates. -1 if absent. */
+int ts_u64map_replace(ts_u64map *m, uint64_t key, void *value);
 
 /* Iterate: for (size_t i = 0; ts_u64map_next(m, &i, &k, &v);) */
 int ts_u64map_next(const ts_u64map *m, size_t *pos, uint64_t *key, void **value);

@@ -236,6 +236,16 @@ static int role_import_error(tshare_channel *ch, FILE *out) {
   return 0;
 }
 
+/* Receive a view on stream s; the bad elements against its tag's pattern. */
+static unsigned long long recv_checked(tshare_channel *ch, CUstream s, tshare_view **out) {
+  CHECK_RC(tshare_view_recv_stream(ch, s, TIMEOUT, out), TSHARE_OK, tshare_channel_last_error(ch));
+  int base, step, n;
+  if (sscanf(tshare_view_tag(*out), "%d %d %d", &base, &step, &n) != 3) TS_FAIL("tag '%s'", tshare_view_tag(*out));
+  unsigned long long bad = 0;
+  CHECK(ck_count_bad((CUdeviceptr)(uintptr_t)tshare_view_data(*out), (size_t)n, base, step, s, &bad) == CUDA_SUCCESS);
+  return bad;
+}
+
 /* Receive count views, check them, and hand them to a worker thread that
  * releases them while this (the driving) thread waits on fd 5, outside
  * tshare, until the producer says it has them back. */
@@ -251,15 +261,7 @@ static int role_busy_releaser(tshare_channel *ch, FILE *out, int count) {
   tshare_view *views[17] = {0};
   unsigned long long bad_total = 0;
   CHECK(count > 0 && count < 17);
-  for (int i = 0; i < count; i++) {
-    CHECK_RC(tshare_view_recv_stream(ch, s, TIMEOUT, &views[i]), TSHARE_OK, tshare_channel_last_error(ch));
-    int base, step, n;
-    if (sscanf(tshare_view_tag(views[i]), "%d %d %d", &base, &step, &n) != 3) TS_FAIL("tag");
-    unsigned long long bad = 0;
-    CHECK(ck_count_bad((CUdeviceptr)(uintptr_t)tshare_view_data(views[i]), (size_t)n, base, step, s, &bad) ==
-          CUDA_SUCCESS);
-    bad_total += bad;
-  }
+  for (int i = 0; i < count; i++) bad_total += recv_checked(ch, s, &views[i]);
   /* The stream is idle: each release can go out at once. */
   CHECK(cu->cuStreamSynchronize(s) == CUDA_SUCCESS);
   pthread_t t;
@@ -270,6 +272,31 @@ static int role_busy_releaser(tshare_channel *ch, FILE *out, int count) {
   tshare_view *v;
   CHECK_RC(tshare_view_recv(ch, TIMEOUT, &v), TSHARE_END, tshare_channel_last_error(ch));
   fprintf(out, "views=%d bad=%llu\n", count, bad_total);
+  fflush(out);
+  return 0;
+}
+
+/* Two rounds of count shares, each from its own allocation, every view of a
+ * round held until the round ends; at most 8 idle mappings are kept. */
+static int role_cache_bounds(tshare_channel *ch, FILE *out, int count) {
+  tshare_cuda_set_import_cache_limits(8, (size_t)1 << 40);
+  CUstream s;
+  CHECK(cu->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+  tshare_view *views[64];
+  unsigned long long bad_total = 0;
+  CHECK(count > 0 && count <= 64);
+  for (int round = 0; round < 2; round++) {
+    for (int i = 0; i < count; i++) bad_total += recv_checked(ch, s, &views[i]);
+    for (int i = 0; i < count; i++) tshare_view_release(views[i]);
+    int rc = tshare_channel_poll(ch, 0); /* the releases go out */
+    if (rc != TSHARE_OK && rc != TSHARE_AGAIN) TS_FAIL("poll: %s", tshare_channel_last_error(ch));
+  }
+  tshare_view *v;
+  CHECK_RC(tshare_view_recv(ch, TIMEOUT, &v), TSHARE_END, tshare_channel_last_error(ch));
+  tshare_cuda_export_stats st;
+  tshare_cuda_stats(&st);
+  fprintf(out, "bad=%llu imports=%llu hits=%llu closes=%llu\n", bad_total, (unsigned long long)(st.imports + st.fd_imports),
+          (unsigned long long)st.import_hits, (unsigned long long)st.import_closes);
   fflush(out);
   return 0;
 }
@@ -295,6 +322,7 @@ static int role_main(int argc, char **argv) {
   if (strcmp(role, "forwarder") == 0) rc = role_forwarder(ch, out);
   if (strcmp(role, "import_error") == 0) rc = role_import_error(ch, out);
   if (strcmp(role, "busy_releaser") == 0) rc = role_busy_releaser(ch, out, atoi(arg));
+  if (strcmp(role, "cache_bounds") == 0) rc = role_cache_bounds(ch, out, atoi(arg));
   tshare_channel_close(ch);
   fclose(out);
   return rc;
@@ -774,6 +802,32 @@ TS_TEST(release_from_a_worker_while_the_receiver_is_busy) {
   tshare_channel_close(ch);
   tshare_cuda_buffer_release(fdb);
   tshare_cuda_buffer_release(legacy);
+}
+
+/* The consumer holds views into 40 allocations at once, twice, keeping at
+ * most 8 idle mappings: the 8 released last serve the second round, the
+ * other 32 are closed and opened again. */
+TS_TEST(import_cache_keeps_the_most_recent_idle_mappings) {
+  need_gpu(1);
+  enum { N = 40 };
+  tshare_cuda_buffer *bufs[N];
+  tshare_error err;
+  for (int i = 0; i < N; i++)
+    CHECK_RC(tshare_cuda_buffer_create_kind(0, 65536, TSHARE_CUDA_HANDLE_LEGACY, &bufs[i], &err), TSHARE_OK,
+             err.message);
+  peer c = start_role("cache_bounds", "40", NULL, -1, -1);
+  tshare_channel *ch = open_ch(c.channel_fd, "producer");
+  for (int round = 0; round < 2; round++) {
+    for (int i = 0; i < N; i++) share_pattern(ch, bufs[i], 0, 1024, 1000 * round + i, 3);
+    CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  }
+  CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  const char *line = result_line(&c);
+  printf("import cache, 2 rounds of %d held allocations, 8 idle kept: %s\n", N, line);
+  CHECK(strcmp(line, "bad=0 imports=72 hits=8 closes=64") == 0);
+  CHECK_EQ(finish(&c), 0);
+  tshare_channel_close(ch);
+  for (int i = 0; i < N; i++) tshare_cuda_buffer_release(bufs[i]);
 }
 
 TS_TEST(guard_report) {
