@@ -126,33 +126,44 @@ static int wait_writable(tshare_channel *ch, int64_t deadline) {
   }
 }
 
+/* One non-blocking write of buf to the peer, fd (if >= 0) riding on its
+ * first byte. Like write(): bytes written, or -1 with errno. */
+static ssize_t write_once(tshare_channel *ch, const uint8_t *buf, size_t len, int fd) {
+  if (ch->kind != TSHARE_CHANNEL_SOCKET) return pipe_write_nosigpipe(ch->wfd, buf, len);
+  struct iovec iov = {.iov_base = (void *)buf, .iov_len = len};
+  struct msghdr msg = {0};
+  union {
+    char space[CMSG_SPACE(sizeof(int))];
+    struct cmsghdr align;
+  } ctl;
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  if (fd >= 0) {
+    memset(&ctl, 0, sizeof ctl);
+    msg.msg_control = ctl.space;
+    msg.msg_controllen = sizeof ctl.space;
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &fd, sizeof fd);
+  }
+  return sendmsg(ch->wfd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+/* A begun frame cannot be taken back, and cutting it would break the stream:
+ * its end waits in the tail and goes first later (with send_lock held; rest
+ * may point into the tail itself). */
+static void keep_tail(tshare_channel *ch, const uint8_t *rest, size_t n) {
+  memmove(ch->tail, rest, n);
+  ch->tail_len = n;
+  atomic_store(&ch->tail_pending, true);
+}
+
 static int send_bytes(tshare_channel *ch, const uint8_t *buf, size_t len, int fd, int64_t deadline) {
   size_t off = 0;
   while (off < len) {
-    ssize_t r;
-    if (ch->kind == TSHARE_CHANNEL_SOCKET) {
-      struct iovec iov = {.iov_base = (void *)(buf + off), .iov_len = len - off};
-      struct msghdr msg = {0};
-      union {
-        char space[CMSG_SPACE(sizeof(int))];
-        struct cmsghdr align;
-      } ctl;
-      msg.msg_iov = &iov;
-      msg.msg_iovlen = 1;
-      if (fd >= 0 && off == 0) { /* the fd rides on the frame's first byte */
-        memset(&ctl, 0, sizeof ctl);
-        msg.msg_control = ctl.space;
-        msg.msg_controllen = sizeof ctl.space;
-        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-        c->cmsg_level = SOL_SOCKET;
-        c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(sizeof(int));
-        memcpy(CMSG_DATA(c), &fd, sizeof fd);
-      }
-      r = sendmsg(ch->wfd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-    } else {
-      r = pipe_write_nosigpipe(ch->wfd, buf + off, len - off);
-    }
+    ssize_t r = write_once(ch, buf + off, len - off, off == 0 ? fd : -1);
     if (r > 0) {
       off += (size_t)r;
       continue;
@@ -172,12 +183,7 @@ static int send_bytes(tshare_channel *ch, const uint8_t *buf, size_t len, int fd
     if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       int rc = wait_writable(ch, deadline);
       if (rc == TSHARE_E_TIMEOUT && off > 0) {
-        /* A begun frame cannot be taken back, and cutting it would break the
-         * stream: its end waits in the tail and goes first later. The frame
-         * counts as sent (its fd already went with its first byte). */
-        memmove(ch->tail, buf + off, len - off);
-        ch->tail_len = len - off;
-        atomic_store(&ch->tail_pending, true);
+        keep_tail(ch, buf + off, len - off); /* the frame counts as sent: its fd went with its first byte */
         return TSHARE_OK;
       }
       if (rc != TSHARE_OK) return rc;
@@ -237,8 +243,7 @@ bool ts_channel_send_now_locked(tshare_channel *ch, const tshare_frame *f) {
   int saved_errno = errno;
   size_t off = 0;
   while (off < len) {
-    ssize_t r = ch->kind == TSHARE_CHANNEL_SOCKET ? send(ch->wfd, buf + off, len - off, MSG_NOSIGNAL | MSG_DONTWAIT)
-                                                  : pipe_write_nosigpipe(ch->wfd, buf + off, len - off);
+    ssize_t r = write_once(ch, buf + off, len - off, -1);
     if (r > 0) {
       off += (size_t)r;
       continue;
@@ -248,11 +253,7 @@ bool ts_channel_send_now_locked(tshare_channel *ch, const tshare_frame *f) {
   }
   errno = saved_errno;
   if (off == 0) return false;
-  if (off < len) { /* begun: the rest goes first, from the driving thread or the next send */
-    memcpy(ch->tail, buf + off, len - off);
-    ch->tail_len = len - off;
-    atomic_store(&ch->tail_pending, true);
-  }
+  if (off < len) keep_tail(ch, buf + off, len - off); /* from the driving thread or the next send */
   return true;
 }
 

@@ -206,23 +206,26 @@ void ts_share_drop_all(tshare_channel *ch, int status) {
 
 /* ---- consumer side ------------------------------------------------------ */
 
+/* Move the oldest queued release ids, at most one frame's worth, into a
+ * release frame (with ch->lock held); its count is 0 when none were queued. */
+static void take_pending_locked(tshare_channel *ch, tshare_frame *f) {
+  memset(f, 0, sizeof *f);
+  f->type = TSHARE_FRAME_RELEASE;
+  uint32_t n = ch->npending < ch->limits.max_release_ids ? (uint32_t)ch->npending : ch->limits.max_release_ids;
+  memcpy(f->u.release.share_ids, ch->pending, n * sizeof(uint64_t));
+  memmove(ch->pending, ch->pending + n, (ch->npending - n) * sizeof(uint64_t));
+  ch->npending -= n;
+  f->u.release.count = n;
+}
+
 int ts_share_flush_pending(tshare_channel *ch, int timeout_ms) {
   int64_t deadline = ts_deadline(timeout_ms);
   for (;;) {
     tshare_frame f;
-    memset(&f, 0, sizeof f);
-    f.type = TSHARE_FRAME_RELEASE;
     pthread_mutex_lock(&ch->lock);
-    uint32_t n = ch->npending < ch->limits.max_release_ids ? (uint32_t)ch->npending : ch->limits.max_release_ids;
-    if (n == 0) {
-      pthread_mutex_unlock(&ch->lock);
-      return TSHARE_OK;
-    }
-    memcpy(f.u.release.share_ids, ch->pending, n * sizeof(uint64_t));
-    memmove(ch->pending, ch->pending + n, (ch->npending - n) * sizeof(uint64_t));
-    ch->npending -= n;
+    take_pending_locked(ch, &f);
     pthread_mutex_unlock(&ch->lock);
-    f.u.release.count = n;
+    if (f.u.release.count == 0) return TSHARE_OK;
     int rc = ts_channel_send(ch, &f, -1, ts_remaining(deadline));
     if (rc != TSHARE_OK) return rc; /* a dead peer no longer needs the releases */
   }
@@ -233,26 +236,20 @@ void ts_share_send_releases_now(tshare_channel *ch) {
    * them in batches; a blocked driving thread was woken and sends them. The
    * send lock is only tried: a driving thread that holds it sends them. */
   if (atomic_load_explicit(&ch->driver, memory_order_relaxed) == ts_thread_tag()) return;
-  tshare_frame f;
-  memset(&f, 0, sizeof f);
-  f.type = TSHARE_FRAME_RELEASE;
   pthread_mutex_lock(&ch->lock);
   if (ch->closed || ch->waiting || ch->npending == 0 || pthread_mutex_trylock(&ch->send_lock) != 0) {
     pthread_mutex_unlock(&ch->lock);
     return;
   }
-  uint32_t n = ch->npending < ch->limits.max_release_ids ? (uint32_t)ch->npending : ch->limits.max_release_ids;
-  memcpy(f.u.release.share_ids, ch->pending, n * sizeof(uint64_t));
-  memmove(ch->pending, ch->pending + n, (ch->npending - n) * sizeof(uint64_t));
-  ch->npending -= n;
+  tshare_frame f;
+  take_pending_locked(ch, &f);
   pthread_mutex_unlock(&ch->lock);
-  f.u.release.count = n;
   bool sent = ts_channel_send_now_locked(ch, &f);
   pthread_mutex_unlock(&ch->send_lock);
   if (sent) return;
   /* Nothing went: back to the driving thread, which is told. */
   pthread_mutex_lock(&ch->lock);
-  for (uint32_t i = 0; i < n; i++) ts_share_queue_release_locked(ch, f.u.release.share_ids[i]);
+  for (uint32_t i = 0; i < f.u.release.count; i++) ts_share_queue_release_locked(ch, f.u.release.share_ids[i]);
   pthread_mutex_unlock(&ch->lock);
 }
 
