@@ -212,6 +212,7 @@ static void take_pending_locked(tshare_channel *ch, tshare_frame *f) {
   memset(f, 0, sizeof *f);
   f->type = TSHARE_FRAME_RELEASE;
   uint32_t n = ch->npending < ch->limits.max_release_ids ? (uint32_t)ch->npending : ch->limits.max_release_ids;
+  if (n == 0) return; /* pending may still be NULL */
   memcpy(f->u.release.share_ids, ch->pending, n * sizeof(uint64_t));
   memmove(ch->pending, ch->pending + n, (ch->npending - n) * sizeof(uint64_t));
   ch->npending -= n;
