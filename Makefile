@@ -96,7 +96,7 @@ fuzz: build
 	@test -x $(BUILD_DIR)/tests/fuzz/fuzz_decoder || { echo "make fuzz needs clang with its libFuzzer runtime (Debian: apt-get install clang); see the cmake output"; exit 1; }
 	mkdir -p $(BUILD_DIR)/fuzz-corpus $(BUILD_DIR)/fuzz-crashes
 	rc=0; $(BUILD_DIR)/tests/fuzz/fuzz_decoder -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 -max_len=4200 \
-	  -artifact_prefix=$(BUILD_DIR)/fuzz-crashes/ $(BUILD_DIR)/fuzz-corpus tests/fuzz/corpus || rc=$$?; \
+	  -dict=tests/fuzz/wire.dict -artifact_prefix=$(BUILD_DIR)/fuzz-crashes/ $(BUILD_DIR)/fuzz-corpus tests/fuzz/corpus || rc=$$?; \
 	for f in $(BUILD_DIR)/fuzz-crashes/*; do [ -f "$$f" ] || continue; \
 	  cp "$$f" tests/fuzz/corpus/regress-$$(sha1sum "$$f" | cut -c1-16); \
 	  echo "fuzz: $$f added to tests/fuzz/corpus as a regression input"; rc=1; done; exit $$rc

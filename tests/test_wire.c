@@ -530,4 +530,29 @@ TS_TEST(empty_tensor_and_zero_strides) {
   CHECK_RC(tshare_tensor_check(&t, 15, &b, &e, err, sizeof err), TSHARE_E_OUT_OF_BOUNDS, err);
 }
 
+/* Extreme strides from a peer are refused without undefined behaviour (this
+ * runs under UBSan in make asan): INT64_MIN and INT64_MAX in every position. */
+TS_TEST(extreme_strides_are_refused_without_overflow) {
+  const int64_t extremes[] = {INT64_MIN, INT64_MIN + 1, INT64_MIN / 2, INT64_MAX, INT64_MAX / 2 + 1};
+  const uint8_t bits[] = {8, 16, 64};
+  for (size_t b = 0; b < sizeof bits; b++)
+    for (size_t i = 0; i < sizeof extremes / sizeof extremes[0]; i++)
+      for (int64_t n = 2; n <= 3; n++) {
+        tshare_tensor_desc t;
+        memset(&t, 0, sizeof t);
+        t.dtype = (tshare_dtype){TSHARE_DTYPE_UINT, bits[b], 1};
+        t.ndim = 2;
+        t.shape[0] = n;
+        t.shape[1] = 2;
+        t.strides[0] = extremes[i];
+        t.strides[1] = 1;
+        t.byte_offset = 1u << 20;
+        char err[256];
+        int rc = tshare_tensor_check(&t, 2u << 20, NULL, NULL, err, sizeof err);
+        if (rc != TSHARE_E_OUT_OF_BOUNDS && rc != TSHARE_E_OVERFLOW)
+          TS_FAIL("stride %lld, shape %lld, %u bits: %s (%s)", (long long)extremes[i], (long long)n, bits[b],
+                  tshare_status_name(rc), err);
+      }
+}
+
 TS_TEST_MAIN

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -65,12 +66,96 @@ static ssize_t pipe_write_nosigpipe(int fd, const void *buf, size_t n) {
 
 #define SPILL_MAX (16u << 20) /* bytes read ahead while sending; beyond this a send just waits */
 
-static void fdq_push(tshare_channel *ch, int fd);
+/* Why an fd could not be installed: the process's limit (EMFILE) or the
+ * system's (ENFILE), asked by trying to open one more. */
+static int fd_shortage_errno(void) {
+  int probe = fcntl(0, F_DUPFD_CLOEXEC, 0);
+  if (probe >= 0) {
+    close(probe); /* freed meanwhile: the limit was still what cut it */
+    return EMFILE;
+  }
+  return errno == ENFILE ? ENFILE : EMFILE;
+}
+
+static bool fdq_push(tshare_channel *ch, ts_fd_entry e) {
+  if (ch->fdq_head + ch->fdq_len == ch->fdq_cap) {
+    if (ch->fdq_head > 0) { /* room at the front: slide down */
+      memmove(ch->fdq, ch->fdq + ch->fdq_head, ch->fdq_len * sizeof *ch->fdq);
+      ch->fdq_head = 0;
+    } else {
+      size_t cap = ch->fdq_cap ? ch->fdq_cap * 2 : 16;
+      ts_fd_entry *q = realloc(ch->fdq, cap * sizeof *q);
+      if (!q) return false;
+      ch->fdq = q;
+      ch->fdq_cap = cap;
+    }
+  }
+  ch->fdq[ch->fdq_head + ch->fdq_len++] = e;
+  return true;
+}
+
+/* The fds one read brought, at stream offset `at` (the read's last byte).
+ * A frame carries at most one fd: the first is kept (if the channel may hold
+ * another), the others closed. None delivered though the kernel cut the
+ * control data means this process could not install it. */
+static void take_fds(tshare_channel *ch, const int *fds, size_t n, bool cut, uint64_t at) {
+  ts_fd_entry e = {.fd = -1, .lost = 0, .at = at};
+  if (n == 0 && !cut) return;
+  for (size_t i = 1; i < n; i++) close(fds[i]);
+  if (n == 0) {
+    e.lost = fd_shortage_errno();
+  } else if (ch->held_fds >= ch->fd_budget) {
+    close(fds[0]);
+    e.lost = TS_FD_OVER_BUDGET;
+  } else {
+    e.fd = fds[0];
+  }
+  if (!fdq_push(ch, e)) {
+    if (e.fd >= 0) close(e.fd);
+    if (!ch->broken) ch->broken = ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "receive: out of memory");
+    return;
+  }
+  if (e.fd >= 0) ch->held_fds++;
+}
+
+/* The fd a frame ending at stream offset `end` carries: every queued fd that
+ * came with its bytes is taken off the queue, the first returned (or why it
+ * was lost), the rest closed. *found is false when none came. */
+static ts_fd_entry fds_of_frame(tshare_channel *ch, uint64_t end, bool *found) {
+  ts_fd_entry first = {.fd = -1, .lost = 0, .at = 0};
+  *found = false;
+  while (ch->fdq_len && ch->fdq[ch->fdq_head].at < end) {
+    ts_fd_entry e = ch->fdq[ch->fdq_head++];
+    ch->fdq_len--;
+    if (e.fd >= 0) ch->held_fds--;
+    if (!*found) {
+      first = e;
+      *found = true;
+    } else if (e.fd >= 0) {
+      close(e.fd);
+    }
+  }
+  if (ch->fdq_len == 0) ch->fdq_head = 0;
+  return first;
+}
+
+static void fdq_close_all(tshare_channel *ch) {
+  bool found;
+  ts_fd_entry e = fds_of_frame(ch, UINT64_MAX, &found);
+  if (found && e.fd >= 0) close(e.fd);
+  free(ch->fdq);
+  ch->fdq = NULL;
+  ch->fdq_cap = 0;
+}
 
 /* One read from the peer into buf: fds that come along go to the fd queue.
- * Like recvmsg: bytes read, 0 at EOF, -1 with errno (EPROTO: fds cut off). */
+ * Like recvmsg: bytes read, 0 at EOF, -1 with errno. */
 static ssize_t recv_into(tshare_channel *ch, uint8_t *buf, size_t cap) {
-  if (ch->kind != TSHARE_CHANNEL_SOCKET) return read(ch->rfd, buf, cap);
+  if (ch->kind != TSHARE_CHANNEL_SOCKET) {
+    ssize_t r = read(ch->rfd, buf, cap);
+    if (r > 0) ch->rx_bytes += (uint64_t)r;
+    return r;
+  }
   struct iovec iov = {.iov_base = buf, .iov_len = cap};
   union {
     char space[CMSG_SPACE(sizeof(int) * 8)];
@@ -83,19 +168,26 @@ static ssize_t recv_into(tshare_channel *ch, uint8_t *buf, size_t cap) {
   msg.msg_controllen = sizeof ctl.space;
   ssize_t r = recvmsg(ch->rfd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
   if (r < 0) return r;
+  int fds[8];
+  size_t n = 0;
   for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
     if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-    size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    for (size_t i = 0; i < n; i++) {
+    size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < k; i++) {
       int fd;
       memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-      fdq_push(ch, fd);
+      if (n < 8)
+        fds[n++] = fd;
+      else
+        close(fd);
     }
   }
-  if (msg.msg_flags & MSG_CTRUNC) {
-    errno = EPROTO;
-    return -1;
+  if (r == 0) { /* no bytes for them to ride on */
+    for (size_t i = 0; i < n; i++) close(fds[i]);
+    return 0;
   }
+  ch->rx_bytes += (uint64_t)r;
+  take_fds(ch, fds, n, (msg.msg_flags & MSG_CTRUNC) != 0, ch->rx_bytes - 1);
   return r;
 }
 
@@ -112,9 +204,10 @@ static void spill_read(tshare_channel *ch) {
 /* Wait until the peer can take bytes, reading what it sends meanwhile. */
 static int wait_writable(tshare_channel *ch, int64_t deadline) {
   for (;;) {
-    /* One read brings at most 8 fds: stop while the fd queue could overflow. */
-    bool can_read = ch->dec && !ch->spill_eof && ch->spill_len < SPILL_MAX && ch->rfd >= 0 &&
-                    ch->fdq_len + 8 <= TS_FD_QUEUE_MAX;
+    /* Reading never stops for fds: past the channel's fd budget they are
+     * closed on arrival and their shares refused, so two ends that share to
+     * each other both keep reading (up to SPILL_MAX bytes). */
+    bool can_read = ch->dec && !ch->spill_eof && ch->spill_len < SPILL_MAX && ch->rfd >= 0;
     struct pollfd p[2] = {{.fd = ch->wfd, .events = POLLOUT, .revents = 0},
                           {.fd = ch->rfd, .events = POLLIN, .revents = 0}};
     int n = poll(p, can_read ? 2 : 1, ts_remaining(deadline));
@@ -175,8 +268,7 @@ static int send_bytes(tshare_channel *ch, const uint8_t *buf, size_t len, int fd
       int left = ts_remaining(deadline);
       if (left == 0)
         return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TIMEOUT,
-                       "send: peer '%s' (pid %u) does not take the fds already in flight", ch->peer.name,
-                       ch->peer.pid);
+                       "send: peer %s does not take the fds already in flight", ch->peer_label);
       usleep(1000);
       continue;
     }
@@ -190,8 +282,7 @@ static int send_bytes(tshare_channel *ch, const uint8_t *buf, size_t len, int fd
       continue;
     }
     if (r < 0 && (errno == EPIPE || errno == ECONNRESET))
-      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED, "send: peer '%s' (pid %u) closed the channel",
-                     ch->peer.name, ch->peer.pid);
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED, "send: peer %s closed the channel", ch->peer_label);
     return ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "send");
   }
   return TSHARE_OK;
@@ -277,25 +368,6 @@ int ts_channel_send(tshare_channel *ch, const tshare_frame *f, int fd, int timeo
   return rc;
 }
 
-static void fdq_push(tshare_channel *ch, int fd) {
-  if (ch->fdq_len == TS_FD_QUEUE_MAX) { /* a peer flooding fds without frames */
-    close(fd);
-    if (!ch->broken)
-      ch->broken =
-          ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "receive: more than %d unclaimed fds", TS_FD_QUEUE_MAX);
-    return;
-  }
-  ch->fdq[(ch->fdq_head + ch->fdq_len++) % TS_FD_QUEUE_MAX] = fd;
-}
-
-static int fdq_pop(tshare_channel *ch) {
-  if (ch->fdq_len == 0) return -1;
-  int fd = ch->fdq[ch->fdq_head];
-  ch->fdq_head = (ch->fdq_head + 1) % TS_FD_QUEUE_MAX;
-  ch->fdq_len--;
-  return fd;
-}
-
 void ts_channel_wake_locked(tshare_channel *ch) {
   ch->woken = true;
   if (!ch->waiting) return;
@@ -369,23 +441,20 @@ static int read_some(tshare_channel *ch, int64_t deadline) {
       r = 0;
     } else {
       r = recv_into(ch, space, avail);
-      if (r < 0 && errno == EPROTO)
-        return ch->broken = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
-                                    "receive: peer sent more fds than one frame may carry");
     }
     if (r > 0) {
       tshare_decoder_commit(ch->dec, (size_t)r);
+      ch->fed += (uint64_t)r;
       return TSHARE_OK;
     }
     if (r == 0) {
       size_t pending = tshare_decoder_pending(ch->dec);
       if (pending)
-        return ch->broken =
-                   ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED,
-                           "receive: peer '%s' (pid %u) closed the channel mid-frame (%zu bytes of a frame read)",
-                           ch->peer.name, ch->peer.pid, pending);
-      return ch->broken = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED,
-                                  "receive: peer '%s' (pid %u) closed the channel", ch->peer.name, ch->peer.pid);
+        return ch->broken = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED,
+                                    "receive: peer %s closed the channel mid-frame (%zu bytes of a frame read)",
+                                    ch->peer_label, pending);
+      return ch->broken = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED, "receive: peer %s closed the channel",
+                                  ch->peer_label);
     }
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
@@ -394,14 +463,15 @@ static int read_some(tshare_channel *ch, int64_t deadline) {
       continue;
     }
     if (errno == ECONNRESET)
-      return ch->broken = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED,
-                                  "receive: connection reset by peer '%s' (pid %u)", ch->peer.name, ch->peer.pid);
+      return ch->broken = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED, "receive: connection reset by peer %s",
+                                  ch->peer_label);
     return ch->broken = ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "receive");
   }
 }
 
-int ts_channel_recv_raw(tshare_channel *ch, tshare_frame *f, int *fd_out, int timeout_ms) {
+int ts_channel_recv_raw(tshare_channel *ch, tshare_frame *f, int *fd_out, int *fd_lost, int timeout_ms) {
   *fd_out = -1;
+  *fd_lost = 0;
   mark_driver(ch);
   if (ch->rfd < 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "receive: channel is closed");
   int64_t deadline = ts_deadline(timeout_ms);
@@ -409,18 +479,23 @@ int ts_channel_recv_raw(tshare_channel *ch, tshare_frame *f, int *fd_out, int ti
     if (ch->broken) return ch->broken;
     int rc = tshare_decoder_next(ch->dec, f);
     if (rc == TSHARE_OK) {
-      if (f->flags & TSHARE_FRAME_FLAG_FD_ATTACHED) {
-        *fd_out = fdq_pop(ch);
-        if (*fd_out < 0)
-          return ch->broken = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
-                                      "receive: %s frame says an fd is attached but none arrived",
-                                      tshare_frame_type_name(f->type));
+      bool found;
+      ts_fd_entry e = fds_of_frame(ch, ch->fed - tshare_decoder_pending(ch->dec), &found);
+      if (!(f->flags & TSHARE_FRAME_FLAG_FD_ATTACHED)) {
+        if (e.fd >= 0) close(e.fd); /* riding on a frame that announces none */
+        return TSHARE_OK;
       }
+      if (!found)
+        return ch->broken = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                                    "receive: %s frame from peer %s says an fd is attached but none arrived",
+                                    tshare_frame_type_name(f->type), ch->peer_label);
+      *fd_out = e.fd;
+      *fd_lost = e.lost;
       return TSHARE_OK;
     }
     if (rc < 0) {
       if (ch->peer.pid)
-        ch->broken = ts_errf(ch->err, sizeof ch->err, rc, "frame from '%s' (pid %u): %s", ch->peer.name, ch->peer.pid,
+        ch->broken = ts_errf(ch->err, sizeof ch->err, rc, "frame from %s: %s", ch->peer_label,
                              tshare_decoder_last_error(ch->dec));
       else
         ch->broken =
@@ -475,6 +550,31 @@ static int check_peer_cred(tshare_channel *ch, struct ucred *cred) {
                  (long)cred->pid, (long)cred->uid, (long)getuid());
 }
 
+/* How messages name the peer: by the pid the kernel reports where there is
+ * one (a hello's pid is only the peer's word), else by its word, said so. */
+static void name_peer(tshare_channel *ch) {
+  if (ch->peer_kpid > 0)
+    snprintf(ch->peer_label, sizeof ch->peer_label, "'%s' (pid %ld)", ch->peer.name, (long)ch->peer_kpid);
+  else if (ch->kind == TSHARE_CHANNEL_SOCKET)
+    snprintf(ch->peer_label, sizeof ch->peer_label, "'%s' (in another pid namespace; says pid %u)", ch->peer.name,
+             ch->peer.pid);
+  else
+    snprintf(ch->peer_label, sizeof ch->peer_label, "'%s' (says pid %u)", ch->peer.name, ch->peer.pid);
+}
+
+/* The most fds of the peer's shares this end holds before it refuses more:
+ * a quarter of the soft RLIMIT_NOFILE, at most TS_INCOMING_MAX. */
+static size_t default_fd_budget(void) {
+  struct rlimit rl;
+  size_t budget = 256;
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY)
+    budget = (size_t)(rl.rlim_cur / 4);
+  else if (getrlimit(RLIMIT_NOFILE, &rl) == 0)
+    budget = TS_INCOMING_MAX;
+  if (budget > TS_INCOMING_MAX) budget = TS_INCOMING_MAX;
+  return budget < 8 ? 8 : budget;
+}
+
 static int handshake(tshare_channel *ch) {
   tshare_frame f;
   memset(&f, 0, sizeof f);
@@ -491,8 +591,8 @@ static int handshake(tshare_channel *ch) {
   f.u.hello = ch->self;
   int64_t deadline = ts_deadline(ch->opts.handshake_timeout_ms);
   int rc = ts_channel_send(ch, &f, -1, ts_remaining(deadline));
-  int fd = -1;
-  if (rc == TSHARE_OK) rc = ts_channel_recv_raw(ch, &f, &fd, ts_remaining(deadline));
+  int fd = -1, fd_lost;
+  if (rc == TSHARE_OK) rc = ts_channel_recv_raw(ch, &f, &fd, &fd_lost, ts_remaining(deadline));
   if (rc != TSHARE_OK) {
     char why[TSHARE_ERROR_MSG_MAX];
     snprintf(why, sizeof why, "%s", ch->err);
@@ -509,11 +609,11 @@ static int handshake(tshare_channel *ch) {
     return rc;
   }
   ch->peer = f.u.hello;
+  name_peer(ch);
   if (!all_zero(ch->self.boot_id, 16) && !all_zero(ch->peer.boot_id, 16) &&
       memcmp(ch->self.boot_id, ch->peer.boot_id, 16) != 0) {
     rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_MISMATCH,
-                 "hello: peer '%s' (pid %u) runs under another boot id: shares cannot cross machines or boots",
-                 ch->peer.name, ch->peer.pid);
+                 "hello: peer %s runs under another boot id: shares cannot cross machines or boots", ch->peer_label);
     tshare_channel_send_error(ch, rc, ch->err);
     return rc;
   }
@@ -554,6 +654,8 @@ static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare
   ch->limits = ch->opts.limits ? *ch->opts.limits : tshare_wire_limits_default();
   ch->opts.limits = NULL; /* the caller's struct need not outlive this call */
   snprintf(ch->peer.name, sizeof ch->peer.name, "?");
+  snprintf(ch->peer_label, sizeof ch->peer_label, "'?'");
+  ch->fd_budget = ch->opts.max_unclaimed_fds ? ch->opts.max_unclaimed_fds : default_fd_budget();
   int rc = TSHARE_OK;
   ch->dec = tshare_decoder_create(&ch->limits);
   if (!ch->dec)
@@ -571,11 +673,14 @@ static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare
       rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "channel: fd %d is not a stream socket", rfd);
   }
   struct ucred cred = {0, 0, 0};
-  if (rc == TSHARE_OK && kind == TSHARE_CHANNEL_SOCKET) rc = check_peer_cred(ch, &cred);
+  if (rc == TSHARE_OK && kind == TSHARE_CHANNEL_SOCKET && (rc = check_peer_cred(ch, &cred)) == TSHARE_OK) {
+    ch->peer_kpid = cred.pid; /* 0 for a peer in a pid namespace this one cannot see */
+    if (cred.pid > 0) snprintf(ch->peer_label, sizeof ch->peer_label, "(pid %ld)", (long)cred.pid);
+  }
   if (rc == TSHARE_OK) rc = handshake(ch);
   if (rc == TSHARE_OK && kind == TSHARE_CHANNEL_SOCKET && ch->peer.uid != (uint32_t)cred.uid) {
-    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
-                 "hello: peer '%s' claims uid %u, the kernel says %ld", ch->peer.name, ch->peer.uid, (long)cred.uid);
+    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "hello: peer %s claims uid %u, the kernel says %ld",
+                 ch->peer_label, ch->peer.uid, (long)cred.uid);
     tshare_channel_send_error(ch, rc, ch->err);
   }
   if (rc != TSHARE_OK) {
@@ -604,7 +709,12 @@ int tshare_channel_send_frame(tshare_channel *ch, const tshare_frame *f, int fd,
 
 int tshare_channel_recv_frame(tshare_channel *ch, tshare_frame *f, int *fd_out, int timeout_ms) {
   if (!ch || !f || !fd_out) return TSHARE_E_INVALID_ARG;
-  int rc = ts_channel_recv_raw(ch, f, fd_out, timeout_ms);
+  int fd_lost;
+  int rc = ts_channel_recv_raw(ch, f, fd_out, &fd_lost, timeout_ms);
+  if (rc == TSHARE_OK && fd_lost) {
+    (void)ts_share_fd_lost(ch, f, fd_lost); /* the frame is filled; its fd could not be kept */
+    return TSHARE_E_LIMIT;
+  }
   /* Applied here too, so low-level readers keep the accounting right. Ids the
    * tables do not know are not an error on this path: they belong to share
    * frames the caller sent itself with tshare_channel_send_frame(). */
@@ -659,7 +769,7 @@ void tshare_channel_close(tshare_channel *ch) {
   }
   ts_share_drop_all(ch, TSHARE_E_PEER_CLOSED);
   ts_share_free_incoming(ch);
-  while (ch->fdq_len) close(fdq_pop(ch));
+  fdq_close_all(ch);
   pthread_mutex_lock(&ch->lock);
   ch->closed = true;
   pthread_mutex_lock(&ch->send_lock);

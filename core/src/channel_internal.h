@@ -13,8 +13,17 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define TS_FD_QUEUE_MAX 64   /* fds received but not yet claimed by a frame */
-#define TS_INCOMING_MAX 4096 /* shares received but not yet taken by view_recv */
+#define TS_INCOMING_MAX 4096   /* shares received but not yet taken by view_recv */
+#define TS_FD_OVER_BUDGET (-1) /* ts_fd_entry.lost: closed because the channel held its max_unclaimed_fds */
+
+/* An fd that came with the bytes of a read, waiting for the frame it rides on.
+ * The kernel ends a read at the end of the one message whose fds it returns,
+ * so those fds belong to the frame holding the read's last byte, `at`. */
+typedef struct ts_fd_entry {
+  int fd;      /* -1 when it could not be kept */
+  int lost;    /* why not: an errno (EMFILE, ENFILE) or TS_FD_OVER_BUDGET; 0 when kept */
+  uint64_t at; /* stream offset of the last byte of the read that brought it */
+} ts_fd_entry;
 
 /* What a sent share keeps alive; release() runs once when the peer releases it
  * or the channel ends. */
@@ -85,19 +94,28 @@ struct tshare_channel {
   uint8_t *spill;
   size_t spill_len, spill_off;
   bool spill_eof;
-  int broken;   /* sticky receive-side failure, 0 if none */
+  int broken; /* sticky receive-side failure, 0 if none */
   bool peer_bye;
   char err[TSHARE_ERROR_MSG_MAX];
 
   tshare_decoder *dec;
   tshare_wire_limits limits;
   tshare_hello self, peer;
-  uint8_t minor; /* agreed: min(ours, peer's) */
+  long peer_kpid;      /* the peer's pid as the kernel reports it (SO_PEERCRED); 0 when unknown */
+  char peer_label[96]; /* how messages name the peer: "'name' (pid N)" */
+  uint8_t minor;       /* agreed: min(ours, peer's) */
   tshare_channel_options opts;
   char name[TSHARE_HELLO_NAME_MAX + 1];
 
-  int fdq[TS_FD_QUEUE_MAX];
-  size_t fdq_head, fdq_len;
+  /* fds received but not yet claimed by a frame, oldest first (driving thread) */
+  ts_fd_entry *fdq;
+  size_t fdq_head, fdq_len, fdq_cap;
+  uint64_t rx_bytes; /* bytes read from the peer so far: the stream offset of the next one */
+  uint64_t fed;      /* bytes handed to the decoder so far */
+  /* fds this end holds for the peer's frames: queued above, or in shares
+   * waiting in `incoming`. Past fd_budget an arriving fd is closed at once
+   * and its share refused, so no peer can fill this process's fd table. */
+  size_t held_fds, fd_budget;
 
   /* producer side: shares sent and not yet released */
   uint64_t next_share_id;
@@ -109,6 +127,10 @@ struct tshare_channel {
   size_t npending, pending_cap;
   ts_incoming *incoming; /* ring of received shares */
   size_t in_head, in_len, in_cap;
+  /* Shares refused because the channel held too many unreceived ones; the
+   * peer is told with an error frame before their releases go out. */
+  uint64_t refused, refused_first;
+  bool refusal_told;
 
   struct ts_cuda_chan *cuda; /* event pools, releases waiting on the GPU; NULL until used */
 };
@@ -122,11 +144,19 @@ int ts_channel_send(tshare_channel *ch, const tshare_frame *f, int fd, int timeo
  * back. Never waits, never reads, never writes ch->err: those belong to the
  * driving thread. */
 bool ts_channel_send_now_locked(tshare_channel *ch, const tshare_frame *f);
-int ts_channel_recv_raw(tshare_channel *ch, tshare_frame *f, int *fd_out, int timeout_ms);
+/* The next frame. A frame announcing an fd comes with it in *fd_out, or with
+ * *fd_out -1 and *fd_lost saying why it could not be kept (an errno such as
+ * EMFILE, or TS_FD_OVER_BUDGET); a missing fd is a protocol error. fds riding
+ * on frames that announce none are closed. */
+int ts_channel_recv_raw(tshare_channel *ch, tshare_frame *f, int *fd_out, int *fd_lost, int timeout_ms);
 void ts_channel_unref(tshare_channel *ch);
 
 /* share.c */
 int ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r);
+/* A share whose fd could not be kept (lost: an errno or TS_FD_OVER_BUDGET):
+ * released back to the peer, and the reason put in ch->err. Returns
+ * TSHARE_E_LIMIT, or TSHARE_OK for a refusal the peer is told about. */
+int ts_share_fd_lost(tshare_channel *ch, const tshare_frame *f, int lost);
 void ts_share_drop_all(tshare_channel *ch, int status); /* peer gone or channel closed */
 int ts_share_flush_pending(tshare_channel *ch, int timeout_ms);
 /* After a release was queued (ch->lock not held): from a thread other than
@@ -140,8 +170,7 @@ void ts_share_send_releases_now(tshare_channel *ch);
  * driving thread released the view itself) costs no system call. */
 void ts_channel_wake_locked(tshare_channel *ch);
 void ts_share_queue_release_locked(tshare_channel *ch, uint64_t share_id); /* with ch->lock held */
-int ts_share_send_export(tshare_channel *ch, tshare_frame *f, int fd, ts_export *e, int timeout_ms,
-                         uint64_t *share_id);
+int ts_share_send_export(tshare_channel *ch, tshare_frame *f, int fd, ts_export *e, int timeout_ms, uint64_t *share_id);
 void ts_export_drop(ts_export *e); /* a share that never went out: release what it held, free it */
 void ts_share_free_incoming(tshare_channel *ch);
 void ts_share_free_mappings(tshare_channel *ch);

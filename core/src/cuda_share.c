@@ -158,8 +158,7 @@ static int check_can_share(tshare_channel *ch, const char *tag) {
   if (ch->closed || ch->wfd < 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: channel is closed");
   if (!(ch->peer.capabilities & TSHARE_CAP_CUDA_IPC))
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_MISMATCH,
-                   "share: peer '%s' (pid %u) was built without CUDA and cannot import GPU memory", ch->peer.name,
-                   ch->peer.pid);
+                   "share: peer %s was built without CUDA and cannot import GPU memory", ch->peer_label);
   if (tag && strlen(tag) > TSHARE_TAG_MAX)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TOO_LARGE, "share: tag of %zu bytes over %d", strlen(tag),
                    TSHARE_TAG_MAX);

@@ -39,6 +39,7 @@ static const struct {
     {TSHARE_E_NO_DEVICE, "TSHARE_E_NO_DEVICE", "no CUDA device"},
     {TSHARE_E_CUDA, "TSHARE_E_CUDA", "CUDA call failed"},
     {TSHARE_E_PERMISSION, "TSHARE_E_PERMISSION", "peer or path not allowed"},
+    {TSHARE_E_LIMIT, "TSHARE_E_LIMIT", "a resource limit was reached"},
 };
 
 const char *tshare_status_str(int status) {

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -187,8 +188,8 @@ int ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r) {
     if (!e) {
       /* Keep going: the other ids in the frame are still real releases. */
       rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
-                   "release: peer '%s' (pid %u) released share %llu, which is not outstanding", ch->peer.name,
-                   ch->peer.pid, (unsigned long long)r->share_ids[i]);
+                   "release: peer %s released share %llu, which is not outstanding", ch->peer_label,
+                   (unsigned long long)r->share_ids[i]);
       continue;
     }
     finish_export(ch, e, TSHARE_OK);
@@ -219,8 +220,22 @@ static void take_pending_locked(tshare_channel *ch, tshare_frame *f) {
   f->u.release.count = n;
 }
 
+/* Tell the peer, before their releases reach it, that shares were refused:
+ * otherwise a producer would only see them come back unused. */
+static void send_refusal_notice(tshare_channel *ch) {
+  if (!ch->refused || ch->refusal_told) return;
+  ch->refusal_told = true; /* once until a share is taken again: a flood gets one notice, not one per share */
+  char msg[TSHARE_ERROR_TEXT_MAX + 1];
+  snprintf(msg, sizeof msg,
+           "refused share %llu, and refuses more while %zu fds of shares wait here for tshare_view_recv() "
+           "(max_unclaimed_fds); each is released back",
+           (unsigned long long)ch->refused_first, ch->fd_budget);
+  tshare_channel_send_error(ch, TSHARE_E_LIMIT, msg);
+}
+
 int ts_share_flush_pending(tshare_channel *ch, int timeout_ms) {
   int64_t deadline = ts_deadline(timeout_ms);
+  send_refusal_notice(ch);
   for (;;) {
     tshare_frame f;
     pthread_mutex_lock(&ch->lock);
@@ -228,6 +243,11 @@ int ts_share_flush_pending(tshare_channel *ch, int timeout_ms) {
     pthread_mutex_unlock(&ch->lock);
     if (f.u.release.count == 0) return TSHARE_OK;
     int rc = ts_channel_send(ch, &f, -1, ts_remaining(deadline));
+    if (rc == TSHARE_E_TIMEOUT) { /* nothing went: they go with a later flush */
+      pthread_mutex_lock(&ch->lock);
+      for (uint32_t i = 0; i < f.u.release.count; i++) ts_share_queue_release_locked(ch, f.u.release.share_ids[i]);
+      pthread_mutex_unlock(&ch->lock);
+    }
     if (rc != TSHARE_OK) return rc; /* a dead peer no longer needs the releases */
   }
 }
@@ -309,24 +329,68 @@ void ts_share_free_mappings(tshare_channel *ch) {
 void ts_share_free_incoming(tshare_channel *ch) {
   for (size_t i = 0; i < ch->in_len; i++) {
     ts_incoming *in = &ch->incoming[(ch->in_head + i) % ch->in_cap];
-    if (in->fd >= 0) close(in->fd);
+    if (in->fd >= 0) {
+      close(in->fd);
+      ch->held_fds--;
+    }
   }
   free(ch->incoming);
   ch->incoming = NULL;
   ch->in_len = ch->in_cap = ch->in_head = 0;
 }
 
+/* Release a share back at once, unused. */
+static void release_back(tshare_channel *ch, uint64_t share_id) {
+  pthread_mutex_lock(&ch->lock);
+  ts_share_queue_release_locked(ch, share_id);
+  pthread_mutex_unlock(&ch->lock);
+}
+
+/* A share this end will not hold: released back, the peer told. */
+static void refuse_share(tshare_channel *ch, const tshare_share_frame *s, const char *why) {
+  release_back(ch, s->share_id);
+  if (ch->refused++ == 0) ch->refused_first = s->share_id;
+  ts_errf(ch->err, sizeof ch->err, TSHARE_E_LIMIT, "receive: refused share %llu from peer %s: %s; released back",
+          (unsigned long long)s->share_id, ch->peer_label, why);
+}
+
+int ts_share_fd_lost(tshare_channel *ch, const tshare_frame *f, int lost) {
+  if (f->type != TSHARE_FRAME_SHARE)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_LIMIT, "receive: the fd of a %s frame could not be kept",
+                   tshare_frame_type_name(f->type));
+  const tshare_share_frame *s = &f->u.share;
+  if (lost == TS_FD_OVER_BUDGET) {
+    char why[128];
+    snprintf(why, sizeof why, "%zu shares with fds already wait for tshare_view_recv() (max_unclaimed_fds)",
+             ch->fd_budget);
+    refuse_share(ch, s, why);
+    return TSHARE_OK;
+  }
+  release_back(ch, s->share_id);
+  struct rlimit rl;
+  unsigned long long limit = getrlimit(RLIMIT_NOFILE, &rl) == 0 ? (unsigned long long)rl.rlim_cur : 0;
+  return ts_errf(ch->err, sizeof ch->err, TSHARE_E_LIMIT,
+                 "receive: share %llu from peer %s came without its fd: %s (%s, RLIMIT_NOFILE %llu); release views "
+                 "or raise the limit (ulimit -n); the share was released back",
+                 (unsigned long long)s->share_id, ch->peer_label,
+                 lost == ENFILE ? "the system's file table is full" : "this process has no free fd",
+                 lost == ENFILE ? "ENFILE" : "EMFILE", limit);
+}
+
 static int enqueue_incoming(tshare_channel *ch, const tshare_frame *f, int fd) {
+  if (ch->in_len >= TS_INCOMING_MAX) {
+    if (fd >= 0) close(fd);
+    char why[96];
+    snprintf(why, sizeof why, "%d shares already wait for tshare_view_recv()", TS_INCOMING_MAX);
+    refuse_share(ch, &f->u.share, why);
+    return TSHARE_OK;
+  }
   if (ch->in_len == ch->in_cap) {
-    if (ch->in_cap >= TS_INCOMING_MAX) {
-      if (fd >= 0) close(fd);
-      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
-                     "receive: more than %d shares arrived that nobody received", TS_INCOMING_MAX);
-    }
     size_t cap = ch->in_cap ? ch->in_cap * 2 : 16;
     ts_incoming *ring = malloc(cap * sizeof *ring);
     if (!ring) {
       if (fd >= 0) close(fd);
+      release_back(ch, f->u.share.share_id);
       return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "receive: out of memory");
     }
     for (size_t i = 0; i < ch->in_len; i++) ring[i] = ch->incoming[(ch->in_head + i) % ch->in_cap];
@@ -338,6 +402,9 @@ static int enqueue_incoming(tshare_channel *ch, const tshare_frame *f, int fd) {
   ts_incoming *slot = &ch->incoming[(ch->in_head + ch->in_len++) % ch->in_cap];
   slot->frame = *f;
   slot->fd = fd;
+  if (fd >= 0) ch->held_fds++;
+  ch->refused = 0;
+  ch->refusal_told = false;
   return TSHARE_OK;
 }
 
@@ -361,7 +428,7 @@ static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, i
   *got_share = false;
   int64_t deadline = ts_deadline(timeout_ms);
   tshare_frame f;
-  int frame_fd;
+  int frame_fd, fd_lost;
   int rc;
   for (;;) {
     ts_gpu_wait gpu_busy = TS_GPU_IDLE;
@@ -375,16 +442,21 @@ static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, i
     int wait_ms = ts_remaining(deadline);
     int cap = gpu_busy == TS_GPU_SOON ? 0 : 1;
     if (gpu_busy != TS_GPU_IDLE && (wait_ms < 0 || wait_ms > cap)) wait_ms = cap;
-    rc = ts_channel_recv_raw(ch, &f, &frame_fd, wait_ms);
+    rc = ts_channel_recv_raw(ch, &f, &frame_fd, &fd_lost, wait_ms);
     if (rc == TSHARE_E_TIMEOUT && gpu_busy && ts_remaining(deadline) != 0) continue;
     break;
   }
   if (rc == TSHARE_E_PEER_CLOSED) ts_share_drop_all(ch, rc);
   if (rc != TSHARE_OK) return rc;
+  if (frame_fd >= 0 && f.type != TSHARE_FRAME_SHARE) { /* only shares carry memory */
+    close(frame_fd);
+    frame_fd = -1;
+  }
   switch (f.type) {
   case TSHARE_FRAME_RELEASE:
     return ts_share_apply_release(ch, &f.u.release);
   case TSHARE_FRAME_SHARE:
+    if (fd_lost) return ts_share_fd_lost(ch, &f, fd_lost); /* refused; the loop goes on to the next frame */
     if (share) {
       *share = f;
       *fd = frame_fd;
@@ -399,10 +471,9 @@ static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, i
   case TSHARE_FRAME_RETIRE:
     return ts_cuda_on_frame(ch, &f);
   case TSHARE_FRAME_ERROR:
-    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_ERROR, "peer '%s' (pid %u) reported %s: %s", ch->peer.name,
-                   ch->peer.pid, tshare_status_name(f.u.error.code), f.u.error.message);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_ERROR, "peer %s reported %s: %s", ch->peer_label,
+                   tshare_status_name(f.u.error.code), f.u.error.message);
   default: /* a second hello */
-    if (frame_fd >= 0) close(frame_fd);
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "receive: unexpected %s frame",
                    tshare_frame_type_name(f.type));
   }
@@ -434,8 +505,8 @@ int tshare_channel_wait_released(tshare_channel *ch, uint64_t share_id, int time
     if (rc == TSHARE_END) continue;                   /* a peer that said bye still sends its releases */
     if (rc != TSHARE_OK) {
       if (rc == TSHARE_E_TIMEOUT)
-        ts_errf(ch->err, sizeof ch->err, rc, "wait for release: %zu shares still held by '%s' (pid %u)",
-                ch->exports.count, ch->peer.name, ch->peer.pid);
+        ts_errf(ch->err, sizeof ch->err, rc, "wait for release: %zu shares still held by %s", ch->exports.count,
+                ch->peer_label);
       return rc;
     }
   }
@@ -539,6 +610,7 @@ int tshare_view_recv_stream(tshare_channel *ch, void *stream, int timeout_ms, ts
     ts_incoming *in = &ch->incoming[ch->in_head];
     f = in->frame;
     fd = in->fd;
+    if (fd >= 0) ch->held_fds--;
     ch->in_head = (ch->in_head + 1) % ch->in_cap;
     ch->in_len--;
   } else {
@@ -564,10 +636,7 @@ int tshare_view_recv_stream(tshare_channel *ch, void *stream, int timeout_ms, ts
   if (fd >= 0) close(fd); /* the mapping has the first fd of its allocation */
   if (rc != TSHARE_OK) {
     free(v);
-    /* The producer still holds the memory for this share: tell it to let go. */
-    pthread_mutex_lock(&ch->lock);
-    ts_share_queue_release_locked(ch, s->share_id);
-    pthread_mutex_unlock(&ch->lock);
+    release_back(ch, s->share_id); /* the producer still holds the memory for this share */
     return rc;
   }
   v->ch = ch;

@@ -116,10 +116,13 @@ int tshare_tensor_check(const tshare_tensor_desc *desc, uint64_t alloc_size, uin
                    (unsigned long long)desc->byte_offset, (unsigned long long)alloc_size);
   uint64_t begin = desc->byte_offset, end = desc->byte_offset;
   if (!empty) {
-    if ((uint64_t)(-lo_bytes) > desc->byte_offset)
-      return ts_errf(err, err_cap, TSHARE_E_OUT_OF_BOUNDS, "negative strides reach %lld bytes before byte_offset %llu",
-                     (long long)-lo_bytes, (unsigned long long)desc->byte_offset);
-    begin = desc->byte_offset - (uint64_t)(-lo_bytes);
+    /* lo_bytes <= 0; its magnitude taken in unsigned arithmetic, where
+     * INT64_MIN (a peer's stride) has one and negating it would be UB. */
+    uint64_t below = 0u - (uint64_t)lo_bytes;
+    if (below > desc->byte_offset)
+      return ts_errf(err, err_cap, TSHARE_E_OUT_OF_BOUNDS, "negative strides reach %llu bytes before byte_offset %llu",
+                     (unsigned long long)below, (unsigned long long)desc->byte_offset);
+    begin = desc->byte_offset - below;
     if (__builtin_add_overflow(desc->byte_offset, (uint64_t)hi_bytes, &end))
       return ts_errf(err, err_cap, TSHARE_E_OVERFLOW, "byte_offset + extent overflows");
     if (end > alloc_size)

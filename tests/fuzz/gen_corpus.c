@@ -25,6 +25,27 @@ static void write_seed(const char *dir, const char *name, const tshare_frame *fr
   fclose(f);
 }
 
+/* frame encoded with its first stride replaced by stride afterwards, found
+ * by its 8 bytes (a stride of 1 right after shape[0] = 2). */
+static void write_stride_seed(const char *dir, const char *name, const tshare_frame *frame, int64_t stride) {
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX + 1];
+  size_t len;
+  buf[0] = 7;
+  if (tshare_wire_encode(frame, buf + 1, sizeof buf - 1, &len, NULL, 0) != 0) return;
+  const uint8_t pattern[16] = {2, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0};
+  for (size_t i = 1; i + 16 <= len + 1; i++)
+    if (memcmp(buf + i, pattern, 16) == 0) {
+      for (int b = 0; b < 8; b++) buf[i + 8 + (size_t)b] = (uint8_t)((uint64_t)stride >> (8 * b));
+      break;
+    }
+  char path[4096];
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  FILE *f = fopen(path, "wb");
+  if (!f) return;
+  fwrite(buf, 1, len + 1, f);
+  fclose(f);
+}
+
 int main(int argc, char **argv) {
   if (argc != 2) return 2;
   tshare_frame f[4];
@@ -72,5 +93,22 @@ int main(int argc, char **argv) {
   f[0].u.error.code = -7;
   strcpy(f[0].u.error.message, "version");
   write_seed(argv[1], "error", f, 1, 1);
+  /* A uint8 share whose stride is INT64_MIN: rejected, and the check must get
+   * there without negating it (the encoder refuses it, so it is written by hand). */
+  memset(f, 0, sizeof f);
+  f[0].type = TSHARE_FRAME_SHARE;
+  tshare_share_frame *m = &f[0].u.share;
+  m->share_id = 1;
+  m->alloc_id = 1;
+  m->mem_kind = TSHARE_MEM_CUDA_IPC;
+  m->device_type = TSHARE_DEVICE_CUDA;
+  m->handle_len = TSHARE_HANDLE_MAX;
+  m->alloc_size = 4096;
+  m->tensor.dtype = (tshare_dtype){TSHARE_DTYPE_UINT, 8, 1};
+  m->tensor.ndim = 1;
+  m->tensor.shape[0] = 2;
+  m->tensor.strides[0] = 1;
+  m->tensor.byte_offset = 1024;
+  write_stride_seed(argv[1], "stride_int64_min", &f[0], INT64_MIN);
   return 0;
 }

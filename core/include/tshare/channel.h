@@ -51,6 +51,11 @@ typedef struct tshare_channel_options {
    * must be this process's uid, or allow_uid when that is >= 0 (default -1).
    * TSHARE_ANY_UID accepts every user: anyone who can reach the socket. */
   long allow_uid;
+  /* Socket channels: how many fds of the peer's shares this end holds while
+   * they wait for tshare_view_recv() (0: a quarter of the soft RLIMIT_NOFILE,
+   * at most 4096). Past it a share is refused on arrival: its fd is closed, it
+   * is released back, and the peer gets an error frame naming the limit. */
+  unsigned max_unclaimed_fds;
 } tshare_channel_options;
 
 #define TSHARE_ANY_UID (-2L)
@@ -83,7 +88,11 @@ const char *tshare_channel_last_error(const tshare_channel *ch);   /* never NULL
  * its fd. On receive *fd_out gets the attached fd (the caller owns it) or -1.
  * Received release frames are applied to the lifetime tables before they are
  * returned, so low-level readers do not break the accounting; ids of shares
- * the caller sent itself with send_frame are left to the caller. */
+ * the caller sent itself with send_frame are left to the caller. A frame
+ * whose fd could not be kept (this process is out of fds, or the channel
+ * holds max_unclaimed_fds) comes back filled with *fd_out -1 and
+ * TSHARE_E_LIMIT; a share is released back to the peer. fds riding on frames
+ * that announce none are closed. */
 int tshare_channel_send_frame(tshare_channel *ch, const tshare_frame *frame, int fd, int timeout_ms);
 int tshare_channel_recv_frame(tshare_channel *ch, tshare_frame *frame, int *fd_out, int timeout_ms);
 

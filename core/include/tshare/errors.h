@@ -43,7 +43,8 @@ typedef enum tshare_status {
   TSHARE_E_STATE = -20,         /* the object is closed or in the wrong state */
   TSHARE_E_NO_DEVICE = -21,     /* no usable CUDA device */
   TSHARE_E_CUDA = -22,          /* a CUDA call failed */
-  TSHARE_E_PERMISSION = -23     /* the peer runs as a user that is not allowed, or a path is not private */
+  TSHARE_E_PERMISSION = -23,    /* the peer runs as a user that is not allowed, or a path is not private */
+  TSHARE_E_LIMIT = -24          /* a resource limit was reached (fds, a channel's bound); the detail names it */
 } tshare_status;
 
 /* Static description of a status; never NULL, also for unknown values. */

@@ -1,0 +1,378 @@
+/* What careless and hostile peers do to a socket channel's fds: two ends
+ * sharing to each other at once, fds riding on frames that announce none, a
+ * peer filling a process's fd table with shares it never receives, and a
+ * process out of fds. Each ends with the channel still usable and every fd
+ * accounted for. */
+#include "frame_util.h"
+#include "harness.h"
+#include "proc_util.h"
+#include "tshare/share.h"
+
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/uio.h>
+
+static const tshare_dtype I32 = {TSHARE_DTYPE_INT, 32, 1};
+
+static tshare_tensor_desc ints_at(int64_t n, uint64_t offset) { return tshare_tensor_contiguous(I32, 1, &n, offset); }
+
+/* A buffer of n int32 where element i holds base + i. */
+static tshare_host_buffer *filled_buffer(const char *name, int n, int base) {
+  tshare_host_buffer *b;
+  CHECK_RC(tshare_host_buffer_create((size_t)n * 4, name, &b, NULL), TSHARE_OK, "");
+  int32_t *p = tshare_host_buffer_data(b);
+  for (int i = 0; i < n; i++) p[i] = base + i;
+  return b;
+}
+
+static void check_view(tshare_view *v, int n, int base) {
+  const int32_t *p = tshare_view_data(v);
+  CHECK_EQ(tshare_view_desc(v)->shape[0], n);
+  for (int i = 0; i < n; i++)
+    if (p[i] != base + i) TS_FAIL("element %d is %d, expected %d", i, (int)p[i], base + i);
+}
+
+static void set_fd_limit(rlim_t soft) {
+  struct rlimit rl;
+  CHECK(getrlimit(RLIMIT_NOFILE, &rl) == 0);
+  if (rl.rlim_max != RLIM_INFINITY && soft > rl.rlim_max)
+    TS_SKIP("the hard fd limit %lu is under %lu", rl.rlim_max, soft);
+  rl.rlim_cur = soft;
+  CHECK(setrlimit(RLIMIT_NOFILE, &rl) == 0);
+}
+
+/* Frame bytes and an fd (or -1) written straight to the socket, as a peer
+ * speaking the wire format by hand would: nothing checks that they agree. */
+static void send_raw(tshare_channel *ch, const tshare_frame *f, int fd) {
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len;
+  CHECK_RC(tshare_wire_encode(f, buf, sizeof buf, &len, NULL, 0), TSHARE_OK, "");
+  struct iovec iov = {.iov_base = buf, .iov_len = len};
+  union {
+    char space[CMSG_SPACE(sizeof(int))];
+    struct cmsghdr align;
+  } ctl;
+  struct msghdr msg = {0};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  if (fd >= 0) {
+    memset(&ctl, 0, sizeof ctl);
+    msg.msg_control = ctl.space;
+    msg.msg_controllen = sizeof ctl.space;
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &fd, sizeof fd);
+  }
+  CHECK(sendmsg(tshare_channel_fd(ch), &msg, MSG_NOSIGNAL) == (ssize_t)len);
+}
+
+/* ---- 1. both ends share to each other at once -------------------------------- */
+
+enum { BOTH_WAYS = 1500 };
+
+static tshare_channel *open_with_budget(int fd, const char *name, unsigned budget) {
+  tshare_channel_options o;
+  tshare_channel_options_init(&o);
+  o.name = name;
+  o.max_unclaimed_fds = budget;
+  tshare_channel *ch;
+  tshare_error err;
+  CHECK_RC(tshare_channel_open_socket(fd, &o, &ch, &err), TSHARE_OK, err.message);
+  return ch;
+}
+
+/* Share BOTH_WAYS tensors to the peer without receiving, then receive and
+ * check the peer's, then wait until the peer released ours. */
+static void share_then_receive(tshare_channel *ch, int mine, int theirs) {
+  tshare_host_buffer *b = filled_buffer("tshare-both-ways", 64, mine);
+  tshare_tensor_desc d = ints_at(64, 0);
+  for (int i = 0; i < BOTH_WAYS; i++)
+    CHECK_RC(tshare_share_host(ch, b, &d, NULL, NULL, 10000, NULL), TSHARE_OK, tshare_channel_last_error(ch));
+  for (int i = 0; i < BOTH_WAYS; i++) {
+    tshare_view *v;
+    CHECK_RC(tshare_view_recv(ch, 10000, &v), TSHARE_OK, tshare_channel_last_error(ch));
+    check_view(v, 64, theirs);
+    tshare_view_release(v);
+  }
+  CHECK_RC(tshare_channel_wait_released(ch, 0, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_host_buffer_destroy(b);
+}
+
+static void other_end_shares_too(int fd) {
+  set_fd_limit(4096);
+  tshare_channel *ch = open_with_budget(fd, "end b", 2000);
+  share_then_receive(ch, 5000, 100);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_view *none;
+  CHECK_RC(tshare_view_recv(ch, 5000, &none), TSHARE_END, tshare_channel_last_error(ch));
+  tshare_channel_close(ch);
+}
+
+TS_TEST(both_ends_share_to_each_other_at_once) {
+  set_fd_limit(4096);
+  int sock;
+  pid_t pid = fork_with_socket(other_end_shares_too, &sock);
+  tshare_channel *ch = open_with_budget(sock, "end a", 2000);
+  share_then_receive(ch, 100, 5000);
+  tshare_view *none;
+  CHECK_RC(tshare_view_recv(ch, 5000, &none), TSHARE_END, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_CHILD_OK(pid);
+  tshare_channel_close(ch);
+}
+
+/* ---- 2. fds on frames that announce none, or that may carry none ------------ */
+
+static int released;
+static void count_release(void *user, uint64_t id, void *user_data, int status) {
+  (void)user, (void)id, (void)user_data;
+  if (status == TSHARE_OK)
+    released++;
+  else
+    fprintf(stderr, "share %llu dropped: %s\n", (unsigned long long)id, tshare_status_name(status));
+}
+
+enum { SHARES_RELEASED_WITH_FDS = 300, RETIRES_WITH_FDS = 100 };
+
+/* A consumer that answers every share with a release frame flagged as
+ * carrying an fd, and sends retire and error frames with fds too. */
+static void consumer_attaches_fds_to_everything(int fd) {
+  tshare_channel *ch = open_socket_channel(fd, "sloppy consumer", NULL, NULL);
+  int junk = memfd_create("junk", MFD_CLOEXEC);
+  CHECK(junk >= 0);
+  for (int i = 0; i < SHARES_RELEASED_WITH_FDS; i++) {
+    tshare_frame f;
+    int got;
+    CHECK_RC(tshare_channel_recv_frame(ch, &f, &got, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+    CHECK_EQ(f.type, TSHARE_FRAME_SHARE);
+    close(got);
+    tshare_frame r;
+    memset(&r, 0, sizeof r);
+    r.type = TSHARE_FRAME_RELEASE;
+    r.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+    r.u.release.count = 1;
+    r.u.release.share_ids[0] = f.u.share.share_id;
+    CHECK_RC(tshare_channel_send_frame(ch, &r, junk, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  }
+  for (int i = 0; i < RETIRES_WITH_FDS; i++) {
+    tshare_frame r;
+    memset(&r, 0, sizeof r);
+    r.type = TSHARE_FRAME_RETIRE;
+    r.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+    r.u.retire.closed = 1;
+    r.u.retire.count = 1;
+    r.u.retire.alloc_ids[0] = 12345;
+    CHECK_RC(tshare_channel_send_frame(ch, &r, junk, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  }
+  tshare_frame e;
+  memset(&e, 0, sizeof e);
+  e.type = TSHARE_FRAME_ERROR;
+  e.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+  e.u.error.code = TSHARE_E_STATE;
+  snprintf(e.u.error.message, sizeof e.u.error.message, "an error frame with an fd");
+  CHECK_RC(tshare_channel_send_frame(ch, &e, junk, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_frame bye;
+  memset(&bye, 0, sizeof bye);
+  bye.type = TSHARE_FRAME_BYE;
+  bye.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+  CHECK_RC(tshare_channel_send_frame(ch, &bye, junk, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  close(junk);
+  tshare_channel_close(ch);
+}
+
+TS_TEST(fds_on_frames_that_carry_none_are_closed) {
+  int fds_before = count_open_fds();
+  int sock;
+  pid_t pid = fork_with_socket(consumer_attaches_fds_to_everything, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "producer", count_release, NULL);
+  tshare_host_buffer *b = filled_buffer("tshare-stray", 16, 0);
+  tshare_tensor_desc d = ints_at(16, 0);
+  for (int i = 0; i < SHARES_RELEASED_WITH_FDS; i++)
+    CHECK_RC(tshare_share_host(ch, b, &d, NULL, NULL, 5000, NULL), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_channel_wait_released(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(released, SHARES_RELEASED_WITH_FDS);
+  /* The retire frames and the error frame; the error is the peer's word. */
+  int rc;
+  while ((rc = tshare_channel_poll(ch, 5000)) == TSHARE_OK) {
+  }
+  CHECK_RC(rc, TSHARE_E_PEER_ERROR, tshare_channel_last_error(ch));
+  CHECK(strstr(tshare_channel_last_error(ch), "an error frame with an fd"));
+  CHECK_RC(tshare_channel_poll(ch, 5000), TSHARE_END, tshare_channel_last_error(ch));
+  printf("fds: %d before, %d with the channel open\n", fds_before, count_open_fds());
+  tshare_host_buffer_destroy(b);
+  tshare_channel_close(ch);
+  CHECK_CHILD_OK(pid);
+  CHECK_EQ(count_open_fds(), fds_before);
+}
+
+/* A producer whose first fd rides on an error frame (which announces none),
+ * followed by a share carrying the right memfd. */
+static void producer_sends_a_stray_fd(int fd) {
+  tshare_channel *ch = open_socket_channel(fd, "stray producer", NULL, NULL);
+  tshare_host_buffer *wrong = filled_buffer("tshare-wrong", 16, 900);
+  tshare_host_buffer *right = filled_buffer("tshare-right", 16, 7);
+  tshare_frame e;
+  memset(&e, 0, sizeof e);
+  e.type = TSHARE_FRAME_ERROR;
+  e.u.error.code = TSHARE_E_STATE;
+  snprintf(e.u.error.message, sizeof e.u.error.message, "stray");
+  send_raw(ch, &e, tshare_host_buffer_fd(wrong));
+  tshare_frame s = memfd_share_frame(tshare_host_buffer_size(right), ints_at(16, 0));
+  send_raw(ch, &s, tshare_host_buffer_fd(right));
+  tshare_frame g;
+  int got;
+  CHECK_RC(tshare_channel_recv_frame(ch, &g, &got, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(g.type, TSHARE_FRAME_RELEASE);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, "");
+  tshare_host_buffer_destroy(wrong);
+  tshare_host_buffer_destroy(right);
+  tshare_channel_close(ch);
+}
+
+TS_TEST(an_fd_on_a_frame_announcing_none_never_reaches_the_next_share) {
+  int fds_before = count_open_fds();
+  int sock;
+  pid_t pid = fork_with_socket(producer_sends_a_stray_fd, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "consumer", NULL, NULL);
+  tshare_view *v = NULL;
+  CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_E_PEER_ERROR, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_OK, tshare_channel_last_error(ch));
+  check_view(v, 16, 7); /* the share's own memfd, not the stray one */
+  CHECK_EQ(count_mappings("tshare-wrong"), 0);
+  tshare_view_release(v);
+  CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_END, tshare_channel_last_error(ch));
+  tshare_channel_close(ch);
+  CHECK_CHILD_OK(pid);
+  CHECK_EQ(count_open_fds(), fds_before);
+}
+
+/* ---- 3. a peer filling the fd table of a process that never receives -------- */
+
+enum { FLOOD = 500, FLOOD_FD_LIMIT = 256 };
+static int go_receive[2]; /* the producer writes a byte when the consumer may start receiving */
+
+/* Only polls (as a producer waiting for releases does) while the peer shares
+ * memfds to it, under a soft fd limit of 256: a budget of 64. */
+static void polls_under_a_low_fd_limit(int fd) {
+  set_fd_limit(FLOOD_FD_LIMIT);
+  int fds_before = count_open_fds(), fds_max = fds_before; /* the socket is one of them */
+  tshare_channel *ch = open_socket_channel(fd, "polling end", NULL, NULL);
+  for (;;) {
+    int rc = tshare_channel_poll(ch, 20);
+    if (rc == TSHARE_END) break; /* the bye came before the byte */
+    if (rc != TSHARE_OK && rc != TSHARE_AGAIN)
+      TS_FAIL("poll: %s: %s", tshare_status_name(rc), tshare_channel_last_error(ch));
+    int n = count_open_fds();
+    if (n > fds_max) fds_max = n;
+    struct pollfd p = {go_receive[0], POLLIN, 0};
+    if (poll(&p, 1, 0) == 1) break;
+  }
+  printf("polling end: fds %d at the start, at most %d while flooded (budget %d)\n", fds_before, fds_max,
+         FLOOD_FD_LIMIT / 4);
+  CHECK(fds_max <= fds_before + 1 + FLOOD_FD_LIMIT / 4 + 8); /* + the channel's eventfd */
+  int views = 0;
+  tshare_view *v;
+  int rc;
+  while ((rc = tshare_view_recv(ch, 5000, &v)) == TSHARE_OK) {
+    check_view(v, 16, 40);
+    tshare_view_release(v);
+    views++;
+  }
+  CHECK_RC(rc, TSHARE_END, tshare_channel_last_error(ch));
+  printf("polling end: received %d of %d shares, the rest refused\n", views, FLOOD);
+  CHECK(views >= FLOOD_FD_LIMIT / 4 && views < FLOOD);
+  tshare_channel_close(ch);
+  CHECK_EQ(count_open_fds(), fds_before - 1); /* the channel closed the socket */
+}
+
+TS_TEST(a_peer_cannot_fill_the_fd_table) {
+  CHECK(pipe2(go_receive, O_CLOEXEC) == 0);
+  int sock;
+  pid_t pid = fork_with_socket(polls_under_a_low_fd_limit, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "flooding end", count_release, NULL);
+  tshare_host_buffer *b = filled_buffer("tshare-flood", 16, 40);
+  tshare_tensor_desc d = ints_at(16, 0);
+  for (int i = 0; i < FLOOD; i++)
+    CHECK_RC(tshare_share_host(ch, b, &d, NULL, NULL, 5000, NULL), TSHARE_OK, tshare_channel_last_error(ch));
+  /* The refused shares come back with an error that names the limit. */
+  bool told = false;
+  for (int tries = 0; tries < 100 && !(told && tshare_channel_outstanding(ch) <= FLOOD_FD_LIMIT / 4 + 8); tries++) {
+    int rc = tshare_channel_wait_released(ch, 0, 100);
+    if (rc == TSHARE_E_PEER_ERROR) {
+      printf("flooding end: %s\n", tshare_channel_last_error(ch));
+      CHECK(strstr(tshare_channel_last_error(ch), "TSHARE_E_LIMIT"));
+      CHECK(strstr(tshare_channel_last_error(ch), "max_unclaimed_fds"));
+      told = true;
+    } else if (rc != TSHARE_E_TIMEOUT) {
+      TS_FAIL("wait_released: %s", tshare_channel_last_error(ch));
+    }
+  }
+  CHECK(told);
+  printf("flooding end: %d released back unused, %zu held by the peer\n", released, tshare_channel_outstanding(ch));
+  CHECK(tshare_channel_outstanding(ch) <= FLOOD_FD_LIMIT / 4 + 8);
+  CHECK(write(go_receive[1], "g", 1) == 1);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_channel_wait_released(ch, 0, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(released, FLOOD);
+  CHECK_CHILD_OK(pid);
+  tshare_host_buffer_destroy(b);
+  tshare_channel_close(ch);
+}
+
+/* ---- 4. a process out of fds ------------------------------------------------- */
+
+enum { DISTINCT = 80, LOW_FD_LIMIT = 48 };
+
+/* Holds views of distinct allocations (each mapping keeps its memfd) under
+ * an fd limit of 48 until a receive fails, then lets go and takes the rest. */
+static void holds_views_until_out_of_fds(int fd) {
+  set_fd_limit(LOW_FD_LIMIT);
+  tshare_channel *ch = open_socket_channel(fd, "hoarder", NULL, NULL);
+  tshare_view *held[DISTINCT];
+  int n = 0, rc;
+  while ((rc = tshare_view_recv(ch, 5000, &held[n])) == TSHARE_OK) {
+    check_view(held[n], 16, 1000 * n);
+    n++;
+    CHECK(n < DISTINCT);
+  }
+  printf("hoarder: after %d views: %s\n", n, tshare_channel_last_error(ch));
+  CHECK_RC(rc, TSHARE_E_LIMIT, tshare_channel_last_error(ch));
+  CHECK(strstr(tshare_channel_last_error(ch), "EMFILE"));
+  CHECK(strstr(tshare_channel_last_error(ch), "RLIMIT_NOFILE 48"));
+  for (int i = 0; i < n; i++) tshare_view_release(held[i]);
+  /* The channel still works: the rest arrive (share n was released back). */
+  int more = 0;
+  tshare_view *v;
+  while ((rc = tshare_view_recv(ch, 5000, &v)) == TSHARE_OK) {
+    check_view(v, 16, 1000 * (n + 1 + more));
+    tshare_view_release(v);
+    more++;
+  }
+  CHECK_RC(rc, TSHARE_END, tshare_channel_last_error(ch));
+  printf("hoarder: %d more received after releasing\n", more);
+  CHECK_EQ(n + 1 + more, DISTINCT);
+  tshare_channel_close(ch);
+}
+
+TS_TEST(out_of_fds_is_a_clear_limit_and_the_channel_lives_on) {
+  int sock;
+  pid_t pid = fork_with_socket(holds_views_until_out_of_fds, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "producer", count_release, NULL);
+  tshare_host_buffer *b[DISTINCT];
+  tshare_tensor_desc d = ints_at(16, 0);
+  for (int i = 0; i < DISTINCT; i++) {
+    b[i] = filled_buffer("tshare-distinct", 16, 1000 * i);
+    CHECK_RC(tshare_share_host(ch, b[i], &d, NULL, NULL, 5000, NULL), TSHARE_OK, tshare_channel_last_error(ch));
+  }
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_channel_wait_released(ch, 0, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(released, DISTINCT);
+  CHECK_CHILD_OK(pid);
+  for (int i = 0; i < DISTINCT; i++) tshare_host_buffer_destroy(b[i]);
+  tshare_channel_close(ch);
+}
+
+TS_TEST_MAIN
