@@ -7,6 +7,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <time.h>
@@ -132,6 +134,103 @@ TS_TEST(stale_and_live_sockets) {
   CHECK(f != NULL);
   fclose(f);
   CHECK_EQ(tshare_listen(file, &b, &err), TSHARE_E_STATE); /* never unlinks what is not a socket */
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* A listener that never accepts, its backlog filled: returns its fd and
+ * keeps the queued connections open in fills[]. */
+static struct sockaddr_un unix_address(const char *path) {
+  struct sockaddr_un a = {.sun_family = AF_UNIX};
+  size_t n = strlen(path);
+  CHECK(n < sizeof a.sun_path);
+  memcpy(a.sun_path, path, n + 1);
+  return a;
+}
+
+static int fills[64], nfills;
+static int busy_listener(const char *path) {
+  int lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_un a = unix_address(path);
+  CHECK(lfd >= 0 && bind(lfd, (struct sockaddr *)&a, sizeof a) == 0 && listen(lfd, 0) == 0);
+  for (nfills = 0; nfills < 64; nfills++) {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    CHECK(fd >= 0);
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+      CHECK_EQ(errno, EAGAIN);
+      close(fd);
+      return lfd;
+    }
+    fills[nfills] = fd;
+  }
+  TS_FAIL("the backlog never filled");
+}
+
+/* Connecting to, or listening over, a listener whose backlog is full keeps
+ * to the timeout instead of blocking in connect(). */
+TS_TEST(a_full_backlog_keeps_to_timeouts) {
+  snprintf(sock_path, sizeof sock_path, "%s/busy", temp_dir());
+  int lfd = busy_listener(sock_path);
+  tshare_channel *ch;
+  tshare_error err;
+  double t0 = now_s();
+  CHECK_EQ(tshare_connect(sock_path, NULL, 500, &ch, &err), TSHARE_E_TIMEOUT);
+  double took = now_s() - t0;
+  printf("connect: %s (%.2f s)\n", err.message, took);
+  CHECK(strstr(err.message, "backlog") != NULL);
+  CHECK(took < 5);
+  tshare_listener *l;
+  t0 = now_s();
+  CHECK_EQ(tshare_listen(sock_path, &l, &err), TSHARE_E_STATE); /* busy is alive */
+  printf("listen: %s (%.2f s)\n", err.message, now_s() - t0);
+  CHECK(now_s() - t0 < 5);
+  for (int i = 0; i < nfills; i++) close(fills[i]);
+  close(lfd);
+}
+
+static void connect_raw_and_stay_silent(int seconds) {
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_un a = unix_address(sock_path);
+  CHECK(fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a) == 0);
+  sleep((unsigned)seconds);
+  close(fd);
+}
+
+static void probe_then_connect(int unused) {
+  (void)unused;
+  usleep(100 * 1000);
+  tshare_listener *l;
+  tshare_error err;
+  CHECK_EQ(tshare_listen(sock_path, &l, &err), TSHARE_E_STATE); /* probes the live listener */
+  usleep(100 * 1000);
+  connect_and_bye(0);
+}
+
+/* An accept keeps to its timeout behind a client that never says hello, and
+ * one bad connection (a silent client, a second listener's liveness probe)
+ * never fails the accept of the good one after it. */
+TS_TEST(accept_survives_bad_connections) {
+  snprintf(sock_path, sizeof sock_path, "%s/s", temp_dir());
+  tshare_listener *l;
+  tshare_error err;
+  CHECK_RC(tshare_listen(sock_path, &l, &err), TSHARE_OK, err.message);
+  pid_t silent = fork_child(connect_raw_and_stay_silent, 3);
+  tshare_channel *ch;
+  double t0 = now_s();
+  CHECK_EQ(tshare_listener_accept(l, NULL, 500, &ch, &err), TSHARE_E_TIMEOUT);
+  double took = now_s() - t0;
+  printf("silent client: %s (%.2f s)\n", err.message, took);
+  CHECK(took < 2.5);
+  CHECK(strstr(err.message, "dropped") != NULL);
+  pid_t good = fork_child(probe_then_connect, 0);
+  accept_one(l);
+  CHECK_EQ(exit_code(good), 0);
+  CHECK_EQ(exit_code(silent), 0);
+  tshare_listener_close(l);
 }
 
 TS_TEST(connect_to_nobody) {

@@ -45,9 +45,10 @@ int tshare_rendezvous_path(const char *name, char *out, size_t cap, tshare_error
   }
   size_t max = sizeof(((struct sockaddr_un *)0)->sun_path);
   if (n < 0 || (size_t)n >= cap || (size_t)n >= max)
-    return fail(err, ts_errf(msg, sizeof msg, TSHARE_E_TOO_LARGE,
-                             "rendezvous: the path for '%s' is over the %zu bytes a Unix socket address holds", name,
-                             max - 1),
+    return fail(err,
+                ts_errf(msg, sizeof msg, TSHARE_E_TOO_LARGE,
+                        "rendezvous: the path for '%s' is over the %zu bytes a Unix socket address holds", name,
+                        max - 1),
                 msg);
   ts_error_fill(err, TSHARE_OK, "");
   return TSHARE_OK;
@@ -59,9 +60,12 @@ static int private_dir(const char *path, char *msg, size_t cap) {
   char dir[sizeof(((struct sockaddr_un *)0)->sun_path)];
   snprintf(dir, sizeof dir, "%s", path);
   char *slash = strrchr(dir, '/');
-  if (!slash) snprintf(dir, sizeof dir, ".");
-  else if (slash == dir) dir[1] = '\0';
-  else *slash = '\0';
+  if (!slash)
+    snprintf(dir, sizeof dir, ".");
+  else if (slash == dir)
+    dir[1] = '\0';
+  else
+    *slash = '\0';
   struct stat st;
   if (lstat(dir, &st) != 0) {
     if (errno != ENOENT) return ts_errsys(msg, cap, TSHARE_E_SYSTEM, errno, "rendezvous: lstat %s", dir);
@@ -72,8 +76,8 @@ static int private_dir(const char *path, char *msg, size_t cap) {
   if (!S_ISDIR(st.st_mode))
     return ts_errf(msg, cap, TSHARE_E_PERMISSION, "rendezvous: %s is not a directory (a symlink is refused)", dir);
   if (st.st_uid != getuid())
-    return ts_errf(msg, cap, TSHARE_E_PERMISSION, "rendezvous: %s belongs to uid %ld, not to this user (uid %ld)",
-                   dir, (long)st.st_uid, (long)getuid());
+    return ts_errf(msg, cap, TSHARE_E_PERMISSION, "rendezvous: %s belongs to uid %ld, not to this user (uid %ld)", dir,
+                   (long)st.st_uid, (long)getuid());
   if (st.st_mode & 077)
     return ts_errf(msg, cap, TSHARE_E_PERMISSION,
                    "rendezvous: %s has mode %03o; the socket's directory must be private (chmod 700)", dir,
@@ -91,14 +95,38 @@ static struct sockaddr_un address_of(const char *path) {
   return a;
 }
 
-/* A socket file at path: live (someone accepts) or left behind. */
-static bool someone_listens(const char *path) {
-  int fd = unix_socket();
-  if (fd < 0) return false;
+/* A non-blocking connect: 0, or -1 with errno. On a Unix socket it never
+ * waits: a listener whose backlog is full answers EAGAIN at once. */
+static int connect_now(int fd, const char *path) {
   struct sockaddr_un a = address_of(path);
-  bool live = connect(fd, (struct sockaddr *)&a, sizeof a) == 0;
+  int r;
+  do r = connect(fd, (struct sockaddr *)&a, sizeof a);
+  while (r != 0 && errno == EINTR);
+  return r;
+}
+
+/* A socket file at path: live (someone listens, even one too busy to accept)
+ * or left behind. The probe's connection is closed at once; a listener's
+ * accept drops it and waits for the next. */
+static bool someone_listens(const char *path) {
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return false;
+  bool live = connect_now(fd, path) == 0 || errno == EAGAIN;
   close(fd);
   return live;
+}
+
+/* opts with the hello bounded by what is left of the caller's deadline. */
+static tshare_channel_options bounded_options(const tshare_channel_options *opts, int64_t deadline) {
+  tshare_channel_options o;
+  if (opts)
+    o = *opts;
+  else
+    tshare_channel_options_init(&o);
+  int left = ts_remaining(deadline);
+  if (left >= 0 && (o.handshake_timeout_ms < 0 || left < o.handshake_timeout_ms))
+    o.handshake_timeout_ms = left > 0 ? left : 1;
+  return o;
 }
 
 int tshare_listen(const char *name, tshare_listener **out, tshare_error *err) {
@@ -146,23 +174,42 @@ int tshare_listen(const char *name, tshare_listener **out, tshare_error *err) {
   return TSHARE_OK;
 }
 
-int tshare_listener_accept(tshare_listener *l, const tshare_channel_options *opts, int timeout_ms,
-                           tshare_channel **out, tshare_error *err) {
+int tshare_listener_accept(tshare_listener *l, const tshare_channel_options *opts, int timeout_ms, tshare_channel **out,
+                           tshare_error *err) {
   char msg[TSHARE_ERROR_MSG_MAX];
+  char refused[TSHARE_ERROR_MSG_MAX] = ""; /* the last connection dropped, for the timeout's message */
   if (!out) return fail(err, TSHARE_E_INVALID_ARG, "accept: NULL out");
   *out = NULL;
   if (!l || l->fd < 0) return fail(err, TSHARE_E_INVALID_ARG, "accept: no listener");
   int64_t deadline = ts_deadline(timeout_ms);
   for (;;) {
     int fd = accept4(l->fd, NULL, NULL, SOCK_CLOEXEC);
-    if (fd >= 0) return tshare_channel_open_socket(fd, opts, out, err); /* checks the peer's uid first */
-    if (errno == EINTR || errno == ECONNABORTED) continue;
-    if (errno != EAGAIN && errno != EWOULDBLOCK)
+    if (fd >= 0) {
+      /* One bad connection (a liveness probe, a client that never says hello,
+       * another user, a version skew) is dropped: the next may be good. */
+      tshare_channel_options o = bounded_options(opts, deadline);
+      tshare_error why;
+      int rc = tshare_channel_open_socket(fd, &o, out, &why); /* checks the peer's uid first */
+      if (rc == TSHARE_OK || rc == TSHARE_E_NOMEM || rc == TSHARE_E_SYSTEM) {
+        ts_error_fill(err, rc, why.message);
+        return rc;
+      }
+      snprintf(refused, sizeof refused, "%s", why.message);
+    } else if (errno == EINTR || errno == ECONNABORTED) {
+      continue;
+    } else if (errno != EAGAIN && errno != EWOULDBLOCK) {
       return fail(err, ts_errsys(msg, sizeof msg, TSHARE_E_SYSTEM, errno, "accept on %s", l->path), msg);
+    }
     int left = ts_remaining(deadline);
-    if (left == 0)
-      return fail(err, ts_errf(msg, sizeof msg, TSHARE_E_TIMEOUT, "accept: nobody connected to %s in time", l->path),
-                  msg);
+    if (left == 0) {
+      if (refused[0])
+        ts_errf(msg, sizeof msg, TSHARE_E_TIMEOUT, "accept: no usable peer on %s in time; the last one was dropped: %s",
+                l->path, refused);
+      else
+        ts_errf(msg, sizeof msg, TSHARE_E_TIMEOUT, "accept: nobody connected to %s in time", l->path);
+      return fail(err, TSHARE_E_TIMEOUT, msg);
+    }
+    if (fd >= 0) continue; /* more may be waiting */
     struct pollfd p = {l->fd, POLLIN, 0};
     if (poll(&p, 1, left) < 0 && errno != EINTR)
       return fail(err, ts_errsys(msg, sizeof msg, TSHARE_E_SYSTEM, errno, "accept: poll"), msg);
@@ -189,20 +236,29 @@ int tshare_connect(const char *name, const tshare_channel_options *opts, int tim
   *out = NULL;
   int rc = tshare_rendezvous_path(name, path, sizeof path, err);
   if (rc != TSHARE_OK) return rc;
-  struct sockaddr_un a = address_of(path);
   int64_t deadline = ts_deadline(timeout_ms);
+  bool busy = false; /* a listener answered, but its backlog was full */
   for (;;) {
-    int fd = unix_socket();
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) return fail(err, ts_errsys(msg, sizeof msg, TSHARE_E_SYSTEM, errno, "connect: socket"), msg);
-    if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0)
-      return tshare_channel_open_socket(fd, opts, out, err); /* checks the listener's uid first */
+    if (connect_now(fd, path) == 0) {
+      tshare_channel_options o = bounded_options(opts, deadline); /* the hello waits for an accept */
+      return tshare_channel_open_socket(fd, &o, out, err);        /* checks the listener's uid first */
+    }
     int e = errno;
     close(fd);
     if (e == EACCES || e == EPERM)
       return fail(err, ts_errsys(msg, sizeof msg, TSHARE_E_PERMISSION, e, "connect: %s", path), msg);
-    if (e != ENOENT && e != ECONNREFUSED && e != EAGAIN && e != EINTR)
+    if (e != ENOENT && e != ECONNREFUSED && e != EAGAIN)
       return fail(err, ts_errsys(msg, sizeof msg, TSHARE_E_SYSTEM, e, "connect: %s", path), msg);
+    busy = e == EAGAIN;
     int left = ts_remaining(deadline);
+    if (left == 0 && busy)
+      return fail(err,
+                  ts_errf(msg, sizeof msg, TSHARE_E_TIMEOUT,
+                          "connect: the listener on %s did not take the connection in time (its backlog is full)",
+                          path),
+                  msg);
     if (left == 0)
       return fail(err, ts_errf(msg, sizeof msg, TSHARE_E_NOT_FOUND, "connect: nobody listens on %s", path), msg);
     usleep(1000u * (unsigned)(left < 0 || left > CONNECT_RETRY_MS ? CONNECT_RETRY_MS : left));
