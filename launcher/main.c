@@ -6,6 +6,7 @@
 #include "tshare/cuda.h"
 #include "tshare/role.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <stdbool.h>
 #include <getopt.h>
@@ -23,8 +24,10 @@ static const char usage_text[] =
     "Starts one producer and K consumers, connects the producer to each consumer\n"
     "with a tshare channel, prefixes every line they print with role and pid,\n"
     "and prints a summary. When one role fails, the others get SIGTERM and, after\n"
-    "the grace period, SIGKILL; SIGINT, SIGTERM and SIGHUP to the launcher are\n"
-    "forwarded to every role the same way.\n"
+    "the grace period, SIGKILL; a terminating signal to the launcher (SIGINT, SIGTERM,\n"
+    "SIGHUP, SIGQUIT, SIGUSR1, ...) is forwarded to every role the same way. Roles die\n"
+    "with the launcher even when it is SIGKILLed, and processes the roles leave\n"
+    "behind (daemons that called setsid()) are stopped before it exits.\n"
     "\n"
     "demo            built-in roles: the producer shares N tensors of known contents\n"
     "                (several dtypes, offsets inside shared segments, transposed views)\n"
@@ -77,6 +80,7 @@ static int usage_error(const char *fmt, ...) {
 }
 
 static int parse_count(const char *s, int min, int max, int *out) {
+  if (!isdigit((unsigned char)s[0])) return -1; /* strtol would skip spaces and take a sign */
   char *end;
   errno = 0;
   long v = strtol(s, &end, 10);
@@ -86,6 +90,7 @@ static int parse_count(const char *s, int min, int max, int *out) {
 }
 
 static int parse_seconds(const char *s, double *out) {
+  if (!isdigit((unsigned char)s[0]) && s[0] != '.') return -1;
   char *end;
   errno = 0;
   double v = strtod(s, &end);
@@ -216,7 +221,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "tshare-launch: --device cuda: %s\n", cerr.message);
         return crc == TSHARE_E_UNSUPPORTED ? LAUNCH_USAGE : LAUNCH_ROLE_FAILED;
       }
-      if (strcmp(device, "auto") == 0) device_note = cuda ? " (auto: a CUDA device is usable)" : " (auto: no CUDA device)";
+      if (strcmp(device, "auto") == 0)
+        device_note = cuda ? " (auto: a CUDA device is usable)" : " (auto: no CUDA device)";
     }
     if (strcmp(api, "c") != 0 && strcmp(api, "torch") != 0 && strcmp(api, "auto") != 0)
       return usage_error("--api '%s': use c, torch or auto", api);

@@ -3,6 +3,7 @@
 #include "tshare/role.h"
 #include "tshare/spawn.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -11,6 +12,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -55,18 +58,28 @@ static double now_s(void) {
 
 static void emit_line(const role_run *r, int stream, const char *text, size_t n) {
   FILE *to = stream == OUT_STDERR ? stderr : stdout;
-  fprintf(to, "[%s pid %d] %.*s\n", r->label, (int)r->pid, (int)n, text);
+  fprintf(to, "[%s pid %d] ", r->label, (int)r->pid);
+  fwrite(text, 1, n, to); /* as it came, NUL bytes included */
+  fputc('\n', to);
   fflush(to);
 }
 
+/* "key=N" sets a figure, "key+=N" adds to it (tshare_role_report / _add). */
 static void handle_report(role_run *r, const char *text, size_t n) {
   char line[128];
   snprintf(line, sizeof line, "%.*s", (int)(n < sizeof line ? n : sizeof line - 1), text);
   long long v;
-  if (sscanf(line, "shared=%lld", &v) == 1)
-    r->shared = v;
-  else if (sscanf(line, "verified=%lld", &v) == 1)
-    r->verified = v;
+  char op[3] = "";
+  long long *figure = NULL;
+  if (sscanf(line, "shared%2[+=]%lld", op, &v) == 2)
+    figure = &r->shared;
+  else if (sscanf(line, "verified%2[+=]%lld", op, &v) == 2)
+    figure = &r->verified;
+  if (!figure) return;
+  if (strcmp(op, "=") == 0)
+    *figure = v;
+  else if (strcmp(op, "+=") == 0)
+    *figure = (*figure < 0 ? 0 : *figure) + v;
 }
 
 static void take_lines(role_run *r, int stream, bool at_eof) {
@@ -149,9 +162,11 @@ static void print_summary(const role_run *roles, int n, double wall_s) {
     if (r->proc) snprintf(pid, sizeof pid, "%d", (int)r->pid);
     if (r->shared >= 0) snprintf(shared, sizeof shared, "%lld", r->shared);
     if (r->verified >= 0) snprintf(verified, sizeof verified, "%lld", r->verified);
-    printf("%-12s %8s  %-34s %7s %9s %7.3f s\n", r->label, pid,
-           r->proc ? tshare_exit_describe(r->status, how, sizeof how) : "not started", shared, verified,
-           (r->ended ? r->end_s : r->start_s + wall_s) - r->start_s);
+    const char *status = r->proc    ? tshare_exit_describe(r->status, how, sizeof how)
+                         : r->ended ? "could not be started"
+                                    : "not started";
+    printf("%-12s %8s  %-34s %7s %9s %7.3f s\n", r->label, pid, status, shared, verified,
+           r->proc || r->ended ? (r->ended ? r->end_s : r->start_s + wall_s) - r->start_s : 0.0);
   }
   fflush(stdout);
 }
@@ -236,7 +251,11 @@ static void install_signal_handlers(void) {
   sa.sa_handler = on_signal;
   sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
   sigemptyset(&sa.sa_mask);
-  const int handled[] = {SIGCHLD, SIGINT, SIGTERM, SIGHUP};
+  /* Every signal whose default would end the launcher and leave the roles
+   * running (SIGKILL cannot be caught: roles die with the launcher through
+   * TSHARE_SPAWN_DIE_WITH_PARENT instead). */
+  const int handled[] = {SIGCHLD, SIGINT,    SIGTERM, SIGHUP,  SIGQUIT, SIGUSR1, SIGUSR2,
+                         SIGALRM, SIGVTALRM, SIGPROF, SIGXCPU, SIGXFSZ, SIGPWR};
   for (size_t i = 0; i < sizeof handled / sizeof handled[0]; i++) sigaction(handled[i], &sa, NULL);
   signal(SIGPIPE, SIG_IGN);
 }
@@ -287,10 +306,6 @@ static int start_role(job *j, int i, int (*chan)[4], int devnull) {
   memset(&f, 0, sizeof f);
   bool producer = i == 0;
   int rank = producer ? 0 : i - 1;
-  if (producer)
-    snprintf(r->label, sizeof r->label, "producer");
-  else
-    snprintf(r->label, sizeof r->label, "consumer %d", rank);
   int pipes[OUT_COUNT][2];
   for (int s = 0; s < OUT_COUNT; s++) {
     if (pipe2(pipes[s], O_CLOEXEC) != 0) {
@@ -325,7 +340,7 @@ static int start_role(job *j, int i, int (*chan)[4], int devnull) {
                             .env_set = env,
                             .fds = f.map,
                             .nfds = f.n,
-                            .flags = TSHARE_SPAWN_NEW_PROCESS_GROUP};
+                            .flags = TSHARE_SPAWN_NEW_PROCESS_GROUP | TSHARE_SPAWN_DIE_WITH_PARENT};
   tshare_error err;
   r->start_s = now_s();
   int rc = tshare_spawn(&o, &r->proc, &err);
@@ -436,6 +451,73 @@ static int report_outcome(const job *j, double wall) {
   return LAUNCH_OK;
 }
 
+/* Our children that are not roles: descendants the roles left behind, given
+ * to us as their subreaper. Up to cap pids into out; returns how many. */
+static int leftover_children(const job *j, pid_t *out, int cap) {
+  DIR *d = opendir("/proc");
+  if (!d) return 0;
+  pid_t self = getpid();
+  int n = 0;
+  struct dirent *e;
+  while (n < cap && (e = readdir(d))) {
+    char *end;
+    long pid = strtol(e->d_name, &end, 10);
+    if (*end || pid <= 0) continue;
+    char path[64], text[512];
+    snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+    FILE *f = fopen(path, "re");
+    if (!f) continue;
+    size_t len = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[len] = '\0';
+    const char *paren = strrchr(text, ')'); /* the name may hold anything; the fields follow the last ')' */
+    char state;
+    long ppid;
+    if (!paren || sscanf(paren + 1, " %c %ld", &state, &ppid) != 2 || ppid != self) continue;
+    bool role = false;
+    for (int i = 0; i < j->started && !role; i++) role = j->roles[i].pid == (pid_t)pid && !j->roles[i].ended;
+    if (role) continue;
+    if (state == 'Z') { /* already ended (a role's group member killed with it): only reap it */
+      int st;
+      waitpid((pid_t)pid, &st, WNOHANG);
+      continue;
+    }
+    out[n++] = (pid_t)pid;
+  }
+  closedir(d);
+  return n;
+}
+
+/* End what the roles left behind: SIGTERM, the grace period, SIGKILL, and
+ * again for whatever their ends hand to us, until nothing is left. */
+static void stop_leftovers(job *j) {
+  pid_t pids[256];
+  int stopped = 0;
+  for (int round = 0; round < 50; round++) {
+    int n = leftover_children(j, pids, 256);
+    if (n == 0) break;
+    for (int k = 0; k < n; k++) {
+      char comm[64] = "?", path[64];
+      snprintf(path, sizeof path, "/proc/%d/comm", (int)pids[k]);
+      FILE *f = fopen(path, "re");
+      if (f) {
+        if (fgets(comm, sizeof comm, f)) comm[strcspn(comm, "\n")] = '\0';
+        fclose(f);
+      }
+      if (stopped++ < 8)
+        fprintf(stderr, "tshare-launch: stopping pid %d (%s), left behind by the roles\n", (int)pids[k], comm);
+      kill(pids[k], round == 0 ? SIGTERM : SIGKILL);
+    }
+    /* Reap them; the first round gives them the grace period to exit. */
+    double until = now_s() + (round == 0 ? j->plan->grace_s : 1.0);
+    for (int k = 0; k < n; k++) {
+      int st;
+      while (waitpid(pids[k], &st, WNOHANG) == 0 && now_s() < until) usleep(5000);
+    }
+  }
+  if (stopped > 8) fprintf(stderr, "tshare-launch: ... %d processes left behind were stopped in all\n", stopped);
+}
+
 int launch_run(const launch_plan *plan) {
   job j = {.plan = plan, .nroles = plan->consumers + 1, .t0 = now_s(), .first_failure = -1, .not_started = -1};
   j.roles = calloc((size_t)j.nroles, sizeof *j.roles);
@@ -445,10 +527,19 @@ int launch_run(const launch_plan *plan) {
     return LAUNCH_ROLE_FAILED;
   }
   for (int i = 0; i < j.nroles; i++) {
+    if (i == 0)
+      snprintf(j.roles[i].label, sizeof j.roles[i].label, "producer");
+    else
+      snprintf(j.roles[i].label, sizeof j.roles[i].label, "consumer %d", i - 1);
     j.roles[i].shared = j.roles[i].verified = -1;
     for (int s = 0; s < OUT_COUNT; s++) j.roles[i].out[s].fd = -1;
   }
   install_signal_handlers();
+  /* Descendants whose parent ends (a role's daemon that called setsid()) come
+   * to us instead of init, so stop_leftovers() can end them. */
+  if (prctl(PR_SET_CHILD_SUBREAPER, 1) != 0)
+    fprintf(stderr, "tshare-launch: warning: PR_SET_CHILD_SUBREAPER: %s; processes roles leave behind may survive\n",
+            strerror(errno));
   if (make_channels(plan, chan) != 0) return LAUNCH_ROLE_FAILED;
   int devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
   for (; j.started < j.nroles; j.started++)
@@ -463,7 +554,8 @@ int launch_run(const launch_plan *plan) {
 
   run_until_done(&j);
   double wall = now_s() - j.t0;
-  print_summary(j.roles, j.not_started >= 0 ? j.not_started + 1 : j.nroles, wall);
+  stop_leftovers(&j);
+  print_summary(j.roles, j.nroles, wall);
   int rc = report_outcome(&j, wall);
   fflush(stdout);
   for (int i = 0; i < j.nroles; i++) {

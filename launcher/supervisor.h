@@ -12,7 +12,7 @@ enum {
   LAUNCH_USAGE = 2,
   LAUNCH_TIMEOUT = 124,
   LAUNCH_NOT_STARTED = 127 /* a role's program could not be started */
-  /* 128 + N: stopped by signal N (SIGINT, SIGTERM, SIGHUP) sent to the launcher */
+  /* 128 + N: stopped by signal N (any terminating one) sent to the launcher */
 };
 
 typedef struct launch_plan {

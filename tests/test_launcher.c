@@ -122,6 +122,13 @@ static int role_main(int argc, char **argv) {
     fprintf(stderr, "%s\n", err.message);
     return 10;
   }
+  if (strcmp(name, "counting") == 0) { /* reports set and add; the summary shows what they mean */
+    for (int i = 0; i < 3; i++) {
+      tshare_role_report(&role, "verified", 5);
+      tshare_role_report_add(&role, "shared", 1);
+    }
+    return 0;
+  }
   tshare_channel *ch;
   if (tshare_role_open_channel(&role, 0, NULL, &ch, &err) != TSHARE_OK) {
     fprintf(stderr, "%s\n", err.message);
@@ -314,6 +321,66 @@ TS_TEST(sigint_is_forwarded_and_everything_stops) {
   expect_no_process_left();
 }
 
+/* Every terminating signal is forwarded, not only SIGINT/SIGTERM/SIGHUP. */
+TS_TEST(sigquit_and_sigusr1_are_forwarded) {
+  const int sigs[] = {SIGQUIT, SIGUSR1};
+  for (int i = 0; i < 2; i++) {
+    char *args[] = {
+        "--producer", "sh -c 'sleep 30 & echo grandchild $!; wait'", "--consumer", "sleep 30", "--grace", "0.5", NULL};
+    run_launcher_sig(args, sigs[i], 400);
+    expect_exit(128 + sigs[i]);
+    char text[64];
+    snprintf(text, sizeof text, "got SIG%s; forwarding it", sigabbrev_np(sigs[i]));
+    expect_output(text);
+    expect_no_process_left();
+  }
+}
+
+/* A SIGKILLed launcher cannot forward anything: its roles die with it. */
+TS_TEST(sigkill_to_the_launcher_takes_its_roles) {
+  char *args[] = {"--producer", "sh -c 'echo grandchild $$; exec sleep 30'", "--consumer",
+                  "sh -c 'echo grandchild $$; exec sleep 30'", NULL};
+  run_launcher_sig(args, SIGKILL, 400);
+  CHECK_EQ(result.status.kind, TSHARE_EXIT_SIGNAL);
+  expect_no_process_left();
+}
+
+/* A role's daemon (setsid, its own session) does not outlive the job, even
+ * when every role succeeded. */
+TS_TEST(processes_left_behind_by_roles_are_stopped) {
+  char *args[] = {"--producer", "sh -c 'setsid sleep 30 & echo grandchild $!; exit 0'", "--consumer",
+                  "sh -c 'setsid sh -c \"sleep 30 & echo grandchild \\$!; wait\" & sleep 0.2; exit 0'", NULL};
+  run_launcher(args);
+  expect_exit(0);
+  expect_output("left behind by the roles");
+  expect_no_process_left();
+}
+
+/* Output is passed on byte for byte (a NUL does not cut the line); the
+ * summary lists every role, started or not; reports set or add. */
+TS_TEST(output_summary_and_reports) {
+  char *nul[] = {"--producer", "printf 'left\\000right\\n'", "--consumer", "true", NULL};
+  run_launcher(nul);
+  expect_exit(0);
+  CHECK(memmem(result.out, result.len, "left\0right\n", 11) != NULL);
+  char *missing[] = {"--producer", "sleep 30", "--consumer", "./tshare-no-such-consumer", "--consumers", "2", NULL};
+  run_launcher(missing);
+  expect_exit(127);
+  CHECK(strstr(result.out, "\nconsumer 0 ") && strstr(result.out, "could not be started"));
+  CHECK(strstr(result.out, "\nconsumer 1 ") && strstr(result.out, "not started"));
+  char *counting[] = {"--producer", role_cmd("counting"), "--consumer", role_cmd("counting"), NULL};
+  run_launcher(counting);
+  expect_exit(0);
+  long long shared = -1, verified = -1;
+  const char *p = strstr(result.out, "\nproducer ");
+  const char *c = strstr(result.out, "\nconsumer 0 ");
+  CHECK(p && c);
+  CHECK(sscanf(p, "\nproducer %*d exited with status 0 %lld", &shared) == 1);
+  CHECK(sscanf(c, "\nconsumer 0 %*d exited with status 0 %*s %lld", &verified) == 1);
+  CHECK_EQ(shared, 3);   /* added three times */
+  CHECK_EQ(verified, 5); /* set three times */
+}
+
 TS_TEST(pipe_channels_carry_frames) {
   char *args[] = {"--channel", "pipe", "--producer", role_cmd("pipe-producer"), "--consumer", role_cmd("pipe-consumer"),
                   NULL};
@@ -352,6 +419,9 @@ TS_TEST(usage_errors) {
   run_launcher(d);
   expect_exit(2);
   expect_output("unterminated");
+  char *spaced[] = {"--consumers", " 3", "demo", NULL}; /* strtol would have skipped the space */
+  run_launcher(spaced);
+  expect_exit(2);
   char *e[] = {"--help", NULL};
   run_launcher(e);
   expect_exit(0);

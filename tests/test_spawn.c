@@ -99,7 +99,65 @@ TS_TEST(non_executable_file_is_refused) {
   unlink(path);
 }
 
-TS_TEST(fds_land_at_their_numbers_and_nothing_else_leaks) {
+static void fds_land(unsigned flags);
+
+TS_TEST(fds_land_at_their_numbers_and_nothing_else_leaks) { fds_land(0); }
+
+/* The fork + execve path keeps every promise posix_spawn keeps. */
+TS_TEST(die_with_parent_spawns_like_posix_spawn) {
+  fds_land(TSHARE_SPAWN_DIE_WITH_PARENT);
+  tshare_spawn_options o = {.file = "/nonexistent/dir/tool", .flags = TSHARE_SPAWN_DIE_WITH_PARENT};
+  tshare_process *p;
+  tshare_error err;
+  CHECK_RC(tshare_spawn(&o, &p, &err), TSHARE_E_NOT_FOUND, err.message);
+  /* An exec failure after the fork comes back through the pipe as an error. */
+  char path[] = "/tmp/tshare-noexec-XXXXXX";
+  int fd = mkstemp(path);
+  CHECK(fd >= 0 && write(fd, "\x01\x02garbage", 9) == 9);
+  close(fd);
+  chmod(path, 0755);
+  o.file = path;
+  CHECK_RC(tshare_spawn(&o, &p, &err), TSHARE_E_SPAWN, err.message);
+  CHECK(strstr(err.message, "Exec format error") != NULL);
+  unlink(path);
+  p = run_sh("exit 5", NULL, 0, TSHARE_SPAWN_DIE_WITH_PARENT | TSHARE_SPAWN_NEW_PROCESS_GROUP);
+  tshare_exit_status st;
+  CHECK_RC(tshare_process_wait(p, 5000, &st), TSHARE_OK, "");
+  CHECK_EQ(st.value, 5);
+  tshare_process_destroy(p);
+}
+
+static int spawned_pid[2]; /* a pipe: the middle process writes the pid it spawned */
+static unsigned middle_flags;
+
+static void middle_spawns_and_waits(int unused) {
+  (void)unused;
+  tshare_process *p = run_sh("exec sleep 30", NULL, 0, middle_flags);
+  pid_t pid = tshare_process_pid(p);
+  CHECK(write(spawned_pid[1], &pid, sizeof pid) == sizeof pid);
+  pause();
+}
+
+/* Its parent SIGKILLed: the child goes too with the flag, stays without. */
+TS_TEST(die_with_parent_child_dies_with_its_parent) {
+  for (int with = 1; with >= 0; with--) {
+    middle_flags = with ? TSHARE_SPAWN_DIE_WITH_PARENT : 0;
+    CHECK(pipe2(spawned_pid, O_CLOEXEC) == 0);
+    pid_t middle = fork_child(middle_spawns_and_waits, 0);
+    pid_t child;
+    CHECK(read(spawned_pid[0], &child, sizeof child) == sizeof child);
+    kill(middle, SIGKILL);
+    wait_child(middle);
+    for (int i = 0; i < 200 && !pid_gone(child); i++) usleep(10000);
+    printf("%s the flag: the child %s\n", with ? "with" : "without", pid_gone(child) ? "died" : "lives on");
+    CHECK(pid_gone(child) == (with == 1));
+    if (!with) kill(child, SIGKILL);
+    close(spawned_pid[0]);
+    close(spawned_pid[1]);
+  }
+}
+
+static void fds_land(unsigned flags) {
   /* Adversarial: the parent's fds 3 and 4 go to the child's 4 and 3. A
    * naive dup2(4 -> 3) would destroy the source of the second mapping. */
   int a[2], b[2];
@@ -121,7 +179,7 @@ TS_TEST(fds_land_at_their_numbers_and_nothing_else_leaks) {
   CHECK(len > 0);
   self[len] = '\0';
   char *argv[] = {self, "--role", "fd-census", NULL};
-  tshare_spawn_options o = {.file = self, .argv = argv, .fds = map, .nfds = 2};
+  tshare_spawn_options o = {.file = self, .argv = argv, .fds = map, .nfds = 2, .flags = flags};
   tshare_process *p;
   tshare_error err;
   CHECK_RC(tshare_spawn(&o, &p, &err), TSHARE_OK, err.message);

@@ -107,13 +107,21 @@ int tshare_role_open_channel(tshare_role *role, int index, const tshare_channel_
   return tshare_channel_open_pipes(rfd, wfd, &o, out, err);
 }
 
-void tshare_role_report(const tshare_role *role, const char *key, long long value) {
+static void report_line(const tshare_role *role, const char *key, const char *op, long long value) {
   if (!role || role->report_fd < 0 || !key) return;
   char line[128];
-  int n = snprintf(line, sizeof line, "%s=%lld\n", key, value);
+  int n = snprintf(line, sizeof line, "%s%s%lld\n", key, op, value);
   if (n <= 0 || (size_t)n >= sizeof line) return;
   /* One short write: lines under PIPE_BUF arrive whole. */
   ssize_t w;
   do w = write(role->report_fd, line, (size_t)n);
   while (w < 0 && errno == EINTR);
+}
+
+void tshare_role_report(const tshare_role *role, const char *key, long long value) {
+  report_line(role, key, "=", value);
+}
+
+void tshare_role_report_add(const tshare_role *role, const char *key, long long delta) {
+  report_line(role, key, "+=", delta);
 }

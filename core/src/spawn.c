@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -81,6 +82,115 @@ static char **build_env(char *const *env_set) {
   return env;
 }
 
+/* What both ways of starting a child share: the program, its argv and env,
+ * and the fds to give it (already moved above every target number). */
+typedef struct spawn_plan {
+  const char *path;
+  char *const *argv;
+  char **env;
+  const tshare_spawn_options *o;
+  const int *moved;
+  int max_target;
+} spawn_plan;
+
+static int exec_error(int e, const char *path, char *msg, size_t cap) {
+  return ts_errsys(msg, cap, e == ENOENT ? TSHARE_E_NOT_FOUND : TSHARE_E_SPAWN, e, "spawn '%s'", path);
+}
+
+/* posix_spawn: glibc reports a failed exec as its return value. */
+static int spawn_posix(const spawn_plan *sp, pid_t *pid, char *msg, size_t cap) {
+  posix_spawn_file_actions_t actions;
+  posix_spawnattr_t attr;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawnattr_init(&attr);
+  int rc = TSHARE_OK;
+  for (size_t i = 0; rc == TSHARE_OK && i < sp->o->nfds; i++)
+    if (posix_spawn_file_actions_adddup2(&actions, sp->moved[i], sp->o->fds[i].child_fd) != 0)
+      rc = ts_errf(msg, cap, TSHARE_E_NOMEM, "spawn: file actions");
+  /* Whatever else is open stays out of the child, even fds an application
+   * forgot to mark close-on-exec. */
+  if (rc == TSHARE_OK && posix_spawn_file_actions_addclosefrom_np(&actions, sp->max_target + 1) != 0)
+    rc = ts_errf(msg, cap, TSHARE_E_NOMEM, "spawn: file actions");
+  if (rc == TSHARE_OK) {
+    sigset_t none, all;
+    sigemptyset(&none);
+    sigfillset(&all);
+    sigdelset(&all, SIGKILL);
+    sigdelset(&all, SIGSTOP);
+    short flags = POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF;
+    if (sp->o->flags & TSHARE_SPAWN_NEW_PROCESS_GROUP) flags |= POSIX_SPAWN_SETPGROUP;
+    posix_spawnattr_setsigmask(&attr, &none);
+    posix_spawnattr_setsigdefault(&attr, &all);
+    posix_spawnattr_setpgroup(&attr, 0);
+    posix_spawnattr_setflags(&attr, flags);
+    int e = posix_spawn(pid, sp->path, &actions, &attr, sp->argv, sp->env);
+    if (e != 0) rc = exec_error(e, sp->path, msg, cap);
+  }
+  posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attr);
+  return rc;
+}
+
+/* The child's side of spawn_forked: only async-signal-safe calls (the parent
+ * may have threads). An exec failure goes back as errno through report. */
+static void child_exec(const spawn_plan *sp, pid_t parent, int report) {
+  if (sp->o->flags & TSHARE_SPAWN_NEW_PROCESS_GROUP) setpgid(0, 0);
+  if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent) _exit(127); /* it died before we could ask */
+  struct sigaction dfl;
+  memset(&dfl, 0, sizeof dfl);
+  dfl.sa_handler = SIG_DFL;
+  for (int sig = 1; sig < NSIG; sig++)
+    if (sig != SIGKILL && sig != SIGSTOP) sigaction(sig, &dfl, NULL);
+  for (size_t i = 0; i < sp->o->nfds; i++)
+    if (dup2(sp->moved[i], sp->o->fds[i].child_fd) < 0) goto fail;
+  /* report sits above every target (F_DUPFD): close around it. */
+  if (report > sp->max_target + 1) close_range((unsigned)sp->max_target + 1, (unsigned)report - 1, 0);
+  close_range((unsigned)report + 1, ~0u, 0);
+  sigset_t none;
+  sigemptyset(&none);
+  sigprocmask(SIG_SETMASK, &none, NULL);
+  execve(sp->path, sp->argv, sp->env);
+fail:;
+  int e = errno;
+  ssize_t w = write(report, &e, sizeof e);
+  (void)w;
+  _exit(127);
+}
+
+/* fork + execve, for what posix_spawn cannot do between the two. */
+static int spawn_forked(const spawn_plan *sp, pid_t *pid, char *msg, size_t cap) {
+  int pipefd[2];
+  if (pipe2(pipefd, O_CLOEXEC) != 0) return ts_errsys(msg, cap, TSHARE_E_SYSTEM, errno, "spawn: pipe");
+  int report = fcntl(pipefd[1], F_DUPFD_CLOEXEC, sp->max_target + 1);
+  close(pipefd[1]);
+  if (report < 0) {
+    close(pipefd[0]);
+    return ts_errsys(msg, cap, TSHARE_E_SYSTEM, errno, "spawn: fcntl(F_DUPFD)");
+  }
+  pid_t parent = getpid();
+  pid_t child = fork();
+  if (child == 0) child_exec(sp, parent, report);
+  int fork_errno = errno;
+  close(report);
+  if (child < 0) {
+    close(pipefd[0]);
+    return ts_errsys(msg, cap, TSHARE_E_SPAWN, fork_errno, "spawn '%s': fork", sp->path);
+  }
+  int e = 0;
+  ssize_t r;
+  do r = read(pipefd[0], &e, sizeof e); /* EOF: the exec closed it */
+  while (r < 0 && errno == EINTR);
+  close(pipefd[0]);
+  if (r == (ssize_t)sizeof e) {
+    int st;
+    while (waitpid(child, &st, 0) < 0 && errno == EINTR) {
+    }
+    return exec_error(e, sp->path, msg, cap);
+  }
+  *pid = child;
+  return TSHARE_OK;
+}
+
 int tshare_spawn(const tshare_spawn_options *o, tshare_process **out, tshare_error *err) {
   char msg[TSHARE_ERROR_MSG_MAX] = "";
   char path[PATH_MAX];
@@ -103,10 +213,6 @@ int tshare_spawn(const tshare_spawn_options *o, tshare_process **out, tshare_err
   tshare_process *p = calloc(1, sizeof *p);
   int *moved = calloc(o->nfds ? o->nfds : 1, sizeof *moved);
   char **env = build_env(o->env_set);
-  posix_spawn_file_actions_t actions;
-  posix_spawnattr_t attr;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawnattr_init(&attr);
   size_t nmoved = 0;
   if (!p || !moved || !env) rc = ts_errf(msg, sizeof msg, TSHARE_E_NOMEM, "spawn: out of memory");
 
@@ -116,41 +222,25 @@ int tshare_spawn(const tshare_spawn_options *o, tshare_process **out, tshare_err
     moved[i] = fcntl(o->fds[i].parent_fd, F_DUPFD_CLOEXEC, max_target + 1);
     if (moved[i] < 0)
       rc = ts_errsys(msg, sizeof msg, TSHARE_E_SYSTEM, errno, "spawn: fcntl(F_DUPFD) of fd %d", o->fds[i].parent_fd);
-    else if (posix_spawn_file_actions_adddup2(&actions, moved[i], o->fds[i].child_fd) != 0)
-      rc = ts_errf(msg, sizeof msg, TSHARE_E_NOMEM, "spawn: file actions");
   }
-  /* Whatever else is open stays out of the child, even fds an application
-   * forgot to mark close-on-exec. */
-  if (rc == TSHARE_OK && posix_spawn_file_actions_addclosefrom_np(&actions, max_target + 1) != 0)
-    rc = ts_errf(msg, sizeof msg, TSHARE_E_NOMEM, "spawn: file actions");
   if (rc == TSHARE_OK) {
-    sigset_t none, all;
-    sigemptyset(&none);
-    sigfillset(&all);
-    sigdelset(&all, SIGKILL);
-    sigdelset(&all, SIGSTOP);
-    short flags = POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF;
-    if (o->flags & TSHARE_SPAWN_NEW_PROCESS_GROUP) flags |= POSIX_SPAWN_SETPGROUP;
-    posix_spawnattr_setsigmask(&attr, &none);
-    posix_spawnattr_setsigdefault(&attr, &all);
-    posix_spawnattr_setpgroup(&attr, 0);
-    posix_spawnattr_setflags(&attr, flags);
     char *default_argv[] = {(char *)o->file, NULL};
-    char *const *argv = o->argv ? o->argv : default_argv;
+    spawn_plan sp = {.path = path,
+                     .argv = o->argv ? o->argv : default_argv,
+                     .env = env,
+                     .o = o,
+                     .moved = moved,
+                     .max_target = max_target};
     pid_t pid;
-    /* glibc reports a failed exec as posix_spawn's return value. */
-    int e = posix_spawn(&pid, path, &actions, &attr, argv, env);
-    if (e != 0)
-      rc = ts_errsys(msg, sizeof msg, e == ENOENT ? TSHARE_E_NOT_FOUND : TSHARE_E_SPAWN, e, "spawn '%s'", path);
-    else {
+    rc = o->flags & TSHARE_SPAWN_DIE_WITH_PARENT ? spawn_forked(&sp, &pid, msg, sizeof msg)
+                                                 : spawn_posix(&sp, &pid, msg, sizeof msg);
+    if (rc == TSHARE_OK) {
       p->pid = pid;
       p->group = (o->flags & TSHARE_SPAWN_NEW_PROCESS_GROUP) != 0;
     }
   }
   for (size_t i = 0; i < nmoved; i++)
     if (moved[i] >= 0) close(moved[i]);
-  posix_spawn_file_actions_destroy(&actions);
-  posix_spawnattr_destroy(&attr);
   free(moved);
   free(env);
   if (rc != TSHARE_OK) {

@@ -57,8 +57,13 @@ int tshare_role_from_env(tshare_role *role, tshare_error *err);
 int tshare_role_open_channel(tshare_role *role, int index, const tshare_channel_options *opts, tshare_channel **out,
                              tshare_error *err);
 
-/* Write "key=value\n" to the report fd, if there is one. */
+/* Report a figure for tshare-launch's summary (keys it shows: "shared" for
+ * the producer, "verified" for consumers), through the report fd if there is
+ * one. tshare_role_report sets the figure (the last value reported stands);
+ * tshare_role_report_add adds delta to it (from 0), for a role that counts
+ * as it goes. Lines: "key=value" and "key+=delta". */
 void tshare_role_report(const tshare_role *role, const char *key, long long value);
+void tshare_role_report_add(const tshare_role *role, const char *key, long long delta);
 
 #ifdef __cplusplus
 }

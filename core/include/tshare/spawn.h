@@ -1,9 +1,8 @@
 /* tshare/spawn.h - start, wait for and tear down role processes.
  *
- * Built on posix_spawn. The child gets exactly the fds named in the options,
- * dup2'd to the numbers asked for (stdio included); every other fd is closed
- * in the child, whatever its close-on-exec flag. Signal dispositions and the
- * signal mask are reset to defaults in the child.
+ * Built on posix_spawn (fork + execve for TSHARE_SPAWN_DIE_WITH_PARENT). The child gets exactly the fds named in the
+ * options, dup2'd to the numbers asked for (stdio included); every other fd is closed in the child, whatever its
+ * close-on-exec flag. Signal dispositions and the signal mask are reset to defaults in the child.
  *
  * A program that cannot be executed (missing, not executable, bad format)
  * fails tshare_spawn() with TSHARE_E_SPAWN or TSHARE_E_NOT_FOUND and the path
@@ -33,6 +32,13 @@ typedef struct tshare_fd_map {
 
 /* Flags for tshare_spawn_options.flags. */
 #define TSHARE_SPAWN_NEW_PROCESS_GROUP (1u << 0) /* the child leads a new process group; signals go to the group */
+/* The child gets SIGKILL when this process dies, even by SIGKILL
+ * (PR_SET_PDEATHSIG; Linux ties it to the thread that spawned, so spawn from
+ * a thread that lives as long as the child should). Set between fork and
+ * exec, so this flag spawns with fork + execve instead of posix_spawn; exec
+ * failures still come back as tshare_spawn()'s error. Its own children are
+ * not covered: see PR_SET_CHILD_SUBREAPER. */
+#define TSHARE_SPAWN_DIE_WITH_PARENT (1u << 1)
 
 typedef struct tshare_spawn_options {
   const char *file;  /* a path, or a name looked up in PATH when it has no '/' */
