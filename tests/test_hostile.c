@@ -375,4 +375,49 @@ TS_TEST(out_of_fds_is_a_clear_limit_and_the_channel_lives_on) {
   tshare_channel_close(ch);
 }
 
+/* ---- 5. a hello's pid is the peer's word only ---------------------------------- */
+
+/* Speaks the wire by hand: a hello claiming to be 'init', pid 1, then a
+ * release of a share that was never sent. */
+static void claims_to_be_init(int fd) {
+  usleep(100 * 1000); /* most often after the other end asked for credentials */
+  uint8_t buf[2 * TSHARE_WIRE_FRAME_MAX];
+  size_t len, more;
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_HELLO;
+  f.u.hello.major = TSHARE_WIRE_MAJOR;
+  f.u.hello.minor = TSHARE_WIRE_MINOR;
+  f.u.hello.pid = 1;
+  f.u.hello.uid = (uint32_t)getuid();
+  f.u.hello.capabilities = TSHARE_CAP_FD_PASSING | TSHARE_CAP_HOST_MEMFD;
+  snprintf(f.u.hello.name, sizeof f.u.hello.name, "init");
+  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, NULL, 0), TSHARE_OK, "");
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_RELEASE;
+  f.u.release.count = 1;
+  f.u.release.share_ids[0] = 77;
+  CHECK_RC(tshare_wire_encode(&f, buf + len, sizeof buf - len, &more, NULL, 0), TSHARE_OK, "");
+  CHECK(write(fd, buf, len + more) == (ssize_t)(len + more)); /* they stay readable after this process ends */
+}
+
+TS_TEST(messages_name_the_peer_by_the_kernels_pid) {
+  int sock;
+  pid_t pid = fork_with_socket(claims_to_be_init, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
+  CHECK_EQ(tshare_channel_peer(ch)->pid, 1); /* what it said */
+  CHECK_RC(tshare_channel_poll(ch, 5000), TSHARE_E_PROTOCOL, tshare_channel_last_error(ch));
+  printf("%s\n", tshare_channel_last_error(ch));
+  /* The kernel's pid where it came with the hello (the hello was written after
+   * this end asked for credentials), else the claim, said to be one. */
+  char real[32];
+  snprintf(real, sizeof real, "'init' (pid %d)", (int)pid);
+  const char *msg = tshare_channel_last_error(ch);
+  CHECK(strstr(msg, real) != NULL || strstr(msg, "'init' (says pid 1)") != NULL);
+  CHECK(strstr(msg, "(pid 1)") == NULL);
+  tshare_channel_close(ch);
+  close(sock);
+  CHECK_CHILD_OK(pid);
+}
+
 TS_TEST_MAIN

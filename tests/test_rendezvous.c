@@ -3,6 +3,7 @@
 #include "proc_util.h"
 #include "tshare/rendezvous.h"
 #include "tshare/share.h"
+#include "tshare/spawn.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -230,6 +231,80 @@ TS_TEST(accept_survives_bad_connections) {
   accept_one(l);
   CHECK_EQ(exit_code(good), 0);
   CHECK_EQ(exit_code(silent), 0);
+  tshare_listener_close(l);
+}
+
+/* `test_rendezvous --role ns-producer PATH VALUE`: connect to PATH and share
+ * a host buffer (this process's first) full of VALUE. */
+static int ns_producer(int argc, char **argv) {
+  if (argc != 5 || strcmp(argv[2], "ns-producer") != 0) return 2;
+  tshare_channel_options o;
+  tshare_channel_options_init(&o);
+  o.name = "ns producer";
+  tshare_channel *ch;
+  tshare_error err;
+  if (tshare_connect(argv[3], &o, 5000, &ch, &err) != TSHARE_OK) {
+    fprintf(stderr, "%s\n", err.message);
+    return 3;
+  }
+  tshare_host_buffer *b;
+  if (tshare_host_buffer_create(4096, "ns", &b, &err) != TSHARE_OK) return 4;
+  int32_t *p = tshare_host_buffer_data(b);
+  for (int i = 0; i < 1024; i++) p[i] = atoi(argv[4]);
+  int64_t n = 1024;
+  tshare_tensor_desc d = tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_INT, 32, 1}, 1, &n, 0);
+  if (tshare_share_host(ch, b, &d, NULL, NULL, 5000, NULL) != TSHARE_OK) return 5;
+  if (tshare_channel_send_bye(ch, 0, 5000) != TSHARE_OK) return 6;
+  if (tshare_channel_wait_released(ch, 0, 5000) != TSHARE_OK) return 7;
+  tshare_host_buffer_destroy(b);
+  tshare_channel_close(ch);
+  return getpid() == 1 ? 0 : 8; /* it did run as pid 1 of its namespace */
+}
+
+__attribute__((constructor)) static void install_ns_producer(void) { ts_role_main = ns_producer; }
+
+/* Peers in other pid namespaces (containers sharing a socket) work: both
+ * producers say pid 1 in their hello and number their allocations alike, and
+ * each share maps its own producer's memory. */
+TS_TEST(peers_in_other_pid_namespaces) {
+  if (getuid() != 0) TS_SKIP("needs root for unshare --pid");
+  if (access("/usr/bin/unshare", X_OK) != 0) TS_SKIP("needs /usr/bin/unshare (util-linux)");
+  snprintf(sock_path, sizeof sock_path, "%s/ns.sock", temp_dir());
+  tshare_listener *l;
+  tshare_error err;
+  CHECK_RC(tshare_listen(sock_path, &l, &err), TSHARE_OK, err.message);
+  char self[4096];
+  ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+  CHECK(len > 0);
+  self[len] = '\0';
+  tshare_process *prod[2];
+  tshare_channel *ch[2];
+  tshare_view *v[2];
+  for (int i = 0; i < 2; i++) {
+    char value[16];
+    snprintf(value, sizeof value, "%d", 111 * (i + 1));
+    char *argv[] = {"unshare", "--pid",       "--fork",  "--mount-proc", self,
+                    "--role",  "ns-producer", sock_path, value,          NULL};
+    tshare_spawn_options so = {.file = "/usr/bin/unshare", .argv = argv};
+    CHECK_RC(tshare_spawn(&so, &prod[i], &err), TSHARE_OK, err.message);
+    CHECK_RC(tshare_listener_accept(l, NULL, 5000, &ch[i], &err), TSHARE_OK, err.message);
+    CHECK_EQ(tshare_channel_peer(ch[i])->pid, 1);
+    CHECK_RC(tshare_view_recv(ch[i], 5000, &v[i]), TSHARE_OK, tshare_channel_last_error(ch[i]));
+  }
+  for (int i = 0; i < 2; i++) {
+    const int32_t *p = tshare_view_data(v[i]);
+    for (int k = 0; k < 1024; k++)
+      if (p[k] != 111 * (i + 1)) TS_FAIL("producer %d: element %d is %d", i, k, (int)p[k]);
+    tshare_view_release(v[i]);
+    tshare_view *none;
+    CHECK_RC(tshare_view_recv(ch[i], 5000, &none), TSHARE_END, tshare_channel_last_error(ch[i]));
+    tshare_channel_close(ch[i]);
+    tshare_exit_status st;
+    CHECK_RC(tshare_process_wait(prod[i], 10000, &st), TSHARE_OK, "producer did not end");
+    CHECK_EQ(st.value, 0);
+    tshare_process_destroy(prod[i]);
+  }
+  printf("two producers, both pid 1 in their namespaces: each share mapped its own producer's memory\n");
   tshare_listener_close(l);
 }
 

@@ -158,7 +158,7 @@ static ssize_t recv_into(tshare_channel *ch, uint8_t *buf, size_t cap) {
   }
   struct iovec iov = {.iov_base = buf, .iov_len = cap};
   union {
-    char space[CMSG_SPACE(sizeof(int) * 8)];
+    char space[CMSG_SPACE(sizeof(int) * 8) + CMSG_SPACE(sizeof(struct ucred))];
     struct cmsghdr align;
   } ctl;
   struct msghdr msg = {0};
@@ -171,6 +171,11 @@ static ssize_t recv_into(tshare_channel *ch, uint8_t *buf, size_t cap) {
   int fds[8];
   size_t n = 0;
   for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_CREDENTIALS && ch->rx_bytes == 0 && r > 0) {
+      struct ucred cred; /* the writer of the stream's first bytes: the hello */
+      memcpy(&cred, CMSG_DATA(c), sizeof cred);
+      ch->peer_kpid = cred.pid; /* 0 when its pid namespace is not visible from here */
+    }
     if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
     size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
     for (size_t i = 0; i < k; i++) {
@@ -551,15 +556,49 @@ static int check_peer_cred(tshare_channel *ch, struct ucred *cred) {
 }
 
 /* How messages name the peer: by the pid the kernel reports where there is
- * one (a hello's pid is only the peer's word), else by its word, said so. */
+ * one (a hello's pid is only the peer's word), else by its word, said so
+ * (pipes; a peer in a pid namespace not visible from here; a hand-rolled
+ * peer whose hello came without credentials). */
 static void name_peer(tshare_channel *ch) {
   if (ch->peer_kpid > 0)
     snprintf(ch->peer_label, sizeof ch->peer_label, "'%s' (pid %ld)", ch->peer.name, (long)ch->peer_kpid);
-  else if (ch->kind == TSHARE_CHANNEL_SOCKET)
-    snprintf(ch->peer_label, sizeof ch->peer_label, "'%s' (in another pid namespace; says pid %u)", ch->peer.name,
-             ch->peer.pid);
   else
     snprintf(ch->peer_label, sizeof ch->peer_label, "'%s' (says pid %u)", ch->peer.name, ch->peer.pid);
+}
+
+/* The start time of a process in clock ticks since boot (/proc/PID/stat field
+ * 22): with the pid, it names one process for the life of the machine. */
+static uint64_t start_time_of(long pid) {
+  char path[64], text[1024];
+  snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+  FILE *f = fopen(path, "re");
+  if (!f) return 0;
+  size_t n = fread(text, 1, sizeof text - 1, f);
+  fclose(f);
+  text[n] = '\0';
+  const char *p = strrchr(text, ')'); /* the name may hold anything; fields follow the last ')' */
+  unsigned long long start = 0;
+  if (p &&
+      sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %*d %*d %llu", &start) != 1)
+    start = 0;
+  return start;
+}
+
+#define KEY_BY_CHANNEL (1ull << 63) /* keys that name a channel, not a process */
+
+static uint64_t peer_key_of(tshare_channel *ch) {
+  static atomic_uint_fast64_t serials;
+  uint64_t serial = (uint64_t)atomic_fetch_add(&serials, 1) + 1;
+  if (ch->peer_kpid <= 0) return KEY_BY_CHANNEL | (serial << 32);
+  return ((uint64_t)ch->peer_kpid | (start_time_of(ch->peer_kpid) << 32)) & ~KEY_BY_CHANNEL;
+}
+
+uint64_t ts_channel_origin_key(const tshare_channel *ch, uint32_t claimed_pid) {
+  if (claimed_pid == 0 || claimed_pid == ch->peer.pid) return ch->peer_key;
+  /* Forwarded: the claim is kept, but only among this peer's own. */
+  uint64_t h = ch->peer_key * 0x9e3779b97f4a7c15ull ^ (uint64_t)claimed_pid * 0xbf58476d1ce4e5b9ull;
+  h ^= h >> 29;
+  return KEY_BY_CHANNEL | (h >> 1);
 }
 
 /* The most fds of the peer's shares this end holds before it refuses more:
@@ -610,6 +649,7 @@ static int handshake(tshare_channel *ch) {
   }
   ch->peer = f.u.hello;
   name_peer(ch);
+  ch->peer_key = peer_key_of(ch);
   if (!all_zero(ch->self.boot_id, 16) && !all_zero(ch->peer.boot_id, 16) &&
       memcmp(ch->self.boot_id, ch->peer.boot_id, 16) != 0) {
     rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_MISMATCH,
@@ -673,11 +713,16 @@ static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare
       rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "channel: fd %d is not a stream socket", rfd);
   }
   struct ucred cred = {0, 0, 0};
-  if (rc == TSHARE_OK && kind == TSHARE_CHANNEL_SOCKET && (rc = check_peer_cred(ch, &cred)) == TSHARE_OK) {
-    ch->peer_kpid = cred.pid; /* 0 for a peer in a pid namespace this one cannot see */
-    if (cred.pid > 0) snprintf(ch->peer_label, sizeof ch->peer_label, "(pid %ld)", (long)cred.pid);
-  }
+  if (rc == TSHARE_OK && kind == TSHARE_CHANNEL_SOCKET) rc = check_peer_cred(ch, &cred);
+  /* Who wrote the peer's hello, as the kernel attaches it to the bytes
+   * (SCM_CREDENTIALS): SO_PEERCRED names whoever created a socketpair, which
+   * is not the peer once the pair was handed out. Both ends ask before their
+   * hello, so each one's hello carries it. */
+  int on = 1;
+  if (rc == TSHARE_OK && kind == TSHARE_CHANNEL_SOCKET) setsockopt(rfd, SOL_SOCKET, SO_PASSCRED, &on, sizeof on);
   if (rc == TSHARE_OK) rc = handshake(ch);
+  int off = 0;
+  if (kind == TSHARE_CHANNEL_SOCKET && rfd >= 0) setsockopt(rfd, SOL_SOCKET, SO_PASSCRED, &off, sizeof off);
   if (rc == TSHARE_OK && kind == TSHARE_CHANNEL_SOCKET && ch->peer.uid != (uint32_t)cred.uid) {
     rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "hello: peer %s claims uid %u, the kernel says %ld",
                  ch->peer_label, ch->peer.uid, (long)cred.uid);

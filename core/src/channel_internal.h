@@ -101,7 +101,12 @@ struct tshare_channel {
   tshare_decoder *dec;
   tshare_wire_limits limits;
   tshare_hello self, peer;
-  long peer_kpid;      /* the peer's pid as the kernel reports it (SO_PEERCRED); 0 when unknown */
+  long peer_kpid; /* the pid of the hello's writer as the kernel reports it; 0 when unknown */
+  /* Who the peer is, as a key for state kept across channels (the CUDA
+   * import cache): its kernel pid and start time where the kernel shows
+   * them, else this channel's own serial. A hello's pid is only a claim: two
+   * containers' producers both say pid 1. */
+  uint64_t peer_key;
   char peer_label[96]; /* how messages name the peer: "'name' (pid N)" */
   uint8_t minor;       /* agreed: min(ours, peer's) */
   tshare_channel_options opts;
@@ -137,6 +142,10 @@ struct tshare_channel {
 
 /* channel.c */
 unsigned long ts_thread_tag(void); /* a nonzero number per thread */
+/* The key for memory a share says is owned by claimed_pid (its origin_pid,
+ * 0 when the peer's own): peer_key for the peer's own memory; for memory it
+ * forwards, its claim kept apart from every other channel's. */
+uint64_t ts_channel_origin_key(const tshare_channel *ch, uint32_t claimed_pid);
 int ts_channel_send(tshare_channel *ch, const tshare_frame *f, int fd, int timeout_ms);
 /* From any thread, with send_lock held: f goes out now, whole or with its end
  * kept as the tail, and true comes back; or nothing goes (the socket is full,

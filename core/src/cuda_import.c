@@ -3,8 +3,13 @@
  * one handle in one context is refused by some drivers), shared by every view
  * into it, and kept open while idle only where its owner promised a retire
  * notice before freeing it: closing after the owner freed it is undefined
- * behaviour in CUDA. Keys carry the allocation's buffer id, unique in its
- * process, so an address freed and reused never maps stale memory. */
+ * behaviour in CUDA. VMM mappings are keyed by (origin, allocation id,
+ * context), where the origin is a key no peer can forge (channel.h's
+ * peer_key: two producers in two containers may both say pid 1 and number
+ * their allocations alike); the allocation id is unique in its process, so
+ * an address freed and reused never maps stale memory. Legacy mappings are
+ * keyed by the handle's own bytes: the handle names the allocation, and the
+ * same one reached from its owner and through a forwarder opens once. */
 #include "cuda_internal.h"
 #include "error_detail.h"
 #include "u64map.h"
@@ -14,9 +19,11 @@
 #include <unistd.h>
 
 struct ts_cuda_mapping {
-  uint32_t origin_pid;
+  uint64_t origin; /* ts_channel_origin_key() of whoever shared it (its owner, once the owner did) */
   uint64_t alloc_id;
   CUcontext ctx;
+  bool legacy;                       /* found by handle, not by origin and id */
+  uint8_t handle[TSHARE_HANDLE_MAX]; /* legacy */
   CUdeviceptr ptr;
   size_t size;
   int fd; /* VMM memory: the fd it was imported from, else -1 */
@@ -49,17 +56,44 @@ void tshare_cuda_set_import_cache_limits(size_t count, size_t bytes) {
   pthread_mutex_unlock(&ts_cuda_lock);
 }
 
-/* u64map keys are neither 0 (empty) nor UINT64_MAX (deleted). */
-static uint64_t key_of(uint32_t origin_pid, uint64_t alloc_id, CUcontext ctx) {
-  uint64_t h = alloc_id ^ ((uint64_t)origin_pid << 40) ^ ((uint64_t)(uintptr_t)ctx * 0x9e3779b97f4a7c15ull);
+/* The identity a share asks for. */
+typedef struct mapping_id {
+  uint64_t origin, alloc_id;
+  CUcontext ctx;
+  const CUipcMemHandle *handle; /* legacy; NULL for VMM */
+} mapping_id;
+
+static uint64_t mix(uint64_t h) {
   h ^= h >> 31;
   h *= 0xbf58476d1ce4e5b9ull;
   h ^= h >> 29;
+  return h;
+}
+
+/* u64map keys are neither 0 (empty) nor UINT64_MAX (deleted). */
+static uint64_t key_of(uint64_t origin, uint64_t alloc_id, CUcontext ctx, const uint8_t *handle) {
+  uint64_t h = (uint64_t)(uintptr_t)ctx * 0x9e3779b97f4a7c15ull;
+  if (handle) {
+    for (int i = 0; i < TSHARE_HANDLE_MAX; i += 8) {
+      uint64_t w;
+      memcpy(&w, handle + i, 8);
+      h = mix(h ^ w);
+    }
+  } else {
+    h = mix(h ^ alloc_id) ^ mix(origin);
+  }
+  h = mix(h);
   return h % (UINT64_MAX - 1) + 1;
 }
 
-static bool same_identity(const ts_cuda_mapping *m, uint32_t origin_pid, uint64_t alloc_id, CUcontext ctx) {
-  return m->origin_pid == origin_pid && m->alloc_id == alloc_id && m->ctx == ctx;
+static uint64_t key_of_mapping(const ts_cuda_mapping *m) {
+  return key_of(m->origin, m->alloc_id, m->ctx, m->legacy ? m->handle : NULL);
+}
+
+static bool same_identity(const ts_cuda_mapping *m, const mapping_id *id) {
+  if (m->ctx != id->ctx || m->legacy != (id->handle != NULL)) return false;
+  if (m->legacy) return memcmp(m->handle, id->handle->reserved, TSHARE_HANDLE_MAX) == 0;
+  return m->origin == id->origin && m->alloc_id == id->alloc_id;
 }
 
 static void idle_unlink(ts_cuda_mapping *m) {
@@ -93,7 +127,7 @@ static void idle_append(ts_cuda_mapping *m) {
 
 /* Index a new mapping; false when out of memory (then it is in nothing). */
 static bool insert_locked(ts_cuda_mapping *m) {
-  uint64_t key = key_of(m->origin_pid, m->alloc_id, m->ctx);
+  uint64_t key = key_of_mapping(m);
   m->same_key = ts_u64map_get(&by_key, key);
   if (ts_u64map_put(&by_key, key, m) != 0) return false;
   m->prev = NULL;
@@ -121,7 +155,7 @@ static void unmap_and_free(ts_cuda_mapping *imp) {
 
 static void close_locked(ts_cuda_mapping *imp) {
   idle_unlink(imp);
-  uint64_t key = key_of(imp->origin_pid, imp->alloc_id, imp->ctx);
+  uint64_t key = key_of_mapping(imp);
   ts_cuda_mapping *head = ts_u64map_get(&by_key, key);
   if (head == imp) {
     if (imp->same_key)
@@ -178,7 +212,7 @@ static CUresult vmm_map(const ts_cuda_api *cu, int fd, size_t size, CUdeviceptr 
   return rc;
 }
 
-int ts_cuda_import_get(uint32_t origin_pid, uint64_t alloc_id, CUcontext ctx, const CUipcMemHandle *handle, int *fdp,
+int ts_cuda_import_get(uint64_t origin, uint64_t alloc_id, CUcontext ctx, const CUipcMemHandle *handle, int *fdp,
                        size_t size, bool keep_idle, ts_cuda_mapping **out, char *err, size_t cap) {
   *out = NULL;
   int status = TSHARE_OK;
@@ -187,14 +221,24 @@ int ts_cuda_import_get(uint32_t origin_pid, uint64_t alloc_id, CUcontext ctx, co
   pthread_mutex_lock(&ts_cuda_lock);
   /* A retired mapping still in use shares its slot with the fresh one that
    * replaced it: take the live one, else the retired one (to reopen). */
+  bool vmm = fdp && *fdp >= 0;
+  mapping_id id = {origin, alloc_id, ctx, vmm ? NULL : handle};
   ts_cuda_mapping *imp = NULL;
-  for (ts_cuda_mapping *i = ts_u64map_get(&by_key, key_of(origin_pid, alloc_id, ctx)); i; i = i->same_key)
-    if (same_identity(i, origin_pid, alloc_id, ctx) && (!imp || imp->gone)) imp = i;
+  for (ts_cuda_mapping *i =
+           ts_u64map_get(&by_key, key_of(origin, alloc_id, ctx, vmm ? NULL : (const uint8_t *)handle->reserved));
+       i; i = i->same_key)
+    if (same_identity(i, &id) && (!imp || imp->gone)) imp = i;
   if (imp && !imp->gone) {
     if (imp->size != size) {
       pthread_mutex_unlock(&ts_cuda_lock);
-      return ts_errf(err, cap, TSHARE_E_PROTOCOL, "import: allocation %llu of pid %u came back with %zu bytes, not %zu",
-                     (unsigned long long)alloc_id, origin_pid, size, imp->size);
+      return ts_errf(err, cap, TSHARE_E_PROTOCOL, "import: allocation %llu came back with %zu bytes, not %zu",
+                     (unsigned long long)alloc_id, size, imp->size);
+    }
+    /* Its owner's word (only owners promise retire notices): retire and
+     * disconnect find it under the owner from now on. */
+    if (keep_idle) {
+      imp->origin = origin;
+      imp->alloc_id = alloc_id;
     }
     ts_cuda_counters.import_hits++;
   } else {
@@ -205,7 +249,6 @@ int ts_cuda_import_get(uint32_t origin_pid, uint64_t alloc_id, CUcontext ctx, co
       return ts_errf(err, cap, TSHARE_E_NOMEM, "import: out of memory");
     }
     CUresult rc = CUDA_ERROR_INVALID_CONTEXT;
-    bool vmm = fdp && *fdp >= 0;
     if (ts_cuda_push(ctx)) {
       rc = vmm ? vmm_map(cu, *fdp, size, &imp->ptr)
                : cu->cuIpcOpenMemHandle(&imp->ptr, *handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
@@ -228,9 +271,11 @@ int ts_cuda_import_get(uint32_t origin_pid, uint64_t alloc_id, CUcontext ctx, co
     } else {
       ts_cuda_counters.imports++;
     }
-    imp->origin_pid = origin_pid;
+    imp->origin = origin;
     imp->alloc_id = alloc_id;
     imp->ctx = ctx;
+    imp->legacy = !vmm;
+    if (!vmm) memcpy(imp->handle, handle->reserved, TSHARE_HANDLE_MAX);
     imp->size = size;
     if (!insert_locked(imp)) {
       unmap_and_free(imp);
@@ -262,23 +307,23 @@ void ts_cuda_import_put(ts_cuda_mapping *imp) {
   pthread_mutex_unlock(&ts_cuda_lock);
 }
 
-static void retire_where_locked(uint32_t origin_pid, bool any_alloc, uint64_t alloc_id) {
+static void retire_where_locked(uint64_t origin, bool any_alloc, uint64_t alloc_id) {
   for (ts_cuda_mapping *i = all, *next; i; i = next) {
     next = i->next;
-    if (i->origin_pid != origin_pid || (!any_alloc && i->alloc_id != alloc_id)) continue;
+    if (i->origin != origin || (!any_alloc && i->alloc_id != alloc_id)) continue;
     i->gone = true;
     if (i->views == 0) close_locked(i);
   }
 }
 
-void ts_cuda_import_retire(uint32_t origin_pid, uint64_t alloc_id) {
+void ts_cuda_import_retire(uint64_t origin, uint64_t alloc_id) {
   pthread_mutex_lock(&ts_cuda_lock);
-  retire_where_locked(origin_pid, false, alloc_id);
+  retire_where_locked(origin, false, alloc_id);
   pthread_mutex_unlock(&ts_cuda_lock);
 }
 
-void ts_cuda_import_origin_gone(uint32_t origin_pid) {
+void ts_cuda_import_origin_gone(uint64_t origin) {
   pthread_mutex_lock(&ts_cuda_lock);
-  retire_where_locked(origin_pid, true, 0);
+  retire_where_locked(origin, true, 0);
   pthread_mutex_unlock(&ts_cuda_lock);
 }

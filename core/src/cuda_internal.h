@@ -61,20 +61,21 @@ bool ts_cuda_alloc_unused(const ts_cuda_alloc *a); /* only peer references left 
 
 typedef struct ts_cuda_mapping ts_cuda_mapping;
 
-/* Open (or reuse) the mapping of an allocation of process origin_pid in ctx.
+/* Open (or reuse) the mapping of an allocation owned by origin (a
+ * ts_channel_origin_key) in ctx.
  * Legacy memory comes as handle; VMM memory as *fdp >= 0 (a new mapping
  * keeps that fd, so views can be shared on, and sets *fdp to -1).
  * keep_idle: it may stay open with no view (the owner announces retirement). */
-int ts_cuda_import_get(uint32_t origin_pid, uint64_t alloc_id, CUcontext ctx, const CUipcMemHandle *handle, int *fdp,
+int ts_cuda_import_get(uint64_t origin, uint64_t alloc_id, CUcontext ctx, const CUipcMemHandle *handle, int *fdp,
                        size_t size, bool keep_idle, ts_cuda_mapping **out, char *err, size_t cap);
 CUdeviceptr ts_cuda_import_ptr(const ts_cuda_mapping *imp);
 int ts_cuda_import_fd(const ts_cuda_mapping *imp); /* VMM: the capability the mapping came with; else -1 */
-void ts_cuda_import_put(ts_cuda_mapping *imp); /* a view is gone */
+void ts_cuda_import_put(ts_cuda_mapping *imp);     /* a view is gone */
 
 /* The owner says the allocation goes away; true if nothing maps it any more. */
-void ts_cuda_import_retire(uint32_t origin_pid, uint64_t alloc_id);
+void ts_cuda_import_retire(uint64_t origin, uint64_t alloc_id);
 /* The owner's process is gone: close its idle mappings. */
-void ts_cuda_import_origin_gone(uint32_t origin_pid);
+void ts_cuda_import_origin_gone(uint64_t origin);
 
 /* ---- guard (cuda_device.c) ---- */
 bool ts_cuda_guard_wanted(CUcontext ctx); /* may run the one-time probe in ctx */

@@ -408,8 +408,9 @@ int ts_cuda_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *st
   if (vmm && *fdp < 0)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "import: share %llu is CUDA VMM memory without its fd",
                    (unsigned long long)s->share_id);
-  status = ts_cuda_import_get(origin, s->alloc_id, ctx, &h, vmm ? fdp : NULL, (size_t)s->alloc_size, keep_idle, &imp,
-                              ch->err, sizeof ch->err);
+  /* Found under a key the peer cannot forge: its claimed pid may be anyone's. */
+  status = ts_cuda_import_get(ts_channel_origin_key(ch, s->origin_pid), s->alloc_id, ctx, &h, vmm ? fdp : NULL,
+                              (size_t)s->alloc_size, keep_idle, &imp, ch->err, sizeof ch->err);
   if (status != TSHARE_OK) return status;
   if (f->flags & TSHARE_FRAME_FLAG_HAS_EVENT) {
     peer_event *pe = c->events && s->event_slot < TSHARE_EVENT_SLOTS_MAX ? &c->events[s->event_slot] : NULL;
@@ -563,7 +564,7 @@ int ts_cuda_on_frame(tshare_channel *ch, const tshare_frame *f) {
         free(pm);
       }
     } else { /* the owner frees it: close it (now if idle) and say so */
-      ts_cuda_import_retire(ch->peer.pid, r->alloc_ids[i]);
+      ts_cuda_import_retire(ch->peer_key, r->alloc_ids[i]);
       if (queue_ack(c, r->alloc_ids[i]) != TSHARE_OK)
         return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "retire: out of memory");
     }
@@ -641,7 +642,7 @@ void ts_cuda_peer_gone(tshare_channel *ch) {
     free(pm);
   }
   ts_u64map_free(&c->mapped);
-  if (ch->peer.pid) ts_cuda_import_origin_gone(ch->peer.pid);
+  if (ch->peer_key) ts_cuda_import_origin_gone(ch->peer_key);
 }
 
 void ts_cuda_chan_free(tshare_channel *ch) {

@@ -58,8 +58,8 @@ static peer start_role(const char *role, const char *arg, char *const *env, int 
   CHECK(pipe2(res, O_CLOEXEC) == 0);
   char *argv[] = {(char *)"/proc/self/exe", (char *)"--role", (char *)role, (char *)(arg ? arg : ""), NULL};
   tshare_fd_map fds[3] = {{3, sv[1]}, {4, res[1]}, {5, extra_fd}};
-  tshare_spawn_options so = {.file = "/proc/self/exe", .argv = argv, .env_set = env, .fds = fds,
-                             .nfds = extra_fd >= 0 ? 3 : 2};
+  tshare_spawn_options so = {
+      .file = "/proc/self/exe", .argv = argv, .env_set = env, .fds = fds, .nfds = extra_fd >= 0 ? 3 : 2};
   peer p;
   if (tshare_spawn(&so, &p.proc, &err) != TSHARE_OK) TS_FAIL("spawn: %s", err.message);
   if (given_fd < 0) close(sv[1]);
@@ -88,6 +88,9 @@ static int finish(peer *p) {
 }
 
 /* ---- roles ------------------------------------------------------------------ */
+
+static void share_pattern(tshare_channel *ch, tshare_cuda_buffer *b, size_t off, int n, int base, int step);
+static void end_stream(tshare_channel *ch);
 
 /* Receive views until bye; each tag says "BASE STEP N": count bad elements on
  * this process's own stream, ordered only by what tshare made it wait on.
@@ -295,9 +298,27 @@ static int role_cache_bounds(tshare_channel *ch, FILE *out, int count) {
   CHECK_RC(tshare_view_recv(ch, TIMEOUT, &v), TSHARE_END, tshare_channel_last_error(ch));
   tshare_cuda_export_stats st;
   tshare_cuda_stats(&st);
-  fprintf(out, "bad=%llu imports=%llu hits=%llu closes=%llu\n", bad_total, (unsigned long long)(st.imports + st.fd_imports),
-          (unsigned long long)st.import_hits, (unsigned long long)st.import_closes);
+  fprintf(out, "bad=%llu imports=%llu hits=%llu closes=%llu\n", bad_total,
+          (unsigned long long)(st.imports + st.fd_imports), (unsigned long long)st.import_hits,
+          (unsigned long long)st.import_closes);
   fflush(out);
+  return 0;
+}
+
+/* A producer in a pid namespace of its own (pid 1 there): one buffer, the
+ * first of this process like every other such producer's, filled with base. */
+static int role_ns_producer(tshare_channel *ch, FILE *out, int base) {
+  tshare_cuda_buffer *b;
+  tshare_error err;
+  if (tshare_cuda_buffer_create(0, 1 << 20, &b, &err) != TSHARE_OK) {
+    fprintf(out, "error %s\n", err.message);
+    return 1;
+  }
+  share_pattern(ch, b, 4096, 4096, base, 1);
+  fprintf(out, "pid=%d\n", (int)getpid());
+  fflush(out);
+  end_stream(ch);
+  tshare_cuda_buffer_release(b);
   return 0;
 }
 
@@ -323,6 +344,7 @@ static int role_main(int argc, char **argv) {
   if (strcmp(role, "import_error") == 0) rc = role_import_error(ch, out);
   if (strcmp(role, "busy_releaser") == 0) rc = role_busy_releaser(ch, out, atoi(arg));
   if (strcmp(role, "cache_bounds") == 0) rc = role_cache_bounds(ch, out, atoi(arg));
+  if (strcmp(role, "ns_producer") == 0) rc = role_ns_producer(ch, out, atoi(arg));
   tshare_channel_close(ch);
   fclose(out);
   return rc;
@@ -835,6 +857,63 @@ TS_TEST(guard_report) {
   const char *why;
   int on = tshare_cuda_export_guard_active(&why);
   printf("guard=%d %s\n", on, why);
+}
+
+/* Two producers in two pid namespaces (containers sharing a socket) both say
+ * pid 1 and number their allocations alike: a consumer holding a view from
+ * one must map the other's own memory, for fd (VMM) and legacy handles. */
+TS_TEST(producers_in_two_pid_namespaces) {
+  need_gpu(1);
+  if (getuid() != 0) TS_SKIP("needs root for unshare --pid");
+  if (access("/usr/bin/unshare", X_OK) != 0) TS_SKIP("needs /usr/bin/unshare (util-linux)");
+  char self[4096];
+  ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+  CHECK(len > 0);
+  self[len] = '\0';
+  const char *kinds[] = {"TSHARE_CUDA_HANDLES=fd", "TSHARE_CUDA_HANDLES=legacy"};
+  for (int k = 0; k < 2; k++) {
+    peer prod[2];
+    tshare_channel *ch[2];
+    for (int i = 0; i < 2; i++) {
+      int sv[2], res[2];
+      tshare_error err;
+      CHECK(tshare_socketpair(sv, &err) == TSHARE_OK && pipe2(res, O_CLOEXEC) == 0);
+      char base[16];
+      snprintf(base, sizeof base, "%d", 100000 * (i + 1));
+      char *argv[] = {"unshare", "--pid", "--fork", "--mount-proc", self, "--role", "ns_producer", base, NULL};
+      char *env[] = {(char *)kinds[k], NULL};
+      tshare_fd_map fds[2] = {{3, sv[1]}, {4, res[1]}};
+      tshare_spawn_options so = {.file = "/usr/bin/unshare", .argv = argv, .env_set = env, .fds = fds, .nfds = 2};
+      if (tshare_spawn(&so, &prod[i].proc, &err) != TSHARE_OK) TS_FAIL("spawn: %s", err.message);
+      close(sv[1]);
+      close(res[1]);
+      prod[i].channel_fd = sv[0];
+      prod[i].results = fdopen(res[0], "r");
+      ch[i] = open_ch(sv[0], "consumer");
+      CHECK(strcmp(result_line(&prod[i]), "pid=1") == 0);
+      CHECK_EQ(tshare_channel_peer(ch[i])->pid, 1); /* both say so */
+    }
+    CUstream s;
+    CHECK(cu->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+    tshare_view *v[2];
+    for (int i = 0; i < 2; i++) /* the first is still held when the second arrives */
+      CHECK_RC(tshare_view_recv_stream(ch[i], s, TIMEOUT, &v[i]), TSHARE_OK, tshare_channel_last_error(ch[i]));
+    for (int i = 0; i < 2; i++) {
+      unsigned long long bad = 0;
+      CHECK(ck_count_bad((CUdeviceptr)(uintptr_t)tshare_view_data(v[i]), 4096, 100000 * (i + 1), 1, s, &bad) ==
+            CUDA_SUCCESS);
+      printf("%s: producer %d (pid 1 in its namespace): %llu of 4096 elements wrong\n", kinds[k], i, bad);
+      CHECK_EQ(bad, 0);
+    }
+    for (int i = 0; i < 2; i++) {
+      tshare_view_release(v[i]);
+      tshare_view *none;
+      CHECK_RC(tshare_view_recv(ch[i], TIMEOUT, &none), TSHARE_END, tshare_channel_last_error(ch[i]));
+      tshare_channel_close(ch[i]);
+      CHECK_EQ(finish(&prod[i]), 0);
+    }
+    cu->cuStreamDestroy(s);
+  }
 }
 
 TS_TEST_MAIN
