@@ -375,6 +375,52 @@ TS_TEST(out_of_fds_is_a_clear_limit_and_the_channel_lives_on) {
   tshare_channel_close(ch);
 }
 
+/* A consumer that never shares views on holds no fd per allocation: with
+ * keep_host_fds 0 the same 80 distinct allocations fit under the fd limit of
+ * 48, all held at once; sharing one on says why it cannot. */
+static void holds_every_view_without_their_fds(int fd) {
+  set_fd_limit(LOW_FD_LIMIT);
+  tshare_channel_options o;
+  tshare_channel_options_init(&o);
+  o.name = "lean hoarder";
+  o.keep_host_fds = 0;
+  tshare_channel *ch;
+  tshare_error err;
+  CHECK_RC(tshare_channel_open_socket(fd, &o, &ch, &err), TSHARE_OK, err.message);
+  tshare_view *held[DISTINCT];
+  for (int n = 0; n < DISTINCT; n++) {
+    CHECK_RC(tshare_view_recv(ch, 5000, &held[n]), TSHARE_OK, tshare_channel_last_error(ch));
+    check_view(held[n], 16, 1000 * n);
+  }
+  printf("lean hoarder: %d views of distinct allocations held at once, %d fds open\n", DISTINCT, count_open_fds());
+  CHECK(count_open_fds() < LOW_FD_LIMIT);
+  CHECK_RC(tshare_share_view(ch, held[0], NULL, NULL, NULL, 1000, NULL), TSHARE_E_STATE, tshare_channel_last_error(ch));
+  CHECK(strstr(tshare_channel_last_error(ch), "keep_host_fds") != NULL);
+  for (int i = 1; i < DISTINCT; i++) tshare_view_release(held[i]); /* held[0] went with the failed share */
+  tshare_view *none;
+  CHECK_RC(tshare_view_recv(ch, 5000, &none), TSHARE_END, tshare_channel_last_error(ch));
+  tshare_channel_close(ch);
+}
+
+TS_TEST(views_without_their_fds_when_nothing_is_shared_on) {
+  released = 0;
+  int sock;
+  pid_t pid = fork_with_socket(holds_every_view_without_their_fds, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "producer", count_release, NULL);
+  tshare_host_buffer *b[DISTINCT];
+  tshare_tensor_desc d = ints_at(16, 0);
+  for (int i = 0; i < DISTINCT; i++) {
+    b[i] = filled_buffer("tshare-lean", 16, 1000 * i);
+    CHECK_RC(tshare_share_host(ch, b[i], &d, NULL, NULL, 5000, NULL), TSHARE_OK, tshare_channel_last_error(ch));
+  }
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_channel_wait_released(ch, 0, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(released, DISTINCT);
+  CHECK_CHILD_OK(pid);
+  for (int i = 0; i < DISTINCT; i++) tshare_host_buffer_destroy(b[i]);
+  tshare_channel_close(ch);
+}
+
 /* ---- 5. a hello's pid is the peer's word only ---------------------------------- */
 
 /* Speaks the wire by hand: a hello claiming to be 'init', pid 1, then a

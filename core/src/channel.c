@@ -23,6 +23,7 @@ void tshare_channel_options_init(tshare_channel_options *o) {
   o->name = "tshare";
   o->handshake_timeout_ms = 10000;
   o->allow_uid = -1;
+  o->keep_host_fds = 1;
 }
 
 int tshare_socketpair(int fds[2], tshare_error *err) {

@@ -98,7 +98,10 @@ static int share_host_view(tshare_channel *ch, tshare_view *v, const tshare_tens
   ts_mapping *m = v->mapping;
   if (!m || m->fd < 0) {
     ts_export_drop(e);
-    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: the view has no mapped memory to share on");
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE,
+                   m ? "share: the view's channel was opened with keep_host_fds 0: its memfd was closed once mapped, "
+                       "so the view cannot be shared on"
+                     : "share: the view has no mapped memory to share on");
   }
   return send_memfd_share(ch, m->forward_id, m->size, m->fd, desc, tag, e, timeout_ms, share_id);
 }
@@ -566,8 +569,10 @@ static int import_host(tshare_channel *ch, const tshare_share_frame *s, int *fdp
       pthread_mutex_unlock(&ch->lock);
       return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
     }
-    m->fd = fd;
-    *fdp = -1;
+    if (ch->opts.keep_host_fds) { /* else the caller closes it: the mapping holds the memory */
+      m->fd = fd;
+      *fdp = -1;
+    }
     m->forward_id = ts_host_next_alloc_id();
   }
   m->views++;

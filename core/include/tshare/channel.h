@@ -56,6 +56,12 @@ typedef struct tshare_channel_options {
    * at most 4096). Past it a share is refused on arrival: its fd is closed, it
    * is released back, and the peer gets an error frame naming the limit. */
   unsigned max_unclaimed_fds;
+  /* Socket channels: 1 (default) keeps each mapped host allocation's memfd
+   * open so its views can be shared on (tshare_share_view): one fd per
+   * allocation a view is held into. 0 closes it once mapped, for consumers
+   * that hold views into thousands of allocations and never share them on;
+   * sharing such a view on is then TSHARE_E_STATE. */
+  int keep_host_fds;
 } tshare_channel_options;
 
 #define TSHARE_ANY_UID (-2L)

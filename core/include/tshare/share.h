@@ -79,7 +79,8 @@ uint64_t tshare_view_share_id(const tshare_view *view);
 int tshare_view_device_type(const tshare_view *view); /* TSHARE_DEVICE_* */
 
 /* Share a received view on to another channel: the producer's memory
- * travels, not a copy (host views need a socket channel; CUDA views go under
+ * travels, not a copy (host views need a socket channel, and a channel that
+ * received them with keep_host_fds 1, the default; CUDA views go under
  * their owner's identity, so a process that also gets them from the owner
  * maps them once). stream: CUDA only, the stream whose work the third
  * process must wait for (NULL: the view's). tag NULL: the view's tag.
