@@ -357,9 +357,12 @@ static void holds_views_until_out_of_fds(int fd) {
   tshare_channel_close(ch);
 }
 
-TS_TEST(out_of_fds_is_a_clear_limit_and_the_channel_lives_on) {
+/* Share DISTINCT buffers (allocation i full of 1000 * i) with a consumer
+ * running fn; every share must come back released. */
+static void share_distinct_allocations(void (*fn)(int)) {
+  released = 0;
   int sock;
-  pid_t pid = fork_with_socket(holds_views_until_out_of_fds, &sock);
+  pid_t pid = fork_with_socket(fn, &sock);
   tshare_channel *ch = open_socket_channel(sock, "producer", count_release, NULL);
   tshare_host_buffer *b[DISTINCT];
   tshare_tensor_desc d = ints_at(16, 0);
@@ -373,6 +376,10 @@ TS_TEST(out_of_fds_is_a_clear_limit_and_the_channel_lives_on) {
   CHECK_CHILD_OK(pid);
   for (int i = 0; i < DISTINCT; i++) tshare_host_buffer_destroy(b[i]);
   tshare_channel_close(ch);
+}
+
+TS_TEST(out_of_fds_is_a_clear_limit_and_the_channel_lives_on) {
+  share_distinct_allocations(holds_views_until_out_of_fds);
 }
 
 /* A consumer that never shares views on holds no fd per allocation: with
@@ -403,22 +410,7 @@ static void holds_every_view_without_their_fds(int fd) {
 }
 
 TS_TEST(views_without_their_fds_when_nothing_is_shared_on) {
-  released = 0;
-  int sock;
-  pid_t pid = fork_with_socket(holds_every_view_without_their_fds, &sock);
-  tshare_channel *ch = open_socket_channel(sock, "producer", count_release, NULL);
-  tshare_host_buffer *b[DISTINCT];
-  tshare_tensor_desc d = ints_at(16, 0);
-  for (int i = 0; i < DISTINCT; i++) {
-    b[i] = filled_buffer("tshare-lean", 16, 1000 * i);
-    CHECK_RC(tshare_share_host(ch, b[i], &d, NULL, NULL, 5000, NULL), TSHARE_OK, tshare_channel_last_error(ch));
-  }
-  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
-  CHECK_RC(tshare_channel_wait_released(ch, 0, 10000), TSHARE_OK, tshare_channel_last_error(ch));
-  CHECK_EQ(released, DISTINCT);
-  CHECK_CHILD_OK(pid);
-  for (int i = 0; i < DISTINCT; i++) tshare_host_buffer_destroy(b[i]);
-  tshare_channel_close(ch);
+  share_distinct_allocations(holds_every_view_without_their_fds);
 }
 
 /* ---- 5. a hello's pid is the peer's word only ---------------------------------- */
