@@ -117,7 +117,7 @@ void ts_cuda_hello_devices(tshare_hello *h) {
  * peer predates event frames): the caller syncs the stream instead. */
 static int pool_take(tshare_channel *ch, struct ts_cuda_chan *c, CUcontext ctx, int timeout_ms, int *status) {
   *status = TSHARE_OK;
-  if (ch->minor < 1) return -1;
+  if (ch->conn.minor < 1) return -1;
   if (!c->pool_ctx) c->pool_ctx = ctx;
   if (c->pool_ctx != ctx) return -1;
   for (uint32_t i = 0; i < c->nslots; i++)
@@ -155,10 +155,11 @@ void ts_cuda_slot_free(tshare_channel *ch, int slot) {
 
 static int check_can_share(tshare_channel *ch, const char *tag) {
   if (!ch) return TSHARE_E_INVALID_ARG;
-  if (ch->closed || ch->wfd < 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: channel is closed");
-  if (!(ch->peer.capabilities & TSHARE_CAP_CUDA_IPC))
+  if (ch->closed || ch->conn.wfd < 0)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: channel is closed");
+  if (!(ch->conn.peer.capabilities & TSHARE_CAP_CUDA_IPC))
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_MISMATCH,
-                   "share: peer %s was built without CUDA and cannot import GPU memory", ch->peer_label);
+                   "share: peer %s was built without CUDA and cannot import GPU memory", ch->conn.peer_label);
   if (tag && strlen(tag) > TSHARE_TAG_MAX)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TOO_LARGE, "share: tag of %zu bytes over %d", strlen(tag),
                    TSHARE_TAG_MAX);
@@ -172,12 +173,12 @@ static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, uint64_t
                            int timeout_ms, uint64_t *share_id) {
   struct ts_cuda_chan *c = ch->cuda;
   const ts_cuda_api *cu = ts_cuda_if_loaded();
-  if (x->fd >= 0 && (ch->kind != TSHARE_CHANNEL_SOCKET || !(ch->peer.capabilities & TSHARE_CAP_CUDA_FD))) {
+  if (x->fd >= 0 && (ch->conn.kind != TSHARE_CHANNEL_SOCKET || !(ch->conn.peer.capabilities & TSHARE_CAP_CUDA_FD))) {
     ts_export_drop(e);
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
                    "share: this GPU memory travels as an fd capability (CUDA VMM), and %s; create the buffer with "
                    "TSHARE_CUDA_HANDLE_LEGACY (or TSHARE_CUDA_HANDLES=legacy) for this channel",
-                   ch->kind != TSHARE_CHANNEL_SOCKET ? "a pipe channel cannot carry fds"
+                   ch->conn.kind != TSHARE_CHANNEL_SOCKET ? "a pipe channel cannot carry fds"
                                                       : "the peer cannot import fd handles");
   }
   tshare_frame f;
@@ -199,7 +200,7 @@ static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, uint64_t
   s->tensor = *desc;
   s->tensor.byte_offset = offset + desc->byte_offset;
   s->origin_pid = origin_pid;
-  s->share_flags = ch->minor >= 1 ? flags : 0;
+  s->share_flags = ch->conn.minor >= 1 ? flags : 0;
   if (tag) {
     s->tag_len = (uint8_t)strlen(tag);
     memcpy(s->tag, tag, s->tag_len);
@@ -302,7 +303,7 @@ int tshare_share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const 
   const ts_cuda_export *x = ts_cuda_alloc_export(a);
   struct ts_cuda_chan *c = ch->cuda;
   uint32_t flags = 0;
-  if (ch->minor >= 1) {
+  if (ch->conn.minor >= 1) {
     /* The peer may keep this allocation mapped while idle; the memory is
      * freed only after it said it closed it (retire handshake). */
     flags = TSHARE_SHARE_FLAG_RETIRE_NOTICE;
@@ -343,7 +344,7 @@ int ts_cuda_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_d
   memcpy(x.uuid, v->frame.device_uuid, 16);
   memcpy(x.handle.reserved, v->frame.handle, TSHARE_HANDLE_MAX);
   x.fd = ts_cuda_import_fd(v->cuda_import);
-  uint32_t origin = v->frame.origin_pid ? v->frame.origin_pid : v->ch->peer.pid;
+  uint32_t origin = v->frame.origin_pid ? v->frame.origin_pid : v->ch->conn.peer.pid;
   tshare_tensor_desc rel = *desc; /* desc is relative to the allocation; send_cuda_share adds the offset */
   rel.byte_offset = 0;
   return send_cuda_share(ch, &x, desc->byte_offset, origin, 0, &rel, stream ? stream : v->stream, tag, e, timeout_ms,
@@ -359,7 +360,7 @@ int ts_cuda_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *st
   if (!cu) return status;
   struct ts_cuda_chan *c = chan_of(ch);
   if (!c) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
-  uint32_t origin = s->origin_pid ? s->origin_pid : ch->peer.pid;
+  uint32_t origin = s->origin_pid ? s->origin_pid : ch->conn.peer.pid;
   if (origin == (uint32_t)getpid())
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
                    "import: share %llu is memory of this very process, forwarded back to its owner",
@@ -409,7 +410,7 @@ int ts_cuda_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *st
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "import: share %llu is CUDA VMM memory without its fd",
                    (unsigned long long)s->share_id);
   /* Found under a key the peer cannot forge: its claimed pid may be anyone's. */
-  status = ts_cuda_import_get(ts_channel_origin_key(ch, s->origin_pid), s->alloc_id, ctx, &h, vmm ? fdp : NULL,
+  status = ts_cuda_import_get(ts_conn_origin_key(&ch->conn, s->origin_pid), s->alloc_id, ctx, &h, vmm ? fdp : NULL,
                               (size_t)s->alloc_size, keep_idle, &imp, ch->err, sizeof ch->err);
   if (status != TSHARE_OK) return status;
   if (f->flags & TSHARE_FRAME_FLAG_HAS_EVENT) {
@@ -508,7 +509,7 @@ void ts_cuda_view_release(tshare_view *v) {
   bool queued = !idle && !ch->closed && ch->cuda && done &&
                 push_drain_locked(ch->cuda, v->share_id, done, v->ctx, v->cuda_import);
   if (queued) {
-    ts_channel_wake_locked(ch);
+    ts_conn_wake(&ch->conn);
   } else {
     /* An idle stream, a closed channel, or no event: finish here (waiting
      * for the GPU in the last two cases). */
@@ -564,7 +565,7 @@ int ts_cuda_on_frame(tshare_channel *ch, const tshare_frame *f) {
         free(pm);
       }
     } else { /* the owner frees it: close it (now if idle) and say so */
-      ts_cuda_import_retire(ch->peer_key, r->alloc_ids[i]);
+      ts_cuda_import_retire(ch->conn.peer_key, r->alloc_ids[i]);
       if (queue_ack(c, r->alloc_ids[i]) != TSHARE_OK)
         return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "retire: out of memory");
     }
@@ -642,7 +643,7 @@ void ts_cuda_peer_gone(tshare_channel *ch) {
     free(pm);
   }
   ts_u64map_free(&c->mapped);
-  if (ch->peer_key) ts_cuda_import_origin_gone(ch->peer_key);
+  if (ch->conn.peer_key) ts_cuda_import_origin_gone(ch->conn.peer_key);
 }
 
 void ts_cuda_chan_free(tshare_channel *ch) {

@@ -29,7 +29,7 @@ void ts_export_drop(ts_export *e) {
 static int send_memfd_share(tshare_channel *ch, uint64_t alloc_id, uint64_t alloc_size, int fd,
                             const tshare_tensor_desc *desc, const char *tag, ts_export *e, int timeout_ms,
                             uint64_t *share_id) {
-  if (ch->kind != TSHARE_CHANNEL_SOCKET || !(ch->peer.capabilities & TSHARE_CAP_HOST_MEMFD)) {
+  if (ch->conn.kind != TSHARE_CHANNEL_SOCKET || !(ch->conn.peer.capabilities & TSHARE_CAP_HOST_MEMFD)) {
     ts_export_drop(e);
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
                    "share: host memory travels as an fd and needs a socket channel whose peer imports memfds");
@@ -53,7 +53,8 @@ int tshare_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_
                       void *user_data, int timeout_ms, uint64_t *share_id) {
   if (share_id) *share_id = 0;
   if (!ch || !buf || !desc) return TSHARE_E_INVALID_ARG;
-  if (ch->closed || ch->wfd < 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: channel is closed");
+  if (ch->closed || ch->conn.wfd < 0)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: channel is closed");
   size_t tag_len = tag ? strlen(tag) : 0;
   if (tag_len > TSHARE_TAG_MAX)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TOO_LARGE, "share: tag of %zu bytes over %d", tag_len,
@@ -73,7 +74,7 @@ int ts_share_send_export(tshare_channel *ch, tshare_frame *f, int fd, ts_export 
                          uint64_t *share_id) {
   tshare_share_frame *s = &f->u.share;
   s->share_id = e->share_id = ch->next_share_id;
-  int rc = tshare_wire_check_share(s, &ch->limits, ch->err, sizeof ch->err);
+  int rc = tshare_wire_check_share(s, &ch->conn.limits, ch->err, sizeof ch->err);
   if (rc == TSHARE_OK && ts_u64map_put(&ch->exports, s->share_id, e) != 0)
     rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
   else if (rc == TSHARE_OK) {
@@ -115,7 +116,7 @@ static int share_view_export(tshare_channel *ch, tshare_view *v, const tshare_te
   if (strlen(tag) > TSHARE_TAG_MAX) {
     rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_TOO_LARGE, "share: tag of %zu bytes over %d", strlen(tag),
                  TSHARE_TAG_MAX);
-  } else if (ch->closed || ch->wfd < 0) {
+  } else if (ch->closed || ch->conn.wfd < 0) {
     rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: channel is closed");
   } else {
     /* From the view's first element to an offset in the producer's allocation,
@@ -191,7 +192,7 @@ int ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r) {
     if (!e) {
       /* Keep going: the other ids in the frame are still real releases. */
       rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
-                   "release: peer %s released share %llu, which is not outstanding", ch->peer_label,
+                   "release: peer %s released share %llu, which is not outstanding", ch->conn.peer_label,
                    (unsigned long long)r->share_ids[i]);
       continue;
     }
@@ -215,7 +216,8 @@ void ts_share_drop_all(tshare_channel *ch, int status) {
 static void take_pending_locked(tshare_channel *ch, tshare_frame *f) {
   memset(f, 0, sizeof *f);
   f->type = TSHARE_FRAME_RELEASE;
-  uint32_t n = ch->npending < ch->limits.max_release_ids ? (uint32_t)ch->npending : ch->limits.max_release_ids;
+  uint32_t n =
+      ch->npending < ch->conn.limits.max_release_ids ? (uint32_t)ch->npending : ch->conn.limits.max_release_ids;
   if (n == 0) return; /* pending may still be NULL */
   memcpy(f->u.release.share_ids, ch->pending, n * sizeof(uint64_t));
   memmove(ch->pending, ch->pending + n, (ch->npending - n) * sizeof(uint64_t));
@@ -232,7 +234,7 @@ static void send_refusal_notice(tshare_channel *ch) {
   snprintf(msg, sizeof msg,
            "refused share %llu, and refuses more while %zu fds of shares wait here for tshare_view_recv() "
            "(max_unclaimed_fds); each is released back",
-           (unsigned long long)ch->refused_first, ch->fd_budget);
+           (unsigned long long)ch->refused_first, ch->conn.fd_budget);
   tshare_channel_send_error(ch, TSHARE_E_LIMIT, msg);
 }
 
@@ -259,18 +261,16 @@ void ts_share_send_releases_now(tshare_channel *ch) {
   /* The driving thread's own releases wait for its next receive, which sends
    * them in batches; a blocked driving thread was woken and sends them. The
    * send lock is only tried: a driving thread that holds it sends them. */
-  if (atomic_load_explicit(&ch->driver, memory_order_relaxed) == ts_thread_tag()) return;
+  if (ts_conn_driven_by_caller(&ch->conn)) return;
   pthread_mutex_lock(&ch->lock);
-  if (ch->closed || ch->waiting || ch->npending == 0 || pthread_mutex_trylock(&ch->send_lock) != 0) {
+  if (ch->closed || ch->npending == 0 || ts_conn_driver_blocked(&ch->conn)) {
     pthread_mutex_unlock(&ch->lock);
     return;
   }
   tshare_frame f;
   take_pending_locked(ch, &f);
   pthread_mutex_unlock(&ch->lock);
-  bool sent = ts_channel_send_now_locked(ch, &f);
-  pthread_mutex_unlock(&ch->send_lock);
-  if (sent) return;
+  if (ts_conn_send_now(&ch->conn, &f)) return;
   /* Nothing went: back to the driving thread, which is told. */
   pthread_mutex_lock(&ch->lock);
   for (uint32_t i = 0; i < f.u.release.count; i++) ts_share_queue_release_locked(ch, f.u.release.share_ids[i]);
@@ -291,7 +291,7 @@ void ts_share_queue_release_locked(tshare_channel *ch, uint64_t share_id) {
     ch->pending_cap = cap;
   }
   ch->pending[ch->npending++] = share_id;
-  ts_channel_wake_locked(ch);
+  ts_conn_wake(&ch->conn);
 }
 
 static void unmap(ts_mapping *m) {
@@ -334,7 +334,7 @@ void ts_share_free_incoming(tshare_channel *ch) {
     ts_incoming *in = &ch->incoming[(ch->in_head + i) % ch->in_cap];
     if (in->fd >= 0) {
       close(in->fd);
-      ch->held_fds--;
+      ts_conn_hold_fds(&ch->conn, -1);
     }
   }
   free(ch->incoming);
@@ -354,7 +354,7 @@ static void refuse_share(tshare_channel *ch, const tshare_share_frame *s, const 
   release_back(ch, s->share_id);
   if (ch->refused++ == 0) ch->refused_first = s->share_id;
   ts_errf(ch->err, sizeof ch->err, TSHARE_E_LIMIT, "receive: refused share %llu from peer %s: %s; released back",
-          (unsigned long long)s->share_id, ch->peer_label, why);
+          (unsigned long long)s->share_id, ch->conn.peer_label, why);
 }
 
 int ts_share_fd_lost(tshare_channel *ch, const tshare_frame *f, int lost) {
@@ -365,7 +365,7 @@ int ts_share_fd_lost(tshare_channel *ch, const tshare_frame *f, int lost) {
   if (lost == TS_FD_OVER_BUDGET) {
     char why[128];
     snprintf(why, sizeof why, "%zu shares with fds already wait for tshare_view_recv() (max_unclaimed_fds)",
-             ch->fd_budget);
+             ch->conn.fd_budget);
     refuse_share(ch, s, why);
     return TSHARE_OK;
   }
@@ -375,7 +375,7 @@ int ts_share_fd_lost(tshare_channel *ch, const tshare_frame *f, int lost) {
   return ts_errf(ch->err, sizeof ch->err, TSHARE_E_LIMIT,
                  "receive: share %llu from peer %s came without its fd: %s (%s, RLIMIT_NOFILE %llu); release views "
                  "or raise the limit (ulimit -n); the share was released back",
-                 (unsigned long long)s->share_id, ch->peer_label,
+                 (unsigned long long)s->share_id, ch->conn.peer_label,
                  lost == ENFILE ? "the system's file table is full" : "this process has no free fd",
                  lost == ENFILE ? "ENFILE" : "EMFILE", limit);
 }
@@ -405,7 +405,7 @@ static int enqueue_incoming(tshare_channel *ch, const tshare_frame *f, int fd) {
   ts_incoming *slot = &ch->incoming[(ch->in_head + ch->in_len++) % ch->in_cap];
   slot->frame = *f;
   slot->fd = fd;
-  if (fd >= 0) ch->held_fds++;
+  if (fd >= 0) ts_conn_hold_fds(&ch->conn, 1); /* counts against the budget until taken */
   ch->refused = 0;
   ch->refusal_told = false;
   return TSHARE_OK;
@@ -418,37 +418,56 @@ static int enqueue_incoming(tshare_channel *ch, const tshare_frame *f, int fd) {
 #define RELEASE_BATCH 16
 
 static bool releases_due(tshare_channel *ch) {
-  if (tshare_decoder_pending(ch->dec) == 0) return true;
+  if (ts_conn_buffered(&ch->conn) == 0) return true;
   pthread_mutex_lock(&ch->lock);
   bool due = ch->npending >= RELEASE_BATCH;
   pthread_mutex_unlock(&ch->lock);
   return due;
 }
 
+/* What the session does before a receive may block: releases whose GPU work
+ * finished move to the pending list, and pending releases go out (all of
+ * them when all_releases, else when releases_due). *gpu: whether releases
+ * still wait for the GPU. */
+static int housekeeping(tshare_channel *ch, int64_t deadline, bool all_releases, ts_gpu_wait *gpu) {
+  int rc = ts_cuda_flush(ch, ts_remaining(deadline), gpu);
+  if (rc == TSHARE_OK && (all_releases || releases_due(ch))) rc = ts_share_flush_pending(ch, ts_remaining(deadline));
+  return rc;
+}
+
+int ts_session_recv(tshare_channel *ch, tshare_frame *f, int *fd_out, int *fd_lost, int timeout_ms) {
+  int64_t deadline = ts_deadline(timeout_ms);
+  bool woken = false;
+  for (;;) {
+    ts_gpu_wait gpu = TS_GPU_IDLE;
+    int rc = housekeeping(ch, deadline, woken, &gpu);
+    if (rc != TSHARE_OK) return rc;
+    /* Releases waiting for the GPU are looked at again at once while they
+     * are fresh, then every millisecond. */
+    int wait_ms = ts_remaining(deadline);
+    int cap = gpu == TS_GPU_SOON ? 0 : 1;
+    if (gpu != TS_GPU_IDLE && (wait_ms < 0 || wait_ms > cap)) wait_ms = cap;
+    rc = ts_conn_recv(&ch->conn, f, fd_out, fd_lost, wait_ms);
+    woken = rc == TS_CONN_WOKEN; /* releases were queued: out with them before waiting on */
+    if (woken || (rc == TSHARE_E_TIMEOUT && gpu != TS_GPU_IDLE && ts_remaining(deadline) != 0)) continue;
+    return rc;
+  }
+}
+
 /* Receive and handle one frame. A share is returned through share/fd when the
  * caller asked for one (share != NULL), otherwise queued. */
 static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, int *fd, bool *got_share) {
   *got_share = false;
-  int64_t deadline = ts_deadline(timeout_ms);
   tshare_frame f;
   int frame_fd, fd_lost;
   int rc;
-  for (;;) {
-    ts_gpu_wait gpu_busy = TS_GPU_IDLE;
-    rc = ts_cuda_flush(ch, ts_remaining(deadline), &gpu_busy);
-    if (rc == TSHARE_OK && releases_due(ch)) rc = ts_share_flush_pending(ch, ts_remaining(deadline));
+  if (ch->peer_bye) { /* nothing more comes; what this end owes still goes */
+    ts_gpu_wait gpu;
+    rc = housekeeping(ch, ts_deadline(timeout_ms), false, &gpu);
     if (rc == TSHARE_E_PEER_CLOSED) ts_share_drop_all(ch, rc);
-    if (rc != TSHARE_OK) return rc;
-    if (ch->peer_bye) return TSHARE_END;
-    /* Releases waiting for the GPU are looked at again at once while they
-     * are fresh, then every millisecond. */
-    int wait_ms = ts_remaining(deadline);
-    int cap = gpu_busy == TS_GPU_SOON ? 0 : 1;
-    if (gpu_busy != TS_GPU_IDLE && (wait_ms < 0 || wait_ms > cap)) wait_ms = cap;
-    rc = ts_channel_recv_raw(ch, &f, &frame_fd, &fd_lost, wait_ms);
-    if (rc == TSHARE_E_TIMEOUT && gpu_busy && ts_remaining(deadline) != 0) continue;
-    break;
+    return rc == TSHARE_OK ? TSHARE_END : rc;
   }
+  rc = ts_session_recv(ch, &f, &frame_fd, &fd_lost, timeout_ms);
   if (rc == TSHARE_E_PEER_CLOSED) ts_share_drop_all(ch, rc);
   if (rc != TSHARE_OK) return rc;
   if (frame_fd >= 0 && f.type != TSHARE_FRAME_SHARE) { /* only shares carry memory */
@@ -474,7 +493,7 @@ static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, i
   case TSHARE_FRAME_RETIRE:
     return ts_cuda_on_frame(ch, &f);
   case TSHARE_FRAME_ERROR:
-    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_ERROR, "peer %s reported %s: %s", ch->peer_label,
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_ERROR, "peer %s reported %s: %s", ch->conn.peer_label,
                    tshare_status_name(f.u.error.code), f.u.error.message);
   default: /* a second hello */
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "receive: unexpected %s frame",
@@ -509,7 +528,7 @@ int tshare_channel_wait_released(tshare_channel *ch, uint64_t share_id, int time
     if (rc != TSHARE_OK) {
       if (rc == TSHARE_E_TIMEOUT)
         ts_errf(ch->err, sizeof ch->err, rc, "wait for release: %zu shares still held by %s", ch->exports.count,
-                ch->peer_label);
+                ch->conn.peer_label);
       return rc;
     }
   }
@@ -615,7 +634,7 @@ int tshare_view_recv_stream(tshare_channel *ch, void *stream, int timeout_ms, ts
     ts_incoming *in = &ch->incoming[ch->in_head];
     f = in->frame;
     fd = in->fd;
-    if (fd >= 0) ch->held_fds--;
+    if (fd >= 0) ts_conn_hold_fds(&ch->conn, -1);
     ch->in_head = (ch->in_head + 1) % ch->in_cap;
     ch->in_len--;
   } else {
