@@ -195,8 +195,9 @@ TS_TEST(fds_on_frames_that_carry_none_are_closed) {
   CHECK_RC(tshare_channel_wait_released(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
   CHECK_EQ(released, SHARES_RELEASED_WITH_FDS);
   /* The retire frames and the error frame; the error is the peer's word. */
-  int rc;
-  while ((rc = tshare_channel_poll(ch, 5000)) == TSHARE_OK) {
+  int rc; /* a build without CUDA refuses each retire frame, and goes on */
+  while ((rc = tshare_channel_poll(ch, 5000)) == TSHARE_OK ||
+         (rc == TSHARE_E_PROTOCOL && strstr(tshare_channel_last_error(ch), "offered no CUDA"))) {
   }
   CHECK_RC(rc, TSHARE_E_PEER_ERROR, tshare_channel_last_error(ch));
   CHECK(strstr(tshare_channel_last_error(ch), "an error frame with an fd"));

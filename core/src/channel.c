@@ -1,5 +1,6 @@
 /* channel.h's calls: opening a channel (the connection's hello, with what
  * the session's backends can import), low-level frame I/O, bye, close. */
+#include "backend.h"
 #include "channel_internal.h"
 #include "cuda_hooks.h"
 
@@ -64,8 +65,8 @@ static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare
     tshare_hello self;
     memset(&self, 0, sizeof self);
     snprintf(self.name, sizeof self.name, "%s", ch->name);
-    self.capabilities = kind == TSHARE_CHANNEL_SOCKET ? (TSHARE_CAP_FD_PASSING | TSHARE_CAP_HOST_MEMFD) : 0;
-    self.capabilities |= ts_cuda_hello_caps();
+    const ts_backend *backends[] = TS_BACKENDS;
+    for (size_t i = 0; i < sizeof backends / sizeof *backends; i++) self.capabilities |= backends[i]->hello_caps(kind);
     ts_cuda_hello_devices(&self);
     rc = ts_conn_hello(&ch->conn, &self, ch->opts.allow_uid, ch->opts.handshake_timeout_ms);
   }
@@ -128,8 +129,8 @@ int tshare_channel_send_error(tshare_channel *ch, int code, const char *message)
 
 void ts_channel_unref(tshare_channel *ch) {
   if (atomic_fetch_sub(&ch->refs, 1) != 1) return;
-  ts_share_free_mappings(ch);
-  ts_cuda_chan_free(ch);
+  const ts_backend *backends[] = TS_BACKENDS;
+  for (size_t i = 0; i < sizeof backends / sizeof *backends; i++) backends[i]->chan_free(ch);
   ts_conn_destroy(&ch->conn);
   pthread_mutex_destroy(&ch->lock);
   free(ch->pending);

@@ -40,12 +40,13 @@ typedef struct ts_mapping {
 
 /* A received share, as the consumer holds it. */
 struct tshare_view {
-  struct tshare_channel *ch; /* holds a reference */
-  ts_mapping *mapping;       /* host shares */
-  void *cuda_import;         /* CUDA shares: the process-wide mapping (ts_cuda_import) */
-  void *stream;              /* CUDA shares: the stream the view is used on */
-  void *ctx;                 /* CUDA shares: the context that maps it */
-  int cuda_device;           /* CUDA shares: that context's ordinal */
+  struct tshare_channel *ch;        /* holds a reference */
+  const struct ts_backend *backend; /* the memory's kind: host or CUDA */
+  ts_mapping *mapping;              /* host shares */
+  void *cuda_import;                /* CUDA shares: the process-wide mapping (ts_cuda_import) */
+  void *stream;                     /* CUDA shares: the stream the view is used on */
+  void *ctx;                        /* CUDA shares: the context that maps it */
+  int cuda_device;                  /* CUDA shares: that context's ordinal */
   uint64_t share_id;
   int device_type;
   void *data;
@@ -119,7 +120,6 @@ void ts_share_queue_release_locked(tshare_channel *ch, uint64_t share_id); /* wi
 int ts_share_send_export(tshare_channel *ch, tshare_frame *f, int fd, ts_export *e, int timeout_ms, uint64_t *share_id);
 void ts_export_drop(ts_export *e); /* a share that never went out: release what it held, free it */
 void ts_share_free_incoming(tshare_channel *ch);
-void ts_share_free_mappings(tshare_channel *ch);
 
 /* hostmem.c: references held by shares */
 struct tshare_host_buffer;

@@ -1,5 +1,6 @@
 /* A build without the CUDA toolkit: every CUDA call says so, and the channel
  * hooks do nothing (the hello does not offer CUDA, so no peer sends any). */
+#include "backend.h"
 #include "channel_internal.h"
 #include "cuda_hooks.h"
 #include "error_detail.h"
@@ -116,14 +117,13 @@ int tshare_share_cuda_keep(tshare_channel *ch, const void *data, const tshare_te
   if (drop) drop(keep);
   return unsupported(ch, share_id);
 }
-int ts_cuda_share_view(tshare_channel *ch, struct tshare_view *v, const tshare_tensor_desc *desc, void *stream,
-                       const char *tag, struct ts_export *e, int timeout_ms, uint64_t *share_id) {
+static int cuda_share_view(tshare_channel *ch, struct tshare_view *v, const tshare_tensor_desc *desc, void *stream,
+                           const char *tag, struct ts_export *e, int timeout_ms, uint64_t *share_id) {
   (void)v, (void)desc, (void)stream, (void)tag, (void)timeout_ms; /* no CUDA view can exist here */
   ts_export_drop(e);
   return unsupported(ch, share_id);
 }
 
-uint64_t ts_cuda_hello_caps(void) { return 0; }
 void ts_cuda_hello_devices(tshare_hello *h) { (void)h; }
 int ts_cuda_on_frame(tshare_channel *ch, const tshare_frame *f) {
   return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "receive: %s frame, but this side offered no CUDA",
@@ -134,12 +134,25 @@ int ts_cuda_flush(tshare_channel *ch, int timeout_ms, ts_gpu_wait *busy) {
   *busy = TS_GPU_IDLE;
   return TSHARE_OK;
 }
-int ts_cuda_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, struct tshare_view *v) {
+static int cuda_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, struct tshare_view *v) {
   (void)fdp, (void)stream, (void)v;
   return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED, "import: share %llu is CUDA memory; %s",
                  (unsigned long long)f->u.share.share_id, NO_CUDA);
 }
-void ts_cuda_view_release(struct tshare_view *v) { (void)v; }
 void ts_cuda_slot_free(tshare_channel *ch, int slot) { (void)ch, (void)slot; }
-void ts_cuda_peer_gone(tshare_channel *ch) { (void)ch; }
-void ts_cuda_chan_free(tshare_channel *ch) { (void)ch; }
+static uint64_t cuda_hello_caps(tshare_channel_kind kind) {
+  (void)kind;
+  return 0; /* this build imports no GPU memory */
+}
+static void cuda_view_release(struct tshare_view *v) { (void)v; /* no CUDA view can exist here */ }
+static void cuda_nothing(tshare_channel *ch) { (void)ch; }
+
+const ts_backend ts_cuda_backend = {
+    .name = "cuda (not built)",
+    .hello_caps = cuda_hello_caps,
+    .import = cuda_import,
+    .release = cuda_view_release,
+    .share_view = cuda_share_view,
+    .peer_gone = cuda_nothing,
+    .chan_free = cuda_nothing,
+};

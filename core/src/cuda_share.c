@@ -4,6 +4,7 @@
  * thread that drives the channel, like the rest of a channel; the releases
  * waiting for the GPU are under ch->lock, since views are released from any
  * thread. */
+#include "backend.h"
 #include "channel_internal.h"
 #include "clock.h"
 #include "cuda_hooks.h"
@@ -101,7 +102,10 @@ static struct ts_cuda_chan *chan_of(tshare_channel *ch) {
 
 /* ---- hello ---------------------------------------------------------------- */
 
-uint64_t ts_cuda_hello_caps(void) { return TSHARE_CAP_CUDA_IPC | TSHARE_CAP_CUDA_FD; }
+static uint64_t cuda_hello_caps(tshare_channel_kind kind) {
+  (void)kind; /* fd handles need a socket: the sender checks the channel before it sends one */
+  return TSHARE_CAP_CUDA_IPC | TSHARE_CAP_CUDA_FD;
+}
 
 void ts_cuda_hello_devices(tshare_hello *h) {
   if (!ts_cuda_if_loaded()) return;
@@ -327,8 +331,8 @@ int tshare_share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const 
                          timeout_ms, share_id);
 }
 
-int ts_cuda_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_desc *desc, void *stream,
-                       const char *tag, ts_export *e, int timeout_ms, uint64_t *share_id) {
+static int cuda_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_desc *desc, void *stream,
+                           const char *tag, ts_export *e, int timeout_ms, uint64_t *share_id) {
   int rc = check_can_share(ch, tag);
   if (rc != TSHARE_OK) {
     ts_export_drop(e);
@@ -353,7 +357,7 @@ int ts_cuda_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_d
 
 /* ---- consumer ------------------------------------------------------------- */
 
-int ts_cuda_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v) {
+static int cuda_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v) {
   const tshare_share_frame *s = &f->u.share;
   int status = TSHARE_OK;
   const ts_cuda_api *cu = ts_cuda_require(ch->err, sizeof ch->err, &status);
@@ -483,7 +487,7 @@ static void spare_put_locked(struct ts_cuda_chan *c, const ts_cuda_api *cu, CUco
   else event_destroy(cu, ev);
 }
 
-void ts_cuda_view_release(tshare_view *v) {
+static void cuda_view_release(tshare_view *v) {
   tshare_channel *ch = v->ch;
   const ts_cuda_api *cu = ts_cuda_if_loaded();
   CUevent done = NULL;
@@ -632,7 +636,7 @@ int ts_cuda_flush(tshare_channel *ch, int timeout_ms, ts_gpu_wait *busy) {
   return n ? send_retire(ch, 0, ids, n, ts_remaining(deadline)) : TSHARE_OK;
 }
 
-void ts_cuda_peer_gone(tshare_channel *ch) {
+static void cuda_peer_gone(tshare_channel *ch) {
   struct ts_cuda_chan *c = ch->cuda;
   if (!c) return;
   uint64_t key;
@@ -646,10 +650,10 @@ void ts_cuda_peer_gone(tshare_channel *ch) {
   if (ch->conn.peer_key) ts_cuda_import_origin_gone(ch->conn.peer_key);
 }
 
-void ts_cuda_chan_free(tshare_channel *ch) {
+static void cuda_chan_free(tshare_channel *ch) {
   struct ts_cuda_chan *c = ch->cuda;
   if (!c) return;
-  ts_cuda_peer_gone(ch);
+  cuda_peer_gone(ch);
   const ts_cuda_api *cu = ts_cuda_if_loaded();
   for (size_t i = 0; i < c->ndrain; i++) {
     if (cu) {
@@ -670,3 +674,13 @@ void ts_cuda_chan_free(tshare_channel *ch) {
   free(c);
   ch->cuda = NULL;
 }
+
+const ts_backend ts_cuda_backend = {
+    .name = "cuda",
+    .hello_caps = cuda_hello_caps,
+    .import = cuda_import,
+    .release = cuda_view_release,
+    .share_view = cuda_share_view,
+    .peer_gone = cuda_peer_gone,
+    .chan_free = cuda_chan_free,
+};

@@ -1,0 +1,197 @@
+/* The host-memory backend: buffers in sealed memfds travel as fds, and a
+ * consumer maps each allocation once per channel. */
+#include "backend.h"
+#include "channel_internal.h"
+#include "error_detail.h"
+#include "tshare/share.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* ---- producer side ------------------------------------------------------ */
+
+/* A memfd share: the one frame both a producer's buffer and a forwarded host
+ * view travel as. tag is checked; e is consumed. */
+static int send_memfd_share(tshare_channel *ch, uint64_t alloc_id, uint64_t alloc_size, int fd,
+                            const tshare_tensor_desc *desc, const char *tag, ts_export *e, int timeout_ms,
+                            uint64_t *share_id) {
+  if (ch->conn.kind != TSHARE_CHANNEL_SOCKET || !(ch->conn.peer.capabilities & TSHARE_CAP_HOST_MEMFD)) {
+    ts_export_drop(e);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
+                   "share: host memory travels as an fd and needs a socket channel whose peer imports memfds");
+  }
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_SHARE;
+  f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+  tshare_share_frame *s = &f.u.share;
+  s->alloc_id = alloc_id;
+  s->mem_kind = TSHARE_MEM_HOST_MEMFD;
+  s->device_type = TSHARE_DEVICE_CPU;
+  s->alloc_size = alloc_size;
+  s->tensor = *desc;
+  s->tag_len = (uint8_t)(tag ? strlen(tag) : 0);
+  if (s->tag_len) memcpy(s->tag, tag, s->tag_len);
+  return ts_share_send_export(ch, &f, fd, e, timeout_ms, share_id);
+}
+
+int tshare_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_tensor_desc *desc, const char *tag,
+                      void *user_data, int timeout_ms, uint64_t *share_id) {
+  if (share_id) *share_id = 0;
+  if (!ch || !buf || !desc) return TSHARE_E_INVALID_ARG;
+  if (ch->closed || ch->conn.wfd < 0)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: channel is closed");
+  size_t tag_len = tag ? strlen(tag) : 0;
+  if (tag_len > TSHARE_TAG_MAX)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TOO_LARGE, "share: tag of %zu bytes over %d", tag_len,
+                   TSHARE_TAG_MAX);
+  ts_export *e = malloc(sizeof *e);
+  if (!e) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
+  e->user_data = user_data;
+  e->release = ts_host_buffer_release;
+  e->owner = buf;
+  e->event_slot = -1;
+  ts_host_buffer_retain(buf);
+  return send_memfd_share(ch, tshare_host_buffer_id(buf), tshare_host_buffer_size(buf), tshare_host_buffer_fd(buf),
+                          desc, tag, e, timeout_ms, share_id);
+}
+
+/* The host half of sharing a received view on: the memfd the mapping kept
+ * travels under this process's id for the allocation. */
+static int host_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_desc *desc, void *stream,
+                           const char *tag, ts_export *e, int timeout_ms, uint64_t *share_id) {
+  (void)stream;
+  ts_mapping *m = v->mapping;
+  if (!m || m->fd < 0) {
+    ts_export_drop(e);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE,
+                   m ? "share: the view's channel was opened with keep_host_fds 0: its memfd was closed once mapped, "
+                       "so the view cannot be shared on"
+                     : "share: the view has no mapped memory to share on");
+  }
+  return send_memfd_share(ch, m->forward_id, m->size, m->fd, desc, tag, e, timeout_ms, share_id);
+}
+
+/* ---- consumer side ------------------------------------------------------ */
+
+static void unmap(ts_mapping *m) {
+  if (m->base) munmap(m->base, m->size);
+  if (m->fd >= 0) close(m->fd);
+  free(m);
+}
+
+static void host_release(tshare_view *v) {
+  tshare_channel *ch = v->ch;
+  pthread_mutex_lock(&ch->lock);
+  ts_mapping *m = v->mapping;
+  if (m && --m->views == 0) {
+    /* Unmap before the release goes out: once the producer frees the memory,
+     * nothing here may still reference it. */
+    ts_u64map_remove(&ch->mappings, m->alloc_id);
+    unmap(m);
+  }
+  ts_share_queue_release_locked(ch, v->share_id);
+  pthread_mutex_unlock(&ch->lock);
+  ts_share_send_releases_now(ch);
+  free(v);
+  ts_channel_unref(ch);
+}
+
+static void host_chan_free(tshare_channel *ch) {
+  uint64_t key;
+  void *value;
+  for (size_t pos = 0; ts_u64map_next(&ch->mappings, &pos, &key, &value);) unmap(value);
+  ts_u64map_free(&ch->mappings);
+}
+
+/* Map a host share into v, once per allocation and channel. A new mapping
+ * takes *fdp (set to -1) so the view can be shared on, unless keep_host_fds
+ * is off; otherwise the caller closes it. */
+static int host_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v) {
+  (void)stream;
+  const tshare_share_frame *s = &f->u.share;
+  int fd = *fdp;
+  struct stat st;
+  if (fd < 0)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "import: share %llu has no fd",
+                   (unsigned long long)s->share_id);
+  if (fstat(fd, &st) != 0) return ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "import: fstat");
+  if ((uint64_t)st.st_size < s->alloc_size)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_OUT_OF_BOUNDS,
+                   "import: share %llu claims %llu bytes, the memfd has %lld", (unsigned long long)s->share_id,
+                   (unsigned long long)s->alloc_size, (long long)st.st_size);
+  pthread_mutex_lock(&ch->lock);
+  ts_mapping *m = ts_u64map_get(&ch->mappings, s->alloc_id);
+  if (m && (m->ino != (unsigned long)st.st_ino || m->dev != (unsigned long)st.st_dev || m->size != s->alloc_size)) {
+    pthread_mutex_unlock(&ch->lock);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                   "import: allocation %llu arrived with another file or size than before",
+                   (unsigned long long)s->alloc_id);
+  }
+  if (!m) {
+    /* Checked once per allocation: a cache hit is the same inode, already checked. */
+    int seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0 || !(seals & F_SEAL_SHRINK)) {
+      pthread_mutex_unlock(&ch->lock);
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                     "import: share %llu: fd is not a memfd sealed against shrinking", (unsigned long long)s->share_id);
+    }
+    m = calloc(1, sizeof *m);
+    if (!m) {
+      pthread_mutex_unlock(&ch->lock);
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
+    }
+    m->alloc_id = s->alloc_id;
+    m->fd = -1;
+    m->size = (size_t)s->alloc_size;
+    m->ino = (unsigned long)st.st_ino;
+    m->dev = (unsigned long)st.st_dev;
+    if (m->size) {
+      m->base = mmap(NULL, m->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (m->base == MAP_FAILED) {
+        int e = errno;
+        pthread_mutex_unlock(&ch->lock);
+        free(m);
+        return ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, e, "import: mmap(%llu bytes)",
+                         (unsigned long long)s->alloc_size);
+      }
+    }
+    if (ts_u64map_put(&ch->mappings, m->alloc_id, m) != 0) {
+      unmap(m);
+      pthread_mutex_unlock(&ch->lock);
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
+    }
+    if (ch->opts.keep_host_fds) { /* else the caller closes it: the mapping holds the memory */
+      m->fd = fd;
+      *fdp = -1;
+    }
+    m->forward_id = ts_host_next_alloc_id();
+  }
+  m->views++;
+  pthread_mutex_unlock(&ch->lock);
+  v->mapping = m;
+  v->data = m->base ? (char *)m->base + s->tensor.byte_offset : NULL;
+  return TSHARE_OK;
+}
+
+static uint64_t host_hello_caps(tshare_channel_kind kind) {
+  return kind == TSHARE_CHANNEL_SOCKET ? (TSHARE_CAP_FD_PASSING | TSHARE_CAP_HOST_MEMFD) : 0;
+}
+
+static void host_peer_gone(tshare_channel *ch) { (void)ch; /* its memfds stay mapped until their views go */ }
+
+const ts_backend ts_host_backend = {
+    .name = "host",
+    .hello_caps = host_hello_caps,
+    .import = host_import,
+    .release = host_release,
+    .share_view = host_share_view,
+    .peer_gone = host_peer_gone,
+    .chan_free = host_chan_free,
+};
