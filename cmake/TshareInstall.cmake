@@ -1,10 +1,12 @@
-# Install rules, the CMake package (find_package(tshare) -> tshare::core) and
-# a pkg-config file (pkg-config --cflags --libs tshare).
+# Install rules, the CMake package (find_package(tshare) -> tshare::core, the
+# static library, and tshare::shared) and a pkg-config file (pkg-config
+# --cflags --libs tshare: the shared library).
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
 set_target_properties(tshare_core PROPERTIES EXPORT_NAME core)
-install(TARGETS tshare_core EXPORT tshareTargets
+set_target_properties(tshare_shared PROPERTIES EXPORT_NAME shared)
+install(TARGETS tshare_core tshare_shared EXPORT tshareTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})

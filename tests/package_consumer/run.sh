@@ -12,11 +12,16 @@ cmake -S "$src_dir" -B "$work/cmake-build" -DCMAKE_PREFIX_PATH="$work/prefix" \
   -DCMAKE_C_FLAGS="$extra_cflags" -DCMAKE_EXE_LINKER_FLAGS="$extra_cflags" >/dev/null
 cmake --build "$work/cmake-build" >/dev/null
 "$work/cmake-build/uses_tshare"
-libdir=$(ls -d "$work"/prefix/lib*/pkgconfig | head -n 1)
+"$work/cmake-build/uses_tshare_shared"
+# It loads the installed libtshare.so by its versioned SONAME.
+ldd "$work/cmake-build/uses_tshare_shared" | grep -q "libtshare.so.$(sed -n 's/^Version: \([0-9]*\)\.\([0-9]*\).*/\1.\2/p' "$work"/prefix/lib*/pkgconfig/tshare.pc) => $work/prefix/" ||
+  { echo "uses_tshare_shared does not load the installed libtshare.so:"; ldd "$work/cmake-build/uses_tshare_shared"; exit 1; }
+pcdir=$(ls -d "$work"/prefix/lib*/pkgconfig | head -n 1)
 if command -v pkg-config >/dev/null 2>&1; then
-  PKG_CONFIG_PATH=$libdir cc -std=c11 $extra_cflags -o "$work/uses_tshare_pc" "$src_dir/main.c" \
-    $(PKG_CONFIG_PATH=$libdir pkg-config --cflags --libs --static tshare)
-  "$work/uses_tshare_pc"
+  # pkg-config links the shared library; the loader finds it through the path.
+  PKG_CONFIG_PATH=$pcdir cc -std=c11 $extra_cflags -o "$work/uses_tshare_pc" "$src_dir/main.c" \
+    $(PKG_CONFIG_PATH=$pcdir pkg-config --cflags --libs tshare)
+  LD_LIBRARY_PATH=$(dirname "$pcdir") "$work/uses_tshare_pc"
 else
   echo "pkg-config not installed: skipped the pkg-config half"
 fi

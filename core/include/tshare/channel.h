@@ -66,28 +66,29 @@ typedef struct tshare_channel_options {
 
 #define TSHARE_ANY_UID (-2L)
 
-void tshare_channel_options_init(tshare_channel_options *opts);
+TSHARE_API void tshare_channel_options_init(tshare_channel_options *opts);
 
 /* Open a channel on one end of a connected Unix stream socket. The channel
  * owns fd from this call on, also when it fails (fd is closed). opts may be
  * NULL. On failure *out is NULL and err (optional) says why. */
-int tshare_channel_open_socket(int fd, const tshare_channel_options *opts, tshare_channel **out, tshare_error *err);
+TSHARE_API int tshare_channel_open_socket(int fd, const tshare_channel_options *opts, tshare_channel **out,
+                                          tshare_error *err);
 
 /* Same over two pipes: read_fd carries frames from the peer, write_fd to it. */
-int tshare_channel_open_pipes(int read_fd, int write_fd, const tshare_channel_options *opts, tshare_channel **out,
-                              tshare_error *err);
+TSHARE_API int tshare_channel_open_pipes(int read_fd, int write_fd, const tshare_channel_options *opts,
+                                         tshare_channel **out, tshare_error *err);
 
 /* A connected socketpair for two channel ends, both close-on-exec. */
-int tshare_socketpair(int fds[2], tshare_error *err);
+TSHARE_API int tshare_socketpair(int fds[2], tshare_error *err);
 
 /* Close the channel: pending releases are flushed (briefly), every share the
  * peer still holds is dropped as if released, and the fds are closed. Views
  * received on it stay valid until released. NULL is a no-op. */
-void tshare_channel_close(tshare_channel *ch);
+TSHARE_API void tshare_channel_close(tshare_channel *ch);
 
-tshare_channel_kind tshare_channel_kind_of(const tshare_channel *ch);
-const tshare_hello *tshare_channel_peer(const tshare_channel *ch); /* the peer's hello */
-const char *tshare_channel_last_error(const tshare_channel *ch);   /* never NULL */
+TSHARE_API tshare_channel_kind tshare_channel_kind_of(const tshare_channel *ch);
+TSHARE_API const tshare_hello *tshare_channel_peer(const tshare_channel *ch); /* the peer's hello */
+TSHARE_API const char *tshare_channel_last_error(const tshare_channel *ch);   /* never NULL */
 
 /* Low-level frame I/O. fd is -1 or an fd to pass beside the frame (sockets
  * only; the frame must carry TSHARE_FRAME_FLAG_FD_ATTACHED). The caller keeps
@@ -99,18 +100,18 @@ const char *tshare_channel_last_error(const tshare_channel *ch);   /* never NULL
  * holds max_unclaimed_fds) comes back filled with *fd_out -1 and
  * TSHARE_E_LIMIT; a share is released back to the peer. fds riding on frames
  * that announce none are closed. */
-int tshare_channel_send_frame(tshare_channel *ch, const tshare_frame *frame, int fd, int timeout_ms);
-int tshare_channel_recv_frame(tshare_channel *ch, tshare_frame *frame, int *fd_out, int timeout_ms);
+TSHARE_API int tshare_channel_send_frame(tshare_channel *ch, const tshare_frame *frame, int fd, int timeout_ms);
+TSHARE_API int tshare_channel_recv_frame(tshare_channel *ch, tshare_frame *frame, int *fd_out, int timeout_ms);
 
 /* Tell the peer the stream is over (reason 0: done). */
-int tshare_channel_send_bye(tshare_channel *ch, uint32_t reason, int timeout_ms);
+TSHARE_API int tshare_channel_send_bye(tshare_channel *ch, uint32_t reason, int timeout_ms);
 
 /* Tell the peer about an error (best effort, never waits long). */
-int tshare_channel_send_error(tshare_channel *ch, int code, const char *message);
+TSHARE_API int tshare_channel_send_error(tshare_channel *ch, int code, const char *message);
 
 /* The fd a poll loop should watch for readability, e.g. to drive several
  * channels from one thread (tshare_channel_poll then does the work). */
-int tshare_channel_fd(const tshare_channel *ch);
+TSHARE_API int tshare_channel_fd(const tshare_channel *ch);
 
 #ifdef __cplusplus
 }

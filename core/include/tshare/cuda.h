@@ -64,18 +64,18 @@ extern "C" {
 /* Load the driver. TSHARE_OK when at least one device is usable; otherwise
  * TSHARE_E_NO_DEVICE (or TSHARE_E_UNSUPPORTED in a build without CUDA) with
  * the reason in err. Cheap after the first call. */
-int tshare_cuda_init(tshare_error *err);
+TSHARE_API int tshare_cuda_init(tshare_error *err);
 
-int tshare_cuda_device_count(void); /* 0 when CUDA is unusable */
+TSHARE_API int tshare_cuda_device_count(void); /* 0 when CUDA is unusable */
 
 /* The device's UUID (16 bytes), as the driver reports it. */
-int tshare_cuda_device_uuid(int ordinal, uint8_t uuid[16]);
+TSHARE_API int tshare_cuda_device_uuid(int ordinal, uint8_t uuid[16]);
 
 /* The ordinal under which this process sees the device, or -1. */
-int tshare_cuda_device_from_uuid(const uint8_t uuid[16]);
+TSHARE_API int tshare_cuda_device_from_uuid(const uint8_t uuid[16]);
 
 /* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (nvidia-smi's form); out >= 41 bytes. */
-void tshare_cuda_uuid_format(const uint8_t uuid[16], char *out, size_t cap);
+TSHARE_API void tshare_cuda_uuid_format(const uint8_t uuid[16], char *out, size_t cap);
 
 /* ---- the export guard --------------------------------------------------- */
 
@@ -86,31 +86,31 @@ typedef enum tshare_export_guard {
 } tshare_export_guard;
 
 /* Override TSHARE_EXPORT_GUARD for this process. */
-void tshare_cuda_set_export_guard(tshare_export_guard policy);
+TSHARE_API void tshare_cuda_set_export_guard(tshare_export_guard policy);
 
 /* 1 if exports of foreign memory are guarded now, 0 if not, negative without
  * CUDA. why (optional) gets a static sentence saying which rule decided. */
-int tshare_cuda_export_guard_active(const char **why);
+TSHARE_API int tshare_cuda_export_guard_active(const char **why);
 
 typedef struct tshare_cuda_export_stats {
-  uint64_t exports;      /* cuIpcGetMemHandle calls made */
-  uint64_t cache_hits;   /* shares that reused a cached handle */
-  uint64_t guarded;      /* exports made under the guard */
-  uint64_t restored;     /* guarded exports that found the memory changed and restored it */
-  uint64_t imports;      /* cuIpcOpenMemHandle calls made */
-  uint64_t import_hits;  /* received shares served by an open mapping */
-  uint64_t import_closes;/* mappings closed */
-  uint64_t host_syncs;   /* shares sent without an event (stream synchronised instead) */
-  uint64_t events;       /* CUDA events tshare holds now (pools, opened peer events, release events) */
-  uint64_t fd_exports;   /* owned allocations made as VMM memory with an fd capability */
-  uint64_t fd_imports;   /* VMM mappings made from a received fd */
+  uint64_t exports;       /* cuIpcGetMemHandle calls made */
+  uint64_t cache_hits;    /* shares that reused a cached handle */
+  uint64_t guarded;       /* exports made under the guard */
+  uint64_t restored;      /* guarded exports that found the memory changed and restored it */
+  uint64_t imports;       /* cuIpcOpenMemHandle calls made */
+  uint64_t import_hits;   /* received shares served by an open mapping */
+  uint64_t import_closes; /* mappings closed */
+  uint64_t host_syncs;    /* shares sent without an event (stream synchronised instead) */
+  uint64_t events;        /* CUDA events tshare holds now (pools, opened peer events, release events) */
+  uint64_t fd_exports;    /* owned allocations made as VMM memory with an fd capability */
+  uint64_t fd_imports;    /* VMM mappings made from a received fd */
 } tshare_cuda_export_stats;
 
-void tshare_cuda_stats(tshare_cuda_export_stats *out);
+TSHARE_API void tshare_cuda_stats(tshare_cuda_export_stats *out);
 
 /* Bounds on mappings kept open with no view (idle), least recently used
  * closed first. Defaults: 64 mappings, 4 GiB. */
-void tshare_cuda_set_import_cache_limits(size_t max_idle, size_t max_idle_bytes);
+TSHARE_API void tshare_cuda_set_import_cache_limits(size_t max_idle, size_t max_idle_bytes);
 
 /* ---- owned buffers and slabs -------------------------------------------- */
 
@@ -125,66 +125,67 @@ typedef enum tshare_cuda_handle_kind {
 } tshare_cuda_handle_kind;
 
 /* Override TSHARE_CUDA_HANDLES for this process's later allocations. */
-void tshare_cuda_set_handle_kind(tshare_cuda_handle_kind kind);
+TSHARE_API void tshare_cuda_set_handle_kind(tshare_cuda_handle_kind kind);
 
 /* 1 if the device can export VMM memory as POSIX fds, 0 if not, negative
  * when CUDA is unusable or the ordinal is not a device. */
-int tshare_cuda_fd_handles_supported(int device);
+TSHARE_API int tshare_cuda_fd_handles_supported(int device);
 
 /* Allocate size bytes on device ordinal and export them before anything is
  * written. The memory is zeroed. VMM allocations are rounded up to the
  * device's granularity (2 MiB on current GPUs): many small tensors belong in
  * a slab. */
-int tshare_cuda_buffer_create(int device, size_t size, tshare_cuda_buffer **out, tshare_error *err);
-int tshare_cuda_buffer_create_kind(int device, size_t size, tshare_cuda_handle_kind kind, tshare_cuda_buffer **out,
-                                   tshare_error *err);
+TSHARE_API int tshare_cuda_buffer_create(int device, size_t size, tshare_cuda_buffer **out, tshare_error *err);
+TSHARE_API int tshare_cuda_buffer_create_kind(int device, size_t size, tshare_cuda_handle_kind kind,
+                                              tshare_cuda_buffer **out, tshare_error *err);
 
 /* TSHARE_MEM_CUDA_FD or TSHARE_MEM_CUDA_IPC (wire.h): how buf travels. A
  * buffer of fd kind needs a socket channel whose peer imports fds. */
-int tshare_cuda_buffer_mem_kind(const tshare_cuda_buffer *buf);
+TSHARE_API int tshare_cuda_buffer_mem_kind(const tshare_cuda_buffer *buf);
 
-void *tshare_cuda_buffer_ptr(const tshare_cuda_buffer *buf); /* device address */
-size_t tshare_cuda_buffer_size(const tshare_cuda_buffer *buf);
-int tshare_cuda_buffer_device(const tshare_cuda_buffer *buf);
+TSHARE_API void *tshare_cuda_buffer_ptr(const tshare_cuda_buffer *buf); /* device address */
+TSHARE_API size_t tshare_cuda_buffer_size(const tshare_cuda_buffer *buf);
+TSHARE_API int tshare_cuda_buffer_device(const tshare_cuda_buffer *buf);
 
 /* Drop the caller's reference. The memory lives on while shares of it are
  * outstanding, and a slab piece goes back to its slab only then. */
-void tshare_cuda_buffer_release(tshare_cuda_buffer *buf);
+TSHARE_API void tshare_cuda_buffer_release(tshare_cuda_buffer *buf);
 
 typedef struct tshare_cuda_slab tshare_cuda_slab;
 
 /* One owned, exported allocation of size bytes, carved into buffers. */
-int tshare_cuda_slab_create(int device, size_t size, tshare_cuda_slab **out, tshare_error *err);
-int tshare_cuda_slab_create_kind(int device, size_t size, tshare_cuda_handle_kind kind, tshare_cuda_slab **out,
-                                 tshare_error *err);
+TSHARE_API int tshare_cuda_slab_create(int device, size_t size, tshare_cuda_slab **out, tshare_error *err);
+TSHARE_API int tshare_cuda_slab_create_kind(int device, size_t size, tshare_cuda_handle_kind kind,
+                                            tshare_cuda_slab **out, tshare_error *err);
 
 /* A buffer of bytes (rounded up to 256) inside the slab. TSHARE_AGAIN when
  * no free range is large enough now (pieces come back as they are released). */
-int tshare_cuda_slab_alloc(tshare_cuda_slab *slab, size_t bytes, tshare_cuda_buffer **out);
+TSHARE_API int tshare_cuda_slab_alloc(tshare_cuda_slab *slab, size_t bytes, tshare_cuda_buffer **out);
 
-size_t tshare_cuda_slab_free_bytes(const tshare_cuda_slab *slab);
-void tshare_cuda_slab_release(tshare_cuda_slab *slab); /* pieces keep it alive */
+TSHARE_API size_t tshare_cuda_slab_free_bytes(const tshare_cuda_slab *slab);
+TSHARE_API void tshare_cuda_slab_release(tshare_cuda_slab *slab); /* pieces keep it alive */
 
 /* ---- sharing ------------------------------------------------------------- */
 
 /* Share a tensor inside buf (desc->byte_offset is relative to the buffer's
  * start). stream: the stream whose work wrote the tensor. The share holds a
  * reference on buf until it is released. */
-int tshare_share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const tshare_tensor_desc *desc, void *stream,
-                             const char *tag, void *user_data, int timeout_ms, uint64_t *share_id);
+TSHARE_API int tshare_share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const tshare_tensor_desc *desc,
+                                        void *stream, const char *tag, void *user_data, int timeout_ms,
+                                        uint64_t *share_id);
 
 /* Share a tensor at data (desc->byte_offset is relative to data) in memory
  * tshare does not own, such as a LibTorch tensor. The caller keeps the memory
  * alive until the channel's on_release callback reports this share. */
-int tshare_share_cuda(tshare_channel *ch, const void *data, const tshare_tensor_desc *desc, void *stream,
-                      const char *tag, void *user_data, int timeout_ms, uint64_t *share_id);
+TSHARE_API int tshare_share_cuda(tshare_channel *ch, const void *data, const tshare_tensor_desc *desc, void *stream,
+                                 const char *tag, void *user_data, int timeout_ms, uint64_t *share_id);
 
 /* The same, with something kept alive for the share: drop(keep) runs once,
  * when the share is released or dropped, or at once when it fails. This is
  * how a bridge holds a caching allocator's block (LibTorch: the Storage). */
-int tshare_share_cuda_keep(tshare_channel *ch, const void *data, const tshare_tensor_desc *desc, void *stream,
-                           const char *tag, tshare_drop_fn drop, void *keep, void *user_data, int timeout_ms,
-                           uint64_t *share_id);
+TSHARE_API int tshare_share_cuda_keep(tshare_channel *ch, const void *data, const tshare_tensor_desc *desc,
+                                      void *stream, const char *tag, tshare_drop_fn drop, void *keep, void *user_data,
+                                      int timeout_ms, uint64_t *share_id);
 
 /* A received CUDA view is shared on with tshare_share_view() or
  * tshare_share_view_part() (share.h); stream orders the third process after
@@ -196,10 +197,10 @@ int tshare_share_cuda_keep(tshare_channel *ch, const void *data, const tshare_te
  * context picks the device; NULL: the producer's device as seen here) and the
  * stream waits on the producer's event. The view's release waits for the
  * work queued on the stream before it. Host shares ignore the stream. */
-int tshare_view_recv_stream(tshare_channel *ch, void *stream, int timeout_ms, tshare_view **out);
+TSHARE_API int tshare_view_recv_stream(tshare_channel *ch, void *stream, int timeout_ms, tshare_view **out);
 
 /* The ordinal of the device whose context maps a CUDA view; -1 otherwise. */
-int tshare_view_cuda_device(const tshare_view *view);
+TSHARE_API int tshare_view_cuda_device(const tshare_view *view);
 
 #ifdef __cplusplus
 }

@@ -12,46 +12,56 @@
 #ifndef TSHARE_ERRORS_H
 #define TSHARE_ERRORS_H
 
+#include "tshare/version.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-typedef enum tshare_status {
-  TSHARE_OK = 0,
-  TSHARE_AGAIN = 1, /* not an error: need more bytes / would block */
-  TSHARE_END = 2,   /* not an error: the peer ended the stream cleanly (bye) */
+/* One row per status: name, value, static message. The enum, the names and
+ * the messages are all made from this list. */
+#define TSHARE_STATUS_LIST(X)                                                                                          \
+  X(TSHARE_OK, 0, "success")                                                                                           \
+  /* not errors: */                                                                                                    \
+  X(TSHARE_AGAIN, 1, "not finished yet, try again") /* need more bytes; nothing came without waiting */                \
+  X(TSHARE_END, 2, "the peer ended the stream")     /* the peer said bye: a clean end */                               \
+  /* errors: */                                                                                                        \
+  X(TSHARE_E_INVALID_ARG, -1, "invalid argument")        /* a caller passed a bad argument */                          \
+  X(TSHARE_E_NOMEM, -2, "out of memory")                 /* an allocation failed */                                    \
+  X(TSHARE_E_SYSTEM, -3, "system call failed")           /* the detail names the call and errno */                     \
+  X(TSHARE_E_TIMEOUT, -4, "timed out")                   /* the operation did not finish in time */                    \
+  X(TSHARE_E_PEER_CLOSED, -5, "peer closed the channel") /* EOF, EPIPE, reset */                                       \
+  X(TSHARE_E_BAD_MAGIC, -6, "not a tshare frame (bad magic)")                                                          \
+  X(TSHARE_E_VERSION, -7, "incompatible wire version") /* the peer speaks another major wire version */                \
+  X(TSHARE_E_UNKNOWN_TYPE, -8, "unknown frame type")                                                                   \
+  X(TSHARE_E_TOO_LARGE, -9, "length or count over its limit")                                                          \
+  X(TSHARE_E_TRUNCATED, -10, "payload truncated") /* a payload ends before its fields do */                            \
+  X(TSHARE_E_MALFORMED, -11, "malformed field")   /* a field holds a value that is not allowed */                      \
+  X(TSHARE_E_OUT_OF_BOUNDS, -12, "tensor view outside its allocation")                                                 \
+  X(TSHARE_E_OVERFLOW, -13, "size arithmetic overflow")    /* shape, stride or size arithmetic */                      \
+  X(TSHARE_E_PROTOCOL, -14, "protocol violation")          /* a valid frame at the wrong time, unknown id, no fd */    \
+  X(TSHARE_E_PEER_MISMATCH, -15, "peer is not compatible") /* other boot, missing capability */                        \
+  X(TSHARE_E_PEER_ERROR, -16, "peer reported an error")    /* the detail holds its message */                          \
+  X(TSHARE_E_UNSUPPORTED, -17, "operation not supported here") /* e.g. fds over pipes */                               \
+  X(TSHARE_E_NOT_FOUND, -18, "not found")                      /* a binary, variable or object */                      \
+  X(TSHARE_E_SPAWN, -19, "could not start process")            /* the detail has path and errno */                     \
+  X(TSHARE_E_STATE, -20, "object is closed or in the wrong state")                                                     \
+  X(TSHARE_E_NO_DEVICE, -21, "no CUDA device")                                                                         \
+  X(TSHARE_E_CUDA, -22, "CUDA call failed")                                                                            \
+  X(TSHARE_E_PERMISSION, -23, "peer or path not allowed") /* another user, a path that is not private */               \
+  X(TSHARE_E_LIMIT, -24, "a resource limit was reached")  /* fds, a channel's bound; the detail names it */
 
-  TSHARE_E_INVALID_ARG = -1,    /* a caller passed a bad argument */
-  TSHARE_E_NOMEM = -2,          /* an allocation failed */
-  TSHARE_E_SYSTEM = -3,         /* a system call failed; the detail names it and errno */
-  TSHARE_E_TIMEOUT = -4,        /* the operation did not finish in time */
-  TSHARE_E_PEER_CLOSED = -5,    /* the peer closed the channel (EOF, EPIPE, reset) */
-  TSHARE_E_BAD_MAGIC = -6,      /* the bytes are not a tshare frame */
-  TSHARE_E_VERSION = -7,        /* the peer speaks another major wire version */
-  TSHARE_E_UNKNOWN_TYPE = -8,   /* a frame type this version does not know */
-  TSHARE_E_TOO_LARGE = -9,      /* a length or count is over its named limit */
-  TSHARE_E_TRUNCATED = -10,     /* a payload ends before its fields do */
-  TSHARE_E_MALFORMED = -11,     /* a field holds a value that is not allowed */
-  TSHARE_E_OUT_OF_BOUNDS = -12, /* a tensor view reaches outside its allocation */
-  TSHARE_E_OVERFLOW = -13,      /* shape, stride or size arithmetic overflows */
-  TSHARE_E_PROTOCOL = -14,      /* a valid frame at the wrong time (share before hello, unknown id, missing fd) */
-  TSHARE_E_PEER_MISMATCH = -15, /* the peer is not compatible (other boot, missing capability) */
-  TSHARE_E_PEER_ERROR = -16,    /* the peer sent an error frame; the detail holds its message */
-  TSHARE_E_UNSUPPORTED = -17,   /* the operation is not available here (e.g. fds over pipes) */
-  TSHARE_E_NOT_FOUND = -18,     /* a binary, variable or object does not exist */
-  TSHARE_E_SPAWN = -19,         /* a process could not be started; the detail has path and errno */
-  TSHARE_E_STATE = -20,         /* the object is closed or in the wrong state */
-  TSHARE_E_NO_DEVICE = -21,     /* no usable CUDA device */
-  TSHARE_E_CUDA = -22,          /* a CUDA call failed */
-  TSHARE_E_PERMISSION = -23,    /* the peer runs as a user that is not allowed, or a path is not private */
-  TSHARE_E_LIMIT = -24          /* a resource limit was reached (fds, a channel's bound); the detail names it */
+typedef enum tshare_status {
+#define TSHARE_STATUS_ENUM_(name, value, message) name = value,
+  TSHARE_STATUS_LIST(TSHARE_STATUS_ENUM_)
+#undef TSHARE_STATUS_ENUM_
 } tshare_status;
 
 /* Static description of a status; never NULL, also for unknown values. */
-const char *tshare_status_str(int status);
+TSHARE_API const char *tshare_status_str(int status);
 
 /* Symbolic name of a status ("TSHARE_E_TIMEOUT"); never NULL. */
-const char *tshare_status_name(int status);
+TSHARE_API const char *tshare_status_name(int status);
 
 #define TSHARE_ERROR_MSG_MAX 256
 

@@ -27,18 +27,19 @@ typedef struct tshare_host_buffer tshare_host_buffer;
 
 /* Create a buffer of size bytes (rounded up to the page size), zero-filled.
  * name shows in /proc/PID/fd and may be NULL. On failure *out is NULL. */
-int tshare_host_buffer_create(size_t size, const char *name, tshare_host_buffer **out, tshare_error *err);
+TSHARE_API int tshare_host_buffer_create(size_t size, const char *name, tshare_host_buffer **out, tshare_error *err);
 
-void *tshare_host_buffer_data(const tshare_host_buffer *buf);
-size_t tshare_host_buffer_size(const tshare_host_buffer *buf); /* after rounding */
-uint64_t tshare_host_buffer_id(const tshare_host_buffer *buf); /* allocation identity, unique in the process */
-int tshare_host_buffer_fd(const tshare_host_buffer *buf);      /* the memfd; still owned by the buffer */
+TSHARE_API void *tshare_host_buffer_data(const tshare_host_buffer *buf);
+TSHARE_API size_t tshare_host_buffer_size(const tshare_host_buffer *buf); /* after rounding */
+TSHARE_API uint64_t
+tshare_host_buffer_id(const tshare_host_buffer *buf);                /* allocation identity, unique in the process */
+TSHARE_API int tshare_host_buffer_fd(const tshare_host_buffer *buf); /* the memfd; still owned by the buffer */
 
 /* Shares of this buffer, on all channels, that are not yet released. */
-size_t tshare_host_buffer_outstanding(const tshare_host_buffer *buf);
+TSHARE_API size_t tshare_host_buffer_outstanding(const tshare_host_buffer *buf);
 
 /* Drop the creator's reference. NULL is a no-op. */
-void tshare_host_buffer_destroy(tshare_host_buffer *buf);
+TSHARE_API void tshare_host_buffer_destroy(tshare_host_buffer *buf);
 
 #ifdef __cplusplus
 }

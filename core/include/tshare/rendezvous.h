@@ -29,13 +29,13 @@ extern "C" {
 typedef struct tshare_listener tshare_listener;
 
 /* The socket path a name stands for (a path with a '/' is returned as is). */
-int tshare_rendezvous_path(const char *name, char *out, size_t cap, tshare_error *err);
+TSHARE_API int tshare_rendezvous_path(const char *name, char *out, size_t cap, tshare_error *err);
 
 /* Listen on name (see above). A socket file left behind by a listener that
  * is gone is replaced; a live listener on the path (even one too busy to
  * accept) is TSHARE_E_STATE. Never waits: the liveness probe is a
  * non-blocking connect, which the live listener's accept drops. */
-int tshare_listen(const char *name, tshare_listener **out, tshare_error *err);
+TSHARE_API int tshare_listen(const char *name, tshare_listener **out, tshare_error *err);
 
 /* Accept the next peer and open a channel on it (the hello and the peer
  * check included), all within timeout_ms; each hello also within the
@@ -45,21 +45,21 @@ int tshare_listen(const char *name, tshare_listener **out, tshare_error *err);
  * in time, its detail naming the last one dropped. Connections are taken one
  * at a time, so a peer that never says hello delays the next by up to
  * handshake_timeout_ms. */
-int tshare_listener_accept(tshare_listener *l, const tshare_channel_options *opts, int timeout_ms, tshare_channel **out,
-                           tshare_error *err);
+TSHARE_API int tshare_listener_accept(tshare_listener *l, const tshare_channel_options *opts, int timeout_ms,
+                                      tshare_channel **out, tshare_error *err);
 
-int tshare_listener_fd(const tshare_listener *l);           /* readable when a peer waits */
-const char *tshare_listener_path(const tshare_listener *l); /* the socket's path */
+TSHARE_API int tshare_listener_fd(const tshare_listener *l);           /* readable when a peer waits */
+TSHARE_API const char *tshare_listener_path(const tshare_listener *l); /* the socket's path */
 
 /* Stop listening and remove the socket file (not the directory). Channels
  * accepted from it live on. NULL is a no-op. */
-void tshare_listener_close(tshare_listener *l);
+TSHARE_API void tshare_listener_close(tshare_listener *l);
 
 /* Connect to the listener on name and open a channel, all within timeout_ms:
  * waits for the listener to appear (TSHARE_E_NOT_FOUND when it did not), for
  * room in its backlog and for its hello (TSHARE_E_TIMEOUT). */
-int tshare_connect(const char *name, const tshare_channel_options *opts, int timeout_ms, tshare_channel **out,
-                   tshare_error *err);
+TSHARE_API int tshare_connect(const char *name, const tshare_channel_options *opts, int timeout_ms,
+                              tshare_channel **out, tshare_error *err);
 
 #ifdef __cplusplus
 }

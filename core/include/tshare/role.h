@@ -50,20 +50,20 @@ typedef struct tshare_role {
 /* Parse the variables above. TSHARE_E_NOT_FOUND when TSHARE_ROLE is unset
  * (not started by tshare-launch); TSHARE_E_MALFORMED naming the variable when
  * one does not parse or names an fd that is not open. */
-int tshare_role_from_env(tshare_role *role, tshare_error *err);
+TSHARE_API int tshare_role_from_env(tshare_role *role, tshare_error *err);
 
 /* Open channel index (0-based) of the role; the channel takes its fds. opts
  * may be NULL; its name defaults to "<role> <rank>". */
-int tshare_role_open_channel(tshare_role *role, int index, const tshare_channel_options *opts, tshare_channel **out,
-                             tshare_error *err);
+TSHARE_API int tshare_role_open_channel(tshare_role *role, int index, const tshare_channel_options *opts,
+                                        tshare_channel **out, tshare_error *err);
 
 /* Report a figure for tshare-launch's summary (keys it shows: "shared" for
  * the producer, "verified" for consumers), through the report fd if there is
  * one. tshare_role_report sets the figure (the last value reported stands);
  * tshare_role_report_add adds delta to it (from 0), for a role that counts
  * as it goes. Lines: "key=value" and "key+=delta". */
-void tshare_role_report(const tshare_role *role, const char *key, long long value);
-void tshare_role_report_add(const tshare_role *role, const char *key, long long delta);
+TSHARE_API void tshare_role_report(const tshare_role *role, const char *key, long long value);
+TSHARE_API void tshare_role_report_add(const tshare_role *role, const char *key, long long delta);
 
 #ifdef __cplusplus
 }

@@ -41,42 +41,42 @@ extern "C" {
  * view; user_data comes back in the channel's on_release callback. Needs a
  * socket channel (TSHARE_E_UNSUPPORTED on pipes). *share_id (optional) gets
  * the id of the share. */
-int tshare_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_tensor_desc *desc, const char *tag,
-                      void *user_data, int timeout_ms, uint64_t *share_id);
+TSHARE_API int tshare_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_tensor_desc *desc,
+                                 const char *tag, void *user_data, int timeout_ms, uint64_t *share_id);
 
 /* Runs once when a share is released or dropped with its channel, or at once
  * when the share fails: what the sharer kept alive for it may go then. */
 typedef void (*tshare_drop_fn)(void *keep);
 
 /* Shares sent on this channel that the peer has not yet released. */
-size_t tshare_channel_outstanding(const tshare_channel *ch);
+TSHARE_API size_t tshare_channel_outstanding(const tshare_channel *ch);
 
 /* 1 if share_id was sent on ch and has been released (or dropped), 0 if it is
  * still held, -1 if ch never sent it. */
-int tshare_share_is_released(const tshare_channel *ch, uint64_t share_id);
+TSHARE_API int tshare_share_is_released(const tshare_channel *ch, uint64_t share_id);
 
 /* Process incoming frames, waiting up to timeout_ms for the first. TSHARE_OK
  * if something was processed, TSHARE_AGAIN if nothing came in time,
  * TSHARE_END once the peer said bye, negative on errors. Incoming shares are
  * queued for tshare_view_recv(). */
-int tshare_channel_poll(tshare_channel *ch, int timeout_ms);
+TSHARE_API int tshare_channel_poll(tshare_channel *ch, int timeout_ms);
 
 /* Drive the channel until share_id (or, with 0, every share sent on it) has
  * been released. TSHARE_E_TIMEOUT if that takes longer than timeout_ms;
  * TSHARE_OK also when the peer closed, since its shares are then dropped. */
-int tshare_channel_wait_released(tshare_channel *ch, uint64_t share_id, int timeout_ms);
+TSHARE_API int tshare_channel_wait_released(tshare_channel *ch, uint64_t share_id, int timeout_ms);
 
 typedef struct tshare_view tshare_view;
 
 /* Receive the next share as a view. TSHARE_END when the peer said bye,
  * TSHARE_E_TIMEOUT when nothing came in time. On any non-OK return *out is NULL. */
-int tshare_view_recv(tshare_channel *ch, int timeout_ms, tshare_view **out);
+TSHARE_API int tshare_view_recv(tshare_channel *ch, int timeout_ms, tshare_view **out);
 
-void *tshare_view_data(const tshare_view *view); /* address of element [0,...,0] */
-const tshare_tensor_desc *tshare_view_desc(const tshare_view *view);
-const char *tshare_view_tag(const tshare_view *view); /* "" when none */
-uint64_t tshare_view_share_id(const tshare_view *view);
-int tshare_view_device_type(const tshare_view *view); /* TSHARE_DEVICE_* */
+TSHARE_API void *tshare_view_data(const tshare_view *view); /* address of element [0,...,0] */
+TSHARE_API const tshare_tensor_desc *tshare_view_desc(const tshare_view *view);
+TSHARE_API const char *tshare_view_tag(const tshare_view *view); /* "" when none */
+TSHARE_API uint64_t tshare_view_share_id(const tshare_view *view);
+TSHARE_API int tshare_view_device_type(const tshare_view *view); /* TSHARE_DEVICE_* */
 
 /* Share a received view on to another channel: the producer's memory
  * travels, not a copy (host views need a socket channel, and a channel that
@@ -86,15 +86,15 @@ int tshare_view_device_type(const tshare_view *view); /* TSHARE_DEVICE_* */
  * process must wait for (NULL: the view's). tag NULL: the view's tag.
  * The view is consumed: it stays held until the new share is released, and
  * the caller must not release it itself, also when this fails. */
-int tshare_share_view(tshare_channel *ch, tshare_view *view, void *stream, const char *tag, void *user_data,
-                      int timeout_ms, uint64_t *share_id);
+TSHARE_API int tshare_share_view(tshare_channel *ch, tshare_view *view, void *stream, const char *tag, void *user_data,
+                                 int timeout_ms, uint64_t *share_id);
 /* Share a part of a received view on: desc->byte_offset is relative to
  * tshare_view_data(view), and the layout must lie inside the memory the view's
  * producer shared. The view is not consumed: the caller keeps it alive until
  * drop(keep) runs, which happens exactly once (at once on failure). */
-int tshare_share_view_part(tshare_channel *ch, tshare_view *view, const tshare_tensor_desc *desc, void *stream,
-                           const char *tag, tshare_drop_fn drop, void *keep, void *user_data, int timeout_ms,
-                           uint64_t *share_id);
+TSHARE_API int tshare_share_view_part(tshare_channel *ch, tshare_view *view, const tshare_tensor_desc *desc,
+                                      void *stream, const char *tag, tshare_drop_fn drop, void *keep, void *user_data,
+                                      int timeout_ms, uint64_t *share_id);
 /* Where the next share lives, without taking it: waits up to timeout_ms like
  * tshare_view_recv() and returns the same codes. A receiver picks its stream
  * with this (a LibTorch consumer: the current stream of that device). */
@@ -103,9 +103,9 @@ typedef struct tshare_share_info {
   int device_type; /* TSHARE_DEVICE_* */
   int cuda_device; /* CUDA: the ordinal this process sees it as, -1 if none (or host) */
 } tshare_share_info;
-int tshare_channel_peek_share(tshare_channel *ch, int timeout_ms, tshare_share_info *info);
+TSHARE_API int tshare_channel_peek_share(tshare_channel *ch, int timeout_ms, tshare_share_info *info);
 /* Release the view: exactly once per view, from any thread, never blocking. */
-void tshare_view_release(tshare_view *view);
+TSHARE_API void tshare_view_release(tshare_view *view);
 
 #ifdef __cplusplus
 }

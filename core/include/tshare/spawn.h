@@ -62,30 +62,30 @@ typedef struct tshare_exit_status {
 } tshare_exit_status;
 
 /* Start a process. On failure *out is NULL and err (optional) names the path and cause. */
-int tshare_spawn(const tshare_spawn_options *opts, tshare_process **out, tshare_error *err);
+TSHARE_API int tshare_spawn(const tshare_spawn_options *opts, tshare_process **out, tshare_error *err);
 
-pid_t tshare_process_pid(const tshare_process *p);
+TSHARE_API pid_t tshare_process_pid(const tshare_process *p);
 
 /* Wait up to timeout_ms (< 0 forever, 0 poll) for the process to end.
  * TSHARE_OK: *status holds how it ended (the process is reaped).
  * TSHARE_E_TIMEOUT: still running. */
-int tshare_process_wait(tshare_process *p, int timeout_ms, tshare_exit_status *status);
+TSHARE_API int tshare_process_wait(tshare_process *p, int timeout_ms, tshare_exit_status *status);
 
 /* Send sig to the process (to its group with TSHARE_SPAWN_NEW_PROCESS_GROUP). */
-int tshare_process_signal(tshare_process *p, int sig);
+TSHARE_API int tshare_process_signal(tshare_process *p, int sig);
 
 /* SIGTERM, wait up to grace_ms, then SIGKILL; always reaps. With a process
  * group, whatever is left of the group is killed too. */
-int tshare_process_terminate(tshare_process *p, int grace_ms, tshare_exit_status *status);
+TSHARE_API int tshare_process_terminate(tshare_process *p, int grace_ms, tshare_exit_status *status);
 
 /* How the process ended so far (TSHARE_EXIT_RUNNING until waited for). */
-tshare_exit_status tshare_process_status(const tshare_process *p);
+TSHARE_API tshare_exit_status tshare_process_status(const tshare_process *p);
 
 /* Kill (SIGKILL) and reap if still running, then free. NULL is a no-op. */
-void tshare_process_destroy(tshare_process *p);
+TSHARE_API void tshare_process_destroy(tshare_process *p);
 
 /* "exited with status 3", "killed by signal 9 (SIGKILL)", "running". Returns buf. */
-const char *tshare_exit_describe(tshare_exit_status status, char *buf, size_t cap);
+TSHARE_API const char *tshare_exit_describe(tshare_exit_status status, char *buf, size_t cap);
 
 #ifdef __cplusplus
 }

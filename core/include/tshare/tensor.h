@@ -8,6 +8,8 @@
 #ifndef TSHARE_TENSOR_H
 #define TSHARE_TENSOR_H
 
+#include "tshare/version.h"
+
 #include <stddef.h>
 #include <stdint.h>
 
@@ -49,23 +51,23 @@ typedef struct tshare_tensor_desc {
 
 /* Bytes per element, or 0 if the dtype is not one tshare accepts
  * (unknown code, bits not a multiple of 8, zero lanes, bool not 8 bits). */
-size_t tshare_dtype_itemsize(tshare_dtype dtype);
+TSHARE_API size_t tshare_dtype_itemsize(tshare_dtype dtype);
 
 /* Short name such as "float32", "bfloat16", "complex64", "int8x4"; never NULL. */
-const char *tshare_dtype_name(tshare_dtype dtype, char *buf, size_t cap);
+TSHARE_API const char *tshare_dtype_name(tshare_dtype dtype, char *buf, size_t cap);
 
 /* Number of elements (product of shape); 0 on overflow or for a bad shape. */
-uint64_t tshare_tensor_numel(const tshare_tensor_desc *desc);
+TSHARE_API uint64_t tshare_tensor_numel(const tshare_tensor_desc *desc);
 
 /* Fill row-major contiguous strides for desc->shape. */
-void tshare_tensor_set_contiguous(tshare_tensor_desc *desc);
+TSHARE_API void tshare_tensor_set_contiguous(tshare_tensor_desc *desc);
 
 /* A row-major contiguous descriptor of ndim dims (shape[0..ndim)) starting
  * byte_offset bytes into its allocation. An ndim outside 0..TSHARE_MAX_NDIM is
  * kept as given (only the first TSHARE_MAX_NDIM sizes are copied), so sharing
  * it fails with TSHARE_E_TOO_LARGE instead of overflowing here. */
-tshare_tensor_desc tshare_tensor_contiguous(tshare_dtype dtype, int32_t ndim, const int64_t *shape,
-                                            uint64_t byte_offset);
+TSHARE_API tshare_tensor_desc tshare_tensor_contiguous(tshare_dtype dtype, int32_t ndim, const int64_t *shape,
+                                                       uint64_t byte_offset);
 
 /* Check a descriptor against an allocation of alloc_size bytes: dtype valid,
  * ndim in range, shape non-negative, no overflow in shape/stride/itemsize
@@ -74,8 +76,8 @@ tshare_tensor_desc tshare_tensor_contiguous(tshare_dtype dtype, int32_t ndim, co
  * (equal for an empty tensor). On failure returns TSHARE_E_MALFORMED,
  * TSHARE_E_OVERFLOW or TSHARE_E_OUT_OF_BOUNDS and writes a detail into err
  * (optional, err_cap bytes) naming the field. */
-int tshare_tensor_check(const tshare_tensor_desc *desc, uint64_t alloc_size, uint64_t *span_begin, uint64_t *span_end,
-                        char *err, size_t err_cap);
+TSHARE_API int tshare_tensor_check(const tshare_tensor_desc *desc, uint64_t alloc_size, uint64_t *span_begin,
+                                   uint64_t *span_end, char *err, size_t err_cap);
 
 #ifdef __cplusplus
 }

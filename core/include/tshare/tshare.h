@@ -11,6 +11,7 @@
 #include "tshare/share.h"
 #include "tshare/spawn.h"
 #include "tshare/tensor.h"
+#include "tshare/version.h"
 #include "tshare/wire.h"
 
 #endif

@@ -74,8 +74,9 @@ typedef enum tshare_frame_type {
 #define TSHARE_CAP_CUDA_FD (1u << 3)    /* can import CUDA VMM shares whose memory travels as an fd */
 
 /* Share flags (share_flags, minor 1). Unknown bits are ignored. */
-#define TSHARE_SHARE_FLAG_RETIRE_NOTICE (1u << 0) /* the sender announces with a retire frame before it frees the
-                                                     allocation, so the receiver may keep it mapped while idle */
+#define TSHARE_SHARE_FLAG_RETIRE_NOTICE                                                                                \
+  (1u << 0) /* the sender announces with a retire frame before it frees the                                            \
+               allocation, so the receiver may keep it mapped while idle */
 
 /* Memory kinds of a share. */
 typedef enum tshare_mem_kind {
@@ -166,44 +167,45 @@ typedef struct tshare_wire_limits {
   uint64_t max_alloc_size;  /* default 2^48 bytes (256 TiB): more than any device or host has */
 } tshare_wire_limits;
 
-tshare_wire_limits tshare_wire_limits_default(void);
+TSHARE_API tshare_wire_limits tshare_wire_limits_default(void);
 
 /* Encode frame into buf (cap bytes); *len gets the frame's size. The frame is
  * validated with the same rules the decoder applies, so a sender never emits
  * what a peer would reject. Returns TSHARE_E_TOO_LARGE when cap is too small;
  * TSHARE_WIRE_FRAME_MAX bytes always suffice. */
 #define TSHARE_WIRE_FRAME_MAX 4096
-int tshare_wire_encode(const tshare_frame *frame, uint8_t *buf, size_t cap, size_t *len, char *err, size_t err_cap);
+TSHARE_API int tshare_wire_encode(const tshare_frame *frame, uint8_t *buf, size_t cap, size_t *len, char *err,
+                                  size_t err_cap);
 
 typedef struct tshare_decoder tshare_decoder;
 
 /* limits may be NULL for the defaults. Returns NULL when out of memory. */
-tshare_decoder *tshare_decoder_create(const tshare_wire_limits *limits);
-void tshare_decoder_destroy(tshare_decoder *dec); /* NULL is a no-op */
+TSHARE_API tshare_decoder *tshare_decoder_create(const tshare_wire_limits *limits);
+TSHARE_API void tshare_decoder_destroy(tshare_decoder *dec); /* NULL is a no-op */
 
 /* Copy n bytes into the decoder. TSHARE_E_TOO_LARGE if more is buffered than
  * one header plus max_payload could need. */
-int tshare_decoder_feed(tshare_decoder *dec, const void *bytes, size_t n);
+TSHARE_API int tshare_decoder_feed(tshare_decoder *dec, const void *bytes, size_t n);
 
 /* Zero-copy variant for readers: get space to read into, then commit what was read. */
-int tshare_decoder_space(tshare_decoder *dec, uint8_t **ptr, size_t *avail);
-void tshare_decoder_commit(tshare_decoder *dec, size_t n);
+TSHARE_API int tshare_decoder_space(tshare_decoder *dec, uint8_t **ptr, size_t *avail);
+TSHARE_API void tshare_decoder_commit(tshare_decoder *dec, size_t n);
 
 /* Take the next complete frame. TSHARE_OK: *out holds it. TSHARE_AGAIN: feed
  * more bytes (out untouched). Negative: the stream is invalid (see
  * tshare_decoder_last_error); every later call returns the same status. */
-int tshare_decoder_next(tshare_decoder *dec, tshare_frame *out);
+TSHARE_API int tshare_decoder_next(tshare_decoder *dec, tshare_frame *out);
 
 /* Bytes buffered that do not yet form a frame (nonzero at EOF = peer closed mid-frame). */
-size_t tshare_decoder_pending(const tshare_decoder *dec);
+TSHARE_API size_t tshare_decoder_pending(const tshare_decoder *dec);
 
-const char *tshare_decoder_last_error(const tshare_decoder *dec); /* never NULL */
+TSHARE_API const char *tshare_decoder_last_error(const tshare_decoder *dec); /* never NULL */
 
 /* Validate a share frame as the decoder does (limits may be NULL). */
-int tshare_wire_check_share(const tshare_share_frame *share, const tshare_wire_limits *limits, char *err,
-                            size_t err_cap);
+TSHARE_API int tshare_wire_check_share(const tshare_share_frame *share, const tshare_wire_limits *limits, char *err,
+                                       size_t err_cap);
 
-const char *tshare_frame_type_name(int type); /* never NULL */
+TSHARE_API const char *tshare_frame_type_name(int type); /* never NULL */
 
 #ifdef __cplusplus
 }
