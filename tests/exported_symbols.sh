@@ -8,8 +8,10 @@ command -v nm >/dev/null 2>&1 || { echo "SKIP: nm (binutils) is not installed"; 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 nm -D --defined-only "$lib" | awk '{print $NF}' | grep -v '^_' | sort -u >"$tmp/exported"
-# A declaration starts its line with TSHARE_API; its name ends at the '('.
-grep -h '^TSHARE_API ' "$include_dir"/*.h | sed 's/(.*//; s/.*[ *]//' | sort -u >"$tmp/declared"
+# The headers through the preprocessor (comments gone, TSHARE_API kept as a
+# marker): a declaration's name is the last word before its '('.
+${CC:-cc} -E -P -DTSHARE_API=@TSHARE_API@ -I"$include_dir/.." "$include_dir/tshare.h" | tr '\n' ' ' |
+  grep -o '@TSHARE_API@[^(;]*(' | sed 's/ *($//; s/.*[ *]//' | sort -u >"$tmp/declared"
 echo "$(wc -l <"$tmp/exported") symbols exported, $(wc -l <"$tmp/declared") functions declared TSHARE_API"
 status=0
 if comm -13 "$tmp/declared" "$tmp/exported" | grep .; then
@@ -21,7 +23,7 @@ if comm -23 "$tmp/declared" "$tmp/exported" | grep .; then
   status=1
 fi
 # A public function declared without the mark would be hidden and missed above.
-if grep -nE '^(const |unsigned |struct )?[a-z_0-9]+ \**tshare_[a-z0-9_]+\(' "$include_dir"/*.h; then
+if grep -nE '^(const |unsigned |struct )?[a-z_0-9]+ \**tshare_[a-z0-9_]+ ?\(' "$include_dir"/*.h; then
   echo "FAILED: public functions declared without TSHARE_API (above)"
   status=1
 fi

@@ -31,8 +31,8 @@ TSHARE_API int tshare_host_buffer_create(size_t size, const char *name, tshare_h
 
 TSHARE_API void *tshare_host_buffer_data(const tshare_host_buffer *buf);
 TSHARE_API size_t tshare_host_buffer_size(const tshare_host_buffer *buf); /* after rounding */
-TSHARE_API uint64_t
-tshare_host_buffer_id(const tshare_host_buffer *buf);                /* allocation identity, unique in the process */
+/* The allocation's identity, unique in the process. */
+TSHARE_API uint64_t tshare_host_buffer_id(const tshare_host_buffer *buf);
 TSHARE_API int tshare_host_buffer_fd(const tshare_host_buffer *buf); /* the memfd; still owned by the buffer */
 
 /* Shares of this buffer, on all channels, that are not yet released. */

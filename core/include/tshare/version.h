@@ -23,10 +23,12 @@
 
 /* Marks the public API: the shared library is built with hidden visibility,
  * so only what carries this mark is exported. */
+#ifndef TSHARE_API
 #if defined(__GNUC__) || defined(__clang__)
 #define TSHARE_API __attribute__((visibility("default")))
 #else
 #define TSHARE_API
+#endif
 #endif
 
 #ifdef __cplusplus
