@@ -191,7 +191,9 @@ TS_TEST(send_after_peer_died_pipe_no_sigpipe) {
   sigset_t pending;
   sigpending(&pending);
   CHECK(!sigismember(&pending, SIGPIPE)); /* the SIGPIPE we caused was consumed */
-  int fd;
+  int fd; /* the peer closed its channel: a bye (a clean end), then nothing */
+  CHECK_RC(tshare_channel_recv_frame(ch, &f, &fd, 1000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(f.type, TSHARE_FRAME_BYE);
   CHECK_RC(tshare_channel_recv_frame(ch, &f, &fd, 1000), TSHARE_E_PEER_CLOSED, tshare_channel_last_error(ch));
   tshare_channel_close(ch);
 }

@@ -575,4 +575,37 @@ TS_TEST(forwarded_views_reach_a_third_process) {
   tshare_channel_close(ch);
 }
 
+/* A producer that closes its channel without a bye still ends the stream
+ * cleanly: the consumer's loop sees its views, then TSHARE_END, not an error
+ * (a producer that dies is TSHARE_E_PEER_CLOSED: stress kill-producer). */
+static void consumer_loops_until_the_end(int fd) {
+  tshare_channel *ch = open_socket_channel(fd, "looping consumer", NULL, NULL);
+  tshare_view *v;
+  int rc, n = 0;
+  while ((rc = tshare_view_recv(ch, 5000, &v)) == TSHARE_OK) {
+    CHECK_EQ(((const int32_t *)tshare_view_data(v))[0], 7);
+    tshare_view_release(v);
+    n++;
+  }
+  CHECK_RC(rc, TSHARE_END, tshare_channel_last_error(ch));
+  CHECK_EQ(n, 3);
+  tshare_channel_close(ch);
+}
+
+TS_TEST(close_without_bye_ends_the_stream_cleanly) {
+  int sock;
+  pid_t pid = fork_with_socket(consumer_loops_until_the_end, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
+  tshare_host_buffer *b;
+  CHECK_RC(tshare_host_buffer_create(64, "tshare-close", &b, NULL), TSHARE_OK, "");
+  ((int32_t *)tshare_host_buffer_data(b))[0] = 7;
+  tshare_tensor_desc d = desc_1d((tshare_dtype){TSHARE_DTYPE_INT, 32, 1}, 1, 0);
+  for (int i = 0; i < 3; i++)
+    CHECK_RC(tshare_share_host(ch, b, &d, NULL, NULL, 5000, NULL), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_channel_wait_released(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_channel_close(ch); /* no bye of its own */
+  tshare_host_buffer_destroy(b);
+  CHECK_CHILD_OK(pid);
+}
+
 TS_TEST_MAIN

@@ -72,6 +72,7 @@ static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare
   }
   if (rc != TSHARE_OK) {
     ts_error_fill(err, rc, ch->err);
+    ch->bye_sent = true; /* a channel that never opened says no bye */
     tshare_channel_close(ch);
     return rc;
   }
@@ -119,7 +120,9 @@ int tshare_channel_send_bye(tshare_channel *ch, uint32_t reason, int timeout_ms)
   memset(&f, 0, sizeof f);
   f.type = TSHARE_FRAME_BYE;
   f.u.bye.reason = reason;
-  return ts_conn_send(&ch->conn, &f, -1, ts_remaining(deadline));
+  rc = ts_conn_send(&ch->conn, &f, -1, ts_remaining(deadline));
+  if (rc == TSHARE_OK) ch->bye_sent = true;
+  return rc;
 }
 
 int tshare_channel_send_error(tshare_channel *ch, int code, const char *message) {
@@ -139,6 +142,9 @@ void ts_channel_unref(tshare_channel *ch) {
 
 void tshare_channel_close(tshare_channel *ch) {
   if (!ch) return;
+  /* A clean end for the peer (TSHARE_END, not TSHARE_E_PEER_CLOSED): the
+   * bye goes after the releases, best effort. */
+  if (ch->conn.wfd >= 0 && !ch->conn.broken && !ch->bye_sent) (void)tshare_channel_send_bye(ch, 0, 100);
   if (ch->conn.wfd >= 0 && !ch->conn.broken) ts_share_flush_pending(ch, 100);
   ts_conn_flush_tail(&ch->conn, 100);
   ts_share_drop_all(ch, TSHARE_E_PEER_CLOSED);

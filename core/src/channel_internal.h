@@ -66,6 +66,7 @@ struct tshare_channel {
   ts_conn conn;         /* the connection layer */
   bool closed;          /* the user closed it; views may still live */
   bool peer_bye;
+  bool bye_sent; /* this end said bye: close does not say it again */
   char err[TSHARE_ERROR_MSG_MAX];
   tshare_channel_options opts;
   char name[TSHARE_HELLO_NAME_MAX + 1];

@@ -81,9 +81,11 @@ TSHARE_API int tshare_channel_open_pipes(int read_fd, int write_fd, const tshare
 /* A connected socketpair for two channel ends, both close-on-exec. */
 TSHARE_API int tshare_socketpair(int fds[2], tshare_error *err);
 
-/* Close the channel: pending releases are flushed (briefly), every share the
- * peer still holds is dropped as if released, and the fds are closed. Views
- * received on it stay valid until released. NULL is a no-op. */
+/* Close the channel: pending releases are flushed and, unless this end sent
+ * one, a bye (briefly, best effort: the peer sees a clean end, TSHARE_END,
+ * where a process that dies without closing is TSHARE_E_PEER_CLOSED); every
+ * share the peer still holds is dropped as if released, and the fds are
+ * closed. Views received on it stay valid until released. NULL is a no-op. */
 TSHARE_API void tshare_channel_close(tshare_channel *ch);
 
 TSHARE_API tshare_channel_kind tshare_channel_kind_of(const tshare_channel *ch);
