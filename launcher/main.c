@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 static const char usage_text[] =
@@ -44,13 +45,18 @@ static const char usage_text[] =
     "\n"
     "--producer \"CMD ARGS\", --consumer \"CMD ARGS\"\n"
     "                run your own programs. Quoting as in a shell ('...', \"...\", \\);\n"
-    "                no expansion. Every consumer runs the same command.\n"
+    "                no expansion. One --consumer: every consumer runs it; --consumer\n"
+    "                once per consumer: consumer N runs the Nth (K is their number).\n"
     "\n"
     "OPTIONS\n"
     "  --consumers K    number of consumers (default 1, at most 64)\n"
     "  --channel KIND   socket (default; host memory travels as fds) or pipe (no fds)\n"
     "  --timeout S      stop everything after S seconds (exit 124)\n"
     "  --grace S        seconds between SIGTERM and SIGKILL when stopping (default 3)\n"
+    "  --no-prefix      pass role output on as it is, without \"[role pid N] \"\n"
+    "  --log-dir DIR    write each role's output to DIR/producer.log, DIR/consumer-N.log\n"
+    "                   (not to the terminal) and the summary to DIR/summary.txt too\n"
+    "  --version        the launcher's, the library's and the wire format's versions\n"
     "  -h, --help       this text\n"
     "\n"
     "ENVIRONMENT given to every role (read it with tshare_role_from_env()):\n"
@@ -139,7 +145,10 @@ int main(int argc, char **argv) {
     OPT_CHANNEL,
     OPT_TIMEOUT,
     OPT_GRACE,
-    OPT_API
+    OPT_API,
+    OPT_NO_PREFIX,
+    OPT_LOG_DIR,
+    OPT_VERSION
   };
   static const struct option longopts[] = {{"tensors", required_argument, NULL, OPT_TENSORS},
                                            {"consumers", required_argument, NULL, OPT_CONSUMERS},
@@ -150,15 +159,21 @@ int main(int argc, char **argv) {
                                            {"timeout", required_argument, NULL, OPT_TIMEOUT},
                                            {"grace", required_argument, NULL, OPT_GRACE},
                                            {"api", required_argument, NULL, OPT_API},
+                                           {"no-prefix", no_argument, NULL, OPT_NO_PREFIX},
+                                           {"log-dir", required_argument, NULL, OPT_LOG_DIR},
+                                           {"version", no_argument, NULL, OPT_VERSION},
                                            {"help", no_argument, NULL, 'h'},
                                            {NULL, 0, NULL, 0}};
   int tensors = 8, consumers = 1;
-  const char *device = "auto", *api = "auto", *producer_cmd = NULL, *consumer_cmd = NULL;
+  const char *device = "auto", *api = "auto", *producer_cmd = NULL;
+  const char *consumer_cmds[TSHARE_ROLE_CHANNELS_MAX];
+  int nconsumer_cmds = 0;
+  bool consumers_given = false;
   launch_plan plan = {.consumers = 1, .channel = TSHARE_CHANNEL_SOCKET, .timeout_s = 0, .grace_s = 3.0};
   int opt;
   opterr = 0;
   /* GNU getopt permutes: options may come before or after the 'demo' word. */
-  while ((opt = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
+  while ((opt = getopt_long(argc, argv, ":h", longopts, NULL)) != -1) {
     switch (opt) {
     case OPT_TENSORS:
       if (parse_count(optarg, 1, 1000, &tensors))
@@ -167,6 +182,7 @@ int main(int argc, char **argv) {
     case OPT_CONSUMERS:
       if (parse_count(optarg, 1, TSHARE_ROLE_CHANNELS_MAX, &consumers))
         return usage_error("--consumers '%s': give a number from 1 to 64", optarg);
+      consumers_given = true;
       break;
     case OPT_DEVICE:
       device = optarg;
@@ -177,9 +193,22 @@ int main(int argc, char **argv) {
     case OPT_PRODUCER:
       producer_cmd = optarg;
       break;
-    case OPT_CONSUMER:
-      consumer_cmd = optarg;
+    case OPT_CONSUMER: /* once: every consumer runs it; once per rank: each its own */
+      if (nconsumer_cmds == TSHARE_ROLE_CHANNELS_MAX) return usage_error("%s", "--consumer: at most 64");
+      consumer_cmds[nconsumer_cmds++] = optarg;
       break;
+    case OPT_NO_PREFIX:
+      plan.no_prefix = true;
+      break;
+    case OPT_LOG_DIR:
+      if (mkdir(optarg, 0755) != 0 && errno != EEXIST)
+        return usage_error("--log-dir '%s': %s", optarg, strerror(errno));
+      plan.log_dir = optarg;
+      break;
+    case OPT_VERSION:
+      printf("tshare-launch %d.%d.%d (libtshare %s, wire format %d.%d)\n", TSHARE_VERSION_MAJOR, TSHARE_VERSION_MINOR,
+             TSHARE_VERSION_PATCH, tshare_version(), TSHARE_WIRE_MAJOR, TSHARE_WIRE_MINOR);
+      return 0;
     case OPT_CHANNEL:
       if (strcmp(optarg, "socket") == 0)
         plan.channel = TSHARE_CHANNEL_SOCKET;
@@ -197,18 +226,20 @@ int main(int argc, char **argv) {
     case 'h':
       fputs(usage_text, stdout);
       return 0;
+    case ':':
+      return usage_error("option '%s' needs a value", argv[optind - 1]);
     default:
-      return usage_error("unknown or incomplete option '%s'", argv[optind - 1]);
+      return usage_error("unknown option '%s'", argv[optind - 1]);
     }
   }
   bool demo = optind < argc && strcmp(argv[optind], "demo") == 0;
   if (optind + (demo ? 1 : 0) < argc) return usage_error("unexpected argument '%s'", argv[optind + (demo ? 1 : 0)]);
   plan.consumers = consumers;
 
-  char **producer_argv = NULL, **consumer_argv = NULL;
+  char **producer_argv = NULL;
   char tensors_text[16];
   if (demo) {
-    if (producer_cmd || consumer_cmd) return usage_error("%s", "demo runs its own roles: drop --producer/--consumer");
+    if (producer_cmd || nconsumer_cmds) return usage_error("%s", "demo runs its own roles: drop --producer/--consumer");
     if (strcmp(device, "cpu") != 0 && strcmp(device, "auto") != 0 && strcmp(device, "cuda") != 0)
       return usage_error("--device '%s': use cpu, cuda or auto", device);
     bool cuda = false;
@@ -269,7 +300,14 @@ int main(int argc, char **argv) {
     plan.expect_verified = tensors * consumers;
     return launch_run(&plan);
   }
-  if (!producer_cmd || !consumer_cmd) {
+  if (nconsumer_cmds > 1) { /* one per rank */
+    if (consumers_given && consumers != nconsumer_cmds)
+      return usage_error("--consumer given %d times for --consumers %d: give it once (every consumer runs it) or once "
+                         "per consumer",
+                         nconsumer_cmds, consumers);
+    plan.consumers = nconsumer_cmds;
+  }
+  if (!producer_cmd || !nconsumer_cmds) {
     if (argc == 1) {
       fputs(usage_text, stderr);
       return LAUNCH_USAGE;
@@ -278,11 +316,14 @@ int main(int argc, char **argv) {
   }
   const char *why;
   if (!(producer_argv = cmdline_split(producer_cmd, &why))) return usage_error("--producer: %s", why);
-  if (!(consumer_argv = cmdline_split(consumer_cmd, &why))) return usage_error("--consumer: %s", why);
+  char **per_rank[TSHARE_ROLE_CHANNELS_MAX] = {0};
+  for (int i = 0; i < nconsumer_cmds; i++)
+    if (!(per_rank[i] = cmdline_split(consumer_cmds[i], &why))) return usage_error("--consumer: %s", why);
   plan.producer_argv = producer_argv;
-  plan.consumer_argv = consumer_argv;
+  plan.consumer_argv = per_rank[0];
+  plan.consumer_argvs = nconsumer_cmds > 1 ? per_rank : NULL;
   int rc = launch_run(&plan);
   cmdline_free(producer_argv);
-  cmdline_free(consumer_argv);
+  for (int i = 0; i < nconsumer_cmds; i++) cmdline_free(per_rank[i]);
   return rc;
 }

@@ -29,6 +29,7 @@ enum { OUT_STDOUT, OUT_STDERR, OUT_REPORT, OUT_COUNT };
 
 typedef struct role_run {
   char label[32]; /* "producer", "consumer 2" */
+  FILE *log;      /* --log-dir: this role's lines go here */
   tshare_process *proc;
   pid_t pid;
   line_buf out[OUT_COUNT];
@@ -56,9 +57,11 @@ static double now_s(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
+static bool no_prefix; /* the plan's, for emit_line */
+
 static void emit_line(const role_run *r, int stream, const char *text, size_t n) {
-  FILE *to = stream == OUT_STDERR ? stderr : stdout;
-  fprintf(to, "[%s pid %d] ", r->label, (int)r->pid);
+  FILE *to = r->log ? r->log : stream == OUT_STDERR ? stderr : stdout;
+  if (!no_prefix && !r->log) fprintf(to, "[%s pid %d] ", r->label, (int)r->pid);
   fwrite(text, 1, n, to); /* as it came, NUL bytes included */
   fputc('\n', to);
   fflush(to);
@@ -154,8 +157,8 @@ static bool failed(const role_run *r) {
   return r->ended && !(r->status.kind == TSHARE_EXIT_CODE && r->status.value == 0);
 }
 
-static void print_summary(const role_run *roles, int n, double wall_s) {
-  printf("\n%-12s %8s  %-34s %7s %9s %9s\n", "role", "pid", "status", "shared", "verified", "wall");
+static void print_summary(FILE *to, const role_run *roles, int n, double wall_s) {
+  fprintf(to, "\n%-12s %8s  %-34s %7s %9s %9s\n", "role", "pid", "status", "shared", "verified", "wall");
   for (int i = 0; i < n; i++) {
     const role_run *r = &roles[i];
     char how[64], shared[24] = "-", verified[24] = "-", pid[16] = "-";
@@ -165,10 +168,10 @@ static void print_summary(const role_run *roles, int n, double wall_s) {
     const char *status = r->proc    ? tshare_exit_describe(r->status, how, sizeof how)
                          : r->ended ? "could not be started"
                                     : "not started";
-    printf("%-12s %8s  %-34s %7s %9s %7.3f s\n", r->label, pid, status, shared, verified,
-           r->proc || r->ended ? (r->ended ? r->end_s : r->start_s + wall_s) - r->start_s : 0.0);
+    fprintf(to, "%-12s %8s  %-34s %7s %9s %7.3f s\n", r->label, pid, status, shared, verified,
+            r->proc || r->ended ? (r->ended ? r->end_s : r->start_s + wall_s) - r->start_s : 0.0);
   }
-  fflush(stdout);
+  fflush(to);
 }
 
 /* The whole job: roles, their channels, and how the run is going. */
@@ -334,7 +337,9 @@ static int start_role(job *j, int i, int (*chan)[4], int devnull) {
   snprintf(channels_env, sizeof channels_env, TSHARE_ENV_CHANNEL_FDS "=%s", f.channel_env);
   snprintf(report_env, sizeof report_env, TSHARE_ENV_REPORT_FD "=%d", report_fd);
   char *env[] = {role_env, rank_env, consumers_env, channels_env, report_env, NULL};
-  char **argv = producer ? plan->producer_argv : plan->consumer_argv;
+  char **argv = producer               ? plan->producer_argv
+                : plan->consumer_argvs ? plan->consumer_argvs[rank]
+                                       : plan->consumer_argv;
   tshare_spawn_options o = {.file = argv[0],
                             .argv = argv,
                             .env_set = env,
@@ -518,7 +523,35 @@ static void stop_leftovers(job *j) {
   if (stopped > 8) fprintf(stderr, "tshare-launch: ... %d processes left behind were stopped in all\n", stopped);
 }
 
+/* --log-dir: DIR/producer.log, DIR/consumer-N.log. */
+static int open_role_log(const char *dir, role_run *r, int index) {
+  char path[4096];
+  if (index == 0)
+    snprintf(path, sizeof path, "%s/producer.log", dir);
+  else
+    snprintf(path, sizeof path, "%s/consumer-%d.log", dir, index - 1);
+  r->log = fopen(path, "we");
+  if (!r->log) {
+    fprintf(stderr, "tshare-launch: --log-dir: cannot write %s: %s\n", path, strerror(errno));
+    return -1;
+  }
+  return 0;
+}
+
+static void write_summary_file(const char *dir, const role_run *roles, int n, double wall) {
+  char path[4096];
+  snprintf(path, sizeof path, "%s/summary.txt", dir);
+  FILE *f = fopen(path, "we");
+  if (!f) {
+    fprintf(stderr, "tshare-launch: --log-dir: cannot write %s: %s\n", path, strerror(errno));
+    return;
+  }
+  print_summary(f, roles, n, wall);
+  fclose(f);
+}
+
 int launch_run(const launch_plan *plan) {
+  no_prefix = plan->no_prefix;
   job j = {.plan = plan, .nroles = plan->consumers + 1, .t0 = now_s(), .first_failure = -1, .not_started = -1};
   j.roles = calloc((size_t)j.nroles, sizeof *j.roles);
   int(*chan)[4] = calloc((size_t)plan->consumers, sizeof *chan);
@@ -532,6 +565,7 @@ int launch_run(const launch_plan *plan) {
     else
       snprintf(j.roles[i].label, sizeof j.roles[i].label, "consumer %d", i - 1);
     j.roles[i].shared = j.roles[i].verified = -1;
+    if (plan->log_dir && open_role_log(plan->log_dir, &j.roles[i], i) != 0) return LAUNCH_ROLE_FAILED;
     for (int s = 0; s < OUT_COUNT; s++) j.roles[i].out[s].fd = -1;
   }
   install_signal_handlers();
@@ -555,10 +589,12 @@ int launch_run(const launch_plan *plan) {
   run_until_done(&j);
   double wall = now_s() - j.t0;
   stop_leftovers(&j);
-  print_summary(j.roles, j.nroles, wall);
+  print_summary(stdout, j.roles, j.nroles, wall);
+  if (plan->log_dir) write_summary_file(plan->log_dir, j.roles, j.nroles, wall);
   int rc = report_outcome(&j, wall);
   fflush(stdout);
   for (int i = 0; i < j.nroles; i++) {
+    if (j.roles[i].log) fclose(j.roles[i].log);
     for (int s = 0; s < OUT_COUNT; s++)
       if (j.roles[i].out[s].fd >= 0) close(j.roles[i].out[s].fd);
     tshare_process_destroy(j.roles[i].proc); /* reaps; ended roles' groups were already killed */

@@ -5,6 +5,8 @@
 
 #include "tshare/channel.h"
 
+#include <stdbool.h>
+
 /* Exit codes of tshare-launch. */
 enum {
   LAUNCH_OK = 0,
@@ -17,7 +19,10 @@ enum {
 
 typedef struct launch_plan {
   char **producer_argv;        /* NULL-terminated */
-  char **consumer_argv;        /* every consumer runs this, told its rank by TSHARE_RANK */
+  char **consumer_argv;        /* every consumer runs this, told its rank by TSHARE_RANK... */
+  char ***consumer_argvs;      /* ...unless this holds one command per rank (NULL: none) */
+  bool no_prefix;              /* pass role output on without "[role pid N] " */
+  const char *log_dir;         /* NULL, or a directory for one log per role and the summary */
   int consumers;               /* K >= 1 */
   tshare_channel_kind channel; /* socket or pipes */
   double timeout_s;            /* <= 0: none */

@@ -383,6 +383,55 @@ TS_TEST(output_summary_and_reports) {
   CHECK_EQ(verified, 5); /* set three times */
 }
 
+/* --version, --no-prefix, --log-dir and a --consumer per rank. */
+TS_TEST(version_prefix_logs_and_commands_per_rank) {
+  char *version[] = {"--version", NULL};
+  run_launcher(version);
+  expect_exit(0);
+  char want[64];
+  snprintf(want, sizeof want, "tshare-launch %s (libtshare %s, wire format %d.%d)", tshare_version(), tshare_version(),
+           TSHARE_WIRE_MAJOR, TSHARE_WIRE_MINOR);
+  expect_output(want);
+
+  char *per_rank[] = {"--producer",  "echo made",
+                      "--consumer",  "sh -c 'echo first $TSHARE_RANK'",
+                      "--consumer",  "sh -c 'echo second $TSHARE_RANK'",
+                      "--no-prefix", NULL};
+  run_launcher(per_rank);
+  expect_exit(0);
+  expect_output("\nfirst 0\n"); /* each consumer its own command, no prefix */
+  expect_output("\nsecond 1\n");
+  expect_output("\nconsumer 1 "); /* two consumers without --consumers */
+
+  char dir[] = "/tmp/tshare-logs-XXXXXX";
+  CHECK(mkdtemp(dir) != NULL);
+  char *logs[] = {"--producer",  "echo to the file",
+                  "--consumer",  "sh -c 'echo rank $TSHARE_RANK >&2'",
+                  "--consumers", "2",
+                  "--log-dir",   dir,
+                  NULL};
+  run_launcher(logs);
+  expect_exit(0);
+  CHECK(strstr(result.out, "to the file") == NULL); /* not on the terminal */
+  expect_output("tshare-launch: OK");
+  const char *files[][2] = {{"producer.log", "to the file\n"},
+                            {"consumer-0.log", "rank 0\n"},
+                            {"consumer-1.log", "rank 1\n"},
+                            {"summary.txt", "consumer 1 "}};
+  for (size_t i = 0; i < 4; i++) {
+    char path[256], text[4096] = {0};
+    snprintf(path, sizeof path, "%s/%s", dir, files[i][0]);
+    FILE *f = fopen(path, "r");
+    if (!f) TS_FAIL("%s was not written", path);
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[n] = '\0';
+    if (!strstr(text, files[i][1])) TS_FAIL("%s lacks \"%s\": %s", path, files[i][1], text);
+    unlink(path);
+  }
+  rmdir(dir);
+}
+
 TS_TEST(pipe_channels_carry_frames) {
   char *args[] = {"--channel", "pipe", "--producer", role_cmd("pipe-producer"), "--consumer", role_cmd("pipe-consumer"),
                   NULL};
@@ -410,6 +459,7 @@ TS_TEST(usage_errors) {
   char *a[] = {"--bogus", NULL};
   run_launcher(a);
   expect_exit(2);
+  expect_output("unknown option '--bogus'");
   expect_output("--help");
   char *b[] = {"--producer", "true", NULL};
   run_launcher(b);
@@ -424,6 +474,14 @@ TS_TEST(usage_errors) {
   char *spaced[] = {"--consumers", " 3", "demo", NULL}; /* strtol would have skipped the space */
   run_launcher(spaced);
   expect_exit(2);
+  char *no_value[] = {"demo", "--timeout", NULL};
+  run_launcher(no_value);
+  expect_exit(2);
+  expect_output("option '--timeout' needs a value");
+  char *mismatch[] = {"--producer", "true", "--consumer", "true", "--consumer", "true", "--consumers", "3", NULL};
+  run_launcher(mismatch);
+  expect_exit(2);
+  expect_output("--consumer given 2 times for --consumers 3");
   char *e[] = {"--help", NULL};
   run_launcher(e);
   expect_exit(0);
