@@ -5,6 +5,7 @@
 #include "cuda_hooks.h"
 
 #include "error_detail.h"
+#include "log.h"
 #include "tshare/share.h"
 
 #include <errno.h>
@@ -77,6 +78,8 @@ static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare
     return rc;
   }
   ts_error_fill(err, TSHARE_OK, "");
+  TS_LOG(TS_LOG_INFO, "channel '%s' open to %s over %s (its capabilities 0x%llx)", ch->name, ch->conn.peer_label,
+         kind == TSHARE_CHANNEL_SOCKET ? "a socket" : "pipes", (unsigned long long)ch->conn.peer.capabilities);
   *out = ch;
   return TSHARE_OK;
 }
@@ -142,6 +145,9 @@ void ts_channel_unref(tshare_channel *ch) {
 
 void tshare_channel_close(tshare_channel *ch) {
   if (!ch) return;
+  if (ch->conn.peer.major) /* it opened */
+    TS_LOG(TS_LOG_INFO, "channel '%s' to %s closed; %zu shares it still held dropped", ch->name, ch->conn.peer_label,
+           (size_t)ch->exports.count);
   /* A clean end for the peer (TSHARE_END, not TSHARE_E_PEER_CLOSED): the
    * bye goes after the releases, best effort. */
   if (ch->conn.wfd >= 0 && !ch->conn.broken && !ch->bye_sent) (void)tshare_channel_send_bye(ch, 0, 100);

@@ -3,6 +3,7 @@
 #include "backend.h"
 #include "channel_internal.h"
 #include "error_detail.h"
+#include "log.h"
 #include "tshare/share.h"
 
 #include <errno.h>
@@ -94,8 +95,11 @@ static void host_release(tshare_view *v) {
     /* Unmap before the release goes out: once the producer frees the memory,
      * nothing here may still reference it. */
     ts_u64map_remove(&ch->mappings, m->alloc_id);
+    TS_LOG(TS_LOG_DEBUG, "unmapped allocation %llu of %s: its last view went", (unsigned long long)m->alloc_id,
+           ch->conn.peer_label);
     unmap(m);
   }
+  TS_LOG(TS_LOG_INFO, "released share %llu of %s", (unsigned long long)v->share_id, ch->conn.peer_label);
   ts_share_queue_release_locked(ch, v->share_id);
   pthread_mutex_unlock(&ch->lock);
   ts_share_send_releases_now(ch);
@@ -172,6 +176,8 @@ static int host_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void
       *fdp = -1;
     }
     m->forward_id = ts_host_next_alloc_id();
+    TS_LOG(TS_LOG_DEBUG, "mapped allocation %llu (%zu bytes) of %s", (unsigned long long)m->alloc_id, m->size,
+           ch->conn.peer_label);
   }
   m->views++;
   pthread_mutex_unlock(&ch->lock);

@@ -8,6 +8,7 @@
 #include "channel_internal.h"
 #include "cuda_hooks.h"
 #include "error_detail.h"
+#include "log.h"
 #include "tshare/cuda.h"
 
 #include <errno.h>
@@ -22,6 +23,10 @@
 void ts_export_drop(ts_export *e) {
   e->release(e->owner);
   free(e);
+}
+
+static const char *mem_kind_name(int kind) {
+  return kind == TSHARE_MEM_HOST_MEMFD ? "host memfd" : kind == TSHARE_MEM_CUDA_FD ? "CUDA VMM fd" : "CUDA IPC handle";
 }
 
 int ts_share_send_export(tshare_channel *ch, tshare_frame *f, int fd, ts_export *e, int timeout_ms,
@@ -43,6 +48,9 @@ int ts_share_send_export(tshare_channel *ch, tshare_frame *f, int fd, ts_export 
   }
   ch->next_share_id++;
   if (share_id) *share_id = s->share_id;
+  TS_LOG(TS_LOG_INFO, "shared %llu (%s, allocation %llu of %llu bytes, tag '%s') with %s",
+         (unsigned long long)s->share_id, mem_kind_name(s->mem_kind), (unsigned long long)s->alloc_id,
+         (unsigned long long)s->alloc_size, s->tag, ch->conn.peer_label);
   return TSHARE_OK;
 }
 
@@ -134,6 +142,7 @@ int ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r) {
                    (unsigned long long)r->share_ids[i]);
       continue;
     }
+    TS_LOG(TS_LOG_DEBUG, "share %llu released by %s", (unsigned long long)e->share_id, ch->conn.peer_label);
     finish_export(ch, e, TSHARE_OK);
   }
   return rc;
@@ -263,6 +272,7 @@ static void refuse_share(tshare_channel *ch, const tshare_share_frame *s, const 
   if (ch->refused++ == 0) ch->refused_first = s->share_id;
   ts_errf(ch->err, sizeof ch->err, TSHARE_E_LIMIT, "receive: refused share %llu from peer %s: %s; released back",
           (unsigned long long)s->share_id, ch->conn.peer_label, why);
+  TS_LOG(TS_LOG_WARN, "%s", ch->err);
 }
 
 int ts_share_fd_lost(tshare_channel *ch, const tshare_frame *f, int lost) {
@@ -280,12 +290,14 @@ int ts_share_fd_lost(tshare_channel *ch, const tshare_frame *f, int lost) {
   release_back(ch, s->share_id);
   struct rlimit rl;
   unsigned long long limit = getrlimit(RLIMIT_NOFILE, &rl) == 0 ? (unsigned long long)rl.rlim_cur : 0;
-  return ts_errf(ch->err, sizeof ch->err, TSHARE_E_LIMIT,
-                 "receive: share %llu from peer %s came without its fd: %s (%s, RLIMIT_NOFILE %llu); release views "
-                 "or raise the limit (ulimit -n); the share was released back",
-                 (unsigned long long)s->share_id, ch->conn.peer_label,
-                 lost == ENFILE ? "the system's file table is full" : "this process has no free fd",
-                 lost == ENFILE ? "ENFILE" : "EMFILE", limit);
+  ts_errf(ch->err, sizeof ch->err, TSHARE_E_LIMIT,
+          "receive: share %llu from peer %s came without its fd: %s (%s, RLIMIT_NOFILE %llu); release views "
+          "or raise the limit (ulimit -n); the share was released back",
+          (unsigned long long)s->share_id, ch->conn.peer_label,
+          lost == ENFILE ? "the system's file table is full" : "this process has no free fd",
+          lost == ENFILE ? "ENFILE" : "EMFILE", limit);
+  TS_LOG(TS_LOG_WARN, "%s", ch->err);
+  return TSHARE_E_LIMIT;
 }
 
 static int enqueue_incoming(tshare_channel *ch, const tshare_frame *f, int fd) {
@@ -401,8 +413,10 @@ static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, i
   case TSHARE_FRAME_RETIRE:
     return ts_cuda_on_frame(ch, &f);
   case TSHARE_FRAME_ERROR:
-    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_ERROR, "peer %s reported %s: %s", ch->conn.peer_label,
-                   tshare_status_name(f.u.error.code), f.u.error.message);
+    ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_ERROR, "peer %s reported %s: %s", ch->conn.peer_label,
+            tshare_status_name(f.u.error.code), f.u.error.message);
+    TS_LOG(TS_LOG_WARN, "%s", ch->err);
+    return TSHARE_E_PEER_ERROR;
   default: /* a second hello */
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "receive: unexpected %s frame",
                    tshare_frame_type_name(f.type));
@@ -501,6 +515,8 @@ int tshare_view_recv_stream(tshare_channel *ch, void *stream, int timeout_ms, ts
   if (rc != TSHARE_OK) {
     free(v);
     release_back(ch, s->share_id); /* the producer still holds the memory for this share */
+    TS_LOG(TS_LOG_WARN, "refused share %llu from %s, released back: %s", (unsigned long long)s->share_id,
+           ch->conn.peer_label, ch->err);
     return rc;
   }
   v->ch = ch;
@@ -511,6 +527,8 @@ int tshare_view_recv_stream(tshare_channel *ch, void *stream, int timeout_ms, ts
   v->frame = *s;
   memcpy(v->tag, s->tag, s->tag_len);
   v->tag[s->tag_len] = '\0';
+  TS_LOG(TS_LOG_INFO, "received share %llu (%s, tag '%s') from %s", (unsigned long long)v->share_id, v->backend->name,
+         v->tag, ch->conn.peer_label);
   *out = v;
   return TSHARE_OK;
 }
