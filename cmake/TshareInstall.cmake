@@ -12,9 +12,6 @@ install(TARGETS tshare_core tshare_shared EXPORT tshareTargets
   RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/core/include/tshare DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(TARGETS tshare-launch RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-# tshare_warnings is PRIVATE to our targets but a static library's link
-# interface still names it, so it is exported as an empty interface.
-install(TARGETS tshare_warnings EXPORT tshareTargets)
 
 install(EXPORT tshareTargets NAMESPACE tshare:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/tshare)
 

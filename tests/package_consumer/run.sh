@@ -35,4 +35,14 @@ else
   echo "the torch bridge is not built: skipped the LibTorch project"
 fi
 "$work/prefix/bin/tshare-launch" --help >/dev/null
+# The installed C examples, copied out and built on their own, run by the
+# installed launcher.
+cp -r "$work"/prefix/share/tshare/examples/c "$work/examples-c"
+cmake -S "$work/examples-c" -B "$work/examples-c/build" -DCMAKE_PREFIX_PATH="$work/prefix" \
+  -DCMAKE_C_FLAGS="$extra_cflags" -DCMAKE_EXE_LINKER_FLAGS="$extra_cflags" >/dev/null
+cmake --build "$work/examples-c/build" >/dev/null
+(cd "$work/examples-c/build" && "$work/prefix/bin/tshare-launch" --producer "./batch_producer 12" \
+  --consumer ./batch_consumer --consumers 2 --timeout 60 >"$work/examples-c/run.log" 2>&1) ||
+  { echo "the installed C examples failed:"; cat "$work/examples-c/run.log"; exit 1; }
+tail -n 1 "$work/examples-c/run.log"
 echo "installed package works"
