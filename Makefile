@@ -18,6 +18,10 @@ FUZZ_SECONDS ?= 60
 # CI builds with -Werror; the exported flags never carry it.
 CMAKE_FLAGS ?= $(if $(CI),-DTSHARE_WERROR=ON)
 
+# The make that CMake runs inherits this: its progress lines, without the
+# "Entering directory" chatter.
+MAKEFLAGS += --no-print-directory
+
 .PHONY: all deps build demo test bench asan tsan valgrind fuzz faults load gpu-sanitize install clean
 
 all: build

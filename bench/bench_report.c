@@ -7,8 +7,26 @@
 
 static void copy(char *dst, size_t cap, const char *src) { snprintf(dst, cap, "%s", src ? src : ""); }
 
+/* A row is filled after br_add returns: it is done when the next one starts
+ * (or the table is printed), and then says so on stderr, so a run of a
+ * minute or more shows its progress. */
+static void say_done(const br_report *r) {
+  if (r->nrows == 0 || r->progress_said >= r->nrows) return;
+  const br_row *row = &r->rows[r->nrows - 1];
+  ((br_report *)r)->progress_said = r->nrows;
+  if (row->skipped[0])
+    fprintf(stderr, "bench [%2d] %-48s skipped: %s\n", r->nrows, row->label, row->skipped);
+  else if (row->kind == BR_LATENCY)
+    fprintf(stderr, "bench [%2d] %-48s p50 %.2f us, p99 %.2f us\n", r->nrows, row->label, row->value, row->p99);
+  else if (row->kind == BR_MEMORY)
+    fprintf(stderr, "bench [%2d] %-48s %.1f -> %.1f %s\n", r->nrows, row->label, row->before, row->value, row->unit);
+  else
+    fprintf(stderr, "bench [%2d] %-48s %.4g %s\n", r->nrows, row->label, row->value, row->unit);
+}
+
 br_row *br_add(br_report *r, br_kind kind, const char *group, const char *key, const char *label, const char *unit) {
   static br_row spare;
+  say_done(r);
   br_row *row = r->nrows < BR_ROWS_MAX ? &r->rows[r->nrows++] : &spare;
   memset(row, 0, sizeof *row);
   row->kind = kind;
@@ -51,16 +69,23 @@ static double ratio_to(const br_report *r, const br_row *row, const char *key, i
 }
 
 static void fmt_num(char *buf, size_t cap, double v) {
-  if (isnan(v)) snprintf(buf, cap, "-");
-  else if (fabs(v) >= 1e6) snprintf(buf, cap, "%.3g", v);
-  else if (fabs(v) >= 1000) snprintf(buf, cap, "%.0f", v);
-  else if (fabs(v) >= 100) snprintf(buf, cap, "%.1f", v);
-  else snprintf(buf, cap, "%.2f", v);
+  if (isnan(v))
+    snprintf(buf, cap, "-");
+  else if (fabs(v) >= 1e6)
+    snprintf(buf, cap, "%.3g", v);
+  else if (fabs(v) >= 1000)
+    snprintf(buf, cap, "%.0f", v);
+  else if (fabs(v) >= 100)
+    snprintf(buf, cap, "%.1f", v);
+  else
+    snprintf(buf, cap, "%.2f", v);
 }
 
 static void fmt_ratio(char *buf, size_t cap, double v) {
-  if (isnan(v)) snprintf(buf, cap, "-");
-  else snprintf(buf, cap, "%.2fx", v);
+  if (isnan(v))
+    snprintf(buf, cap, "-");
+  else
+    snprintf(buf, cap, "%.2fx", v);
 }
 
 static const char *group_title(const char *group) {
@@ -72,6 +97,7 @@ static const char *group_title(const char *group) {
 }
 
 void br_print(const br_report *r, FILE *out) {
+  say_done(r);
   fprintf(out, "\n%s\n%s\n", r->title, r->device);
   const char *groups[] = {"latency", "throughput", "bandwidth", "memory"};
   for (size_t g = 0; g < sizeof groups / sizeof *groups; g++) {
@@ -152,16 +178,21 @@ static void json_str(FILE *f, const char *s) {
   fputc('"', f);
   for (; *s; s++) {
     unsigned char ch = (unsigned char)*s;
-    if (ch == '"' || ch == '\\') fprintf(f, "\\%c", ch);
-    else if (ch < 0x20) fprintf(f, "\\u%04x", ch);
-    else fputc(ch, f);
+    if (ch == '"' || ch == '\\')
+      fprintf(f, "\\%c", ch);
+    else if (ch < 0x20)
+      fprintf(f, "\\u%04x", ch);
+    else
+      fputc(ch, f);
   }
   fputc('"', f);
 }
 
 static void json_num(FILE *f, double v) {
-  if (isnan(v) || isinf(v)) fprintf(f, "null");
-  else fprintf(f, "%.10g", v);
+  if (isnan(v) || isinf(v))
+    fprintf(f, "null");
+  else
+    fprintf(f, "%.10g", v);
 }
 
 int br_write_json(const br_report *r, const char *path) {
@@ -177,8 +208,10 @@ int br_write_json(const br_report *r, const char *path) {
     row_fields(r, &r->rows[i], fields);
     for (int k = 0; k < ROW_FIELDS; k++) {
       fprintf(f, "%s\"%s\": ", k ? ", " : "    {", fields[k].name);
-      if (fields[k].str) json_str(f, fields[k].str);
-      else json_num(f, fields[k].num);
+      if (fields[k].str)
+        json_str(f, fields[k].str);
+      else
+        json_num(f, fields[k].num);
     }
     fprintf(f, "}%s\n", i + 1 < r->nrows ? "," : "");
   }
@@ -188,7 +221,10 @@ int br_write_json(const br_report *r, const char *path) {
     json_str(f, r->targets[i].text);
     fprintf(f, ", \"measured\": ");
     json_str(f, r->targets[i].measured);
-    fprintf(f, ", \"met\": %s}%s\n", r->targets[i].met > 0 ? "true" : r->targets[i].met == 0 ? "false" : "null",
+    fprintf(f, ", \"met\": %s}%s\n",
+            r->targets[i].met > 0    ? "true"
+            : r->targets[i].met == 0 ? "false"
+                                     : "null",
             i + 1 < r->ntargets ? "," : "");
   }
   fprintf(f, "  ]\n}\n");
@@ -217,8 +253,10 @@ int br_write_csv(const br_report *r, const char *path) {
     row_fields(r, &r->rows[i], fields);
     for (int k = 0; k < ROW_FIELDS; k++) {
       if (k) fputc(',', f);
-      if (fields[k].str) csv_str(f, fields[k].str);
-      else if (!isnan(fields[k].num) && !isinf(fields[k].num)) fprintf(f, "%.10g", fields[k].num);
+      if (fields[k].str)
+        csv_str(f, fields[k].str);
+      else if (!isnan(fields[k].num) && !isinf(fields[k].num))
+        fprintf(f, "%.10g", fields[k].num);
     }
     fputc('\n', f);
   }

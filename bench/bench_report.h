@@ -18,18 +18,18 @@ typedef enum br_kind {
 
 typedef struct br_row {
   br_kind kind;
-  char group[16];  /* section of the table: "latency", "throughput", "bandwidth", "memory" */
-  char key[48];    /* stable name for machines */
-  char label[80];  /* what a person reads */
+  char group[16]; /* section of the table: "latency", "throughput", "bandwidth", "memory" */
+  char key[48];   /* stable name for machines */
+  char label[80]; /* what a person reads */
   char unit[16];
-  double value;    /* p50 for latency rows, the figure otherwise, "after" for memory rows */
-  double p99;      /* latency rows */
-  double before;   /* memory rows */
-  long n;          /* iterations or shares behind the figure */
-  char floor_key[48];  /* latency: value / floor's value */
-  char peer_key[48];   /* latency: peer's value / value ("x faster") */
-  char ratio_key[48];  /* value / that row's value */
-  char skipped[200];   /* non-empty: not measured, and why */
+  double value;       /* p50 for latency rows, the figure otherwise, "after" for memory rows */
+  double p99;         /* latency rows */
+  double before;      /* memory rows */
+  long n;             /* iterations or shares behind the figure */
+  char floor_key[48]; /* latency: value / floor's value */
+  char peer_key[48];  /* latency: peer's value / value ("x faster") */
+  char ratio_key[48]; /* value / that row's value */
+  char skipped[200];  /* non-empty: not measured, and why */
   char note[200];
 } br_row;
 
@@ -49,6 +49,7 @@ typedef struct br_report {
   int nrows;
   br_target targets[BR_TARGETS_MAX];
   int ntargets;
+  int progress_said; /* rows already reported as done on stderr */
 } br_report;
 
 /* A new row (zeroed, NaN figures); a static spare when the table is full. */
