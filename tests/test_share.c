@@ -484,6 +484,7 @@ TS_TEST(host_share_over_pipes_is_refused_clearly) {
   CHECK_RC(tshare_host_buffer_create(4096, NULL, &a, NULL), TSHARE_OK, "");
   tshare_tensor_desc t = desc_1d(F32, 4, 0);
   CHECK_RC(tshare_share_host(ch, a, &t, NULL, NULL, 1000, NULL), TSHARE_E_UNSUPPORTED, "");
+  CHECK(strstr(tshare_channel_last_error(ch), "open a socket channel") != NULL); /* says what to do */
   CHECK(strstr(tshare_channel_last_error(ch), "socket") != NULL);
   CHECK_RC(tshare_channel_send_bye(ch, 0, 1000), TSHARE_OK, "");
   CHECK_CHILD_OK(pid);

@@ -333,7 +333,7 @@ int ts_conn_send(ts_conn *c, const tshare_frame *f, int fd, int timeout_ms) {
   mark_driver(c);
   if (c->wfd < 0) return ts_errf(c->err, c->err_cap, TSHARE_E_STATE, "send: channel is closed");
   if (fd >= 0 && c->kind != TSHARE_CHANNEL_SOCKET)
-    return ts_errf(c->err, c->err_cap, TSHARE_E_UNSUPPORTED, "send: a pipe channel cannot carry fds");
+    return ts_errf(c->err, c->err_cap, TSHARE_E_UNSUPPORTED, "send: a pipe channel cannot carry fds: open a socket channel");
   if ((fd >= 0) != ((f->flags & TSHARE_FRAME_FLAG_FD_ATTACHED) != 0))
     return ts_errf(c->err, c->err_cap, TSHARE_E_INVALID_ARG, "send: the fd-attached flag and the fd argument disagree");
   uint8_t buf[TSHARE_WIRE_FRAME_MAX];

@@ -22,10 +22,17 @@
 static int send_memfd_share(tshare_channel *ch, uint64_t alloc_id, uint64_t alloc_size, int fd,
                             const tshare_tensor_desc *desc, const char *tag, ts_export *e, int timeout_ms,
                             uint64_t *share_id) {
-  if (ch->conn.kind != TSHARE_CHANNEL_SOCKET || !(ch->conn.peer.capabilities & TSHARE_CAP_HOST_MEMFD)) {
+  if (ch->conn.kind != TSHARE_CHANNEL_SOCKET) {
     ts_export_drop(e);
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
-                   "share: host memory travels as an fd and needs a socket channel whose peer imports memfds");
+                   "share: host memory travels as an fd, which a pipe channel cannot carry: open a socket channel "
+                   "(tshare_socketpair, tshare_listen/tshare_connect, or tshare-launch --channel socket)");
+  }
+  if (!(ch->conn.peer.capabilities & TSHARE_CAP_HOST_MEMFD)) {
+    ts_export_drop(e);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_MISMATCH,
+                   "share: peer %s does not import host memory (no memfd capability in its hello)",
+                   ch->conn.peer_label);
   }
   tshare_frame f;
   memset(&f, 0, sizeof f);
