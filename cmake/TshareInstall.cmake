@@ -12,6 +12,10 @@ install(TARGETS tshare_core tshare_shared EXPORT tshareTargets
   RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/core/include/tshare DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(TARGETS tshare-launch RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+install(FILES ${PROJECT_SOURCE_DIR}/docs/man/tshare-launch.1 DESTINATION ${CMAKE_INSTALL_MANDIR}/man1)
+if(TARGET tshare-zeroing-check)
+  install(FILES ${PROJECT_SOURCE_DIR}/docs/man/tshare-zeroing-check.1 DESTINATION ${CMAKE_INSTALL_MANDIR}/man1)
+endif()
 
 install(EXPORT tshareTargets NAMESPACE tshare:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/tshare)
 
