@@ -206,8 +206,10 @@ static void consumer_dies_holding(int fd) {
   for (int i = 0; i < HOLD; i++) {
     tshare_view *v;
     CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_OK, tshare_channel_last_error(ch));
-    if (i % 2) tshare_view_release(v); /* some released, the rest held at death */
-    else held_at_death[i] = v;
+    if (i % 2)
+      tshare_view_release(v); /* some released, the rest held at death */
+    else
+      held_at_death[i] = v;
   }
   raise(SIGKILL);
 }
@@ -404,7 +406,8 @@ static void consumer_receives_while_workers_release(int fd) {
 }
 
 TS_TEST(releases_from_worker_threads_interleave_with_the_driving_thread) {
-  producer_end p = start_producer(consumer_receives_while_workers_release, RACE_WINDOW * sizeof(int), "tshare-test-race");
+  producer_end p =
+      start_producer(consumer_receives_while_workers_release, RACE_WINDOW * sizeof(int), "tshare-test-race");
   tshare_channel *ch = p.ch;
   tshare_host_buffer *a = p.buf;
   int *slots = tshare_host_buffer_data(a);
@@ -607,6 +610,44 @@ TS_TEST(close_without_bye_ends_the_stream_cleanly) {
   tshare_channel_close(ch); /* no bye of its own */
   tshare_host_buffer_destroy(b);
   CHECK_CHILD_OK(pid);
+}
+
+/* A consumer that says bye before it releases what it holds: the producer
+ * still reads those releases (they free its memory as releases, not as a
+ * dead peer's drops), and its wait ends when they came. */
+static int bye_first_done[2];
+static void consumer_says_bye_then_releases(int fd) {
+  tshare_channel *ch = open_socket_channel(fd, "polite consumer", NULL, NULL);
+  tshare_view *v[3];
+  for (int i = 0; i < 3; i++) CHECK_RC(tshare_view_recv(ch, 5000, &v[i]), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  usleep(100 * 1000);
+  for (int i = 0; i < 3; i++) tshare_view_release(v[i]);
+  CHECK_RC(tshare_channel_poll(ch, 0), TSHARE_AGAIN, tshare_channel_last_error(ch)); /* the releases go out */
+  char c;
+  CHECK(read(bye_first_done[0], &c, 1) == 1); /* stays until the producer had them */
+  tshare_channel_close(ch);
+}
+
+TS_TEST(releases_after_the_consumers_bye_still_count) {
+  CHECK(pipe(bye_first_done) == 0);
+  released_ok = released_dropped = 0;
+  int sock;
+  pid_t pid = fork_with_socket(consumer_says_bye_then_releases, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "producer", count_releases, NULL);
+  tshare_host_buffer *b;
+  CHECK_RC(tshare_host_buffer_create(64, "tshare-bye-first", &b, NULL), TSHARE_OK, "");
+  tshare_tensor_desc d = desc_1d(F32, 4, 0);
+  for (int i = 0; i < 3; i++)
+    CHECK_RC(tshare_share_host(ch, b, &d, NULL, NULL, 5000, NULL), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_channel_wait_released(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(released_ok, 3); /* released, not dropped */
+  CHECK_EQ(released_dropped, 0);
+  CHECK_RC(tshare_channel_poll(ch, -1), TSHARE_END, tshare_channel_last_error(ch)); /* at once: it said bye */
+  CHECK(write(bye_first_done[1], "x", 1) == 1);
+  CHECK_CHILD_OK(pid);
+  tshare_host_buffer_destroy(b);
+  tshare_channel_close(ch);
 }
 
 TS_TEST_MAIN

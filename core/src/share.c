@@ -375,13 +375,16 @@ int ts_session_recv(tshare_channel *ch, tshare_frame *f, int *fd_out, int *fd_lo
 }
 
 /* Receive and handle one frame. A share is returned through share/fd when the
- * caller asked for one (share != NULL), otherwise queued. */
-static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, int *fd, bool *got_share) {
+ * caller asked for one (share != NULL), otherwise queued. After the peer's
+ * bye no share comes, so a receive ends there (TSHARE_END); but its releases
+ * still come until it closes, and past_bye reads on for them. */
+static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, int *fd, bool *got_share,
+                      bool past_bye) {
   *got_share = false;
   tshare_frame f;
   int frame_fd, fd_lost;
   int rc;
-  if (ch->peer_bye) { /* nothing more comes; what this end owes still goes */
+  if (ch->peer_bye && !past_bye) { /* nothing more comes; what this end owes still goes */
     ts_gpu_wait gpu;
     rc = housekeeping(ch, ts_deadline(timeout_ms), false, &gpu);
     if (rc == TSHARE_E_PEER_CLOSED) ts_share_drop_all(ch, rc);
@@ -426,15 +429,18 @@ static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, i
 int tshare_channel_poll(tshare_channel *ch, int timeout_ms) {
   if (!ch) return TSHARE_E_INVALID_ARG;
   bool got;
-  int rc = drive_once(ch, timeout_ms, NULL, NULL, &got);
-  if (rc == TSHARE_E_TIMEOUT) return TSHARE_AGAIN;
+  /* Once the peer said bye the answer is TSHARE_END at once, after what it
+   * still sent (its releases) was read without waiting. */
+  bool ended = ch->peer_bye;
+  int rc = drive_once(ch, ended ? 0 : timeout_ms, NULL, NULL, &got, true);
   /* Drain whatever else is already buffered without waiting. */
   while (rc == TSHARE_OK) {
-    int more = drive_once(ch, 0, NULL, NULL, &got);
+    int more = drive_once(ch, 0, NULL, NULL, &got, true);
     if (more == TSHARE_E_TIMEOUT) break;
     rc = more;
   }
-  return rc;
+  if (ch->peer_bye && (rc == TSHARE_OK || rc == TSHARE_E_TIMEOUT || rc == TSHARE_E_PEER_CLOSED)) return TSHARE_END;
+  return rc == TSHARE_E_TIMEOUT ? TSHARE_AGAIN : rc;
 }
 
 int tshare_channel_wait_released(tshare_channel *ch, uint64_t share_id, int timeout_ms) {
@@ -444,7 +450,7 @@ int tshare_channel_wait_released(tshare_channel *ch, uint64_t share_id, int time
     bool done = share_id ? tshare_share_is_released(ch, share_id) != 0 : ch->exports.count == 0;
     if (done) return TSHARE_OK;
     bool got;
-    int rc = drive_once(ch, ts_remaining(deadline), NULL, NULL, &got);
+    int rc = drive_once(ch, ts_remaining(deadline), NULL, NULL, &got, true);
     if (rc == TSHARE_E_PEER_CLOSED) return TSHARE_OK; /* everything it held was dropped */
     if (rc == TSHARE_END) continue;                   /* a peer that said bye still sends its releases */
     if (rc != TSHARE_OK) {
@@ -464,7 +470,7 @@ int tshare_channel_peek_share(tshare_channel *ch, int timeout_ms, tshare_share_i
   int64_t deadline = ts_deadline(timeout_ms);
   while (!ch->in_len) {
     bool got;
-    int rc = drive_once(ch, ts_remaining(deadline), NULL, NULL, &got);
+    int rc = drive_once(ch, ts_remaining(deadline), NULL, NULL, &got, false);
     if (rc != TSHARE_OK) return rc;
   }
   const tshare_share_frame *s = &ch->incoming[ch->in_head].frame.u.share;
@@ -496,7 +502,7 @@ int tshare_view_recv_stream(tshare_channel *ch, void *stream, int timeout_ms, ts
     int64_t deadline = ts_deadline(timeout_ms);
     for (;;) {
       bool got;
-      int rc = drive_once(ch, ts_remaining(deadline), &f, &fd, &got);
+      int rc = drive_once(ch, ts_remaining(deadline), &f, &fd, &got, false);
       if (rc != TSHARE_OK) return rc;
       if (got) break;
     }
