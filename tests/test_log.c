@@ -50,9 +50,13 @@ static void run_with_log_level(const char *level) {
   char env_text[64];
   snprintf(env_text, sizeof env_text, "TSHARE_LOG=%s", level ? level : "");
   char *env[] = {env_text, NULL};
-  char *argv[] = {"/proc/self/exe", "--role", "share", NULL};
+  static char self[4096]; /* this binary's path (under valgrind /proc/self/exe is valgrind's) */
+  ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  CHECK(n > 0);
+  self[n] = '\0';
+  char *argv[] = {self, "--role", "share", NULL};
   tshare_fd_map fds[] = {{2, err[1]}};
-  tshare_spawn_options o = {.file = "/proc/self/exe", .argv = argv, .env_set = env, .fds = fds, .nfds = 1};
+  tshare_spawn_options o = {.file = self, .argv = argv, .env_set = env, .fds = fds, .nfds = 1};
   tshare_process *p;
   tshare_error e;
   CHECK_RC(tshare_spawn(&o, &p, &e), TSHARE_OK, e.message);
