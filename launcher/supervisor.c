@@ -30,6 +30,7 @@ enum { OUT_STDOUT, OUT_STDERR, OUT_REPORT, OUT_COUNT };
 typedef struct role_run {
   char label[32]; /* "producer", "consumer 2" */
   FILE *log;      /* --log-dir: this role's lines go here */
+  bool prefixed;  /* lines get "[label pid N] " (not with --no-prefix or a log) */
   tshare_process *proc;
   pid_t pid;
   line_buf out[OUT_COUNT];
@@ -57,11 +58,9 @@ static double now_s(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-static bool no_prefix; /* the plan's, for emit_line */
-
 static void emit_line(const role_run *r, int stream, const char *text, size_t n) {
   FILE *to = r->log ? r->log : stream == OUT_STDERR ? stderr : stdout;
-  if (!no_prefix && !r->log) fprintf(to, "[%s pid %d] ", r->label, (int)r->pid);
+  if (r->prefixed) fprintf(to, "[%s pid %d] ", r->label, (int)r->pid);
   fwrite(text, 1, n, to); /* as it came, NUL bytes included */
   fputc('\n', to);
   fflush(to);
@@ -551,7 +550,6 @@ static void write_summary_file(const char *dir, const role_run *roles, int n, do
 }
 
 int launch_run(const launch_plan *plan) {
-  no_prefix = plan->no_prefix;
   job j = {.plan = plan, .nroles = plan->consumers + 1, .t0 = now_s(), .first_failure = -1, .not_started = -1};
   j.roles = calloc((size_t)j.nroles, sizeof *j.roles);
   int(*chan)[4] = calloc((size_t)plan->consumers, sizeof *chan);
@@ -566,6 +564,7 @@ int launch_run(const launch_plan *plan) {
       snprintf(j.roles[i].label, sizeof j.roles[i].label, "consumer %d", i - 1);
     j.roles[i].shared = j.roles[i].verified = -1;
     if (plan->log_dir && open_role_log(plan->log_dir, &j.roles[i], i) != 0) return LAUNCH_ROLE_FAILED;
+    j.roles[i].prefixed = !plan->no_prefix && !j.roles[i].log;
     for (int s = 0; s < OUT_COUNT; s++) j.roles[i].out[s].fd = -1;
   }
   install_signal_handlers();

@@ -150,8 +150,12 @@ void tshare_channel_close(tshare_channel *ch) {
            (size_t)ch->exports.count);
   /* A clean end for the peer (TSHARE_END, not TSHARE_E_PEER_CLOSED): the
    * bye goes after the releases, best effort. */
-  if (ch->conn.wfd >= 0 && !ch->conn.broken && !ch->bye_sent) (void)tshare_channel_send_bye(ch, 0, 100);
-  if (ch->conn.wfd >= 0 && !ch->conn.broken) ts_share_flush_pending(ch, 100);
+  if (ch->conn.wfd >= 0 && !ch->conn.broken) {
+    if (ch->bye_sent)
+      ts_share_flush_pending(ch, 100);
+    else
+      (void)tshare_channel_send_bye(ch, 0, 100); /* which flushes the releases first */
+  }
   ts_conn_flush_tail(&ch->conn, 100);
   ts_share_drop_all(ch, TSHARE_E_PEER_CLOSED);
   ts_share_free_incoming(ch);

@@ -333,7 +333,8 @@ int ts_conn_send(ts_conn *c, const tshare_frame *f, int fd, int timeout_ms) {
   mark_driver(c);
   if (c->wfd < 0) return ts_errf(c->err, c->err_cap, TSHARE_E_STATE, "send: channel is closed");
   if (fd >= 0 && c->kind != TSHARE_CHANNEL_SOCKET)
-    return ts_errf(c->err, c->err_cap, TSHARE_E_UNSUPPORTED, "send: a pipe channel cannot carry fds: open a socket channel");
+    return ts_errf(c->err, c->err_cap, TSHARE_E_UNSUPPORTED,
+                   "send: a pipe channel cannot carry fds: open a socket channel");
   if ((fd >= 0) != ((f->flags & TSHARE_FRAME_FLAG_FD_ATTACHED) != 0))
     return ts_errf(c->err, c->err_cap, TSHARE_E_INVALID_ARG, "send: the fd-attached flag and the fd argument disagree");
   uint8_t buf[TSHARE_WIRE_FRAME_MAX];
@@ -581,13 +582,9 @@ uint64_t ts_conn_origin_key(const ts_conn *c, uint32_t claimed_pid) {
  * a quarter of the soft RLIMIT_NOFILE, at most TS_FD_BUDGET_MAX. */
 static size_t default_fd_budget(void) {
   struct rlimit rl;
-  size_t budget = 256;
-  if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY)
-    budget = (size_t)(rl.rlim_cur / 4);
-  else if (getrlimit(RLIMIT_NOFILE, &rl) == 0)
-    budget = TS_FD_BUDGET_MAX;
-  if (budget > TS_FD_BUDGET_MAX) budget = TS_FD_BUDGET_MAX;
-  return budget < 8 ? 8 : budget;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return 256;
+  if (rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur / 4 > TS_FD_BUDGET_MAX) return TS_FD_BUDGET_MAX;
+  return rl.rlim_cur / 4 < 8 ? 8 : (size_t)(rl.rlim_cur / 4);
 }
 
 /* Both hellos: ours out, the peer's in. */

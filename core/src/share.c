@@ -186,6 +186,13 @@ static void send_refusal_notice(tshare_channel *ch) {
   tshare_channel_send_error(ch, TSHARE_E_LIMIT, msg);
 }
 
+/* A release frame that did not go out: its ids are queued again. */
+static void put_back(tshare_channel *ch, const tshare_frame *f) {
+  pthread_mutex_lock(&ch->lock);
+  for (uint32_t i = 0; i < f->u.release.count; i++) ts_share_queue_release_locked(ch, f->u.release.share_ids[i]);
+  pthread_mutex_unlock(&ch->lock);
+}
+
 int ts_share_flush_pending(tshare_channel *ch, int timeout_ms) {
   int64_t deadline = ts_deadline(timeout_ms);
   send_refusal_notice(ch);
@@ -196,12 +203,8 @@ int ts_share_flush_pending(tshare_channel *ch, int timeout_ms) {
     pthread_mutex_unlock(&ch->lock);
     if (f.u.release.count == 0) return TSHARE_OK;
     int rc = ts_channel_send(ch, &f, -1, ts_remaining(deadline));
-    if (rc == TSHARE_E_TIMEOUT) { /* nothing went: they go with a later flush */
-      pthread_mutex_lock(&ch->lock);
-      for (uint32_t i = 0; i < f.u.release.count; i++) ts_share_queue_release_locked(ch, f.u.release.share_ids[i]);
-      pthread_mutex_unlock(&ch->lock);
-    }
-    if (rc != TSHARE_OK) return rc; /* a dead peer no longer needs the releases */
+    if (rc == TSHARE_E_TIMEOUT) put_back(ch, &f); /* nothing went: they go with a later flush */
+    if (rc != TSHARE_OK) return rc;               /* a dead peer no longer needs the releases */
   }
 }
 
@@ -219,10 +222,7 @@ void ts_share_send_releases_now(tshare_channel *ch) {
   take_pending_locked(ch, &f);
   pthread_mutex_unlock(&ch->lock);
   if (ts_conn_send_now(&ch->conn, &f)) return;
-  /* Nothing went: back to the driving thread, which is told. */
-  pthread_mutex_lock(&ch->lock);
-  for (uint32_t i = 0; i < f.u.release.count; i++) ts_share_queue_release_locked(ch, f.u.release.share_ids[i]);
-  pthread_mutex_unlock(&ch->lock);
+  put_back(ch, &f); /* nothing went: back to the driving thread, which is told */
 }
 
 /* Queue a release for the driving thread and wake it if it is blocked in a
