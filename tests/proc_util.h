@@ -15,16 +15,28 @@
 
 /* A channel on one end of a connected socket, named name; cb (optional) gets
  * the releases of what this end shares. */
-static inline tshare_channel *open_socket_channel(int fd, const char *name, tshare_release_cb cb, void *cb_user) {
+static inline tshare_channel *open_channel_over(int fd, const char *name, tshare_release_cb cb, void *cb_user,
+                                                int transport) {
   tshare_channel_options o;
   tshare_channel_options_init(&o);
   o.name = name;
+  o.transport = transport;
   o.on_release = cb;
   o.cb_user = cb_user;
   tshare_channel *ch = NULL;
   tshare_error err;
   CHECK_RC(tshare_channel_open_socket(fd, &o, &ch, &err), TSHARE_OK, err.message);
   return ch;
+}
+
+static inline tshare_channel *open_socket_channel(int fd, const char *name, tshare_release_cb cb, void *cb_user) {
+  return open_channel_over(fd, name, cb, cb_user, TSHARE_TRANSPORT_DEFAULT);
+}
+
+/* For a test that writes frames straight to the socket, as a hand-rolled
+ * peer would: the ring transport takes frames only in its ring's order. */
+static inline tshare_channel *open_socket_only_channel(int fd, const char *name) {
+  return open_channel_over(fd, name, NULL, NULL, TSHARE_TRANSPORT_SOCKET);
 }
 
 /* Fork; the child runs fn(arg) and exits 0 (a failed CHECK exits 1). */

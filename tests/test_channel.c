@@ -14,16 +14,19 @@
 #include <sys/time.h>
 #include <time.h>
 
-static tshare_channel *open_sock(int fd, const char *name) {
+static tshare_channel *open_sock_over(int fd, const char *name, int transport) {
   tshare_channel_options o;
   tshare_channel_options_init(&o);
   o.name = name;
+  o.transport = transport;
   o.handshake_timeout_ms = 5000;
   tshare_channel *ch = NULL;
   tshare_error err;
   CHECK_RC(tshare_channel_open_socket(fd, &o, &ch, &err), TSHARE_OK, err.message);
   return ch;
 }
+
+static tshare_channel *open_sock(int fd, const char *name) { return open_sock_over(fd, name, TSHARE_TRANSPORT_DEFAULT); }
 
 static tshare_frame bye_frame(uint32_t reason) {
   tshare_frame f;
@@ -130,7 +133,7 @@ TS_TEST(pipe_frames_and_no_fds) {
 static tshare_channel *volatile quitter; /* still reachable when the child dies on purpose */
 
 static void dies_mid_frame(int fd) {
-  tshare_channel *ch = quitter = open_sock(fd, "quitter");
+  tshare_channel *ch = quitter = open_sock_over(fd, "quitter", TSHARE_TRANSPORT_SOCKET); /* writes the socket itself */
   uint8_t buf[TSHARE_WIRE_FRAME_MAX];
   size_t len;
   tshare_frame f = bye_frame(1);

@@ -212,7 +212,7 @@ TS_TEST(fds_on_frames_that_carry_none_are_closed) {
 /* A producer whose first fd rides on an error frame (which announces none),
  * followed by a share carrying the right memfd. */
 static void producer_sends_a_stray_fd(int fd) {
-  tshare_channel *ch = open_socket_channel(fd, "stray producer", NULL, NULL);
+  tshare_channel *ch = open_socket_only_channel(fd, "stray producer");
   tshare_host_buffer *wrong = filled_buffer("tshare-wrong", 16, 900);
   tshare_host_buffer *right = filled_buffer("tshare-right", 16, 7);
   tshare_frame e;

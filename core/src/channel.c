@@ -21,6 +21,34 @@ void tshare_channel_options_init(tshare_channel_options *o) {
   o->handshake_timeout_ms = 10000;
   o->allow_uid = -1;
   o->keep_host_fds = 1;
+  o->transport = TSHARE_TRANSPORT_DEFAULT;
+  o->spin_us = -1;
+}
+
+/* The transport a socket channel asks for: the option, else the environment,
+ * else the ring. */
+static bool wants_ring(const tshare_channel_options *o) {
+  if (o->transport == TSHARE_TRANSPORT_RING) return true;
+  if (o->transport == TSHARE_TRANSPORT_SOCKET) return false;
+  const char *env = getenv("TSHARE_TRANSPORT");
+  if (env && strcmp(env, "socket") == 0) return false;
+  if (env && *env && strcmp(env, "ring") != 0) TS_LOG(TS_LOG_WARN, "TSHARE_TRANSPORT=%s is neither ring nor socket: ring", env);
+  return true;
+}
+
+#define SPIN_US_DEFAULT 50
+#define SPIN_US_MAX 1000000
+
+static long spin_budget_us(const tshare_channel_options *o) {
+  if (o->spin_us >= 0) return o->spin_us > SPIN_US_MAX ? SPIN_US_MAX : o->spin_us;
+  const char *env = getenv("TSHARE_SPIN_US");
+  if (env && *env) {
+    char *end;
+    long v = strtol(env, &end, 10);
+    if (*end == '\0' && v >= 0) return v > SPIN_US_MAX ? SPIN_US_MAX : v;
+    TS_LOG(TS_LOG_WARN, "TSHARE_SPIN_US=%s is not a number of microseconds: %d", env, SPIN_US_DEFAULT);
+  }
+  return SPIN_US_DEFAULT;
 }
 
 int tshare_socketpair(int fds[2], tshare_error *err) {
@@ -38,7 +66,13 @@ const char *tshare_channel_last_error(const tshare_channel *ch) {
   if (!ch) return "channel is NULL";
   return ch->err[0] ? ch->err : "no error";
 }
-int tshare_channel_fd(const tshare_channel *ch) { return ch->conn.rfd; }
+int tshare_channel_fd(const tshare_channel *ch) {
+  /* Asking for the fd is what makes a ring channel nudge it: logically const. */
+  return ts_conn_poll_fd((ts_conn *)&ch->conn);
+}
+tshare_transport tshare_channel_transport(const tshare_channel *ch) {
+  return ts_conn_uses_ring(&ch->conn) ? TSHARE_TRANSPORT_RING : TSHARE_TRANSPORT_SOCKET;
+}
 
 static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare_channel_options *opts,
                         tshare_channel **out, tshare_error *err) {
@@ -69,7 +103,9 @@ static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare
     const ts_backend *backends[] = TS_BACKENDS;
     for (size_t i = 0; i < sizeof backends / sizeof *backends; i++) self.capabilities |= backends[i]->hello_caps(kind);
     ts_cuda_hello_devices(&self);
-    rc = ts_conn_hello(&ch->conn, &self, ch->opts.allow_uid, ch->opts.handshake_timeout_ms);
+    if (kind == TSHARE_CHANNEL_SOCKET && wants_ring(&ch->opts)) self.capabilities |= TSHARE_CAP_RING;
+    ch->conn.spin_us = spin_budget_us(&ch->opts);
+    rc = ts_conn_hello(&ch->conn, &self, ch->opts.allow_uid, 0, ch->opts.handshake_timeout_ms);
   }
   if (rc != TSHARE_OK) {
     ts_error_fill(err, rc, ch->err);
@@ -79,7 +115,10 @@ static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare
   }
   ts_error_fill(err, TSHARE_OK, "");
   TS_LOG(TS_LOG_INFO, "channel '%s' open to %s over %s (its capabilities 0x%llx)", ch->name, ch->conn.peer_label,
-         kind == TSHARE_CHANNEL_SOCKET ? "a socket" : "pipes", (unsigned long long)ch->conn.peer.capabilities);
+         kind == TSHARE_CHANNEL_PIPES ? "pipes"
+         : ts_conn_uses_ring(&ch->conn) ? "a socket and shared-memory rings"
+                                         : "a socket",
+         (unsigned long long)ch->conn.peer.capabilities);
   *out = ch;
   return TSHARE_OK;
 }

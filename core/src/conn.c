@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -181,9 +182,17 @@ static void spill_read(ts_conn *c) {
   if (r == 0) c->spill_eof = true;
 }
 
+static void ring_spill_read(ts_conn *c);
+static void nudge_peer(ts_conn *c, bool have_send_lock);
+
 /* Wait until the peer can take bytes, reading what it sends meanwhile. */
 static int wait_writable(ts_conn *c, int64_t deadline) {
   for (;;) {
+    if (ts_conn_uses_ring(c)) { /* its ring too: a peer whose ring is full reads nothing of ours */
+      ring_spill_read(c);
+      ts_ring_reader_waits(&c->ring_in, TS_RING_SOCKET);
+      ring_spill_read(c);
+    }
     /* Reading never stops for fds: past the channel's fd budget they are
      * closed on arrival and their shares refused, so two ends that share to
      * each other both keep reading (up to SPILL_MAX bytes). */
@@ -193,6 +202,7 @@ static int wait_writable(ts_conn *c, int64_t deadline) {
     int n = poll(p, can_read ? 2 : 1, ts_remaining(deadline));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return ts_errsys(c->err, c->err_cap, TSHARE_E_SYSTEM, errno, "poll (send)");
+    if (ts_conn_uses_ring(c)) ts_ring_reader_waits(&c->ring_in, TS_RING_AWAKE);
     if (n == 0) return ts_errf(c->err, c->err_cap, TSHARE_E_TIMEOUT, "send: timed out");
     if (p[0].revents) return TSHARE_OK; /* errors and hangups surface in the write */
     if (can_read && p[1].revents) spill_read(c);
@@ -268,25 +278,31 @@ static int send_bytes(ts_conn *c, const uint8_t *buf, size_t len, int fd, int64_
   return TSHARE_OK;
 }
 
-/* Send the end of a frame cut short by a timeout (with send_lock held).
- * TSHARE_E_TIMEOUT leaves what is left of it for later. */
+static int pay_markers_locked(ts_conn *c, int64_t deadline);
+
+/* Send the end of a frame cut short by a timeout (with send_lock held), and
+ * the ring entries owed for frames on the socket. TSHARE_E_TIMEOUT leaves
+ * what is left for later. */
 static int flush_tail_locked(ts_conn *c, int64_t deadline) {
   size_t n = c->tail_len;
-  if (n == 0) return TSHARE_OK;
-  c->tail_len = 0;
-  atomic_store(&c->tail_pending, false);
-  int rc = send_bytes(c, c->tail, n, -1, deadline); /* may keep a shorter tail */
-  if (rc != TSHARE_OK && c->tail_len == 0 && rc == TSHARE_E_TIMEOUT) {
-    c->tail_len = n; /* nothing went: all of it is still there */
-    atomic_store(&c->tail_pending, true);
+  int rc = TSHARE_OK;
+  if (n > 0) {
+    c->tail_len = 0;
+    atomic_store(&c->tail_pending, false);
+    rc = send_bytes(c, c->tail, n, -1, deadline); /* may keep a shorter tail */
+    if (rc != TSHARE_OK && c->tail_len == 0 && rc == TSHARE_E_TIMEOUT) {
+      c->tail_len = n; /* nothing went: all of it is still there */
+      atomic_store(&c->tail_pending, true);
+    }
   }
+  if (rc == TSHARE_OK) rc = pay_markers_locked(c, deadline);
   return rc;
 }
 
 /* The driving thread's chance to finish a cut frame without sending anything
  * new: at once if the socket takes it, else when poll says it can. */
 static void try_flush_tail(ts_conn *c) {
-  if (!atomic_load(&c->tail_pending)) return;
+  if (!atomic_load(&c->tail_pending) && !atomic_load(&c->markers_pending)) return;
   pthread_mutex_lock(&c->send_lock);
   (void)flush_tail_locked(c, ts_deadline(0));
   pthread_mutex_unlock(&c->send_lock);
@@ -305,13 +321,149 @@ static void mark_driver(ts_conn *c) {
     atomic_store_explicit(&c->driver, me, memory_order_relaxed);
 }
 
+/* ---- the ring transport: sending ---------------------------------------- */
+
+static int ring_corrupt(ts_conn *c, const char *which) {
+  if (!c->broken)
+    c->broken = ts_errf(c->err, c->err_cap, TSHARE_E_PROTOCOL,
+                        "peer %s corrupted the shared ring: its %s moved outside the ring", c->peer_label, which);
+  return c->broken;
+}
+
+/* A ring frame (SOCKET_NEXT, NUDGE) encoded into buf. */
+static size_t ring_op_frame(uint8_t *buf, size_t cap, uint8_t op) {
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_RING;
+  f.u.ring.op = op;
+  size_t len = 0;
+  char err[TSHARE_ERROR_MSG_MAX];
+  (void)tshare_wire_encode(&f, buf, cap, &len, err, sizeof err); /* cannot fail: a fixed, valid frame */
+  return len;
+}
+
+/* The peer sleeps in poll() on its socket and asked to be told that the
+ * ring moved: one small frame there, best effort (a full socket already
+ * wakes it). Never waits; skipped while a cut frame's end is owed. */
+static void nudge_peer(ts_conn *c, bool have_send_lock) {
+  if (!have_send_lock && pthread_mutex_trylock(&c->send_lock) != 0) return; /* lost: its waits are sliced */
+  if (c->wfd >= 0 && !atomic_load(&c->tail_pending)) {
+    uint8_t buf[64];
+    size_t len = ring_op_frame(buf, sizeof buf, TSHARE_RING_NUDGE);
+    int saved_errno = errno;
+    ssize_t r;
+    while ((r = write_once(c, buf, len, -1)) < 0 && errno == EINTR) {
+    }
+    if (r > 0 && (size_t)r < len) keep_tail(c, buf + r, len - (size_t)r);
+    errno = saved_errno;
+  }
+  if (!have_send_lock) pthread_mutex_unlock(&c->send_lock);
+}
+
+/* After publishing into ring_out (send_lock held). */
+static void wake_ring_reader(ts_conn *c) {
+  if (ts_ring_wake_reader(&c->ring_out) == TS_RING_SOCKET) nudge_peer(c, true);
+}
+
+/* Look for a hang-up on the socket without reading it: a peer that died or
+ * closed while this end only watched the ring. */
+static bool socket_hung_up(ts_conn *c) {
+  struct pollfd p = {.fd = c->rfd, .events = POLLRDHUP, .revents = 0};
+  return poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR));
+}
+
+/* The ring is full: the peer is not reading. Wait in poll() on the socket
+ * for its nudge (it reads, or it writes to us: read that into the spill
+ * buffers so two ends that both send keep going), in slices so a lost nudge
+ * costs a slice, never a hang. */
+#define RING_ROOM_SLICE_MS 10
+static int wait_ring_room(ts_conn *c, size_t len, int64_t deadline) {
+  for (;;) {
+    ring_spill_read(c);
+    ts_ring_writer_waits(&c->ring_out, TS_RING_SOCKET);
+    ts_ring_reader_waits(&c->ring_in, TS_RING_SOCKET);
+    ring_spill_read(c);
+    int room = ts_ring_room(&c->ring_out, len);
+    int left = ts_remaining(deadline);
+    int n = 0;
+    struct pollfd p = {.fd = c->rfd, .events = POLLIN | POLLRDHUP, .revents = 0};
+    if (room == 0 && left != 0) {
+      n = poll(&p, 1, left < 0 || left > RING_ROOM_SLICE_MS ? RING_ROOM_SLICE_MS : left);
+      if (n > 0 && (p.revents & POLLIN) && !(p.revents & (POLLHUP | POLLRDHUP | POLLERR))) spill_read(c);
+    }
+    ts_ring_writer_waits(&c->ring_out, TS_RING_AWAKE);
+    ts_ring_reader_waits(&c->ring_in, TS_RING_AWAKE);
+    if (room < 0) return ring_corrupt(c, "head");
+    if (room > 0) return TSHARE_OK;
+    if (n > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR)))
+      return ts_errf(c->err, c->err_cap, TSHARE_E_PEER_CLOSED, "send: peer %s closed the channel", c->peer_label);
+    if (n < 0 && errno != EINTR) return ts_errsys(c->err, c->err_cap, TSHARE_E_SYSTEM, errno, "poll (send)");
+    if (ts_remaining(deadline) == 0)
+      return ts_errf(c->err, c->err_cap, TSHARE_E_TIMEOUT, "send: timed out (peer %s does not empty its ring)",
+                     c->peer_label);
+  }
+}
+
+/* Frame bytes into the ring, whole (send_lock held), waiting for room. */
+static int ring_put(ts_conn *c, const uint8_t *buf, size_t len, int64_t deadline) {
+  /* The ring stays mapped after the peer is gone: its socket says so. Asked
+   * at most once a millisecond, so a stream of sends costs no system call. */
+  int64_t now = ts_now_us();
+  if (now - c->hup_send_us >= 1000) {
+    c->hup_send_us = now;
+    if (socket_hung_up(c))
+      return ts_errf(c->err, c->err_cap, TSHARE_E_PEER_CLOSED, "send: peer %s closed the channel", c->peer_label);
+  }
+  for (;;) {
+    if (c->broken) return c->broken;
+    int w = ts_ring_write(&c->ring_out, buf, len);
+    if (w < 0) return ring_corrupt(c, "head");
+    if (w > 0) {
+      wake_ring_reader(c);
+      return TSHARE_OK;
+    }
+    int rc = wait_ring_room(c, len, deadline);
+    if (rc != TSHARE_OK) return rc;
+  }
+}
+
+/* The SOCKET_NEXT entries owed for fd frames already on the socket. */
+static int pay_markers_locked(ts_conn *c, int64_t deadline) {
+  uint8_t buf[64];
+  size_t len = ring_op_frame(buf, sizeof buf, TSHARE_RING_SOCKET_NEXT);
+  while (c->markers_owed > 0) {
+    int rc = ring_put(c, buf, len, deadline);
+    if (rc != TSHARE_OK) return rc;
+    if (--c->markers_owed == 0) atomic_store(&c->markers_pending, false);
+  }
+  return TSHARE_OK;
+}
+
+/* A frame onto the ring transport (send_lock held, the tail flushed): fd
+ * frames on the socket first, then their place in the ring, so a send that
+ * times out on a full socket has sent nothing at all. */
+static int ring_send_locked(ts_conn *c, const uint8_t *buf, size_t len, int fd, int64_t deadline) {
+  if (fd < 0) return ring_put(c, buf, len, deadline);
+  int rc = send_bytes(c, buf, len, fd, deadline); /* OK also when its end waits in the tail */
+  if (rc != TSHARE_OK) return rc;
+  c->markers_owed++;
+  atomic_store(&c->markers_pending, true);
+  (void)pay_markers_locked(c, deadline); /* sent either way: the entry goes before anything else */
+  return TSHARE_OK;
+}
+
 /* With send_lock held. */
 static bool send_now_locked(ts_conn *c, const tshare_frame *f) {
-  if (c->wfd < 0 || atomic_load(&c->tail_pending)) return false;
+  if (c->wfd < 0 || atomic_load(&c->tail_pending) || atomic_load(&c->markers_pending)) return false;
   uint8_t buf[TSHARE_WIRE_FRAME_MAX];
   size_t len;
   char err[TSHARE_ERROR_MSG_MAX];
   if (tshare_wire_encode(f, buf, sizeof buf, &len, err, sizeof err) != TSHARE_OK) return false;
+  if (ts_conn_uses_ring(c)) {
+    if (c->broken || ts_ring_write(&c->ring_out, buf, len) <= 0) return false; /* full, or for the driver to find */
+    wake_ring_reader(c);
+    return true;
+  }
   int saved_errno = errno;
   size_t off = 0;
   while (off < len) {
@@ -344,7 +496,8 @@ int ts_conn_send(ts_conn *c, const tshare_frame *f, int fd, int timeout_ms) {
   int64_t deadline = ts_deadline(timeout_ms);
   pthread_mutex_lock(&c->send_lock);
   rc = flush_tail_locked(c, deadline);
-  if (rc == TSHARE_OK) rc = send_bytes(c, buf, len, fd, deadline);
+  if (rc == TSHARE_OK)
+    rc = ts_conn_uses_ring(c) ? ring_send_locked(c, buf, len, fd, deadline) : send_bytes(c, buf, len, fd, deadline);
   pthread_mutex_unlock(&c->send_lock);
   return rc;
 }
@@ -352,13 +505,26 @@ int ts_conn_send(ts_conn *c, const tshare_frame *f, int fd, int timeout_ms) {
 void ts_conn_wake(ts_conn *c) {
   pthread_mutex_lock(&c->wake_lock);
   c->woken = true;
+  atomic_store(&c->wake_hint, true); /* a spinning receive sees it */
   if (c->waiting && c->wake_fd >= 0) {
     uint64_t one = 1;
     if (write(c->wake_fd, &one, sizeof one) < 0) {
       /* EAGAIN: the counter is already nonzero, the driver wakes anyway. */
     }
+    if (ts_conn_uses_ring(c)) ts_ring_ring_bell(&c->ring_in); /* asleep on its ring's bell */
   }
   pthread_mutex_unlock(&c->wake_lock);
+}
+
+/* The receive side's check of `woken` (TS_CONN_WOKEN once per wake). */
+static bool take_woken(ts_conn *c) {
+  if (!atomic_load_explicit(&c->wake_hint, memory_order_relaxed)) return false;
+  pthread_mutex_lock(&c->wake_lock);
+  bool woken = c->woken;
+  c->woken = false;
+  atomic_store(&c->wake_hint, false);
+  pthread_mutex_unlock(&c->wake_lock);
+  return woken;
 }
 
 bool ts_conn_driver_blocked(ts_conn *c) {
@@ -380,6 +546,7 @@ static int wait_readable(ts_conn *c, int64_t deadline) {
     pthread_mutex_lock(&c->wake_lock);
     bool woken = c->woken;
     c->woken = false;
+    atomic_store(&c->wake_hint, false);
     c->waiting = !woken;
     pthread_mutex_unlock(&c->wake_lock);
     if (woken) return TS_CONN_WOKEN;
@@ -452,43 +619,236 @@ static int read_some(ts_conn *c, int64_t deadline) {
   }
 }
 
+/* A decoder failure: the stream is lost; tell the peer why we hang up (it
+ * may be a version skew). */
+static int decode_failed(ts_conn *c, int rc, tshare_decoder *dec, const char *where) {
+  if (c->peer.pid)
+    c->broken = ts_errf(c->err, c->err_cap, rc, "frame from %s%s: %s", c->peer_label, where,
+                        tshare_decoder_last_error(dec));
+  else
+    c->broken = ts_errf(c->err, c->err_cap, rc, "first frame from the peer: %s", tshare_decoder_last_error(dec));
+  ts_conn_send_error(c, rc, c->err);
+  return rc;
+}
+
+/* The next frame of the socket's stream and the fd that rode on it (*found:
+ * whether one came). Nudges are skipped; other ring frames are only taken
+ * while the hello waits for the peer's ring. may_read false: only what is
+ * already buffered (TSHARE_AGAIN when no frame is). */
+static int socket_frame(ts_conn *c, tshare_frame *f, ts_fd_entry *e, bool *found, int64_t deadline, bool may_read) {
+  for (;;) {
+    if (c->broken) return c->broken;
+    int rc = tshare_decoder_next(c->dec, f);
+    if (rc == TSHARE_OK) {
+      *e = fds_of_frame(c, c->fed - tshare_decoder_pending(c->dec), found);
+      if (f->type != TSHARE_FRAME_RING || (c->in_setup && f->u.ring.op == TSHARE_RING_SETUP)) return TSHARE_OK;
+      if (e->fd >= 0) close(e->fd);
+      if (ts_conn_uses_ring(c) && f->u.ring.op == TSHARE_RING_NUDGE) continue;
+      return c->broken = ts_errf(c->err, c->err_cap, TSHARE_E_PROTOCOL,
+                                 "receive: peer %s sent a ring frame (op %u) on the socket out of place", c->peer_label,
+                                 (unsigned)f->u.ring.op);
+    }
+    if (rc < 0) return decode_failed(c, rc, c->dec, "");
+    if (!may_read) return TSHARE_AGAIN;
+    rc = read_some(c, deadline);
+    if (rc != TSHARE_OK) return rc;
+  }
+}
+
+/* Hand a frame and its fd to the caller, checking that they agree. */
+static int deliver(ts_conn *c, const tshare_frame *f, ts_fd_entry e, bool found, int *fd_out, int *fd_lost) {
+  if (!(f->flags & TSHARE_FRAME_FLAG_FD_ATTACHED)) {
+    if (e.fd >= 0) close(e.fd); /* riding on a frame that announces none */
+    return TSHARE_OK;
+  }
+  if (!found)
+    return c->broken = ts_errf(c->err, c->err_cap, TSHARE_E_PROTOCOL,
+                               "receive: %s frame from peer %s says an fd is attached but none arrived",
+                               tshare_frame_type_name(f->type), c->peer_label);
+  *fd_out = e.fd;
+  *fd_lost = e.lost;
+  return TSHARE_OK;
+}
+
+/* ---- the ring transport: receiving -------------------------------------- */
+
+/* Ring bytes into the ring spill buffer (a send waits for room: the peer may
+ * wait for room in our direction). The peer's writer is told if it waits. */
+static void ring_spill_read(ts_conn *c) {
+  if (!ts_conn_uses_ring(c) || c->broken) return;
+  if (!c->ring_spill && !(c->ring_spill = malloc(SPILL_MAX))) return;
+  if (c->ring_spill_off == c->ring_spill_len) c->ring_spill_off = c->ring_spill_len = 0;
+  long n = ts_ring_read(&c->ring_in, c->ring_spill + c->ring_spill_len, SPILL_MAX - c->ring_spill_len);
+  if (n < 0) {
+    (void)ring_corrupt(c, "tail");
+    return;
+  }
+  c->ring_spill_len += (size_t)n;
+  if (n > 0 && ts_ring_wake_writer(&c->ring_in) == TS_RING_SOCKET) nudge_peer(c, true);
+}
+
+/* Take the socket bytes already there, so that nudges stop making the fd
+ * readable (a poll loop would spin on them). A real frame read early waits
+ * for its SOCKET_NEXT entry. A hang-up is left for the caller to see, after
+ * the ring is empty. */
+static void drain_nudges(ts_conn *c) {
+  while (!c->has_early && !c->broken) {
+    int rc = socket_frame(c, &c->early, &c->early_fd, &c->early_found, 0, false);
+    if (rc == TSHARE_OK) {
+      c->has_early = true;
+      return;
+    }
+    if (rc != TSHARE_AGAIN) return;
+    if (c->spill_off == c->spill_len) {
+      struct pollfd p = {.fd = c->rfd, .events = POLLIN | POLLRDHUP, .revents = 0};
+      if (poll(&p, 1, 0) <= 0 || !(p.revents & POLLIN) || (p.revents & (POLLHUP | POLLRDHUP | POLLERR))) return;
+    }
+    if (read_some(c, ts_deadline(0)) != TSHARE_OK) return;
+  }
+}
+
+/* Whether a receive that would not wait asks the socket for a hang-up now:
+ * always for poll loops (poll said POLLHUP), else once a millisecond. */
+static bool hup_check_due(ts_conn *c) {
+  if (atomic_load(&c->pollable)) return true;
+  int64_t now = ts_now_us();
+  if (now - c->hup_checked_us < 1000) return false;
+  c->hup_checked_us = now;
+  return true;
+}
+
+#define RING_SLEEP_SLICE_US 100000 /* a sleeping receive looks for a hang-up this often */
+
+/* Wait for bytes in the ring: spin up to spin_us, then sleep on the bell
+ * (in slices, asking the socket for a hang-up after each), or return
+ * TS_CONN_WOKEN. With no time left, a poll loop's end asks for a nudge. */
+static int wait_ring(ts_conn *c, int64_t deadline) {
+  int64_t spin_end = c->spin_us > 0 ? ts_now_us() + c->spin_us : 0;
+  for (unsigned i = 0;; i++) {
+    if (take_woken(c)) return TS_CONN_WOKEN;
+    long avail = ts_ring_available(&c->ring_in);
+    if (avail < 0) return ring_corrupt(c, "tail");
+    if (avail > 0) return TSHARE_OK;
+    if (spin_end && ((i & 63) != 0 || ts_now_us() < spin_end)) {
+      ts_cpu_relax();
+      continue;
+    }
+    spin_end = 0;
+    try_flush_tail(c); /* the peer may wait for the rest of an fd frame */
+    int left = ts_remaining(deadline);
+    if (left == 0) {
+      if (atomic_load(&c->pollable)) { /* ask for a nudge, then look once more: no wake-up falls between */
+        drain_nudges(c);
+        ts_ring_reader_waits(&c->ring_in, TS_RING_SOCKET);
+        if ((avail = ts_ring_available(&c->ring_in)) != 0) {
+          ts_ring_reader_waits(&c->ring_in, TS_RING_AWAKE);
+          if (avail < 0) return ring_corrupt(c, "tail");
+          return TSHARE_OK;
+        }
+      }
+      if (hup_check_due(c) && socket_hung_up(c) && ts_ring_available(&c->ring_in) == 0)
+        return c->broken = ts_errf(c->err, c->err_cap, TSHARE_E_PEER_CLOSED, "receive: peer %s closed the channel",
+                                   c->peer_label);
+      return ts_errf(c->err, c->err_cap, TSHARE_E_TIMEOUT, "receive: timed out");
+    }
+    uint32_t seen = atomic_load_explicit(&c->ring_in.ctl->bell, memory_order_acquire);
+    pthread_mutex_lock(&c->wake_lock);
+    bool woken = c->woken;
+    c->waiting = !woken;
+    pthread_mutex_unlock(&c->wake_lock);
+    if (woken) continue; /* the loop's top takes it */
+    ts_ring_reader_waits(&c->ring_in, TS_RING_FUTEX);
+    avail = ts_ring_available(&c->ring_in);
+    if (avail == 0) {
+      long slice = atomic_load(&c->tail_pending) || atomic_load(&c->markers_pending) ? 1000 : RING_SLEEP_SLICE_US;
+      if (left > 0 && (long)left * 1000 < slice) slice = (long)left * 1000;
+      ts_ring_sleep(&c->ring_in, seen, slice);
+    }
+    ts_ring_reader_waits(&c->ring_in, TS_RING_AWAKE);
+    pthread_mutex_lock(&c->wake_lock);
+    c->waiting = false;
+    pthread_mutex_unlock(&c->wake_lock);
+    if (avail == 0 && ts_ring_available(&c->ring_in) == 0 && socket_hung_up(c))
+      return c->broken = ts_errf(c->err, c->err_cap, TSHARE_E_PEER_CLOSED, "receive: peer %s closed the channel",
+                                 c->peer_label);
+  }
+}
+
+/* Ring bytes into the ring's decoder: from the spill first, else the ring. */
+static int ring_fill(ts_conn *c, int64_t deadline) {
+  for (;;) {
+    uint8_t *space;
+    size_t cap;
+    int rc = tshare_decoder_space(c->ring_dec, &space, &cap);
+    if (rc != TSHARE_OK) return ts_errf(c->err, c->err_cap, rc, "receive: %s", tshare_decoder_last_error(c->ring_dec));
+    if (c->ring_spill_off < c->ring_spill_len) {
+      size_t n = c->ring_spill_len - c->ring_spill_off < cap ? c->ring_spill_len - c->ring_spill_off : cap;
+      memcpy(space, c->ring_spill + c->ring_spill_off, n);
+      c->ring_spill_off += n;
+      tshare_decoder_commit(c->ring_dec, n);
+      return TSHARE_OK;
+    }
+    long n = ts_ring_read(&c->ring_in, space, cap); /* copied out: the peer cannot change what is decoded */
+    if (n < 0) return ring_corrupt(c, "tail");
+    if (n > 0) {
+      tshare_decoder_commit(c->ring_dec, (size_t)n);
+      if (ts_ring_wake_writer(&c->ring_in) == TS_RING_SOCKET) nudge_peer(c, false);
+      return TSHARE_OK;
+    }
+    rc = wait_ring(c, deadline);
+    if (rc != TSHARE_OK) return rc;
+  }
+}
+
+static int ring_recv(ts_conn *c, tshare_frame *f, int *fd_out, int *fd_lost, int64_t deadline) {
+  for (;;) {
+    if (c->broken) return c->broken;
+    if (c->socket_next) {
+      ts_fd_entry e;
+      bool found;
+      int rc = TSHARE_OK;
+      if (c->has_early) {
+        *f = c->early;
+        e = c->early_fd;
+        found = c->early_found;
+        c->has_early = false;
+      } else {
+        rc = socket_frame(c, f, &e, &found, deadline, true);
+      }
+      if (rc != TSHARE_OK) return rc;
+      c->socket_next = false;
+      return deliver(c, f, e, found, fd_out, fd_lost);
+    }
+    int rc = tshare_decoder_next(c->ring_dec, f);
+    if (rc == TSHARE_OK) {
+      if (f->type == TSHARE_FRAME_RING && f->u.ring.op == TSHARE_RING_SOCKET_NEXT) {
+        c->socket_next = true;
+        continue;
+      }
+      if (f->type == TSHARE_FRAME_RING || (f->flags & TSHARE_FRAME_FLAG_FD_ATTACHED))
+        return c->broken = ts_errf(c->err, c->err_cap, TSHARE_E_PROTOCOL,
+                                   "receive: peer %s put a %s frame into the ring that does not belong there",
+                                   c->peer_label, tshare_frame_type_name(f->type));
+      return TSHARE_OK;
+    }
+    if (rc < 0) return decode_failed(c, rc, c->ring_dec, " (ring)");
+    rc = ring_fill(c, deadline);
+    if (rc != TSHARE_OK) return rc;
+  }
+}
+
 int ts_conn_recv(ts_conn *c, tshare_frame *f, int *fd_out, int *fd_lost, int timeout_ms) {
   *fd_out = -1;
   *fd_lost = 0;
   mark_driver(c);
   if (c->rfd < 0) return ts_errf(c->err, c->err_cap, TSHARE_E_STATE, "receive: channel is closed");
   int64_t deadline = ts_deadline(timeout_ms);
-  for (;;) {
-    if (c->broken) return c->broken;
-    int rc = tshare_decoder_next(c->dec, f);
-    if (rc == TSHARE_OK) {
-      bool found;
-      ts_fd_entry e = fds_of_frame(c, c->fed - tshare_decoder_pending(c->dec), &found);
-      if (!(f->flags & TSHARE_FRAME_FLAG_FD_ATTACHED)) {
-        if (e.fd >= 0) close(e.fd); /* riding on a frame that announces none */
-        return TSHARE_OK;
-      }
-      if (!found)
-        return c->broken = ts_errf(c->err, c->err_cap, TSHARE_E_PROTOCOL,
-                                   "receive: %s frame from peer %s says an fd is attached but none arrived",
-                                   tshare_frame_type_name(f->type), c->peer_label);
-      *fd_out = e.fd;
-      *fd_lost = e.lost;
-      return TSHARE_OK;
-    }
-    if (rc < 0) {
-      if (c->peer.pid)
-        c->broken =
-            ts_errf(c->err, c->err_cap, rc, "frame from %s: %s", c->peer_label, tshare_decoder_last_error(c->dec));
-      else
-        c->broken = ts_errf(c->err, c->err_cap, rc, "first frame from the peer: %s", tshare_decoder_last_error(c->dec));
-      /* Tell the peer why we are hanging up; it may be a version skew. */
-      ts_conn_send_error(c, rc, c->err);
-      return rc;
-    }
-    rc = read_some(c, deadline);
-    if (rc != TSHARE_OK) return rc;
-  }
+  if (ts_conn_uses_ring(c)) return ring_recv(c, f, fd_out, fd_lost, deadline);
+  ts_fd_entry e;
+  bool found;
+  int rc = socket_frame(c, f, &e, &found, deadline, true);
+  if (rc != TSHARE_OK) return rc;
+  return deliver(c, f, e, found, fd_out, fd_lost);
 }
 
 static int read_boot_id(uint8_t out[16]) {
@@ -616,7 +976,67 @@ static int exchange_hellos(ts_conn *c, int64_t deadline) {
   return TSHARE_OK;
 }
 
-int ts_conn_hello(ts_conn *c, const tshare_hello *self, long allow_uid, int timeout_ms) {
+/* Both ends send the ring they will write into and map the other's. A setup
+ * that fails ends the channel: both hellos asked for the ring. */
+static int ring_setup(ts_conn *c, uint32_t cap, int64_t deadline) {
+  int memfd = -1;
+  int rc = ts_ring_create(&c->ring_out, cap, &memfd, c->err, c->err_cap);
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  if (rc == TSHARE_OK) {
+    f.type = TSHARE_FRAME_RING;
+    f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+    f.u.ring.op = TSHARE_RING_SETUP;
+    f.u.ring.capacity = cap;
+    rc = ts_conn_send(c, &f, memfd, ts_remaining(deadline));
+    close(memfd);
+  }
+  if (rc != TSHARE_OK) {
+    ts_conn_send_error(c, rc, c->err);
+    return rc;
+  }
+  ts_fd_entry e = {.fd = -1, .lost = 0, .at = 0};
+  bool found = false;
+  c->in_setup = true;
+  while ((rc = socket_frame(c, &f, &e, &found, deadline, true)) == TS_CONN_WOKEN) {
+  }
+  c->in_setup = false;
+  if (rc != TSHARE_OK) {
+    char why[TSHARE_ERROR_MSG_MAX];
+    snprintf(why, sizeof why, "%s", c->err);
+    return ts_errf(c->err, c->err_cap, rc, "ring setup: %s", why);
+  }
+  if (f.type == TSHARE_FRAME_ERROR) {
+    if (e.fd >= 0) close(e.fd);
+    return ts_errf(c->err, c->err_cap, TSHARE_E_PEER_ERROR, "ring setup: peer refused the channel: %s (%s)",
+                   f.u.error.message, tshare_status_name(f.u.error.code));
+  }
+  if (f.type != TSHARE_FRAME_RING || !found || e.fd < 0) {
+    if (e.fd >= 0) close(e.fd);
+    if (found && e.lost)
+      rc = ts_errf(c->err, c->err_cap, TSHARE_E_LIMIT, "ring setup: the peer's ring could not be received: %s",
+                   e.lost == TS_FD_OVER_BUDGET ? "the channel holds its fd budget" : strerror(e.lost));
+    else
+      rc = ts_errf(c->err, c->err_cap, TSHARE_E_PROTOCOL, "ring setup: expected the peer's ring, got a %s frame%s",
+                   tshare_frame_type_name(f.type), found ? "" : " without an fd");
+  } else {
+    rc = ts_ring_attach(&c->ring_in, e.fd, f.u.ring.capacity, c->err, c->err_cap);
+    close(e.fd);
+    if (rc == TSHARE_OK && !(c->ring_dec = tshare_decoder_create(&c->limits)))
+      rc = ts_errf(c->err, c->err_cap, TSHARE_E_NOMEM, "ring setup: out of memory");
+    if (rc != TSHARE_OK) ts_ring_unmap(&c->ring_in);
+  }
+  if (rc != TSHARE_OK) {
+    ts_conn_send_error(c, rc, c->err);
+    return rc;
+  }
+  /* Until the first receive, the peer's first frames also nudge the socket:
+   * a poll loop started now must not sleep through them. */
+  ts_ring_reader_waits(&c->ring_in, TS_RING_SOCKET);
+  return TSHARE_OK;
+}
+
+int ts_conn_hello(ts_conn *c, const tshare_hello *self, long allow_uid, uint32_t ring_cap, int timeout_ms) {
   int64_t deadline = ts_deadline(timeout_ms);
   c->self = *self;
   c->self.major = TSHARE_WIRE_MAJOR;
@@ -651,6 +1071,8 @@ int ts_conn_hello(ts_conn *c, const tshare_hello *self, long allow_uid, int time
   }
   const uint8_t ours = TSHARE_WIRE_MINOR;
   c->minor = c->peer.minor < ours ? c->peer.minor : ours;
+  if (socket && c->minor >= 2 && (c->self.capabilities & c->peer.capabilities & TSHARE_CAP_RING))
+    return ring_setup(c, ring_cap ? ring_cap : TS_RING_CAP_DEFAULT, deadline);
   return TSHARE_OK;
 }
 
@@ -711,13 +1133,28 @@ int ts_conn_send_error(ts_conn *c, int code, const char *message) {
 }
 
 void ts_conn_flush_tail(ts_conn *c, int timeout_ms) {
-  if (c->wfd < 0 || !atomic_load(&c->tail_pending)) return;
+  if (c->wfd < 0 || (!atomic_load(&c->tail_pending) && !atomic_load(&c->markers_pending))) return;
   pthread_mutex_lock(&c->send_lock);
   (void)flush_tail_locked(c, ts_deadline(timeout_ms));
   pthread_mutex_unlock(&c->send_lock);
 }
 
-size_t ts_conn_buffered(const ts_conn *c) { return c->dec ? tshare_decoder_pending(c->dec) : 0; }
+size_t ts_conn_buffered(ts_conn *c) {
+  if (!c->dec) return 0;
+  size_t n = tshare_decoder_pending(c->dec);
+  if (ts_conn_uses_ring(c)) {
+    long avail = ts_ring_available(&c->ring_in);
+    n += tshare_decoder_pending(c->ring_dec) + (c->ring_spill_len - c->ring_spill_off) + (avail > 0 ? (size_t)avail : 0) +
+         (c->socket_next || c->has_early);
+  }
+  return n;
+}
+
+int ts_conn_poll_fd(ts_conn *c) {
+  if (ts_conn_uses_ring(c) && !atomic_exchange(&c->pollable, true))
+    ts_ring_reader_waits(&c->ring_in, TS_RING_SOCKET);
+  return c->rfd;
+}
 
 void ts_conn_close(ts_conn *c) {
   fdq_close_all(c);
@@ -728,12 +1165,20 @@ void ts_conn_close(ts_conn *c) {
   c->rfd = c->wfd = -1;
   if (c->wake_fd >= 0) close(c->wake_fd);
   c->wake_fd = -1;
+  ts_ring_unmap(&c->ring_in); /* under both locks: a waker rings ring_in's bell, a sender writes ring_out */
+  ts_ring_unmap(&c->ring_out);
   pthread_mutex_unlock(&c->send_lock);
   pthread_mutex_unlock(&c->wake_lock);
+  if (c->has_early && c->early_fd.fd >= 0) close(c->early_fd.fd);
+  c->has_early = false;
   tshare_decoder_destroy(c->dec);
   c->dec = NULL;
+  tshare_decoder_destroy(c->ring_dec);
+  c->ring_dec = NULL;
   free(c->spill);
   c->spill = NULL;
+  free(c->ring_spill);
+  c->ring_spill = NULL;
 }
 
 void ts_conn_destroy(ts_conn *c) {

@@ -11,6 +11,7 @@
 #define TSHARE_CONN_H
 
 #include "clock.h"
+#include "ring.h"
 #include "tshare/channel.h"
 #include "tshare/wire.h"
 
@@ -47,9 +48,14 @@ typedef struct ts_conn {
    * it has begun), so the timed-out send counts as done. */
   uint8_t tail[TSHARE_WIRE_FRAME_MAX];
   size_t tail_len;
-  atomic_bool tail_pending; /* tail_len > 0, readable without the lock */
+  /* Under send_lock, ring transport: frames already on the socket whose
+   * SOCKET_NEXT entries did not fit into the ring yet. They go first too. */
+  unsigned markers_owed;
+  atomic_bool tail_pending;    /* tail_len > 0, readable without the lock */
+  atomic_bool markers_pending; /* markers_owed > 0, likewise */
 
-  pthread_mutex_t wake_lock; /* woken, waiting, wake_fd */
+  pthread_mutex_t wake_lock; /* woken, waiting, wake_fd, and the rings' mappings against close */
+  atomic_bool wake_hint;     /* woken was set: read by a spinning receive without the lock */
   int wake_fd;               /* eventfd written by ts_conn_wake() while the driver is blocked */
   bool woken;                /* ts_conn_wake() was called since the driver last looked */
   bool waiting;              /* the driving thread is blocked in a receive */
@@ -77,6 +83,24 @@ typedef struct ts_conn {
   uint64_t peer_key;
   char peer_label[96]; /* how messages name the peer: "'name' (pid N)" */
 
+  /* The ring transport (sockets whose hellos both asked for it): frames
+   * without fds go through ring_out; an fd frame goes on the socket and a
+   * SOCKET_NEXT entry in the ring marks its place in the order. */
+  ts_ring ring_out, ring_in; /* ring_in.ctl NULL: the socket carries everything */
+  tshare_decoder *ring_dec;  /* the bytes of ring_in, checked like the socket's */
+  uint8_t *ring_spill;       /* ring bytes read while a send waited (driving thread) */
+  size_t ring_spill_len, ring_spill_off;
+  bool socket_next;          /* the ring said: the next frame is on the socket */
+  bool in_setup;             /* the hello is waiting for the peer's ring */
+  bool has_early;            /* early: a socket frame read before its ring entry came */
+  tshare_frame early;
+  ts_fd_entry early_fd;
+  bool early_found;
+  atomic_bool pollable;      /* tshare_channel_fd() was asked for: sleep flags ask for a socket nudge */
+  long spin_us;              /* a ring receive spins this long before it sleeps */
+  int64_t hup_checked_us;    /* when a receive that would not wait last asked the socket for a hang-up */
+  int64_t hup_send_us;       /* when a ring send last asked (under send_lock) */
+
   /* fds received but not yet claimed by a frame, oldest first (driving thread) */
   ts_fd_entry *fdq;
   size_t fdq_head, fdq_len, fdq_cap;
@@ -99,8 +123,10 @@ int ts_conn_init(ts_conn *c, tshare_channel_kind kind, int rfd, int wfd, const t
 
 /* The hello: self (name, capabilities, devices filled by the caller; the rest
  * here) goes out, the peer's comes in and is checked (boot id; on sockets the
- * uid, with SO_PEERCRED, against allow_uid as in tshare_channel_options). */
-int ts_conn_hello(ts_conn *c, const tshare_hello *self, long allow_uid, int timeout_ms);
+ * uid, with SO_PEERCRED, against allow_uid as in tshare_channel_options).
+ * When both hellos carry TSHARE_CAP_RING, each end then sends the ring it
+ * will write into (ring_cap bytes) and maps the peer's. */
+int ts_conn_hello(ts_conn *c, const tshare_hello *self, long allow_uid, uint32_t ring_cap, int timeout_ms);
 
 /* Send a frame with fd (or -1) beside it; waits up to timeout_ms for room,
  * reading what the peer sends meanwhile. */
@@ -119,8 +145,15 @@ void ts_conn_flush_tail(ts_conn *c, int timeout_ms);
 /* The next frame, see channel_internal.h's ts_channel_recv_raw; or
  * TS_CONN_WOKEN when ts_conn_wake() was called before one came. */
 int ts_conn_recv(ts_conn *c, tshare_frame *f, int *fd_out, int *fd_lost, int timeout_ms);
-/* Bytes received that do not form a frame yet (0: a receive would wait). */
-size_t ts_conn_buffered(const ts_conn *c);
+/* Bytes received that do not form a frame yet, or wait in the ring (0: a
+ * receive would wait). */
+size_t ts_conn_buffered(ts_conn *c);
+/* Whether the ring transport carries this connection's frames. */
+static inline bool ts_conn_uses_ring(const ts_conn *c) { return c->ring_in.ctl != NULL; }
+/* The fd a poll loop watches (the socket, or the read pipe). On a ring
+ * connection this also asks the peer to nudge the socket whenever the ring
+ * gets bytes while this end is not in a receive. */
+int ts_conn_poll_fd(ts_conn *c);
 
 /* From any thread: make the driving thread's receive return TS_CONN_WOKEN
  * (at once if it is blocked, else before it would block). Costs a system

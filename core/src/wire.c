@@ -46,12 +46,14 @@ const char *tshare_frame_type_name(int type) {
     return "event";
   case TSHARE_FRAME_RETIRE:
     return "retire";
+  case TSHARE_FRAME_RING:
+    return "ring";
   default:
     return "unknown";
   }
 }
 
-static bool type_known(int type) { return type >= TSHARE_FRAME_HELLO && type <= TSHARE_FRAME_RETIRE; }
+static bool type_known(int type) { return type >= TSHARE_FRAME_HELLO && type <= TSHARE_FRAME_RING; }
 
 static bool kind_takes_fd(int kind) { return kind == TSHARE_MEM_HOST_MEMFD || kind == TSHARE_MEM_CUDA_FD; }
 
@@ -170,6 +172,14 @@ static int encode_payload(const tshare_frame *f, ts_writer *w, char *err, size_t
     for (uint32_t i = 0; i < r->count; i++) ts_put_u64(w, r->alloc_ids[i]);
     return TSHARE_OK;
   }
+  case TSHARE_FRAME_RING:
+    if (f->u.ring.op < TSHARE_RING_SETUP || f->u.ring.op > TSHARE_RING_NUDGE)
+      return ts_errf(err, cap, TSHARE_E_MALFORMED, "ring: unknown op %u", (unsigned)f->u.ring.op);
+    if ((f->u.ring.op == TSHARE_RING_SETUP) != ((f->flags & TSHARE_FRAME_FLAG_FD_ATTACHED) != 0))
+      return ts_errf(err, cap, TSHARE_E_MALFORMED, "ring: only a setup frame carries an fd");
+    ts_put_u8(w, f->u.ring.op);
+    ts_put_u32(w, f->u.ring.capacity);
+    return TSHARE_OK;
   case TSHARE_FRAME_RELEASE: {
     const tshare_release_frame *r = &f->u.release;
     if (r->count == 0 || r->count > TSHARE_RELEASE_MAX)
@@ -449,6 +459,14 @@ int tshare_decoder_next(tshare_decoder *d, tshare_frame *out) {
     for (uint32_t i = 0; i < count && !r.short_read; i++) out->u.retire.alloc_ids[i] = ts_get_u64(&r);
     break;
   }
+  case TSHARE_FRAME_RING:
+    out->u.ring.op = ts_get_u8(&r);
+    out->u.ring.capacity = ts_get_u32(&r);
+    if (!r.short_read && (out->u.ring.op < TSHARE_RING_SETUP || out->u.ring.op > TSHARE_RING_NUDGE))
+      return fail(d, TSHARE_E_MALFORMED, "ring: unknown op %u", out->u.ring.op);
+    if (!r.short_read && (out->u.ring.op == TSHARE_RING_SETUP) != ((flags & TSHARE_FRAME_FLAG_FD_ATTACHED) != 0))
+      return fail(d, TSHARE_E_MALFORMED, "ring: only a setup frame carries an fd");
+    break;
   }
   if (rc != TSHARE_OK) return rc;
   if (r.short_read)

@@ -36,6 +36,16 @@ typedef enum tshare_channel_kind {
   TSHARE_CHANNEL_PIPES = 2   /* a read pipe and a write pipe: no fds */
 } tshare_channel_kind;
 
+/* How a socket channel's frames travel (tshare_channel_options.transport). */
+typedef enum tshare_transport {
+  TSHARE_TRANSPORT_DEFAULT = 0, /* TSHARE_TRANSPORT from the environment ("ring" or "socket"), else ring */
+  TSHARE_TRANSPORT_SOCKET = 1,  /* every frame through the socket */
+  /* Frames without fds through a shared-memory ring per direction (set up in
+   * the hello when both ends ask for it, else the socket carries all);
+   * frames with fds on the socket, in order. Pipe channels never use it. */
+  TSHARE_TRANSPORT_RING = 2
+} tshare_transport;
+
 /* Called on the driving thread when a share this end sent is released by the
  * peer (status TSHARE_OK) or dropped because the peer went away
  * (TSHARE_E_PEER_CLOSED). user_data is what the share call was given. */
@@ -62,6 +72,13 @@ typedef struct tshare_channel_options {
    * that hold views into thousands of allocations and never share them on;
    * sharing such a view on is then TSHARE_E_STATE. */
   int keep_host_fds;
+  /* Socket channels: tshare_transport (default TSHARE_TRANSPORT_DEFAULT). */
+  int transport;
+  /* Ring transport: microseconds a receive spins on the ring before it
+   * sleeps (a spinning receive burns its core; a sleeping one costs the
+   * sender a wake-up, ~10 us). -1 (default): TSHARE_SPIN_US from the
+   * environment, else 50. */
+  int spin_us;
 } tshare_channel_options;
 
 #define TSHARE_ANY_UID (-2L)
@@ -112,8 +129,15 @@ TSHARE_API int tshare_channel_send_bye(tshare_channel *ch, uint32_t reason, int 
 TSHARE_API int tshare_channel_send_error(tshare_channel *ch, int code, const char *message);
 
 /* The fd a poll loop should watch for readability, e.g. to drive several
- * channels from one thread (tshare_channel_poll then does the work). */
+ * channels from one thread (tshare_channel_poll then does the work). On a
+ * ring channel it becomes readable when frames arrive while no receive runs
+ * (the peer nudges the socket): drive the channel until it says nothing came
+ * (tshare_channel_poll does) before polling again. */
 TSHARE_API int tshare_channel_fd(const tshare_channel *ch);
+
+/* The transport in use: TSHARE_TRANSPORT_RING or TSHARE_TRANSPORT_SOCKET
+ * (pipe channels say socket: one stream each way). */
+TSHARE_API tshare_transport tshare_channel_transport(const tshare_channel *ch);
 
 #ifdef __cplusplus
 }

@@ -41,7 +41,7 @@ extern "C" {
 #define TSHARE_WIRE_MAGIC_2 0x48 /* 'H' */
 #define TSHARE_WIRE_MAGIC_3 0x52 /* 'R' */
 #define TSHARE_WIRE_MAJOR 1
-#define TSHARE_WIRE_MINOR 1 /* 1: event and retire frames; origin_pid and share_flags appended to share */
+#define TSHARE_WIRE_MINOR 2 /* 1: event and retire frames; origin_pid and share_flags appended to share; 2: ring frames */
 #define TSHARE_WIRE_HEADER_SIZE 12
 
 /* Hard maxima of the frame structs below; tshare_wire_limits can only lower them. */
@@ -59,7 +59,8 @@ typedef enum tshare_frame_type {
   TSHARE_FRAME_BYE = 4,
   TSHARE_FRAME_ERROR = 5,
   TSHARE_FRAME_EVENT = 6, /* minor 1: an inter-process CUDA event for a slot of the sender's pool */
-  TSHARE_FRAME_RETIRE = 7 /* minor 1: allocations going away (closed = 0) or closed by the receiver (closed = 1) */
+  TSHARE_FRAME_RETIRE = 7, /* minor 1: allocations going away (closed = 0) or closed by the receiver (closed = 1) */
+  TSHARE_FRAME_RING = 8    /* minor 2: the ring transport's own frames (never seen above the connection) */
 } tshare_frame_type;
 
 /* Header flags. */
@@ -72,6 +73,7 @@ typedef enum tshare_frame_type {
 #define TSHARE_CAP_HOST_MEMFD (1u << 1) /* can import host memfd shares */
 #define TSHARE_CAP_CUDA_IPC (1u << 2)   /* can import legacy CUDA IPC shares */
 #define TSHARE_CAP_CUDA_FD (1u << 3)    /* can import CUDA VMM shares whose memory travels as an fd */
+#define TSHARE_CAP_RING (1u << 4)       /* wants the shared-memory ring transport (sockets only) */
 
 /* Share flags (share_flags, minor 1). Unknown bits are ignored. */
 #define TSHARE_SHARE_FLAG_RETIRE_NOTICE                                                                                \
@@ -128,6 +130,18 @@ typedef struct tshare_retire_frame {
   uint64_t alloc_ids[TSHARE_RELEASE_MAX];
 } tshare_retire_frame;
 
+/* Ring frames (TSHARE_FRAME_RING), sent only when both hellos had TSHARE_CAP_RING. */
+typedef enum tshare_ring_op {
+  TSHARE_RING_SETUP = 1,       /* on the socket, after the hellos: the sender's ring, its memfd attached */
+  TSHARE_RING_SOCKET_NEXT = 2, /* in the ring: the next frame comes on the socket (it carries an fd) */
+  TSHARE_RING_NUDGE = 3        /* on the socket: the ring has bytes for a reader asleep in poll() */
+} tshare_ring_op;
+
+typedef struct tshare_ring_frame {
+  uint8_t op;        /* tshare_ring_op */
+  uint32_t capacity; /* SETUP: data bytes of the ring (a power of two); 0 otherwise */
+} tshare_ring_frame;
+
 typedef struct tshare_release_frame {
   uint32_t count;
   uint64_t share_ids[TSHARE_RELEASE_MAX];
@@ -154,6 +168,7 @@ typedef struct tshare_frame {
     tshare_bye_frame bye;
     tshare_event_frame event;
     tshare_retire_frame retire;
+    tshare_ring_frame ring;
   } u;
 } tshare_frame;
 
