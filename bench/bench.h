@@ -74,7 +74,10 @@ void bench_breakdown(br_row *row, bs_samples *share_ns, const char *reply);
 int bench_ask(bench *b, int peer, char *reply, size_t cap, const char *fmt, ...) __attribute__((format(printf, 5, 6)));
 
 void bench_host(bench *b);
+void bench_host_handoffs(bench *b, int throughput); /* floors, host hand-off, (throughput) */
+void bench_idle_row(bench *b, int ms);
 void bench_cuda(bench *b);
+void bench_cuda_handoffs(bench *b, int throughput); /* (b), (c), (throughput) */
 void bench_peers_external(bench *b);
 
 /* Consumer side: commands the two halves answer (0 ok, -1 error, 1 not theirs). */

@@ -409,6 +409,12 @@ static void memory_rows(bench *b) {
                  bp_field(s1.consumer, "rss_kib"), "KiB");
 }
 
+void bench_cuda_handoffs(bench *b, int throughput) {
+  handoff_row(b, REUSED, "cuda_reused", "cuda (b): reused allocations (import cache)");
+  handoff_row(b, SLAB, "cuda_slab", "cuda (c): slab pieces, pooled events");
+  if (throughput) throughput_rows(b);
+}
+
 void bench_cuda(bench *b) {
   handoff_row(b, NEW_ALLOC, "cuda_new_alloc", "cuda (a): a new allocation each time");
   raw_ipc_rows(b);

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -34,7 +35,7 @@ br_row *bench_latency_row(bench *b, const char *key, const char *label, bs_sampl
   row->value = bs_percentile(ns, 50) / 1000.0;
   row->p99 = bs_percentile(ns, 99) / 1000.0;
   row->n = (long)ns->n;
-  snprintf(row->floor_key, sizeof row->floor_key, "%s", floor_key ? floor_key : "");
+  snprintf(row->floor_key, sizeof row->floor_key, "%s%s", floor_key ? floor_key : "", floor_key ? b->rep.key_suffix : "");
   snprintf(row->peer_key, sizeof row->peer_key, "%s", peer_key ? peer_key : "");
   return row;
 }
@@ -343,12 +344,31 @@ static void host_memory_rows(bench *b) {
                    bp_field(after, "host_mappings"), "");
 }
 
-void bench_host(bench *b) {
+void bench_host_handoffs(bench *b, int throughput) {
   floor_row(b, 1, "floor", "floor: frame round trip, a CUDA share's size");
   floor_row(b, 0, "floor_fd", "floor: frame + fd round trip, a host share's size");
   host_handoff_row(b);
-  host_throughput_rows(b);
+  if (throughput) host_throughput_rows(b);
+}
+
+void bench_host(bench *b) {
+  bench_host_handoffs(b, 1);
   host_memory_rows(b);
+}
+
+/* What a consumer blocked in a receive with nothing coming costs: its CPU
+ * time over a wait of ms, once its spin budget is spent. */
+void bench_idle_row(bench *b, int ms) {
+  char reply[256];
+  const char *key = "idle_consumer_cpu", *label = "idle consumer: CPU while blocked in a receive";
+  if (bench_ask(b, 0, reply, sizeof reply, "idle %d", ms) != 0) {
+    br_skip(&b->rep, BR_VALUE, "idle", key, label, reply);
+    return;
+  }
+  br_row *row = br_add(&b->rep, BR_VALUE, "idle", key, label, "% of a core");
+  row->value = bp_field(reply, "cpu_pct");
+  snprintf(row->note, sizeof row->note, "a %d ms receive with nothing sent: %.0f us of CPU", ms,
+           bp_field(reply, "cpu_us"));
 }
 
 /* ---- consumer side ------------------------------------------------------- */
@@ -443,8 +463,26 @@ static long count_memfd_maps(void) {
   return n;
 }
 
+/* A receive that times out: the CPU it burns while nothing comes. */
+static int consume_idle(tshare_channel *ch, long ms, char *reply, size_t cap) {
+  struct timespec c0, c1;
+  tshare_view *v = NULL;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c0);
+  int rc = tshare_view_recv(ch, (int)ms, &v);
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c1);
+  if (rc != TSHARE_E_TIMEOUT) {
+    if (v) tshare_view_release(v);
+    snprintf(reply, cap, "idle: expected a timeout, got %s", tshare_status_name(rc));
+    return -1;
+  }
+  double us = (double)(c1.tv_sec - c0.tv_sec) * 1e6 + (double)(c1.tv_nsec - c0.tv_nsec) / 1e3;
+  snprintf(reply, cap, "cpu_us=%.0f cpu_pct=%.3f", us, us / ((double)ms * 1e3) * 100.0);
+  return 0;
+}
+
 int bench_host_consumer(tshare_channel *ch, const char *cmd, char *reply, size_t cap) {
   long n = 0;
+  if (sscanf(cmd, "idle %ld", &n) == 1) return consume_idle(ch, n, reply, cap);
   if (sscanf(cmd, "floor %ld", &n) == 1) return consume_floor(ch, n, reply, cap);
   if (sscanf(cmd, "recv %ld", &n) == 1) return consume_views(ch, n, reply, cap);
   if (sscanf(cmd, "recvt %ld", &n) == 1) return consume_views_timed(ch, n, reply, cap);

@@ -34,13 +34,12 @@ static int consumer_command(tshare_channel *ch, const char *cmd, char *reply, si
   return rc;
 }
 
-static int consumer_main(int rank) {
+static int consumer_main(int rank, const char *transport, int spin_us) {
   char why[256], name[48];
   (void)bench_cuda_probe(why, sizeof why); /* host rows run without a GPU */
   snprintf(name, sizeof name, "bench consumer %d", rank);
   tshare_channel_options o;
-  tshare_channel_options_init(&o);
-  o.name = name;
+  bp_channel_options(&o, name, transport, spin_us);
   tshare_channel *ch = NULL;
   tshare_error err;
   if (tshare_channel_open_socket(BP_DATA_FD, &o, &ch, &err) != TSHARE_OK) {
@@ -50,6 +49,25 @@ static int consumer_main(int rank) {
   int rc = bp_consumer_loop(ch, consumer_command);
   tshare_channel_close(ch);
   return rc;
+}
+
+static int start_consumers(bench *b, const char *transport, int spin_us) {
+  for (int i = 0; i < BENCH_MAX_CONSUMERS; i++) {
+    char why[512];
+    if (bp_start(&b->peers[i], "/proc/self/exe", i, transport, spin_us, why, sizeof why) != 0) {
+      fprintf(stderr, "tshare-bench: starting consumer %d (%s): %s\n", i, transport, why);
+      for (int j = 0; j < b->npeers; j++) bp_stop(&b->peers[j]);
+      b->npeers = 0;
+      return -1;
+    }
+    b->npeers++;
+  }
+  return 0;
+}
+
+static void stop_consumers(bench *b) {
+  for (int i = 0; i < b->npeers; i++) bp_stop(&b->peers[i]);
+  b->npeers = 0;
 }
 
 static void usage(FILE *out) {
@@ -111,6 +129,29 @@ static void targets(bench *b) {
   else
     br_target_add(r, "zero-copy read at least 0.97x local", bws >= 0.97 * bwl, "%.3fx (%.0f vs %.0f GB/s)",
                   bws / bwl, bws, bwl);
+  /* The ring transport's own targets (its floor and hand-offs, idle cost). */
+  double hr = value_of(b, "host_reused"), h1 = value_of(b, "host_pipelined_1"), idle = value_of(b, "idle_consumer_cpu");
+  double fs = value_of(b, "floor_socket");
+  if (isnan(fl))
+    br_target_add(r, "ring frame round trip p50 <= 2 us", -1, "not measured");
+  else
+    br_target_add(r, "ring frame round trip p50 <= 2 us", fl <= 2, "%.2f us (socket %.2f us: %.1fx)", fl, fs, fs / fl);
+  if (isnan(hr))
+    br_target_add(r, "host share hand-off p50 <= 3 us", -1, "not measured");
+  else
+    br_target_add(r, "host share hand-off p50 <= 3 us", hr <= 3, "%.2f us", hr);
+  if (isnan(rb) || isnan(rc))
+    br_target_add(r, "cuda (b) and (c) p50 <= 6 us", -1, "not measured");
+  else
+    br_target_add(r, "cuda (b) and (c) p50 <= 6 us", rb <= 6 && rc <= 6, "(b) %.2f us, (c) %.2f us", rb, rc);
+  if (isnan(h1))
+    br_target_add(r, "host shares/s to one consumer >= 1M", -1, "not measured");
+  else
+    br_target_add(r, "host shares/s to one consumer >= 1M", h1 >= 1e6, "%.0f/s", h1);
+  if (isnan(idle))
+    br_target_add(r, "an idle waiting consumer < 1% of a core", -1, "not measured");
+  else
+    br_target_add(r, "an idle waiting consumer < 1% of a core", idle < 1, "%.3f%%", idle);
   /* No growth: counts not higher, GPU memory not lower by more than half a
    * MiB, RSS within 1% + 1 MiB (the allocator's own slack). */
   int measured = 0, grew = 0;
@@ -132,7 +173,7 @@ static void targets(bench *b) {
 }
 
 int main(int argc, char **argv) {
-  if (argc == 3 && strcmp(argv[1], "--consumer") == 0) return consumer_main(atoi(argv[2]));
+  if (argc == 5 && strcmp(argv[1], "--consumer") == 0) return consumer_main(atoi(argv[2]), argv[3], atoi(argv[4]));
   static bench b;
   b.opt = (bench_opts){.iters = 20000, .warmup = 2000, .pipelined = 200000, .memory_shares = 1000000,
                        .bw_bytes = (size_t)1 << 30, .window = 64, .python = "python3",
@@ -190,16 +231,9 @@ int main(int argc, char **argv) {
            "between memory snapshots",
            TSHARE_BENCH_VERSION, host, date, b.opt.iters, b.opt.pipelined, b.opt.memory_shares);
 
-  for (int i = 0; i < BENCH_MAX_CONSUMERS; i++) {
-    char why[512];
-    if (bp_start(&b.peers[i], "/proc/self/exe", i, why, sizeof why) != 0) {
-      fprintf(stderr, "tshare-bench: starting consumer %d: %s\n", i, why);
-      for (int j = 0; j < b.npeers; j++) bp_stop(&b.peers[j]);
-      return 1;
-    }
-    b.npeers++;
-  }
+  if (start_consumers(&b, "ring", -1) != 0) return 1;
   fprintf(stderr, "tshare-bench: %s\n", b.rep.device);
+  snprintf(b.rep.label_suffix, sizeof b.rep.label_suffix, " [ring]");
   bench_host(&b);
   if (b.have_gpu) {
     bench_cuda(&b);
@@ -214,7 +248,26 @@ int main(int argc, char **argv) {
       br_skip(&b.rep, strcmp(rows[i][0], "memory") == 0 ? BR_MEMORY : BR_VALUE, rows[i][0], rows[i][1], rows[i][2],
               why);
   }
-  for (int i = 0; i < b.npeers; i++) bp_stop(&b.peers[i]);
+  bench_idle_row(&b, 1000);
+  stop_consumers(&b);
+
+  /* The same hand-offs over the socket alone, and over the ring without a
+   * spin budget (every wait sleeps on the futex): what the ring and the
+   * spin each buy, in the same run. */
+  static const struct {
+    const char *transport, *key, *label;
+    int spin_us, throughput;
+  } variants[] = {{"socket", "_socket", " [socket]", -1, 1}, {"ring", "_ring_nospin", " [ring, no spin]", 0, 0}};
+  for (size_t v = 0; v < sizeof variants / sizeof *variants; v++) {
+    if (start_consumers(&b, variants[v].transport, variants[v].spin_us) != 0) return 1;
+    snprintf(b.rep.key_suffix, sizeof b.rep.key_suffix, "%s", variants[v].key);
+    snprintf(b.rep.label_suffix, sizeof b.rep.label_suffix, "%s", variants[v].label);
+    bench_host_handoffs(&b, variants[v].throughput);
+    if (b.have_gpu) bench_cuda_handoffs(&b, variants[v].throughput);
+    bench_idle_row(&b, 1000);
+    stop_consumers(&b);
+  }
+  b.rep.key_suffix[0] = b.rep.label_suffix[0] = '\0';
   if (peers) bench_peers_external(&b);
   targets(&b);
 

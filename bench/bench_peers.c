@@ -10,7 +10,14 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-int bp_start(bp_peer *p, const char *exe, int rank, char *why, size_t cap) {
+void bp_channel_options(tshare_channel_options *o, const char *name, const char *transport, int spin_us) {
+  tshare_channel_options_init(o);
+  o->name = name;
+  o->transport = strcmp(transport, "socket") == 0 ? TSHARE_TRANSPORT_SOCKET : TSHARE_TRANSPORT_RING;
+  o->spin_us = spin_us;
+}
+
+int bp_start(bp_peer *p, const char *exe, int rank, const char *transport, int spin_us, char *why, size_t cap) {
   memset(p, 0, sizeof *p);
   p->ctl = -1;
   int data[2], ctl[2];
@@ -27,7 +34,9 @@ int bp_start(bp_peer *p, const char *exe, int rank, char *why, size_t cap) {
   }
   char rank_s[16];
   snprintf(rank_s, sizeof rank_s, "%d", rank);
-  char *argv[] = {(char *)exe, (char *)"--consumer", rank_s, NULL};
+  char spin_s[16];
+  snprintf(spin_s, sizeof spin_s, "%d", spin_us);
+  char *argv[] = {(char *)exe, (char *)"--consumer", rank_s, (char *)transport, spin_s, NULL};
   tshare_fd_map fds[2] = {{BP_DATA_FD, data[1]}, {BP_CONTROL_FD, ctl[1]}};
   tshare_spawn_options so = {.file = exe, .argv = argv, .fds = fds, .nfds = 2};
   int rc = tshare_spawn(&so, &p->proc, &err);
@@ -41,8 +50,7 @@ int bp_start(bp_peer *p, const char *exe, int rank, char *why, size_t cap) {
   }
   p->ctl = ctl[0];
   tshare_channel_options o;
-  tshare_channel_options_init(&o);
-  o.name = "bench producer";
+  bp_channel_options(&o, "bench producer", transport, spin_us);
   if (tshare_channel_open_socket(data[0], &o, &p->ch, &err) != TSHARE_OK) {
     snprintf(why, cap, "opening the channel to consumer %d: %s", rank, err.message);
     bp_stop(p);

@@ -28,8 +28,13 @@ typedef struct bp_peer {
   tshare_channel *ch; /* the producer's end of the data channel */
 } bp_peer;
 
-/* Spawn `exe --consumer rank` and open the data channel. 0, or -1 with why. */
-int bp_start(bp_peer *p, const char *exe, int rank, char *why, size_t cap);
+/* Spawn `exe --consumer rank transport spin_us` and open the data channel
+ * (transport "ring" or "socket"; spin_us < 0: the default) with the same
+ * settings on this end. 0, or -1 with why. */
+int bp_start(bp_peer *p, const char *exe, int rank, const char *transport, int spin_us, char *why, size_t cap);
+
+/* The channel options both ends of a bench channel use. */
+void bp_channel_options(tshare_channel_options *o, const char *name, const char *transport, int spin_us);
 
 /* Send a command line (no newline needed). 0, or -1 if the consumer is gone. */
 int bp_send(bp_peer *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));

@@ -31,8 +31,8 @@ br_row *br_add(br_report *r, br_kind kind, const char *group, const char *key, c
   memset(row, 0, sizeof *row);
   row->kind = kind;
   copy(row->group, sizeof row->group, group);
-  copy(row->key, sizeof row->key, key);
-  copy(row->label, sizeof row->label, label);
+  snprintf(row->key, sizeof row->key, "%s%s", key ? key : "", r->key_suffix);
+  snprintf(row->label, sizeof row->label, "%s%s", label ? label : "", r->label_suffix);
   copy(row->unit, sizeof row->unit, unit);
   row->value = row->p99 = row->before = NAN;
   return row;

@@ -50,6 +50,10 @@ typedef struct br_report {
   br_target targets[BR_TARGETS_MAX];
   int ntargets;
   int progress_said; /* rows already reported as done on stderr */
+  /* Appended to the keys and labels of rows added from now on: the same
+   * rows measured again over another transport stand side by side. */
+  char key_suffix[24];
+  char label_suffix[32];
 } br_report;
 
 /* A new row (zeroed, NaN figures); a static spare when the table is full. */

@@ -723,7 +723,7 @@ static bool hup_check_due(ts_conn *c) {
  * (in slices, asking the socket for a hang-up after each), or return
  * TS_CONN_WOKEN. With no time left, a poll loop's end asks for a nudge. */
 static int wait_ring(ts_conn *c, int64_t deadline) {
-  int64_t spin_end = c->spin_us > 0 ? ts_now_us() + c->spin_us : 0;
+  int64_t spin_end = c->spin_us > 0 && ts_remaining(deadline) != 0 ? ts_now_us() + c->spin_us : 0; /* 0: not at all */
   for (unsigned i = 0;; i++) {
     if (take_woken(c)) return TS_CONN_WOKEN;
     long avail = ts_ring_available(&c->ring_in);
