@@ -20,12 +20,15 @@ def measured(key):
     if r["skipped"]: fail(f"row {key} skipped: {r['skipped']}")
     if r["value"] is None or not math.isfinite(r["value"]): fail(f"row {key} has no figure")
     return r
-for key in ["floor", "floor_fd", "host_reused"]:
+for key in ["floor", "floor_fd", "host_reused", "floor_socket", "floor_fd_socket", "host_reused_socket",
+            "floor_ring_nospin", "host_reused_ring_nospin"]:
     r = measured(key)
     if not 0 < r["value"] <= r["p99"]: fail(f"{key}: p50 {r['value']} p99 {r['p99']}")
     if r["n"] != 500: fail(f"{key}: {r['n']} samples, not 500")
 if rows["host_reused"]["vs_floor"] is None: fail("host_reused has no ratio to its floor")
-for key in ["host_pipelined_1", "host_pipelined_4"]:
+for key in ["idle_consumer_cpu", "idle_consumer_cpu_socket", "idle_consumer_cpu_ring_nospin"]:
+    if not 0 <= measured(key)["value"] <= 200: fail(f"{key} is not a share of a core")
+for key in ["host_pipelined_1", "host_pipelined_4", "host_pipelined_1_socket"]:
     if measured(key)["value"] <= 0: fail(f"{key} is not a rate")
 mem = [r for r in doc["rows"] if r["group"] == "memory" and r["key"].startswith("host_")]
 if len(mem) != 5 or any(r["skipped"] or r["before"] is None for r in mem): fail(f"host memory rows: {mem}")
@@ -37,7 +40,7 @@ for key in ["cuda_new_alloc", "cuda_pipelined_1", "bw_shared"]:
 for key in ["torch_mp_cuda", "torch_mp_cpu", "torch_bridge_cuda", "torch_bridge_cpu"]:
     r = rows.get(key) or fail(f"row {key} missing")
     if not r["skipped"]: measured(key)
-if len(doc["targets"]) != 6: fail("targets missing")
+if len(doc["targets"]) != 11: fail("targets missing")
 with open(f"{out}/bench.csv") as f:
     lines = list(csv.DictReader(f))
 if len(lines) != len(doc["rows"]): fail("the CSV and the JSON disagree")
