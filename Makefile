@@ -15,6 +15,7 @@ TSAN_BUILD_DIR ?= build-tsan
 PREFIX ?= /usr/local
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 FUZZ_SECONDS ?= 60
+FUZZ_RING_SECONDS ?= $(FUZZ_SECONDS)
 # CI builds with -Werror; the exported flags never carry it.
 CMAKE_FLAGS ?= $(if $(CI),-DTSHARE_WERROR=ON)
 
@@ -105,7 +106,14 @@ fuzz: build
 	  -dict=tests/fuzz/wire.dict -artifact_prefix=$(BUILD_DIR)/fuzz-crashes/ $(BUILD_DIR)/fuzz-corpus tests/fuzz/corpus || rc=$$?; \
 	for f in $(BUILD_DIR)/fuzz-crashes/*; do [ -f "$$f" ] || continue; \
 	  cp "$$f" tests/fuzz/corpus/regress-$$(sha1sum "$$f" | cut -c1-16); \
-	  echo "fuzz: $$f added to tests/fuzz/corpus as a regression input"; rc=1; done; exit $$rc
+	  echo "fuzz: $$f added to tests/fuzz/corpus as a regression input"; rc=1; done; \
+	mkdir -p $(BUILD_DIR)/fuzz-corpus-ring $(BUILD_DIR)/fuzz-crashes-ring; \
+	$(BUILD_DIR)/tests/fuzz/fuzz_ring -max_total_time=$(FUZZ_RING_SECONDS) -print_final_stats=1 -max_len=4200 \
+	  -dict=tests/fuzz/wire.dict -artifact_prefix=$(BUILD_DIR)/fuzz-crashes-ring/ $(BUILD_DIR)/fuzz-corpus-ring \
+	  tests/fuzz/corpus_ring || rc=$$?; \
+	for f in $(BUILD_DIR)/fuzz-crashes-ring/*; do [ -f "$$f" ] || continue; \
+	  cp "$$f" tests/fuzz/corpus_ring/regress-$$(sha1sum "$$f" | cut -c1-16); \
+	  echo "fuzz: $$f added to tests/fuzz/corpus_ring as a regression input"; rc=1; done; exit $$rc
 
 install: build
 	cmake --install $(BUILD_DIR) --prefix $(PREFIX)

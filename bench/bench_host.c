@@ -420,9 +420,9 @@ static int consume_views_timed(tshare_channel *ch, long n, char *reply, size_t c
   for (long i = 0; i < n && rc == 0; i++) {
     tshare_share_info info;
     int got;
-    while ((got = tshare_channel_peek_share(ch, 0, &info)) == TSHARE_E_TIMEOUT) {
-      struct pollfd p = {.fd = tshare_channel_fd(ch), .events = POLLIN, .revents = 0};
-      poll(&p, 1, 1);
+    /* Waits as a blocked receive does (on the ring: spins, then sleeps), so
+     * the import timed below starts with the share already here. */
+    while ((got = tshare_channel_peek_share(ch, BENCH_TIMEOUT_MS, &info)) == TSHARE_E_TIMEOUT) {
     }
     if (got != TSHARE_OK) {
       snprintf(reply, cap, "recv: %s", tshare_channel_last_error(ch));

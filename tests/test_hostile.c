@@ -12,6 +12,7 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/uio.h>
+#include <time.h>
 
 static const tshare_dtype I32 = {TSHARE_DTYPE_INT, 32, 1};
 
@@ -460,3 +461,157 @@ TS_TEST(messages_name_the_peer_by_the_kernels_pid) {
 }
 
 TS_TEST_MAIN
+
+/* ---- 10. the ring transport: the peer owns half of the shared memory ------------ */
+
+static int64_t now_ms(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+/* The ring mappings of this process ("memfd:tshare-ring"): the one it
+ * writes into and the one its peer writes into. */
+static int ring_mappings(uint8_t *starts[2], size_t lens[2]) {
+  FILE *f = fopen("/proc/self/maps", "r");
+  CHECK(f != NULL);
+  char line[512];
+  int n = 0;
+  while (n < 2 && fgets(line, sizeof line, f)) {
+    unsigned long lo, hi;
+    if (strstr(line, "memfd:tshare-ring") && sscanf(line, "%lx-%lx", &lo, &hi) == 2) {
+      starts[n] = (uint8_t *)lo;
+      lens[n++] = hi - lo;
+    }
+  }
+  fclose(f);
+  return n;
+}
+
+static tshare_channel *open_ring_channel(int fd, const char *name) {
+  tshare_channel *ch = open_channel_over(fd, name, NULL, NULL, TSHARE_TRANSPORT_RING);
+  CHECK_EQ(tshare_channel_transport(ch), TSHARE_TRANSPORT_RING);
+  return ch;
+}
+
+/* Moves the tail of every ring it maps far past the ring's capacity (the
+ * control page starts with the writer's tail), then waits to be killed. */
+static void moves_the_tail_past_the_ring(int fd) {
+  tshare_channel *ch = open_ring_channel(fd, "tail mover");
+  uint8_t *at[2];
+  size_t len[2];
+  CHECK_EQ(ring_mappings(at, len), 2);
+  usleep(50 * 1000); /* the other end is asleep in its receive by now */
+  for (int i = 0; i < 2; i++) {
+    uint64_t far = UINT64_C(1) << 40;
+    memcpy(at[i], &far, sizeof far);
+  }
+  pause(); /* holds the channel open (the hang-up is not what is tested) until killed */
+  (void)ch;
+}
+
+/* A receive with a long timeout that must end with `expected` in well under
+ * a second: what a sleeping receive notices within its bounded waits. */
+static void receive_fails_soon(tshare_channel *ch, int expected, int timeout_ms) {
+  tshare_frame f;
+  int fd = -1;
+  int64_t t0 = now_ms();
+  CHECK_RC(tshare_channel_recv_frame(ch, &f, &fd, timeout_ms), expected, tshare_channel_last_error(ch));
+  CHECK(now_ms() - t0 < 1000);
+}
+
+TS_TEST(a_ring_tail_moved_past_the_capacity_is_a_protocol_error_not_a_wild_read) {
+  int sock;
+  pid_t pid = fork_with_socket(moves_the_tail_past_the_ring, &sock);
+  tshare_channel *ch = open_ring_channel(sock, "ring reader");
+  receive_fails_soon(ch, TSHARE_E_PROTOCOL, 5000); /* found while it slept */
+  CHECK(strstr(tshare_channel_last_error(ch), "ring") != NULL);
+  CHECK(strstr(tshare_channel_last_error(ch), "tail mover") != NULL);
+  kill(pid, SIGKILL);
+  wait_child(pid);
+  tshare_channel_close(ch);
+}
+
+/* Writes random bytes over both rings, control pages included, as fast as
+ * it can for a while, then exits without a word. */
+static void scribbles_into_the_rings(int fd) {
+  tshare_channel *ch = open_ring_channel(fd, "scribbler");
+  uint8_t *at[2];
+  size_t len[2];
+  CHECK_EQ(ring_mappings(at, len), 2);
+  uint64_t x = UINT64_C(0x9e3779b97f4a7c15) ^ (uint64_t)(unsigned)getpid();
+  int64_t end = now_ms() + 300;
+  if (getpid() % 2) { /* tails that stay in bounds: garbage reaches the decoder */
+    uint64_t tail = 0;
+    while (now_ms() < end) {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+      for (int i = 0; i < 2; i++) {
+        for (size_t off = 4096 + tail % 4096; off < 4096 + tail % 4096 + 64 && off < len[i]; off++)
+          at[i][off] = (uint8_t)(x >> (off % 56));
+        uint64_t next = tail + 1 + x % 64;
+        memcpy(at[i], &next, sizeof next);
+      }
+      tail += 1 + x % 64;
+      usleep(100);
+    }
+    _exit(0);
+  }
+  while (now_ms() < end) {
+    for (int k = 0; k < 4096; k++) {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+      int which = (int)(x & 1);
+      /* Half the writes hit the control page, where the indices live. */
+      size_t off = (x >> 8) % ((x >> 1) & 1 ? 256 : len[which]);
+      at[which][off] = (uint8_t)(x >> 40);
+    }
+  }
+  _exit(0);
+  (void)ch;
+}
+
+TS_TEST(a_peer_scribbling_into_the_rings_cannot_crash_or_hang_the_other_end) {
+  for (int round = 0; round < 4; round++) { /* an odd pid scribbles data under sane tails, an even one anything */
+    int sock;
+    pid_t pid = fork_with_socket(scribbles_into_the_rings, &sock);
+    tshare_channel *ch = open_ring_channel(sock, "ring reader");
+    int64_t t0 = now_ms();
+    int rc;
+    long frames = 0;
+    for (;;) {
+      tshare_frame f;
+      int fd = -1;
+      rc = tshare_channel_recv_frame(ch, &f, &fd, 2000);
+      if (fd >= 0) close(fd);
+      if (rc != TSHARE_OK && rc != TSHARE_E_LIMIT) break;
+      frames++; /* bytes that happened to form a valid frame were checked like any other */
+    }
+    /* Whatever it wrote ends as an error that names the fault (or its
+     * death), within its 300 ms of scribbling and the 100 ms a sleeping
+     * receive takes to notice a hang-up. */
+    fprintf(stderr, "round %d: %ld frames, then %s: %s\n", round, frames, tshare_status_name(rc),
+            tshare_channel_last_error(ch));
+    CHECK(rc != TSHARE_E_TIMEOUT);
+    CHECK(rc < 0);
+    CHECK(now_ms() - t0 < 1500);
+    CHECK(frames < 100000);
+    tshare_channel_close(ch);
+    CHECK_CHILD_OK(pid);
+  }
+}
+
+/* A ring peer that dies without a word is seen within the sleeping
+ * receive's slice (100 ms), not at the timeout. */
+static void dies_quietly(int fd) {
+  (void)open_ring_channel(fd, "quiet one");
+  usleep(100 * 1000);
+  _exit(0);
+}
+
+TS_TEST(a_ring_peer_that_dies_is_seen_within_a_sleep_slice) {
+  int sock;
+  pid_t pid = fork_with_socket(dies_quietly, &sock);
+  tshare_channel *ch = open_ring_channel(sock, "watcher");
+  receive_fails_soon(ch, TSHARE_E_PEER_CLOSED, 30000); /* it died ~100 ms in */
+  CHECK_CHILD_OK(pid);
+  tshare_channel_close(ch);
+}
