@@ -8,6 +8,7 @@
 #include <math.h>
 #include <poll.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -113,7 +114,20 @@ void bench_peers_external(bench *b) {
       snprintf(peer_key, sizeof peer_key, "torch_mp_%s", dev);
       char *argv[] = {(char *)b->opt.torch_bench, (char *)"--device", (char *)dev, (char *)"--iters", iters,
                       (char *)"--warmup", warmup, NULL};
+      /* Over the default transport (the ring), then the socket alone: the
+       * program's channels pick theirs from TSHARE_TRANSPORT. */
+      const char *saved = getenv("TSHARE_TRANSPORT");
+      char keep[32] = "";
+      if (saved) snprintf(keep, sizeof keep, "%s", saved);
+      setenv("TSHARE_TRANSPORT", "ring", 1);
+      snprintf(label, sizeof label, "tshare LibTorch bridge, %s tensor [ring]", dev);
       peer_row(b, argv, key, label, gpu ? "floor" : "floor_fd", peer_key);
+      setenv("TSHARE_TRANSPORT", "socket", 1);
+      snprintf(key, sizeof key, "torch_bridge_%s_socket", dev);
+      snprintf(label, sizeof label, "tshare LibTorch bridge, %s tensor [socket]", dev);
+      peer_row(b, argv, key, label, gpu ? "floor_socket" : "floor_fd_socket", peer_key);
+      if (saved) setenv("TSHARE_TRANSPORT", keep, 1);
+      else unsetenv("TSHARE_TRANSPORT");
     }
   }
 }
