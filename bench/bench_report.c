@@ -93,13 +93,14 @@ static const char *group_title(const char *group) {
   if (strcmp(group, "throughput") == 0) return "throughput (pipelined, no per-tensor round trip)";
   if (strcmp(group, "bandwidth") == 0) return "bandwidth (a consumer kernel reads the whole tensor)";
   if (strcmp(group, "memory") == 0) return "memory and handles, before -> after";
+  if (strcmp(group, "idle") == 0) return "a consumer blocked in a receive, nothing coming";
   return group;
 }
 
 void br_print(const br_report *r, FILE *out) {
   say_done(r);
   fprintf(out, "\n%s\n%s\n", r->title, r->device);
-  const char *groups[] = {"latency", "throughput", "bandwidth", "memory"};
+  const char *groups[] = {"latency", "throughput", "bandwidth", "idle", "memory"};
   for (size_t g = 0; g < sizeof groups / sizeof *groups; g++) {
     int any = 0;
     for (int i = 0; i < r->nrows; i++) any |= strcmp(r->rows[i].group, groups[g]) == 0;
