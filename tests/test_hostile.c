@@ -615,3 +615,49 @@ TS_TEST(a_ring_peer_that_dies_is_seen_within_a_sleep_slice) {
   CHECK_CHILD_OK(pid);
   tshare_channel_close(ch);
 }
+
+/* ---- 11. VMM chunk frames that do not add up ------------------------------------- */
+
+static tshare_frame chunk_frame(uint64_t alloc_id, uint32_t index, uint32_t count) {
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_CHUNK;
+  f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+  f.u.chunk.alloc_id = alloc_id;
+  f.u.chunk.index = index;
+  f.u.chunk.count = count;
+  f.u.chunk.size = 4096;
+  return f;
+}
+
+/* Chunks of one allocation, then a share of one piece; or chunks out of
+ * order: each ends the channel with a protocol error, every fd closed. */
+static void sends_chunks_that_do_not_add_up(int fd) {
+  tshare_channel *ch = open_socket_only_channel(fd, "chunky producer");
+  tshare_host_buffer *b = filled_buffer("tshare-chunk", 16, 5);
+  tshare_frame k1 = chunk_frame(9, 1, 4), k2 = chunk_frame(9, 2, 4);
+  send_raw(ch, &k1, tshare_host_buffer_fd(b));
+  send_raw(ch, &k2, tshare_host_buffer_fd(b));
+  tshare_frame s = memfd_share_frame(tshare_host_buffer_size(b), ints_at(16, 0));
+  send_raw(ch, &s, tshare_host_buffer_fd(b));
+  tshare_frame f;
+  int got = -1;
+  (void)tshare_channel_recv_frame(ch, &f, &got, 5000); /* the consumer's error, or its hang-up */
+  if (got >= 0) close(got);
+  tshare_host_buffer_destroy(b);
+  tshare_channel_close(ch);
+}
+
+TS_TEST(chunk_frames_that_do_not_add_up_are_a_protocol_error_and_leak_no_fd) {
+  int fds_before = count_open_fds();
+  int sock;
+  pid_t pid = fork_with_socket(sends_chunks_that_do_not_add_up, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "consumer", NULL, NULL);
+  tshare_view *v = NULL;
+  CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_E_PROTOCOL, tshare_channel_last_error(ch));
+  printf("%s\n", tshare_channel_last_error(ch));
+  CHECK(strstr(tshare_channel_last_error(ch), "chunk") != NULL);
+  tshare_channel_close(ch);
+  CHECK_CHILD_OK(pid);
+  CHECK_EQ(count_open_fds(), fds_before);
+}

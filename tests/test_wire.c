@@ -197,6 +197,54 @@ TS_TEST(roundtrip_event_retire_and_minor1_share_fields) {
   CHECK_EQ(g.u.share.share_flags, 0);
 }
 
+/* Minor 2: the ring transport's frames and VMM chunk frames. */
+TS_TEST(roundtrip_ring_and_chunk_frames) {
+  tshare_frame f, g;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len = 0;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_RING;
+  f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+  f.u.ring.op = TSHARE_RING_SETUP;
+  f.u.ring.capacity = 1u << 20;
+  CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.ring.op, TSHARE_RING_SETUP);
+  CHECK_EQ(g.u.ring.capacity, 1u << 20);
+  f.flags = 0; /* a setup frame carries its memfd */
+  CHECK_EQ(tshare_wire_encode(&f, buf, sizeof buf, &len, NULL, 0), TSHARE_E_MALFORMED);
+  f.u.ring.op = TSHARE_RING_SOCKET_NEXT;
+  CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.ring.op, TSHARE_RING_SOCKET_NEXT);
+  len = encode(&f, buf);
+  buf[TSHARE_WIRE_HEADER_SIZE] = 9; /* no such op */
+  CHECK_EQ(decode(buf, len, &g), TSHARE_E_MALFORMED);
+  len = encode(&f, buf);
+  buf[7] = TSHARE_FRAME_FLAG_FD_ATTACHED; /* only a setup frame carries an fd */
+  CHECK_EQ(decode(buf, len, &g), TSHARE_E_MALFORMED);
+
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_CHUNK;
+  f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+  f.u.chunk.alloc_id = UINT64_MAX;
+  f.u.chunk.index = 2;
+  f.u.chunk.count = 3;
+  f.u.chunk.size = 20u << 20;
+  CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
+  CHECK(g.u.chunk.alloc_id == UINT64_MAX && g.u.chunk.index == 2 && g.u.chunk.count == 3);
+  CHECK(g.u.chunk.size == 20u << 20);
+  len = encode(&f, buf);
+  put_u32(buf + TSHARE_WIRE_HEADER_SIZE + 8, 0); /* chunk 0 rides on the share itself */
+  CHECK_EQ(decode(buf, len, &g), TSHARE_E_MALFORMED);
+  len = encode(&f, buf);
+  put_u32(buf + TSHARE_WIRE_HEADER_SIZE + 12, TSHARE_CHUNKS_MAX + 1);
+  CHECK_EQ(decode(buf, len, &g), TSHARE_E_MALFORMED);
+  len = encode(&f, buf);
+  buf[7] = 0; /* a chunk without its fd */
+  CHECK_EQ(decode(buf, len, &g), TSHARE_E_MALFORMED);
+  f.u.chunk.index = 3; /* not below count: refused when encoding too */
+  CHECK_EQ(tshare_wire_encode(&f, buf, sizeof buf, &len, NULL, 0), TSHARE_E_MALFORMED);
+}
+
 TS_TEST(roundtrip_bye_and_error) {
   tshare_frame f, g;
   memset(&f, 0, sizeof f);

@@ -74,6 +74,7 @@
   X(cuMemExportToShareableHandle, CUresult,                                                                           \
     (void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType, unsigned long long))                            \
   X(cuMemImportFromShareableHandle, CUresult, (CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType))    \
+  X(cuMemRetainAllocationHandle, CUresult, (CUmemGenericAllocationHandle *, void *))                                  \
   X(cuModuleLoadData, CUresult, (CUmodule *, const void *))                                                           \
   X(cuModuleGetFunction, CUresult, (CUfunction *, CUmodule, const char *))                                            \
   X(cuLaunchKernel, CUresult,                                                                                         \

@@ -20,6 +20,15 @@ void ts_cuda_hello_devices(tshare_hello *h);
 /* Event and retire frames from the peer. */
 int ts_cuda_on_frame(tshare_channel *ch, const tshare_frame *f);
 
+/* Chunk frames: gathered (fd kept, counted against the fd budget; fd -1 with
+ * fd_lost when it could not be kept) until their share comes. */
+int ts_cuda_on_chunk(tshare_channel *ch, const tshare_frame *f, int fd, int fd_lost);
+/* A share frame arrived: the chunks gathered for it are filed under its id
+ * (an error when they and the share disagree). */
+int ts_cuda_on_share(tshare_channel *ch, const tshare_frame *f);
+/* A share is refused or dropped before its import: its chunks' fds close. */
+void ts_cuda_drop_chunks(tshare_channel *ch, uint64_t share_id);
+
 /* Driver-side housekeeping before every receive: releases whose GPU work has
  * finished move to the pending list, retire notices and acks go out.
  * *gpu_wait says whether releases still wait for the GPU and how soon to

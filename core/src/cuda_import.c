@@ -26,7 +26,9 @@ struct ts_cuda_mapping {
   uint8_t handle[TSHARE_HANDLE_MAX]; /* legacy */
   CUdeviceptr ptr;
   size_t size;
-  int fd; /* VMM memory: the fd it was imported from, else -1 */
+  int fd; /* VMM memory of one chunk: the fd it was imported from, else -1 */
+  int nchunks;          /* VMM memory of several chunks mapped side by side: how many (else 0) */
+  uint64_t *chunk_size; /* their sizes, to unmap each as it was mapped */
   size_t views;
   bool keep_idle;                                /* the owner sends a retire notice before it frees */
   bool gone;                                     /* the owner retired it or went away: close at the last view */
@@ -141,7 +143,11 @@ static bool insert_locked(ts_cuda_mapping *m) {
 static void unmap_and_free(ts_cuda_mapping *imp) {
   const ts_cuda_api *cu = ts_cuda_if_loaded();
   if (cu && ts_cuda_push(imp->ctx)) {
-    if (imp->fd >= 0) {
+    if (imp->nchunks) {
+      uint64_t off = 0;
+      for (int i = 0; i < imp->nchunks; off += imp->chunk_size[i++]) cu->cuMemUnmap(imp->ptr + off, imp->chunk_size[i]);
+      cu->cuMemAddressFree(imp->ptr, imp->size);
+    } else if (!imp->legacy) {
       cu->cuMemUnmap(imp->ptr, imp->size);
       cu->cuMemAddressFree(imp->ptr, imp->size);
     } else {
@@ -150,6 +156,7 @@ static void unmap_and_free(ts_cuda_mapping *imp) {
     ts_cuda_pop();
   }
   if (imp->fd >= 0) close(imp->fd);
+  free(imp->chunk_size);
   free(imp);
 }
 
@@ -183,22 +190,24 @@ static void trim_locked(void) {
   while (idle_oldest && (idle_count > max_idle || idle_bytes > max_idle_bytes)) close_locked(idle_oldest);
 }
 
-/* Map VMM memory from its fd: import, reserve, map, grant this context's
- * device access. The mapping holds the physical memory: it stays valid even
- * after its owner released it, until it is unmapped here. */
-static CUresult vmm_map(const ts_cuda_api *cu, int fd, size_t size, CUdeviceptr *ptr) {
+/* Several chunks into one reserved range, each at its offset: a tensor that
+ * spans them sees one contiguous allocation, as in its owner's process. */
+static CUresult vmm_map_chunks(const ts_cuda_api *cu, const ts_vmm_chunks *chunks, size_t size, CUdeviceptr *ptr) {
   CUdevice dev;
-  CUmemGenericAllocationHandle h;
   CUresult rc = cu->cuCtxGetDevice(&dev);
-  if (rc != CUDA_SUCCESS || (rc = cu->cuMemImportFromShareableHandle(
-                                 &h, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) != CUDA_SUCCESS)
-    return rc;
-  bool reserved = false;
-  if ((rc = cu->cuMemAddressReserve(ptr, size, 0, 0, 0)) == CUDA_SUCCESS) {
-    reserved = true;
-    rc = cu->cuMemMap(*ptr, size, 0, h, 0);
+  if (rc == CUDA_SUCCESS) rc = cu->cuMemAddressReserve(ptr, size, 0, 0, 0);
+  if (rc != CUDA_SUCCESS) return rc;
+  uint64_t off = 0;
+  int mapped = 0;
+  for (; mapped < chunks->n && rc == CUDA_SUCCESS; off += chunks->size[mapped++]) {
+    CUmemGenericAllocationHandle h;
+    rc = cu->cuMemImportFromShareableHandle(&h, (void *)(uintptr_t)chunks->fd[mapped],
+                                            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    if (rc != CUDA_SUCCESS) break;
+    rc = cu->cuMemMap(*ptr + off, chunks->size[mapped], 0, h, 0);
+    cu->cuMemRelease(h); /* the mapping keeps the memory */
+    if (rc != CUDA_SUCCESS) break;
   }
-  cu->cuMemRelease(h); /* the mapping keeps the memory */
   if (rc == CUDA_SUCCESS) {
     CUmemAccessDesc access;
     memset(&access, 0, sizeof access);
@@ -206,14 +215,29 @@ static CUresult vmm_map(const ts_cuda_api *cu, int fd, size_t size, CUdeviceptr 
     access.location.id = (int)dev;
     access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     rc = cu->cuMemSetAccess(*ptr, size, &access, 1);
-    if (rc != CUDA_SUCCESS) cu->cuMemUnmap(*ptr, size);
   }
-  if (rc != CUDA_SUCCESS && reserved) cu->cuMemAddressFree(*ptr, size);
+  if (rc != CUDA_SUCCESS) {
+    off = 0;
+    for (int i = 0; i < mapped; off += chunks->size[i++]) cu->cuMemUnmap(*ptr + off, chunks->size[i]);
+    cu->cuMemAddressFree(*ptr, size);
+  }
   return rc;
 }
 
+/* VMM memory of one chunk, from its fd. The mapping holds the physical
+ * memory: it stays valid even after its owner released it, until it is
+ * unmapped here. */
+static CUresult vmm_map(const ts_cuda_api *cu, int fd, size_t size, CUdeviceptr *ptr) {
+  static _Thread_local ts_vmm_chunks one;
+  one.n = 1;
+  one.fd[0] = fd;
+  one.size[0] = size;
+  return vmm_map_chunks(cu, &one, size, ptr);
+}
+
 int ts_cuda_import_get(uint64_t origin, uint64_t alloc_id, CUcontext ctx, const CUipcMemHandle *handle, int *fdp,
-                       size_t size, bool keep_idle, ts_cuda_mapping **out, char *err, size_t cap) {
+                       const ts_vmm_chunks *chunks, size_t size, bool keep_idle, ts_cuda_mapping **out, char *err,
+                       size_t cap) {
   *out = NULL;
   int status = TSHARE_OK;
   const ts_cuda_api *cu = ts_cuda_require(err, cap, &status);
@@ -249,12 +273,15 @@ int ts_cuda_import_get(uint64_t origin, uint64_t alloc_id, CUcontext ctx, const 
       return ts_errf(err, cap, TSHARE_E_NOMEM, "import: out of memory");
     }
     CUresult rc = CUDA_ERROR_INVALID_CONTEXT;
-    if (ts_cuda_push(ctx)) {
-      rc = vmm ? vmm_map(cu, *fdp, size, &imp->ptr)
-               : cu->cuIpcOpenMemHandle(&imp->ptr, *handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+    if (chunks && !(imp->chunk_size = malloc((size_t)chunks->n * sizeof *imp->chunk_size))) rc = CUDA_ERROR_OUT_OF_MEMORY;
+    else if (ts_cuda_push(ctx)) {
+      rc = chunks ? vmm_map_chunks(cu, chunks, size, &imp->ptr)
+           : vmm  ? vmm_map(cu, *fdp, size, &imp->ptr)
+                  : cu->cuIpcOpenMemHandle(&imp->ptr, *handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
       ts_cuda_pop();
     }
     if (rc != CUDA_SUCCESS) {
+      free(imp->chunk_size);
       free(imp);
       pthread_mutex_unlock(&ts_cuda_lock);
       if (rc == CUDA_ERROR_PEER_ACCESS_UNSUPPORTED || rc == CUDA_ERROR_TOO_MANY_PEERS)
@@ -264,8 +291,12 @@ int ts_cuda_import_get(uint64_t origin, uint64_t alloc_id, CUcontext ctx, const 
                        ts_cuda_strerror(rc));
       return ts_cuda_fail(err, cap, vmm ? "import: mapping the VMM fd" : "import: cudaIpcOpenMemHandle", rc);
     }
-    imp->fd = vmm ? *fdp : -1;
-    if (vmm) {
+    imp->fd = vmm && !chunks ? *fdp : -1;
+    if (chunks) {
+      imp->nchunks = chunks->n;
+      for (int i = 0; i < chunks->n; i++) imp->chunk_size[i] = chunks->size[i];
+      ts_cuda_counters.fd_imports++;
+    } else if (vmm) {
       *fdp = -1;
       ts_cuda_counters.fd_imports++;
     } else {

@@ -43,6 +43,27 @@ typedef struct ts_cuda_export {
  * the policy says so) unless this allocation was exported before. */
 int ts_cuda_export_of(CUdeviceptr ptr, ts_cuda_export *out, char *err, size_t cap);
 
+/* Memory another allocator mapped with the CUDA VMM calls (PyTorch's
+ * expandable segments): physical chunks mapped side by side into one
+ * reserved range. A tensor may span several; each travels as its own fd
+ * (legacy IPC handles cannot describe VMM memory). */
+#define TS_VMM_CHUNKS_MAX 256
+typedef struct ts_vmm_chunks {
+  int n;
+  int fd[TS_VMM_CHUNKS_MAX]; /* owned by the caller once filled: close them after sending */
+  uint64_t size[TS_VMM_CHUNKS_MAX];
+} ts_vmm_chunks;
+
+/* Whether ptr is VMM memory this process did not create through tshare. */
+bool ts_cuda_is_foreign_vmm(CUdeviceptr ptr);
+/* The chunks holding bytes [ptr, ptr + extent), each exported as a POSIX fd;
+ * x describes them as one allocation: base (the first chunk's), size (all of
+ * them), buffer_id (an identity of this exact set of chunks), device,
+ * primary context; x->fd is chunks->fd[0]. */
+int ts_cuda_export_vmm(CUdeviceptr ptr, uint64_t extent, ts_cuda_export *x, ts_vmm_chunks *chunks, char *err,
+                       size_t cap);
+void ts_vmm_chunks_close(ts_vmm_chunks *chunks);
+
 /* An owned allocation: a whole buffer or a slab. */
 typedef struct ts_cuda_alloc ts_cuda_alloc;
 const ts_cuda_export *ts_cuda_alloc_export(const ts_cuda_alloc *a);
@@ -66,8 +87,11 @@ typedef struct ts_cuda_mapping ts_cuda_mapping;
  * Legacy memory comes as handle; VMM memory as *fdp >= 0 (a new mapping
  * keeps that fd, so views can be shared on, and sets *fdp to -1).
  * keep_idle: it may stay open with no view (the owner announces retirement). */
+/* chunks (VMM memory of several chunks, fd[0] == *fdp): mapped side by side;
+ * such a mapping keeps none of the fds (its views cannot be shared on). */
 int ts_cuda_import_get(uint64_t origin, uint64_t alloc_id, CUcontext ctx, const CUipcMemHandle *handle, int *fdp,
-                       size_t size, bool keep_idle, ts_cuda_mapping **out, char *err, size_t cap);
+                       const ts_vmm_chunks *chunks, size_t size, bool keep_idle, ts_cuda_mapping **out, char *err,
+                       size_t cap);
 CUdeviceptr ts_cuda_import_ptr(const ts_cuda_mapping *imp);
 int ts_cuda_import_fd(const ts_cuda_mapping *imp); /* VMM: the capability the mapping came with; else -1 */
 void ts_cuda_import_put(ts_cuda_mapping *imp);     /* a view is gone */

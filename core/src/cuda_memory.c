@@ -167,6 +167,117 @@ out:
   return status;
 }
 
+/* ---- memory mapped by another allocator with the VMM calls ---------------- */
+
+bool ts_cuda_is_foreign_vmm(CUdeviceptr ptr) {
+  int status;
+  char err[TSHARE_ERROR_MSG_MAX];
+  const ts_cuda_api *cu = ts_cuda_require(err, sizeof err, &status);
+  if (!cu) return false;
+  CUcontext ctx = NULL;
+  CUmemGenericAllocationHandle h;
+  /* VMM mappings have no context; cuMemAlloc memory has one. */
+  if (cu->cuPointerGetAttribute(&ctx, CU_POINTER_ATTRIBUTE_CONTEXT, ptr) != CUDA_SUCCESS || ctx) return false;
+  if (cu->cuMemRetainAllocationHandle(&h, (void *)(uintptr_t)ptr) != CUDA_SUCCESS) return false;
+  cu->cuMemRelease(h);
+  return true;
+}
+
+void ts_vmm_chunks_close(ts_vmm_chunks *chunks) {
+  for (int i = 0; i < chunks->n; i++)
+    if (chunks->fd[i] >= 0) close(chunks->fd[i]);
+  chunks->n = 0;
+}
+
+/* One chunk: its range, identity and an fd for it. */
+static int export_chunk(const ts_cuda_api *cu, CUdeviceptr at, CUdeviceptr *base, size_t *size, uint64_t *id, int *fd,
+                        char *err, size_t cap) {
+  CUmemGenericAllocationHandle h;
+  unsigned long long buffer_id = 0, allowed = 0;
+  CUresult rc = cu->cuMemGetAddressRange(base, size, at);
+  if (rc == CUDA_SUCCESS) rc = cu->cuPointerGetAttribute(&buffer_id, CU_POINTER_ATTRIBUTE_BUFFER_ID, *base);
+  if (rc == CUDA_SUCCESS)
+    rc = cu->cuPointerGetAttribute(&allowed, CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES, *base);
+  if (rc != CUDA_SUCCESS) return ts_cuda_fail(err, cap, "export (VMM memory): looking up the chunk", rc);
+  if (!(allowed & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+    return ts_errf(err, cap, TSHARE_E_UNSUPPORTED,
+                   "export: the VMM memory at %p was created without POSIX-fd handles (handle types 0x%llx), the "
+                   "only kind tshare passes between processes",
+                   (void *)(uintptr_t)*base, allowed);
+  if ((rc = cu->cuMemRetainAllocationHandle(&h, (void *)(uintptr_t)*base)) != CUDA_SUCCESS)
+    return ts_cuda_fail(err, cap, "export (VMM memory): cuMemRetainAllocationHandle", rc);
+  rc = cu->cuMemExportToShareableHandle(fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+  cu->cuMemRelease(h); /* the retain's reference, not the memory */
+  if (rc != CUDA_SUCCESS) return ts_cuda_fail(err, cap, "export (VMM memory): cuMemExportToShareableHandle", rc);
+  *id = buffer_id;
+  return TSHARE_OK;
+}
+
+int ts_cuda_export_vmm(CUdeviceptr ptr, uint64_t extent, ts_cuda_export *x, ts_vmm_chunks *chunks, char *err,
+                       size_t cap) {
+  int status = TSHARE_OK;
+  const ts_cuda_api *cu = ts_cuda_require(err, cap, &status);
+  chunks->n = 0;
+  if (!cu) return status;
+  memset(x, 0, sizeof *x);
+  x->fd = -1;
+  int ordinal = -1;
+  CUresult rc = cu->cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr);
+  CUdevice dev;
+  CUuuid uuid;
+  if (rc == CUDA_SUCCESS) rc = cu->cuDeviceGet(&dev, ordinal);
+  if (rc == CUDA_SUCCESS) rc = cu->cuDeviceGetUuid(&uuid, dev);
+  if (rc != CUDA_SUCCESS) return ts_cuda_fail(err, cap, "export (VMM memory): its device", rc);
+  /* An identity of this exact run of chunks: their buffer ids (unique per
+   * allocation in this process, new when an address is mapped again). */
+  uint64_t id = 0xcbf29ce484222325ull, first_id = 0;
+  CUdeviceptr at = ptr, end = ptr + (extent ? extent : 1);
+  while (status == TSHARE_OK && at < end) {
+    if (chunks->n == TS_VMM_CHUNKS_MAX) {
+      status = ts_errf(err, cap, TSHARE_E_TOO_LARGE,
+                       "export: the tensor spans more than %d chunks of VMM memory (%llu bytes from %p)",
+                       TS_VMM_CHUNKS_MAX, (unsigned long long)extent, (void *)(uintptr_t)ptr);
+      break;
+    }
+    CUdeviceptr base;
+    size_t size;
+    uint64_t chunk_id = 0;
+    int fd = -1;
+    status = export_chunk(cu, at, &base, &size, &chunk_id, &fd, err, cap);
+    if (status != TSHARE_OK) break;
+    if (chunks->n == 0) {
+      x->base = base;
+      first_id = chunk_id;
+    }
+    else if (base != x->base + x->size) { /* a hole: not one tensor's memory */
+      close(fd);
+      status = ts_errf(err, cap, TSHARE_E_INVALID_ARG, "export: the VMM memory at %p is not mapped contiguously",
+                       (void *)(uintptr_t)at);
+      break;
+    }
+    chunks->fd[chunks->n] = fd;
+    chunks->size[chunks->n++] = size;
+    x->size += size;
+    id = (id ^ chunk_id) * 0x100000001b3ull;
+    at = base + size;
+  }
+  if (status != TSHARE_OK) {
+    ts_vmm_chunks_close(chunks);
+    return status;
+  }
+  /* One chunk keeps its buffer id as the allocation's id, like cuMemAlloc
+   * memory; a run of several gets the hash, kept apart by its top bit. */
+  pthread_mutex_lock(&ts_cuda_lock);
+  ts_cuda_counters.exports++;
+  pthread_mutex_unlock(&ts_cuda_lock);
+  x->buffer_id = chunks->n == 1 ? first_id : (id | (1ull << 63));
+  x->ordinal = ordinal;
+  memcpy(x->uuid, uuid.bytes, 16);
+  x->ctx = ts_cuda_primary_ctx(ordinal);
+  x->fd = chunks->fd[0];
+  return TSHARE_OK;
+}
+
 /* ---- owned allocations ---------------------------------------------------- */
 
 /* ---- how owned memory travels -------------------------------------------- */

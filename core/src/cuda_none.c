@@ -8,6 +8,7 @@
 
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #define NO_CUDA "tshare was built without CUDA (no CUDA toolkit at build time)"
 
@@ -128,6 +129,22 @@ void ts_cuda_hello_devices(tshare_hello *h) { (void)h; }
 int ts_cuda_on_frame(tshare_channel *ch, const tshare_frame *f) {
   return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "receive: %s frame, but this side offered no CUDA",
                  tshare_frame_type_name(f->type));
+}
+
+int ts_cuda_on_chunk(tshare_channel *ch, const tshare_frame *f, int fd, int fd_lost) {
+  (void)f;
+  (void)fd_lost;
+  if (fd >= 0) close(fd);
+  return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "receive: a chunk frame, but this end offered no CUDA");
+}
+int ts_cuda_on_share(tshare_channel *ch, const tshare_frame *f) {
+  (void)ch;
+  (void)f;
+  return TSHARE_OK;
+}
+void ts_cuda_drop_chunks(tshare_channel *ch, uint64_t share_id) {
+  (void)ch;
+  (void)share_id;
 }
 int ts_cuda_flush(tshare_channel *ch, int timeout_ms, ts_gpu_wait *busy) {
   (void)ch, (void)timeout_ms;

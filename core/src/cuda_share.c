@@ -11,6 +11,7 @@
 #include "cuda_internal.h"
 #include "error_detail.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -64,7 +65,30 @@ struct ts_cuda_chan {
   size_t nspares;
   uint64_t *acks; /* retire acks to send */
   size_t nacks, cap_acks;
+  /* Chunk frames of VMM memory, gathered until their share comes (then
+   * filed under its share id until it is imported or dropped). */
+  struct chunk_set *gathering;
+  ts_u64map chunk_sets; /* share id + 1 -> chunk_set */
 };
+
+/* Chunks 1..count-1 of one share's VMM memory (chunk 0 rides on the share). */
+struct chunk_set {
+  uint64_t alloc_id;
+  uint32_t count, n;
+  int lost; /* why a chunk's fd could not be kept (errno or TS_FD_OVER_BUDGET), 0 if none */
+  int fd[TSHARE_CHUNKS_MAX];
+  uint64_t size[TSHARE_CHUNKS_MAX];
+};
+
+static void chunk_set_free(tshare_channel *ch, struct chunk_set *set) {
+  if (!set) return;
+  for (uint32_t i = 0; i < set->n; i++)
+    if (set->fd[i] >= 0) {
+      close(set->fd[i]);
+      ts_conn_hold_fds(&ch->conn, -1);
+    }
+  free(set);
+}
 
 /* Every event tshare creates, opens or destroys goes through these, so the
  * statistics show how many it holds (a stream of shares must not grow it). */
@@ -172,9 +196,27 @@ static int check_can_share(tshare_channel *ch, const char *tag) {
 }
 
 /* Fill and send the share; e (release, owner, user_data set) is consumed. */
-static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, uint64_t offset, uint32_t origin_pid,
-                           uint32_t flags, const tshare_tensor_desc *desc, void *stream, const char *tag, ts_export *e,
-                           int timeout_ms, uint64_t *share_id) {
+/* Chunks 1..n-1 of VMM memory, each with its fd, before the share that
+ * carries chunk 0: the consumer maps them side by side. */
+static int send_chunks(tshare_channel *ch, const ts_cuda_export *x, const ts_vmm_chunks *chunks, int64_t deadline) {
+  for (int i = 1; i < chunks->n; i++) {
+    tshare_frame f;
+    memset(&f, 0, sizeof f);
+    f.type = TSHARE_FRAME_CHUNK;
+    f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+    f.u.chunk.alloc_id = x->buffer_id;
+    f.u.chunk.index = (uint32_t)i;
+    f.u.chunk.count = (uint32_t)chunks->n;
+    f.u.chunk.size = chunks->size[i];
+    int rc = ts_channel_send(ch, &f, chunks->fd[i], ts_remaining(deadline));
+    if (rc != TSHARE_OK) return rc;
+  }
+  return TSHARE_OK;
+}
+
+static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, const ts_vmm_chunks *chunks, uint64_t offset,
+                           uint32_t origin_pid, uint32_t flags, const tshare_tensor_desc *desc, void *stream,
+                           const char *tag, ts_export *e, int timeout_ms, uint64_t *share_id) {
   struct ts_cuda_chan *c = ch->cuda;
   const ts_cuda_api *cu = ts_cuda_if_loaded();
   if (x->fd >= 0 && (ch->conn.kind != TSHARE_CHANNEL_SOCKET || !(ch->conn.peer.capabilities & TSHARE_CAP_CUDA_FD))) {
@@ -185,6 +227,15 @@ static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, uint64_t
                    ch->conn.kind != TSHARE_CHANNEL_SOCKET ? "a pipe channel cannot carry fds"
                                                       : "the peer cannot import fd handles");
   }
+  bool several = chunks && chunks->n > 1;
+  if (several && ch->conn.minor < 2) {
+    ts_export_drop(e);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_MISMATCH,
+                   "share: the tensor spans %d chunks of VMM memory and peer %s speaks wire 1.%u, which carries one: "
+                   "update the peer's tshare",
+                   chunks->n, ch->conn.peer_label, (unsigned)ch->conn.minor);
+  }
+  int64_t deadline = ts_deadline(timeout_ms);
   tshare_frame f;
   memset(&f, 0, sizeof f);
   f.type = TSHARE_FRAME_SHARE;
@@ -205,6 +256,7 @@ static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, uint64_t
   s->tensor.byte_offset = offset + desc->byte_offset;
   s->origin_pid = origin_pid;
   s->share_flags = ch->conn.minor >= 1 ? flags : 0;
+  if (several) s->share_flags |= TSHARE_SHARE_FLAG_CHUNKS;
   if (tag) {
     s->tag_len = (uint8_t)strlen(tag);
     memcpy(s->tag, tag, s->tag_len);
@@ -242,12 +294,13 @@ static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, uint64_t
       status = ts_cuda_fail(ch->err, sizeof ch->err,
                             "share: ordering on the stream (is it a stream of the memory's device?)", rc);
   }
+  if (status == TSHARE_OK && several) status = send_chunks(ch, x, chunks, deadline);
   if (status != TSHARE_OK) {
     if (e->event_slot >= 0) c->busy[e->event_slot] = false;
     ts_export_drop(e);
     return status;
   }
-  return ts_share_send_export(ch, &f, x->fd, e, timeout_ms, share_id);
+  return ts_share_send_export(ch, &f, x->fd, e, ts_remaining(deadline), share_id);
 }
 
 static void no_release(void *owner) { (void)owner; }
@@ -262,18 +315,35 @@ static int share_foreign(tshare_channel *ch, const void *data, const tshare_tens
     rc = ch ? ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "share: NULL argument") : TSHARE_E_INVALID_ARG;
   if (rc == TSHARE_OK) rc = check_can_share(ch, tag);
   ts_cuda_export x;
-  if (rc == TSHARE_OK) rc = ts_cuda_export_of((CUdeviceptr)(uintptr_t)data, &x, ch->err, sizeof ch->err);
+  /* Memory another allocator mapped with the VMM calls (PyTorch's
+   * expandable segments): the chunks the tensor touches travel as fds,
+   * exported for this share and closed once it went. */
+  static _Thread_local ts_vmm_chunks chunks;
+  chunks.n = 0;
+  CUdeviceptr ptr = (CUdeviceptr)(uintptr_t)data;
+  uint64_t span_end = 0;
+  if (rc == TSHARE_OK && ts_cuda_is_foreign_vmm(ptr)) {
+    char why[160];
+    rc = tshare_tensor_check(desc, UINT64_C(1) << 62, NULL, &span_end, why, sizeof why);
+    if (rc != TSHARE_OK) ts_errf(ch->err, sizeof ch->err, rc, "share: %s", why);
+    else rc = ts_cuda_export_vmm(ptr, span_end, &x, &chunks, ch->err, sizeof ch->err);
+  } else if (rc == TSHARE_OK) {
+    rc = ts_cuda_export_of(ptr, &x, ch->err, sizeof ch->err);
+  }
   ts_export *e = rc == TSHARE_OK ? calloc(1, sizeof *e) : NULL;
   if (rc == TSHARE_OK && !e) rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
   if (rc != TSHARE_OK) {
+    ts_vmm_chunks_close(&chunks);
     drop(keep);
     return rc;
   }
   e->release = drop;
   e->owner = keep;
   e->user_data = user_data;
-  return send_cuda_share(ch, &x, (uint64_t)((CUdeviceptr)(uintptr_t)data - x.base), (uint32_t)getpid(), 0, desc,
-                         stream, tag, e, timeout_ms, share_id);
+  rc = send_cuda_share(ch, &x, &chunks, (uint64_t)(ptr - x.base), (uint32_t)getpid(), 0, desc, stream, tag, e,
+                       timeout_ms, share_id);
+  ts_vmm_chunks_close(&chunks); /* sent (the peer has its own) or not: this end keeps none */
+  return rc;
 }
 
 int tshare_share_cuda(tshare_channel *ch, const void *data, const tshare_tensor_desc *desc, void *stream,
@@ -327,7 +397,7 @@ int tshare_share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const 
   e->owner = buf;
   e->user_data = user_data;
   ts_cuda_buffer_retain(buf);
-  return send_cuda_share(ch, x, ts_cuda_buffer_offset(buf), (uint32_t)getpid(), flags, desc, stream, tag, e,
+  return send_cuda_share(ch, x, NULL, ts_cuda_buffer_offset(buf), (uint32_t)getpid(), flags, desc, stream, tag, e,
                          timeout_ms, share_id);
 }
 
@@ -348,16 +418,62 @@ static int cuda_share_view(tshare_channel *ch, tshare_view *v, const tshare_tens
   memcpy(x.uuid, v->frame.device_uuid, 16);
   memcpy(x.handle.reserved, v->frame.handle, TSHARE_HANDLE_MAX);
   x.fd = ts_cuda_import_fd(v->cuda_import);
+  if (v->frame.mem_kind == TSHARE_MEM_CUDA_FD && x.fd < 0) {
+    ts_export_drop(e);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
+                   "share: this view lies in VMM memory of several chunks, whose fds its mapping does not keep: it "
+                   "cannot be shared on (share it from its owner)");
+  }
   uint32_t origin = v->frame.origin_pid ? v->frame.origin_pid : v->ch->conn.peer.pid;
   tshare_tensor_desc rel = *desc; /* desc is relative to the allocation; send_cuda_share adds the offset */
   rel.byte_offset = 0;
-  return send_cuda_share(ch, &x, desc->byte_offset, origin, 0, &rel, stream ? stream : v->stream, tag, e, timeout_ms,
+  return send_cuda_share(ch, &x, NULL, desc->byte_offset, origin, 0, &rel, stream ? stream : v->stream, tag, e, timeout_ms,
                          share_id);
 }
 
 /* ---- consumer ------------------------------------------------------------- */
 
+/* The chunks of a share of several (set, filed when it came) as the import
+ * cache takes them: chunk 0 is the share's own fd. */
+static int gather_chunks(tshare_channel *ch, const tshare_share_frame *s, int fd0, const struct chunk_set *set,
+                         ts_vmm_chunks *out) {
+  if (!set)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "import: share %llu came without its chunks",
+                   (unsigned long long)s->share_id);
+  if (set->lost)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_LIMIT,
+                   "import: share %llu spans %u chunks and not all of their fds could be kept (%s)",
+                   (unsigned long long)s->share_id, set->count,
+                   set->lost == TS_FD_OVER_BUDGET ? "the channel holds max_unclaimed_fds" : strerror(set->lost));
+  uint64_t rest = 0;
+  for (uint32_t i = 0; i < set->n; i++) rest += set->size[i];
+  if (rest >= s->alloc_size)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                   "import: share %llu: its chunks hold %llu bytes of an allocation of %llu",
+                   (unsigned long long)s->share_id, (unsigned long long)rest, (unsigned long long)s->alloc_size);
+  out->n = (int)set->count;
+  out->fd[0] = fd0;
+  out->size[0] = s->alloc_size - rest;
+  for (uint32_t i = 0; i < set->n; i++) {
+    out->fd[i + 1] = set->fd[i];
+    out->size[i + 1] = set->size[i];
+  }
+  return TSHARE_OK;
+}
+
+static int cuda_import_set(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v,
+                           const struct chunk_set *set);
+
 static int cuda_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v) {
+  struct ts_cuda_chan *c = chan_of(ch);
+  struct chunk_set *set = c ? ts_u64map_remove(&c->chunk_sets, f->u.share.share_id + 1) : NULL;
+  int status = cuda_import_set(ch, f, fdp, stream, v, set);
+  chunk_set_free(ch, set); /* mapped or not, their fds are done with */
+  return status;
+}
+
+static int cuda_import_set(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v,
+                           const struct chunk_set *set) {
   const tshare_share_frame *s = &f->u.share;
   int status = TSHARE_OK;
   const ts_cuda_api *cu = ts_cuda_require(ch->err, sizeof ch->err, &status);
@@ -413,9 +529,15 @@ static int cuda_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void
   if (vmm && *fdp < 0)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "import: share %llu is CUDA VMM memory without its fd",
                    (unsigned long long)s->share_id);
+  ts_vmm_chunks chunks;
+  chunks.n = 0;
+  if (vmm && (s->share_flags & TSHARE_SHARE_FLAG_CHUNKS) &&
+      (status = gather_chunks(ch, s, *fdp, set, &chunks)) != TSHARE_OK)
+    return status;
   /* Found under a key the peer cannot forge: its claimed pid may be anyone's. */
   status = ts_cuda_import_get(ts_conn_origin_key(&ch->conn, s->origin_pid), s->alloc_id, ctx, &h, vmm ? fdp : NULL,
-                              (size_t)s->alloc_size, keep_idle, &imp, ch->err, sizeof ch->err);
+                              chunks.n > 1 ? &chunks : NULL, (size_t)s->alloc_size, keep_idle, &imp, ch->err,
+                              sizeof ch->err);
   if (status != TSHARE_OK) return status;
   if (f->flags & TSHARE_FRAME_FLAG_HAS_EVENT) {
     peer_event *pe = c->events && s->event_slot < TSHARE_EVENT_SLOTS_MAX ? &c->events[s->event_slot] : NULL;
@@ -577,6 +699,62 @@ int ts_cuda_on_frame(tshare_channel *ch, const tshare_frame *f) {
   return TSHARE_OK;
 }
 
+int ts_cuda_on_chunk(tshare_channel *ch, const tshare_frame *f, int fd, int fd_lost) {
+  struct ts_cuda_chan *c = chan_of(ch);
+  const tshare_chunk_frame *k = &f->u.chunk;
+  int rc = TSHARE_OK;
+  if (!c) rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "receive: out of memory");
+  struct chunk_set *set = c ? c->gathering : NULL;
+  if (rc == TSHARE_OK && set && (set->alloc_id != k->alloc_id || set->count != k->count))
+    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                 "chunk: peer %s sent chunks of allocation %llu, then of %llu before its share", ch->conn.peer_label,
+                 (unsigned long long)set->alloc_id, (unsigned long long)k->alloc_id);
+  if (rc == TSHARE_OK && !set) {
+    if (!(set = calloc(1, sizeof *set))) rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "receive: out of memory");
+    else {
+      set->alloc_id = k->alloc_id;
+      set->count = k->count;
+      c->gathering = set;
+    }
+  }
+  if (rc == TSHARE_OK && k->index != set->n + 1)
+    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "chunk: peer %s sent chunk %u of %u after %u",
+                 ch->conn.peer_label, k->index, k->count, set->n);
+  if (rc != TSHARE_OK) {
+    if (fd >= 0) close(fd);
+    return rc;
+  }
+  if (fd >= 0) ts_conn_hold_fds(&ch->conn, 1); /* held until the share is imported or dropped */
+  else if (!set->lost) set->lost = fd_lost ? fd_lost : EMFILE;
+  set->fd[set->n] = fd;
+  set->size[set->n++] = k->size;
+  return TSHARE_OK;
+}
+
+int ts_cuda_on_share(tshare_channel *ch, const tshare_frame *f) {
+  struct ts_cuda_chan *c = ch->cuda;
+  struct chunk_set *set = c ? c->gathering : NULL;
+  bool chunked = f->u.share.mem_kind == TSHARE_MEM_CUDA_FD && (f->u.share.share_flags & TSHARE_SHARE_FLAG_CHUNKS);
+  if (!chunked && !set) return TSHARE_OK;
+  if (c) c->gathering = NULL;
+  int rc = TSHARE_OK;
+  if (!chunked || !set || set->alloc_id != f->u.share.alloc_id || set->n + 1 != set->count)
+    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                 "share %llu: its chunk frames and the share disagree (%s)", (unsigned long long)f->u.share.share_id,
+                 !chunked ? "chunks came before a share of one piece"
+                 : !set   ? "no chunk frames came"
+                          : "another allocation, or chunks missing");
+  if (rc == TSHARE_OK && ts_u64map_put(&c->chunk_sets, f->u.share.share_id + 1, set) != 0)
+    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "receive: out of memory");
+  if (rc != TSHARE_OK) chunk_set_free(ch, set);
+  return rc;
+}
+
+void ts_cuda_drop_chunks(tshare_channel *ch, uint64_t share_id) {
+  struct ts_cuda_chan *c = ch->cuda;
+  if (c) chunk_set_free(ch, ts_u64map_remove(&c->chunk_sets, share_id + 1));
+}
+
 static int send_retire(tshare_channel *ch, uint8_t closed, const uint64_t *ids, size_t n, int timeout_ms) {
   int64_t deadline = ts_deadline(timeout_ms);
   for (size_t at = 0; at < n;) {
@@ -662,6 +840,12 @@ static void cuda_chan_free(tshare_channel *ch) {
     }
     ts_cuda_import_put(c->drains[i].imp);
   }
+  chunk_set_free(ch, c->gathering);
+  c->gathering = NULL;
+  uint64_t key;
+  void *set;
+  for (size_t i = 0; ts_u64map_next(&c->chunk_sets, &i, &key, &set);) chunk_set_free(ch, set);
+  ts_u64map_free(&c->chunk_sets);
   if (cu) {
     for (uint32_t i = 0; i < c->nslots; i++) event_destroy(cu, c->pool[i]);
     for (uint32_t i = 0; c->events && i < TSHARE_EVENT_SLOTS_MAX; i++)

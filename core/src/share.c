@@ -268,6 +268,7 @@ static void release_back(tshare_channel *ch, uint64_t share_id) {
 
 /* A share this end will not hold: released back, the peer told. */
 static void refuse_share(tshare_channel *ch, const tshare_share_frame *s, const char *why) {
+  ts_cuda_drop_chunks(ch, s->share_id);
   release_back(ch, s->share_id);
   if (ch->refused++ == 0) ch->refused_first = s->share_id;
   ts_errf(ch->err, sizeof ch->err, TSHARE_E_LIMIT, "receive: refused share %llu from peer %s: %s; released back",
@@ -287,6 +288,7 @@ int ts_share_fd_lost(tshare_channel *ch, const tshare_frame *f, int lost) {
     refuse_share(ch, s, why);
     return TSHARE_OK;
   }
+  ts_cuda_drop_chunks(ch, s->share_id);
   release_back(ch, s->share_id);
   struct rlimit rl;
   unsigned long long limit = getrlimit(RLIMIT_NOFILE, &rl) == 0 ? (unsigned long long)rl.rlim_cur : 0;
@@ -313,6 +315,7 @@ static int enqueue_incoming(tshare_channel *ch, const tshare_frame *f, int fd) {
     ts_incoming *ring = malloc(cap * sizeof *ring);
     if (!ring) {
       if (fd >= 0) close(fd);
+      ts_cuda_drop_chunks(ch, f->u.share.share_id);
       release_back(ch, f->u.share.share_id);
       return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "receive: out of memory");
     }
@@ -393,14 +396,21 @@ static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, i
   rc = ts_session_recv(ch, &f, &frame_fd, &fd_lost, timeout_ms);
   if (rc == TSHARE_E_PEER_CLOSED) ts_share_drop_all(ch, rc);
   if (rc != TSHARE_OK) return rc;
-  if (frame_fd >= 0 && f.type != TSHARE_FRAME_SHARE) { /* only shares carry memory */
+  if (frame_fd >= 0 && f.type != TSHARE_FRAME_SHARE && f.type != TSHARE_FRAME_CHUNK) { /* only these carry memory */
     close(frame_fd);
     frame_fd = -1;
   }
   switch (f.type) {
   case TSHARE_FRAME_RELEASE:
     return ts_share_apply_release(ch, &f.u.release);
+  case TSHARE_FRAME_CHUNK:
+    return ts_cuda_on_chunk(ch, &f, frame_fd, fd_lost);
   case TSHARE_FRAME_SHARE:
+    if ((rc = ts_cuda_on_share(ch, &f)) != TSHARE_OK) {
+      if (frame_fd >= 0) close(frame_fd);
+      release_back(ch, f.u.share.share_id);
+      return rc;
+    }
     if (fd_lost) return ts_share_fd_lost(ch, &f, fd_lost); /* refused; the loop goes on to the next frame */
     if (share) {
       *share = f;

@@ -48,12 +48,14 @@ const char *tshare_frame_type_name(int type) {
     return "retire";
   case TSHARE_FRAME_RING:
     return "ring";
+  case TSHARE_FRAME_CHUNK:
+    return "chunk";
   default:
     return "unknown";
   }
 }
 
-static bool type_known(int type) { return type >= TSHARE_FRAME_HELLO && type <= TSHARE_FRAME_RING; }
+static bool type_known(int type) { return type >= TSHARE_FRAME_HELLO && type <= TSHARE_FRAME_CHUNK; }
 
 static bool kind_takes_fd(int kind) { return kind == TSHARE_MEM_HOST_MEMFD || kind == TSHARE_MEM_CUDA_FD; }
 
@@ -180,6 +182,19 @@ static int encode_payload(const tshare_frame *f, ts_writer *w, char *err, size_t
     ts_put_u8(w, f->u.ring.op);
     ts_put_u32(w, f->u.ring.capacity);
     return TSHARE_OK;
+  case TSHARE_FRAME_CHUNK: {
+    const tshare_chunk_frame *k = &f->u.chunk;
+    if (k->count < 2 || k->count > TSHARE_CHUNKS_MAX || k->index == 0 || k->index >= k->count || k->size == 0)
+      return ts_errf(err, cap, TSHARE_E_MALFORMED, "chunk: index %u of %u, %llu bytes", k->index, k->count,
+                     (unsigned long long)k->size);
+    if (!(f->flags & TSHARE_FRAME_FLAG_FD_ATTACHED))
+      return ts_errf(err, cap, TSHARE_E_MALFORMED, "chunk: a chunk frame carries its fd");
+    ts_put_u64(w, k->alloc_id);
+    ts_put_u32(w, k->index);
+    ts_put_u32(w, k->count);
+    ts_put_u64(w, k->size);
+    return TSHARE_OK;
+  }
   case TSHARE_FRAME_RELEASE: {
     const tshare_release_frame *r = &f->u.release;
     if (r->count == 0 || r->count > TSHARE_RELEASE_MAX)
@@ -457,6 +472,20 @@ int tshare_decoder_next(tshare_decoder *d, tshare_frame *out) {
       return fail(d, TSHARE_E_TOO_LARGE, "retire: count %u outside 1..%u", count, d->limits.max_release_ids);
     out->u.retire.count = count;
     for (uint32_t i = 0; i < count && !r.short_read; i++) out->u.retire.alloc_ids[i] = ts_get_u64(&r);
+    break;
+  }
+  case TSHARE_FRAME_CHUNK: {
+    tshare_chunk_frame *k = &out->u.chunk;
+    k->alloc_id = ts_get_u64(&r);
+    k->index = ts_get_u32(&r);
+    k->count = ts_get_u32(&r);
+    k->size = ts_get_u64(&r);
+    if (!r.short_read && (k->count < 2 || k->count > TSHARE_CHUNKS_MAX || k->index == 0 || k->index >= k->count ||
+                          k->size == 0 || k->size > d->limits.max_alloc_size))
+      return fail(d, TSHARE_E_MALFORMED, "chunk: index %u of %u, %llu bytes", k->index, k->count,
+                  (unsigned long long)k->size);
+    if (!r.short_read && !(flags & TSHARE_FRAME_FLAG_FD_ATTACHED))
+      return fail(d, TSHARE_E_MALFORMED, "chunk: a chunk frame carries its fd");
     break;
   }
   case TSHARE_FRAME_RING:

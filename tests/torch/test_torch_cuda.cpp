@@ -11,6 +11,9 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include <cstring>
 
 static const int TIMEOUT = 20000;
 
@@ -58,6 +61,24 @@ static void finish(tshare_process *p, const char *what) {
 }
 
 static const at::TensorOptions on_gpu = at::TensorOptions().device(at::kCUDA, 0);
+
+// PyTorch's caching allocator maps expandable segments with the CUDA VMM
+// calls: their tensors travel as fds of the chunks they touch.
+static bool expandable() {
+  const char *conf = getenv("PYTORCH_CUDA_ALLOC_CONF");
+  return conf && strstr(conf, "expandable_segments:True");
+}
+
+static void need_expandable() {
+  need_gpu();
+  if (!expandable()) TS_SKIP("needs PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the @expandable entries)");
+}
+
+static size_t gpu_free_bytes() {
+  size_t free_b = 0, total = 0;
+  cudaMemGetInfo(&free_b, &total);
+  return free_b;
+}
 
 static at::Tensor cuda_base() { return at::arange(120, on_gpu.dtype(at::kFloat)).view({4, 5, 6}); }
 
@@ -176,6 +197,13 @@ static int neighbours_producer(tshare_channel *ch, bool expect_guard) {
                      guarded = st.guarded - before.guarded, restored = st.restored - before.restored;
   printf("neighbours intact; exports %llu, handle cache hits %llu, guarded %llu, restored %llu\n", exports, hits,
          guarded, restored);
+  if (expandable()) {
+    // VMM memory: each share exports the fds of its chunks, and never through
+    // cudaIpcGetMemHandle, the call the zeroing bug hides in.
+    CHECK_EQ(exports, 2);
+    CHECK_EQ(guarded, 0);
+    return 0;
+  }
   CHECK_EQ(exports, 1); // one segment, exported once: base + offset
   CHECK_EQ(hits, 1);
   if (expect_guard) CHECK(guarded == 1 && restored == 1);
@@ -183,6 +211,47 @@ static int neighbours_producer(tshare_channel *ch, bool expect_guard) {
 }
 
 static int role_neighbours_producer(tshare_channel *ch) { return neighbours_producer(ch, true); }
+
+// Expandable segments: a tensor over several chunks and a small one; writes
+// -5 at the big one's last element.
+static int role_chunk_reader(tshare_channel *ch) {
+  auto big = tt::recv(ch, {TIMEOUT});
+  CHECK(big && big->tag == "big");
+  int64_t n = big->tensor.numel();
+  CHECK(at::equal(big->tensor, at::arange(n, on_gpu.dtype(at::kFloat)).remainder(1000)));
+  auto small = tt::recv(ch, {TIMEOUT});
+  CHECK(small && small->tag == "small");
+  CHECK(at::equal(small->tensor, at::full({4096}, 3, on_gpu.dtype(at::kInt))));
+  big->tensor[n - 1].fill_(-5);
+  c10::cuda::device_synchronize();
+  tshare_cuda_export_stats st;
+  tshare_cuda_stats(&st);
+  printf("consumer: %lld floats over several chunks and a small tensor intact; fd imports %llu\n", (long long)n,
+         (unsigned long long)st.fd_imports);
+  big.reset();
+  small.reset();
+  CHECK(!tt::recv(ch, {TIMEOUT}));
+  return 0;
+}
+
+// Holds a view while its producer frees the tensor and empties its cache,
+// reads it intact, then releases it.
+static int role_holder(tshare_channel *ch) {
+  at::zeros({1}, on_gpu); // this process's CUDA context, before the producer's baseline
+  c10::cuda::device_synchronize();
+  tt::send(ch, at::zeros({1}), {"ready"});
+  auto r = tt::recv(ch, {TIMEOUT});
+  CHECK(r && r->tag == "held");
+  auto freed = tt::recv(ch, {TIMEOUT});
+  CHECK(freed && freed->tag == "freed");
+  int64_t n = r->tensor.numel();
+  CHECK(at::equal(r->tensor, at::arange(n, on_gpu.dtype(at::kInt))));
+  printf("consumer: %lld ints read intact after the producer freed them and emptied its cache\n", (long long)n);
+  r.reset();
+  freed.reset();
+  CHECK(!tt::recv(ch, {TIMEOUT}));
+  return 0;
+}
 
 static int role_main(int argc, char **argv) {
   if (argc < 3) return 2;
@@ -195,6 +264,8 @@ static int role_main(int argc, char **argv) {
            : role == "third"              ? role_third(ch)
            : role == "forwarder"          ? role_forwarder(ch)
            : role == "neighbours_producer" ? role_neighbours_producer(ch)
+           : role == "chunk_reader"       ? role_chunk_reader(ch)
+           : role == "holder"             ? role_holder(ch)
                                           : 2;
   tshare_channel_close(ch);
   fflush(stdout);
@@ -305,6 +376,52 @@ TS_TEST(cuda_zeroing_guard_through_the_bridge) {
   tshare_process *consumer = spawn_role("add_ten", sv[1]);
   finish(producer, "producer under the emulated driver");
   finish(consumer, "consumer");
+}
+
+TS_TEST(cuda_expandable_segment_tensor_spanning_chunks) {
+  need_expandable();
+  int fd;
+  tshare_process *p = start("chunk_reader", &fd);
+  tshare_channel *ch = open_channel(fd, "producer");
+  // 60 MiB: at least three of the large pool's 20 MiB chunks.
+  at::Tensor big = at::arange(int64_t(15) << 20, on_gpu.dtype(at::kFloat)).remainder(1000);
+  at::Tensor small = at::full({4096}, 3, on_gpu.dtype(at::kInt));
+  tt::send(ch, big, {"big"});
+  tt::send(ch, small, {"small"});
+  bye_and_wait_released(ch, TIMEOUT);
+  CHECK_EQ(big[big.numel() - 1].item<float>(), -5); // written through the consumer's mapping
+  CHECK_EQ(big[0].item<float>(), 0);
+  finish(p, "consumer");
+  tshare_channel_close(ch);
+}
+
+TS_TEST(cuda_expandable_memory_freed_by_the_producer_returns_after_release) {
+  need_expandable();
+  int fd;
+  tshare_process *p = start("holder", &fd);
+  tshare_channel *ch = open_channel(fd, "producer");
+  auto ready = tt::recv(ch, {TIMEOUT});
+  CHECK(ready && ready->tag == "ready");
+  ready.reset();
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  size_t baseline = gpu_free_bytes();
+  {
+    at::Tensor x = at::arange(int64_t(32) << 20, on_gpu.dtype(at::kInt)); // 128 MiB
+    tt::send(ch, x, {"held"});
+  }
+  c10::cuda::CUDACachingAllocator::emptyCache(); // our tensor is gone: only the consumer holds the memory
+  c10::cuda::device_synchronize();
+  size_t while_held = gpu_free_bytes();
+  tt::send(ch, at::zeros({1}), {"freed"});
+  bye_and_wait_released(ch, TIMEOUT);
+  finish(p, "consumer");
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  size_t after = gpu_free_bytes();
+  printf("GPU free: baseline %zu MiB, held by the consumer only %zu MiB, after its release %zu MiB\n", baseline >> 20,
+         while_held >> 20, after >> 20);
+  CHECK(baseline - while_held >= (size_t(100) << 20)); // the consumer's mapping kept the memory
+  CHECK(after + (size_t(4) << 20) >= baseline);        // and it came back once released
+  tshare_channel_close(ch);
 }
 
 TS_TEST_MAIN

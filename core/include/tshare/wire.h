@@ -60,7 +60,8 @@ typedef enum tshare_frame_type {
   TSHARE_FRAME_ERROR = 5,
   TSHARE_FRAME_EVENT = 6, /* minor 1: an inter-process CUDA event for a slot of the sender's pool */
   TSHARE_FRAME_RETIRE = 7, /* minor 1: allocations going away (closed = 0) or closed by the receiver (closed = 1) */
-  TSHARE_FRAME_RING = 8    /* minor 2: the ring transport's own frames (never seen above the connection) */
+  TSHARE_FRAME_RING = 8,   /* minor 2: the ring transport's own frames (never seen above the connection) */
+  TSHARE_FRAME_CHUNK = 9   /* minor 2: one more chunk of the VMM memory of the share that follows, its fd attached */
 } tshare_frame_type;
 
 /* Header flags. */
@@ -79,6 +80,9 @@ typedef enum tshare_frame_type {
 #define TSHARE_SHARE_FLAG_RETIRE_NOTICE                                                                                \
   (1u << 0) /* the sender announces with a retire frame before it frees the                                            \
                allocation, so the receiver may keep it mapped while idle */
+#define TSHARE_SHARE_FLAG_CHUNKS                                                                                       \
+  (1u << 1) /* minor 2, TSHARE_MEM_CUDA_FD: the attached fd is the first of several chunks mapped side by side;        \
+               the others came just before, in chunk frames of this alloc_id */
 
 /* Memory kinds of a share. */
 typedef enum tshare_mem_kind {
@@ -142,6 +146,16 @@ typedef struct tshare_ring_frame {
   uint32_t capacity; /* SETUP: data bytes of the ring (a power of two); 0 otherwise */
 } tshare_ring_frame;
 
+/* Chunk frames (TSHARE_FRAME_CHUNK): chunk `index` (1..count-1) of the
+ * allocation of the share frame that follows; chunk 0 rides on the share. */
+#define TSHARE_CHUNKS_MAX 256
+typedef struct tshare_chunk_frame {
+  uint64_t alloc_id; /* the share's */
+  uint32_t index;    /* 1..count-1, in order */
+  uint32_t count;    /* 2..TSHARE_CHUNKS_MAX */
+  uint64_t size;     /* bytes of this chunk */
+} tshare_chunk_frame;
+
 typedef struct tshare_release_frame {
   uint32_t count;
   uint64_t share_ids[TSHARE_RELEASE_MAX];
@@ -169,6 +183,7 @@ typedef struct tshare_frame {
     tshare_event_frame event;
     tshare_retire_frame retire;
     tshare_ring_frame ring;
+    tshare_chunk_frame chunk;
   } u;
 } tshare_frame;
 
