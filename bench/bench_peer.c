@@ -128,6 +128,17 @@ void bench_peers_external(bench *b) {
       peer_row(b, argv, key, label, gpu ? "floor_socket" : "floor_fd_socket", peer_key);
       if (saved) setenv("TSHARE_TRANSPORT", keep, 1);
       else unsetenv("TSHARE_TRANSPORT");
+      if (gpu) { /* the caching allocator's expandable segments: VMM chunks as fds, kept mapped by the consumer */
+        const char *conf = getenv("PYTORCH_CUDA_ALLOC_CONF");
+        char keep_conf[256] = "";
+        if (conf) snprintf(keep_conf, sizeof keep_conf, "%s", conf);
+        setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", 1);
+        snprintf(key, sizeof key, "torch_bridge_%s_expandable", dev);
+        snprintf(label, sizeof label, "tshare LibTorch bridge, %s tensor, expandable segments", dev);
+        peer_row(b, argv, key, label, "floor", peer_key);
+        if (conf) setenv("PYTORCH_CUDA_ALLOC_CONF", keep_conf, 1);
+        else unsetenv("PYTORCH_CUDA_ALLOC_CONF");
+      }
     }
   }
 }

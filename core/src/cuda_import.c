@@ -12,6 +12,7 @@
  * same one reached from its owner and through a forwarder opens once. */
 #include "cuda_internal.h"
 #include "error_detail.h"
+#include "log.h"
 #include "u64map.h"
 
 #include <stdlib.h>
@@ -182,6 +183,8 @@ static void close_locked(ts_cuda_mapping *imp) {
     all = imp->next;
   if (imp->next) imp->next->prev = imp->prev;
   ts_cuda_counters.import_closes++;
+  TS_LOG(TS_LOG_DEBUG, "closed the mapping of GPU allocation %llu (%zu bytes%s)", (unsigned long long)imp->alloc_id,
+         imp->size, imp->nchunks ? ", several chunks" : "");
   unmap_and_free(imp);
 }
 

@@ -52,16 +52,20 @@ typedef struct ts_vmm_chunks {
   int n;
   int fd[TS_VMM_CHUNKS_MAX]; /* owned by the caller once filled: close them after sending */
   uint64_t size[TS_VMM_CHUNKS_MAX];
+  uint64_t base[TS_VMM_CHUNKS_MAX]; /* the exporter's: where each chunk is mapped */
+  uint64_t id[TS_VMM_CHUNKS_MAX];   /* and its buffer id there, new whenever the address is mapped again */
 } ts_vmm_chunks;
 
 /* Whether ptr is VMM memory this process did not create through tshare. */
 bool ts_cuda_is_foreign_vmm(CUdeviceptr ptr);
-/* The chunks holding bytes [ptr, ptr + extent), each exported as a POSIX fd;
- * x describes them as one allocation: base (the first chunk's), size (all of
- * them), buffer_id (an identity of this exact set of chunks), device,
- * primary context; x->fd is chunks->fd[0]. */
+/* The chunks holding bytes [ptr, ptr + extent) (their fds -1 for now); x
+ * describes them as one allocation: base (the first chunk's), size (all of
+ * them), buffer_id (an identity of this exact run of chunks), device,
+ * primary context. */
 int ts_cuda_export_vmm(CUdeviceptr ptr, uint64_t extent, ts_cuda_export *x, ts_vmm_chunks *chunks, char *err,
                        size_t cap);
+/* Export each chunk as a POSIX fd (on failure none is left open). */
+int ts_cuda_vmm_export_fds(ts_vmm_chunks *chunks, char *err, size_t cap);
 void ts_vmm_chunks_close(ts_vmm_chunks *chunks);
 
 /* An owned allocation: a whole buffer or a slab. */

@@ -189,10 +189,9 @@ void ts_vmm_chunks_close(ts_vmm_chunks *chunks) {
   chunks->n = 0;
 }
 
-/* One chunk: its range, identity and an fd for it. */
-static int export_chunk(const ts_cuda_api *cu, CUdeviceptr at, CUdeviceptr *base, size_t *size, uint64_t *id, int *fd,
+/* One chunk: its range and identity. */
+static int lookup_chunk(const ts_cuda_api *cu, CUdeviceptr at, CUdeviceptr *base, size_t *size, uint64_t *id,
                         char *err, size_t cap) {
-  CUmemGenericAllocationHandle h;
   unsigned long long buffer_id = 0, allowed = 0;
   CUresult rc = cu->cuMemGetAddressRange(base, size, at);
   if (rc == CUDA_SUCCESS) rc = cu->cuPointerGetAttribute(&buffer_id, CU_POINTER_ATTRIBUTE_BUFFER_ID, *base);
@@ -204,13 +203,35 @@ static int export_chunk(const ts_cuda_api *cu, CUdeviceptr at, CUdeviceptr *base
                    "export: the VMM memory at %p was created without POSIX-fd handles (handle types 0x%llx), the "
                    "only kind tshare passes between processes",
                    (void *)(uintptr_t)*base, allowed);
-  if ((rc = cu->cuMemRetainAllocationHandle(&h, (void *)(uintptr_t)*base)) != CUDA_SUCCESS)
-    return ts_cuda_fail(err, cap, "export (VMM memory): cuMemRetainAllocationHandle", rc);
-  rc = cu->cuMemExportToShareableHandle(fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
-  cu->cuMemRelease(h); /* the retain's reference, not the memory */
-  if (rc != CUDA_SUCCESS) return ts_cuda_fail(err, cap, "export (VMM memory): cuMemExportToShareableHandle", rc);
   *id = buffer_id;
   return TSHARE_OK;
+}
+
+int ts_cuda_vmm_export_fds(ts_vmm_chunks *chunks, char *err, size_t cap) {
+  int status = TSHARE_OK;
+  const ts_cuda_api *cu = ts_cuda_require(err, cap, &status);
+  if (!cu) return status;
+  for (int i = 0; i < chunks->n && status == TSHARE_OK; i++) {
+    CUmemGenericAllocationHandle h;
+    CUresult rc = cu->cuMemRetainAllocationHandle(&h, (void *)(uintptr_t)chunks->base[i]);
+    if (rc != CUDA_SUCCESS) {
+      status = ts_cuda_fail(err, cap, "export (VMM memory): cuMemRetainAllocationHandle", rc);
+      break;
+    }
+    rc = cu->cuMemExportToShareableHandle(&chunks->fd[i], h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+    cu->cuMemRelease(h); /* the retain's reference, not the memory */
+    if (rc != CUDA_SUCCESS) {
+      chunks->fd[i] = -1;
+      status = ts_cuda_fail(err, cap, "export (VMM memory): cuMemExportToShareableHandle", rc);
+    }
+  }
+  if (status != TSHARE_OK) ts_vmm_chunks_close(chunks);
+  else {
+    pthread_mutex_lock(&ts_cuda_lock);
+    ts_cuda_counters.exports++;
+    pthread_mutex_unlock(&ts_cuda_lock);
+  }
+  return status;
 }
 
 int ts_cuda_export_vmm(CUdeviceptr ptr, uint64_t extent, ts_cuda_export *x, ts_vmm_chunks *chunks, char *err,
@@ -230,51 +251,35 @@ int ts_cuda_export_vmm(CUdeviceptr ptr, uint64_t extent, ts_cuda_export *x, ts_v
   if (rc != CUDA_SUCCESS) return ts_cuda_fail(err, cap, "export (VMM memory): its device", rc);
   /* An identity of this exact run of chunks: their buffer ids (unique per
    * allocation in this process, new when an address is mapped again). */
-  uint64_t id = 0xcbf29ce484222325ull, first_id = 0;
+  uint64_t id = 0xcbf29ce484222325ull;
   CUdeviceptr at = ptr, end = ptr + (extent ? extent : 1);
-  while (status == TSHARE_OK && at < end) {
-    if (chunks->n == TS_VMM_CHUNKS_MAX) {
-      status = ts_errf(err, cap, TSHARE_E_TOO_LARGE,
-                       "export: the tensor spans more than %d chunks of VMM memory (%llu bytes from %p)",
-                       TS_VMM_CHUNKS_MAX, (unsigned long long)extent, (void *)(uintptr_t)ptr);
-      break;
-    }
+  while (at < end) {
+    if (chunks->n == TS_VMM_CHUNKS_MAX)
+      return ts_errf(err, cap, TSHARE_E_TOO_LARGE,
+                     "export: the tensor spans more than %d chunks of VMM memory (%llu bytes from %p)",
+                     TS_VMM_CHUNKS_MAX, (unsigned long long)extent, (void *)(uintptr_t)ptr);
     CUdeviceptr base;
     size_t size;
     uint64_t chunk_id = 0;
-    int fd = -1;
-    status = export_chunk(cu, at, &base, &size, &chunk_id, &fd, err, cap);
-    if (status != TSHARE_OK) break;
-    if (chunks->n == 0) {
-      x->base = base;
-      first_id = chunk_id;
-    }
-    else if (base != x->base + x->size) { /* a hole: not one tensor's memory */
-      close(fd);
-      status = ts_errf(err, cap, TSHARE_E_INVALID_ARG, "export: the VMM memory at %p is not mapped contiguously",
-                       (void *)(uintptr_t)at);
-      break;
-    }
-    chunks->fd[chunks->n] = fd;
+    if ((status = lookup_chunk(cu, at, &base, &size, &chunk_id, err, cap)) != TSHARE_OK) return status;
+    if (chunks->n == 0) x->base = base;
+    else if (base != x->base + x->size) /* a hole: not one tensor's memory */
+      return ts_errf(err, cap, TSHARE_E_INVALID_ARG, "export: the VMM memory at %p is not mapped contiguously",
+                     (void *)(uintptr_t)at);
+    chunks->fd[chunks->n] = -1;
+    chunks->base[chunks->n] = base;
+    chunks->id[chunks->n] = chunk_id;
     chunks->size[chunks->n++] = size;
     x->size += size;
     id = (id ^ chunk_id) * 0x100000001b3ull;
     at = base + size;
   }
-  if (status != TSHARE_OK) {
-    ts_vmm_chunks_close(chunks);
-    return status;
-  }
   /* One chunk keeps its buffer id as the allocation's id, like cuMemAlloc
    * memory; a run of several gets the hash, kept apart by its top bit. */
-  pthread_mutex_lock(&ts_cuda_lock);
-  ts_cuda_counters.exports++;
-  pthread_mutex_unlock(&ts_cuda_lock);
-  x->buffer_id = chunks->n == 1 ? first_id : (id | (1ull << 63));
+  x->buffer_id = chunks->n == 1 ? chunks->id[0] : (id | (1ull << 63));
   x->ordinal = ordinal;
   memcpy(x->uuid, uuid.bytes, 16);
   x->ctx = ts_cuda_primary_ctx(ordinal);
-  x->fd = chunks->fd[0];
   return TSHARE_OK;
 }
 

@@ -10,6 +10,7 @@
 #include "cuda_hooks.h"
 #include "cuda_internal.h"
 #include "error_detail.h"
+#include "log.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -69,7 +70,102 @@ struct ts_cuda_chan {
    * filed under its share id until it is imported or dropped). */
   struct chunk_set *gathering;
   ts_u64map chunk_sets; /* share id + 1 -> chunk_set */
+  /* producer: runs of VMM chunks (another allocator's) shared with a retire
+   * notice, so the peer keeps them mapped while idle; looked at every
+   * millisecond the channel is driven, and retired once a chunk was
+   * unmapped or mapped anew (its buffer id changed). */
+  ts_u64map vmm_runs; /* run id + 1 -> vmm_run */
+  size_t nruns;
+  int64_t runs_checked_us;
 };
+
+#define VMM_RUNS_MAX 256 /* runs watched per channel; past it shares go without a retire notice */
+#define VMM_RUNS_CHECK_US 1000
+
+/* A watched run keeps the fds it was exported as: the next share of it
+ * sends them again without the driver's export (they pin its memory until
+ * the run is retired, within a millisecond of driving the channel once its
+ * owner's allocator unmapped it). */
+struct vmm_run {
+  int n;
+  int *fd;        /* n */
+  uint64_t v[];   /* n chunk bases, then their n buffer ids */
+};
+
+static void vmm_run_free(struct vmm_run *r) {
+  for (int i = 0; r && i < r->n; i++)
+    if (r->fd[i] >= 0) close(r->fd[i]);
+  free(r);
+}
+
+/* The chunks' fds: those of the watched run when there is one, else new
+ * ones, which a newly watched run keeps (*owned false) or the caller closes
+ * after sending (*owned true: the channel watches as many runs as it may).
+ * *watched: the share may promise a retire notice. */
+static int vmm_fds(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t run_id, ts_vmm_chunks *chunks, bool *owned,
+                   bool *watched) {
+  struct vmm_run *r = ts_u64map_get(&c->vmm_runs, run_id + 1);
+  *owned = false;
+  *watched = r != NULL;
+  if (r) {
+    for (int i = 0; i < chunks->n; i++) chunks->fd[i] = r->fd[i];
+    return TSHARE_OK;
+  }
+  int rc = ts_cuda_vmm_export_fds(chunks, ch->err, sizeof ch->err);
+  if (rc != TSHARE_OK) return rc;
+  *owned = true;
+  if (c->nruns >= VMM_RUNS_MAX || ch->conn.minor < 1) return TSHARE_OK;
+  size_t n = (size_t)chunks->n;
+  r = malloc(sizeof *r + 2 * n * sizeof(uint64_t) + n * sizeof(int));
+  if (!r) return TSHARE_OK;
+  r->n = chunks->n;
+  r->fd = (int *)(r->v + 2 * n);
+  for (size_t i = 0; i < n; i++) {
+    r->v[i] = chunks->base[i];
+    r->v[n + i] = chunks->id[i];
+    r->fd[i] = chunks->fd[i];
+  }
+  if (ts_u64map_put(&c->vmm_runs, run_id + 1, r) != 0) {
+    free(r);
+    return TSHARE_OK;
+  }
+  c->nruns++;
+  *owned = false;
+  *watched = true;
+  return TSHARE_OK;
+}
+
+/* Runs whose chunks are no longer where they were, as their owner's
+ * allocator left them: into ids (up to cap), no longer watched. */
+static size_t vmm_runs_gone(struct ts_cuda_chan *c, const ts_cuda_api *cu, uint64_t *ids, size_t cap) {
+  size_t n = 0;
+  uint64_t key;
+  void *value;
+  for (size_t pos = 0; n < cap && ts_u64map_next(&c->vmm_runs, &pos, &key, &value);) {
+    struct vmm_run *r = value;
+    bool same = true;
+    for (int i = 0; same && i < r->n; i++) {
+      unsigned long long id = 0;
+      same = cu->cuPointerGetAttribute(&id, CU_POINTER_ATTRIBUTE_BUFFER_ID, (CUdeviceptr)r->v[i]) == CUDA_SUCCESS &&
+             id == r->v[r->n + i];
+    }
+    if (same) continue;
+    TS_LOG(TS_LOG_DEBUG, "VMM memory %llu (%d chunks) is no longer mapped as it was shared: retiring it",
+           (unsigned long long)(key - 1), r->n);
+    ids[n++] = key - 1;
+    vmm_run_free(ts_u64map_remove(&c->vmm_runs, key));
+    c->nruns--;
+  }
+  return n;
+}
+
+static void vmm_runs_free(struct ts_cuda_chan *c) {
+  uint64_t key;
+  void *value;
+  for (size_t pos = 0; ts_u64map_next(&c->vmm_runs, &pos, &key, &value);) vmm_run_free(value);
+  ts_u64map_free(&c->vmm_runs);
+  c->nruns = 0;
+}
 
 /* Chunks 1..count-1 of one share's VMM memory (chunk 0 rides on the share). */
 struct chunk_set {
@@ -322,27 +418,35 @@ static int share_foreign(tshare_channel *ch, const void *data, const tshare_tens
   chunks.n = 0;
   CUdeviceptr ptr = (CUdeviceptr)(uintptr_t)data;
   uint64_t span_end = 0;
-  if (rc == TSHARE_OK && ts_cuda_is_foreign_vmm(ptr)) {
+  bool vmm = rc == TSHARE_OK && ts_cuda_is_foreign_vmm(ptr), owned = false, watched = false;
+  struct ts_cuda_chan *c = vmm ? chan_of(ch) : NULL;
+  if (vmm && !c) rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
+  if (vmm && rc == TSHARE_OK) {
     char why[160];
     rc = tshare_tensor_check(desc, UINT64_C(1) << 62, NULL, &span_end, why, sizeof why);
     if (rc != TSHARE_OK) ts_errf(ch->err, sizeof ch->err, rc, "share: %s", why);
-    else rc = ts_cuda_export_vmm(ptr, span_end, &x, &chunks, ch->err, sizeof ch->err);
+    if (rc == TSHARE_OK) rc = ts_cuda_export_vmm(ptr, span_end, &x, &chunks, ch->err, sizeof ch->err);
+    /* VMM chunks stay alive in the consumer's mapping whatever their owner
+     * does, so it may keep them mapped while idle: this end watches them
+     * and says when they change (a retire notice). */
+    if (rc == TSHARE_OK) rc = vmm_fds(ch, c, x.buffer_id, &chunks, &owned, &watched);
+    if (rc == TSHARE_OK) x.fd = chunks.fd[0];
   } else if (rc == TSHARE_OK) {
     rc = ts_cuda_export_of(ptr, &x, ch->err, sizeof ch->err);
   }
   ts_export *e = rc == TSHARE_OK ? calloc(1, sizeof *e) : NULL;
   if (rc == TSHARE_OK && !e) rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
   if (rc != TSHARE_OK) {
-    ts_vmm_chunks_close(&chunks);
+    if (owned) ts_vmm_chunks_close(&chunks);
     drop(keep);
     return rc;
   }
   e->release = drop;
   e->owner = keep;
   e->user_data = user_data;
-  rc = send_cuda_share(ch, &x, &chunks, (uint64_t)(ptr - x.base), (uint32_t)getpid(), 0, desc, stream, tag, e,
-                       timeout_ms, share_id);
-  ts_vmm_chunks_close(&chunks); /* sent (the peer has its own) or not: this end keeps none */
+  rc = send_cuda_share(ch, &x, vmm ? &chunks : NULL, (uint64_t)(ptr - x.base), (uint32_t)getpid(),
+                       watched ? TSHARE_SHARE_FLAG_RETIRE_NOTICE : 0, desc, stream, tag, e, timeout_ms, share_id);
+  if (owned) ts_vmm_chunks_close(&chunks); /* the peer has its own; a watched run keeps them */
   return rc;
 }
 
@@ -691,6 +795,7 @@ int ts_cuda_on_frame(tshare_channel *ch, const tshare_frame *f) {
         free(pm);
       }
     } else { /* the owner frees it: close it (now if idle) and say so */
+      TS_LOG(TS_LOG_DEBUG, "peer %s retires allocation %llu", ch->conn.peer_label, (unsigned long long)r->alloc_ids[i]);
       ts_cuda_import_retire(ch->conn.peer_key, r->alloc_ids[i]);
       if (queue_ack(c, r->alloc_ids[i]) != TSHARE_OK)
         return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "retire: out of memory");
@@ -793,6 +898,15 @@ int ts_cuda_flush(tshare_channel *ch, int timeout_ms, ts_gpu_wait *busy) {
   pthread_mutex_unlock(&ch->lock);
 
   int64_t deadline = ts_deadline(timeout_ms);
+  if (c->nruns && cu && ts_now_us() - c->runs_checked_us >= VMM_RUNS_CHECK_US) {
+    c->runs_checked_us = ts_now_us();
+    uint64_t gone[TSHARE_RELEASE_MAX];
+    size_t ngone = vmm_runs_gone(c, cu, gone, TSHARE_RELEASE_MAX);
+    if (ngone) {
+      int rc = send_retire(ch, 0, gone, ngone, ts_remaining(deadline));
+      if (rc != TSHARE_OK) return rc;
+    }
+  }
   if (c->nacks) {
     int rc = send_retire(ch, 1, c->acks, c->nacks, ts_remaining(deadline));
     if (rc != TSHARE_OK) return rc;
@@ -825,6 +939,7 @@ static void cuda_peer_gone(tshare_channel *ch) {
     free(pm);
   }
   ts_u64map_free(&c->mapped);
+  vmm_runs_free(c);
   if (ch->conn.peer_key) ts_cuda_import_origin_gone(ch->conn.peer_key);
 }
 

@@ -14,6 +14,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstring>
+#include <ctime>
 
 static const int TIMEOUT = 20000;
 
@@ -72,6 +73,12 @@ static bool expandable() {
 static void need_expandable() {
   need_gpu();
   if (!expandable()) TS_SKIP("needs PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the @expandable entries)");
+}
+
+static int64_t tt_now_ms() {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
 }
 
 static size_t gpu_free_bytes() {
@@ -198,9 +205,10 @@ static int neighbours_producer(tshare_channel *ch, bool expect_guard) {
   printf("neighbours intact; exports %llu, handle cache hits %llu, guarded %llu, restored %llu\n", exports, hits,
          guarded, restored);
   if (expandable()) {
-    // VMM memory: each share exports the fds of its chunks, and never through
-    // cudaIpcGetMemHandle, the call the zeroing bug hides in.
-    CHECK_EQ(exports, 2);
+    // VMM memory: the chunk is exported once as an fd, which the channel
+    // keeps for the next share, and never through cudaIpcGetMemHandle, the
+    // call the zeroing bug hides in.
+    CHECK_EQ(exports, 1);
     CHECK_EQ(guarded, 0);
     return 0;
   }
@@ -224,11 +232,20 @@ static int role_chunk_reader(tshare_channel *ch) {
   CHECK(at::equal(small->tensor, at::full({4096}, 3, on_gpu.dtype(at::kInt))));
   big->tensor[n - 1].fill_(-5);
   c10::cuda::device_synchronize();
-  tshare_cuda_export_stats st;
+  big.reset(); // released: the mapping stays open for the next share of these chunks
+  tshare_cuda_export_stats st0, st;
+  tshare_cuda_stats(&st0);
+  auto again = tt::recv(ch, {TIMEOUT});
+  CHECK(again && again->tag == "big again");
+  CHECK_EQ(again->tensor[n - 1].item<float>(), -5);
   tshare_cuda_stats(&st);
-  printf("consumer: %lld floats over several chunks and a small tensor intact; fd imports %llu\n", (long long)n,
-         (unsigned long long)st.fd_imports);
-  big.reset();
+  printf("consumer: %lld floats over several chunks and a small tensor intact; fd imports %llu; the same chunks "
+         "again: %llu new imports, %llu cache hits\n",
+         (long long)n, (unsigned long long)st0.fd_imports, (unsigned long long)(st.fd_imports - st0.fd_imports),
+         (unsigned long long)(st.import_hits - st0.import_hits));
+  CHECK_EQ(st.fd_imports, st0.fd_imports);
+  CHECK(st.import_hits > st0.import_hits);
+  again.reset();
   small.reset();
   CHECK(!tt::recv(ch, {TIMEOUT}));
   return 0;
@@ -249,6 +266,11 @@ static int role_holder(tshare_channel *ch) {
   printf("consumer: %lld ints read intact after the producer freed them and emptied its cache\n", (long long)n);
   r.reset();
   freed.reset();
+  // Still here while the producer watches its GPU memory come back: the
+  // mapping this process kept for the next share closes at the retire notice.
+  auto measured = tt::recv(ch, {TIMEOUT});
+  CHECK(measured && measured->tag == "measured");
+  measured.reset();
   CHECK(!tt::recv(ch, {TIMEOUT}));
   return 0;
 }
@@ -388,6 +410,7 @@ TS_TEST(cuda_expandable_segment_tensor_spanning_chunks) {
   at::Tensor small = at::full({4096}, 3, on_gpu.dtype(at::kInt));
   tt::send(ch, big, {"big"});
   tt::send(ch, small, {"small"});
+  tt::send(ch, big, {"big again"});
   bye_and_wait_released(ch, TIMEOUT);
   CHECK_EQ(big[big.numel() - 1].item<float>(), -5); // written through the consumer's mapping
   CHECK_EQ(big[0].item<float>(), 0);
@@ -409,18 +432,32 @@ TS_TEST(cuda_expandable_memory_freed_by_the_producer_returns_after_release) {
     at::Tensor x = at::arange(int64_t(32) << 20, on_gpu.dtype(at::kInt)); // 128 MiB
     tt::send(ch, x, {"held"});
   }
-  c10::cuda::CUDACachingAllocator::emptyCache(); // our tensor is gone: only the consumer holds the memory
+  c10::cuda::CUDACachingAllocator::emptyCache(); // our tensor is gone: only the share holds the memory
   c10::cuda::device_synchronize();
   size_t while_held = gpu_free_bytes();
   tt::send(ch, at::zeros({1}), {"freed"});
+  CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  // Released: the storage goes back to the caching allocator, which unmaps
+  // it when its cache is emptied. The consumer lives on; the memory comes
+  // back once this end has seen the chunks unmapped and said so (it looks
+  // every millisecond it drives the channel) and the consumer closed the
+  // mapping it kept for the next share.
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  size_t released = gpu_free_bytes(); // kernels loaded since the baseline took some too: compare with this
+  int64_t t0 = tt_now_ms();
+  size_t after = released;
+  const size_t back = size_t(120) << 20; // of the 128 MiB tensor's chunks
+  while (after < released + back && tt_now_ms() - t0 < 5000) {
+    (void)tshare_channel_poll(ch, 1);
+    after = gpu_free_bytes();
+  }
+  printf("GPU free: baseline %zu MiB, shared and freed here %zu MiB, released %zu MiB, then %zu MiB %lld ms later\n",
+         baseline >> 20, while_held >> 20, released >> 20, after >> 20, (long long)(tt_now_ms() - t0));
+  CHECK(baseline - while_held >= (size_t(100) << 20)); // the share kept the memory
+  CHECK(after >= released + back);                     // and it came back while the consumer lives on
+  tt::send(ch, at::zeros({1}), {"measured"});
   bye_and_wait_released(ch, TIMEOUT);
   finish(p, "consumer");
-  c10::cuda::CUDACachingAllocator::emptyCache();
-  size_t after = gpu_free_bytes();
-  printf("GPU free: baseline %zu MiB, held by the consumer only %zu MiB, after its release %zu MiB\n", baseline >> 20,
-         while_held >> 20, after >> 20);
-  CHECK(baseline - while_held >= (size_t(100) << 20)); // the consumer's mapping kept the memory
-  CHECK(after + (size_t(4) << 20) >= baseline);        // and it came back once released
   tshare_channel_close(ch);
 }
 
