@@ -315,6 +315,15 @@ static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, const ts
                            const char *tag, ts_export *e, int timeout_ms, uint64_t *share_id) {
   struct ts_cuda_chan *c = ch->cuda;
   const ts_cuda_api *cu = ts_cuda_if_loaded();
+  if (chunks && (ch->conn.kind != TSHARE_CHANNEL_SOCKET || !(ch->conn.peer.capabilities & TSHARE_CAP_CUDA_FD))) {
+    ts_export_drop(e);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
+                   "share: this GPU memory is VMM memory another allocator mapped (PyTorch's expandable segments), "
+                   "which travels as fds, and %s; open a socket channel, or turn expandable segments off in the "
+                   "producer (PYTORCH_CUDA_ALLOC_CONF)",
+                   ch->conn.kind != TSHARE_CHANNEL_SOCKET ? "a pipe channel cannot carry fds"
+                                                      : "the peer cannot import fd handles");
+  }
   if (x->fd >= 0 && (ch->conn.kind != TSHARE_CHANNEL_SOCKET || !(ch->conn.peer.capabilities & TSHARE_CAP_CUDA_FD))) {
     ts_export_drop(e);
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
@@ -429,7 +438,8 @@ static int share_foreign(tshare_channel *ch, const void *data, const tshare_tens
     /* VMM chunks stay alive in the consumer's mapping whatever their owner
      * does, so it may keep them mapped while idle: this end watches them
      * and says when they change (a retire notice). */
-    if (rc == TSHARE_OK) rc = vmm_fds(ch, c, x.buffer_id, &chunks, &owned, &watched);
+    bool fds_travel = ch->conn.kind == TSHARE_CHANNEL_SOCKET && (ch->conn.peer.capabilities & TSHARE_CAP_CUDA_FD);
+    if (rc == TSHARE_OK && fds_travel) rc = vmm_fds(ch, c, x.buffer_id, &chunks, &owned, &watched); /* else refused below */
     if (rc == TSHARE_OK) x.fd = chunks.fd[0];
   } else if (rc == TSHARE_OK) {
     rc = ts_cuda_export_of(ptr, &x, ch->err, sizeof ch->err);

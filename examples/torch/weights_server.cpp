@@ -11,9 +11,15 @@
 #include <tshare/torch.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <vector>
 
 int main(int argc, char **argv) {
+  // The fast path for CUDA tensors: the caching allocator's expandable
+  // segments travel as fds that the workers keep mapped (docs/cuda.md), so a
+  // weight handed out again costs no open and close. Read by the allocator
+  // at its first CUDA allocation; a setting already in the environment wins.
+  setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", 0);
   torch::Device device = device_from_args(argc, argv);
   int batches = int_arg(argc, argv, "--batches", 8);
   tshare_role role;
