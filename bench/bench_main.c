@@ -152,6 +152,12 @@ static void targets(bench *b) {
     br_target_add(r, "an idle waiting consumer < 1% of a core", -1, "not measured");
   else
     br_target_add(r, "an idle waiting consumer < 1% of a core", idle < 1, "%.3f%%", idle);
+  double bp = value_of(b, "torch_bridge_pipelined_cuda_expandable");
+  if (isnan(bp))
+    br_target_add(r, "bridge: >= 200k cuda shares/s to one consumer (memory already mapped)", -1, "not measured");
+  else
+    br_target_add(r, "bridge: >= 200k cuda shares/s to one consumer (memory already mapped)", bp >= 200000, "%.0f/s",
+                  bp);
   /* No growth: counts not higher, GPU memory not lower by more than half a
    * MiB, RSS within 1% + 1 MiB (the allocator's own slack). */
   int measured = 0, grew = 0;

@@ -83,6 +83,22 @@ static void peer_row(bench *b, char *const *argv, const char *key, const char *l
   if (torch) snprintf(row->note, sizeof row->note, "%s", torch);
 }
 
+/* The bridge pipelined (64 in flight): shares/s and the producer's fds. */
+static void bridge_throughput_row(bench *b, const char *dev, long n, const char *key, const char *label) {
+  char count[32], last[512], why[600];
+  snprintf(count, sizeof count, "%ld", n);
+  char *argv[] = {(char *)b->opt.torch_bench, (char *)"--device", (char *)dev, (char *)"--pipelined", count, NULL};
+  if (run_capture(argv, last, sizeof last, why, sizeof why) != 0) {
+    br_skip(&b->rep, BR_VALUE, "throughput", key, label, why);
+    return;
+  }
+  br_row *row = br_add(&b->rep, BR_VALUE, "throughput", key, label, "shares/s");
+  row->value = bp_field(last, "shares_per_s");
+  row->n = (long)bp_field(last, "n");
+  snprintf(row->note, sizeof row->note, "producer open fds %.0f -> %.0f over the run", bp_field(last, "fds_before"),
+           bp_field(last, "fds_after"));
+}
+
 void bench_peers_external(bench *b) {
   char iters[32], warmup[32];
   snprintf(iters, sizeof iters, "%ld", b->opt.iters);
@@ -122,6 +138,7 @@ void bench_peers_external(bench *b) {
       setenv("TSHARE_TRANSPORT", "ring", 1);
       snprintf(label, sizeof label, "tshare LibTorch bridge, %s tensor [ring]", dev);
       peer_row(b, argv, key, label, gpu ? "floor" : "floor_fd", peer_key);
+      if (!gpu) bridge_throughput_row(b, dev, b->opt.pipelined, "torch_bridge_pipelined_cpu", "bridge: cpu tensors/s to 1 consumer");
       setenv("TSHARE_TRANSPORT", "socket", 1);
       snprintf(key, sizeof key, "torch_bridge_%s_socket", dev);
       snprintf(label, sizeof label, "tshare LibTorch bridge, %s tensor [socket]", dev);
@@ -136,6 +153,8 @@ void bench_peers_external(bench *b) {
         snprintf(key, sizeof key, "torch_bridge_%s_expandable", dev);
         snprintf(label, sizeof label, "tshare LibTorch bridge, %s tensor, expandable segments", dev);
         peer_row(b, argv, key, label, "floor", peer_key);
+        bridge_throughput_row(b, dev, b->opt.memory_shares, "torch_bridge_pipelined_cuda_expandable",
+                              "bridge: cuda tensors/s to 1 consumer, expandable segments");
         if (conf) setenv("PYTORCH_CUDA_ALLOC_CONF", keep_conf, 1);
         else unsetenv("PYTORCH_CUDA_ALLOC_CONF");
       }

@@ -4,8 +4,11 @@
 // dropping it releases the share. Eight tensors are reused in turn.
 //
 //   bench_torch --device cuda|cpu --iters N --warmup W
+//   bench_torch --device cuda|cpu --pipelined N   (64 in flight, no round trip)
 //
-// Prints "result p50_us=... p99_us=... n=... torch=..." or "skip: why" (exit 77).
+// Prints "result p50_us=... p99_us=... n=... torch=..." (pipelined:
+// "result shares_per_s=... n=... fds_before=... fds_after=... torch=...") or
+// "skip: why" (exit 77).
 // The consumer is this binary again (--consumer, posix_spawn: a CUDA process
 // must not fork).
 #include <tshare/torch.h>
@@ -36,6 +39,16 @@ static std::string arg_str(int argc, char **argv, const char *name, const char *
   for (int i = 1; i + 1 < argc; i++)
     if (std::strcmp(argv[i], name) == 0) return argv[i + 1];
   return fallback;
+}
+
+static long open_fds() {
+  long n = 0;
+  char path[64];
+  for (int fd = 0; fd < 4096; fd++) {
+    std::snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    if (access(path, F_OK) == 0) n++;
+  }
+  return n;
 }
 
 static int consumer() {
@@ -95,6 +108,9 @@ int main(int argc, char **argv) {
     tshare_process_destroy(child);
     return 1;
   }
+  long pipelined = arg_long(argc, argv, "--pipelined", 0);
+  double shares_per_s = 0;
+  long fds_before = 0, fds_after = 0;
   std::vector<double> us;
   try {
     std::vector<at::Tensor> pool;
@@ -103,7 +119,35 @@ int main(int argc, char **argv) {
                                       : tshare::torch::empty_shared({1024}).fill_(float(i));
       pool.push_back(t);
     }
-    for (long i = 0; i < warmup + iters; i++) {
+    if (pipelined > 0) { // 64 in flight, each waited for only when the window is full
+      std::vector<uint64_t> window;
+      window.reserve(64);
+      size_t oldest = 0;
+      auto step = [&](long i) {
+        uint64_t id = tshare::torch::send(ch, pool[size_t(i % 8)], {"", TIMEOUT});
+        if (window.size() < 64) {
+          window.push_back(id);
+          return;
+        }
+        int rc = tshare_channel_wait_released(ch, window[oldest], TIMEOUT);
+        if (rc != TSHARE_OK) throw tshare::torch::Error(rc, tshare_channel_last_error(ch));
+        window[oldest] = id;
+        oldest = (oldest + 1) % window.size();
+      };
+      for (long i = 0; i < 1000; i++) step(i); // warm: caches filled, pools made
+      tshare_channel_wait_released(ch, 0, TIMEOUT);
+      window.clear();
+      oldest = 0;
+      fds_before = open_fds();
+      auto t0 = std::chrono::steady_clock::now();
+      for (long i = 0; i < pipelined; i++) step(i);
+      int rc = tshare_channel_wait_released(ch, 0, TIMEOUT);
+      auto t1 = std::chrono::steady_clock::now();
+      if (rc != TSHARE_OK) throw tshare::torch::Error(rc, tshare_channel_last_error(ch));
+      fds_after = open_fds();
+      shares_per_s = double(pipelined) / std::chrono::duration<double>(t1 - t0).count();
+    }
+    for (long i = 0; pipelined == 0 && i < warmup + iters; i++) {
       auto t0 = std::chrono::steady_clock::now();
       uint64_t id = tshare::torch::send(ch, pool[size_t(i % 8)], {"", TIMEOUT});
       int rc = tshare_channel_wait_released(ch, id, TIMEOUT);
@@ -127,6 +171,11 @@ int main(int argc, char **argv) {
     return 1;
   }
   tshare_process_destroy(child);
+  if (pipelined > 0) {
+    std::printf("result shares_per_s=%.0f n=%ld fds_before=%ld fds_after=%ld torch=%s\n", shares_per_s, pipelined,
+                fds_before, fds_after, TORCH_VERSION);
+    return 0;
+  }
   std::sort(us.begin(), us.end());
   auto pct = [&](double p) { // nearest rank, as tshare-bench takes it
     size_t rank = size_t(std::ceil(p / 100.0 * double(us.size())));
