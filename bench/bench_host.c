@@ -185,7 +185,6 @@ static void *pump_one(void *p) {
     }
     if (rc == TSHARE_OK) {
       rc = tshare_channel_poll(a->ch, BENCH_TIMEOUT_MS);
-      if (rc == TSHARE_AGAIN) rc = TSHARE_E_TIMEOUT;
     }
   }
   if (rc == TSHARE_OK) rc = tshare_channel_wait_released(a->ch, 0, BENCH_TIMEOUT_MS);

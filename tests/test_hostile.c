@@ -265,7 +265,7 @@ static void polls_under_a_low_fd_limit(int fd) {
   for (;;) {
     int rc = tshare_channel_poll(ch, 20);
     if (rc == TSHARE_END) break; /* the bye came before the byte */
-    if (rc != TSHARE_OK && rc != TSHARE_AGAIN)
+    if (rc != TSHARE_OK && rc != TSHARE_E_TIMEOUT)
       TS_FAIL("poll: %s: %s", tshare_status_name(rc), tshare_channel_last_error(ch));
     int n = count_open_fds();
     if (n > fds_max) fds_max = n;

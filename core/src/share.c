@@ -450,7 +450,7 @@ int tshare_channel_poll(tshare_channel *ch, int timeout_ms) {
     rc = more;
   }
   if (ch->peer_bye && (rc == TSHARE_OK || rc == TSHARE_E_TIMEOUT || rc == TSHARE_E_PEER_CLOSED)) return TSHARE_END;
-  return rc == TSHARE_E_TIMEOUT ? TSHARE_AGAIN : rc;
+  return rc;
 }
 
 int tshare_channel_wait_released(tshare_channel *ch, uint64_t share_id, int timeout_ms) {

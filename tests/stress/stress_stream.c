@@ -66,7 +66,7 @@ static int free_slot(stress_source *s, tshare_channel *ch, int timeout_ms) {
     }
     /* Every slot is still held: the window is full. Take releases in. */
     int rc = tshare_channel_poll(ch, 10);
-    if (rc < 0) return rc;
+    if (rc < 0 && rc != TSHARE_E_TIMEOUT) return rc;
     if (rc == TSHARE_END) return TSHARE_E_PEER_CLOSED;
     waited += 10;
     if (timeout_ms >= 0 && waited > timeout_ms) return TSHARE_E_TIMEOUT;

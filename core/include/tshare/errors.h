@@ -5,6 +5,11 @@
  * negative values are errors. tshare_status_str() gives a static, never-NULL
  * message for any value, known or not.
  *
+ * Nothing came in time: every call that waits with a timeout (receive, peek,
+ * poll, wait, send, connect, accept) returns TSHARE_E_TIMEOUT when its time
+ * ran out, timeout 0 included. TSHARE_AGAIN is only for calls that never wait
+ * and are not finished: the decoder needs more bytes, a slab is full.
+ *
  * Details ("which field, which syscall, which errno") live with the object that
  * failed: each handle type has a *_last_error() accessor. Constructors, which
  * have no object yet when they fail, fill an optional tshare_error instead.

@@ -56,9 +56,10 @@ TSHARE_API size_t tshare_channel_outstanding(const tshare_channel *ch);
 TSHARE_API int tshare_share_is_released(const tshare_channel *ch, uint64_t share_id);
 
 /* Process incoming frames, waiting up to timeout_ms for the first. TSHARE_OK
- * if something was processed, TSHARE_AGAIN if nothing came in time,
- * TSHARE_END once the peer said bye, negative on errors. Incoming shares are
- * queued for tshare_view_recv(). */
+ * if something was processed, TSHARE_E_TIMEOUT if nothing came in time (as
+ * every call that waits says it), TSHARE_END once the peer said bye, other
+ * negative values on errors. Incoming shares are queued for
+ * tshare_view_recv(). */
 TSHARE_API int tshare_channel_poll(tshare_channel *ch, int timeout_ms);
 
 /* Drive the channel until share_id (or, with 0, every share sent on it) has
