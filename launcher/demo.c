@@ -189,9 +189,9 @@ int demo_producer_main(int tensors, bool cuda) {
     int s = i % 2;
     desc[i] = layout_of(i, used[s]);
     uint64_t begin, end;
-    char why[200];
-    rc = tshare_tensor_check(&desc[i], SEGMENT_BYTES, &begin, &end, why, sizeof why);
-    if (rc != TSHARE_OK) return fail("layout (too many tensors for the demo segments?)", rc, why);
+    tshare_error terr;
+    rc = tshare_tensor_check(&desc[i], SEGMENT_BYTES, &begin, &end, &terr);
+    if (rc != TSHARE_OK) return fail("layout (too many tensors for the demo segments?)", rc, terr.message);
     used[s] = (end + 255) / 256 * 256;
     long long unused;
     check_or_fill((char *)staging[s] + desc[i].byte_offset, &desc[i], i, true, &unused);
@@ -277,7 +277,7 @@ int demo_consumer_main(int tensors, bool cuda) {
       /* Copy the bytes the view spans, on the stream that waited for the
        * producer's event, then check them here. */
       uint64_t begin, end;
-      tshare_tensor_check(d, d->byte_offset + SEGMENT_BYTES, &begin, &end, NULL, 0);
+      tshare_tensor_check(d, d->byte_offset + SEGMENT_BYTES, &begin, &end, NULL);
       if (!host || end - d->byte_offset > SEGMENT_BYTES)
         return fail("copy from the GPU", TSHARE_E_TOO_LARGE, "the view spans more than a demo segment");
       if ((rc = demo_gpu_download(stream, host, data, end - d->byte_offset, &err)) != TSHARE_OK)

@@ -137,7 +137,7 @@ static void dies_mid_frame(int fd) {
   uint8_t buf[TSHARE_WIRE_FRAME_MAX];
   size_t len;
   tshare_frame f = bye_frame(1);
-  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, NULL, 0), TSHARE_OK, "");
+  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, NULL), TSHARE_OK, "");
   CHECK_EQ(write(tshare_channel_fd(ch), buf, len - 2), (ssize_t)(len - 2)); /* all but 2 bytes */
   _exit(0);
 }
@@ -259,7 +259,7 @@ static void fake_peer(int fd) {
   if (hello_patch == 2) memset(f.u.hello.boot_id, 0x11, 16); /* another boot */
   uint8_t buf[TSHARE_WIRE_FRAME_MAX];
   size_t len;
-  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, NULL, 0), TSHARE_OK, "");
+  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, NULL), TSHARE_OK, "");
   if (hello_patch == 1) buf[4] = TSHARE_WIRE_MAJOR + 1; /* another major */
   if (hello_patch == 3) {
     memcpy(buf, "GET / HTTP/1.1\r\n", 16);

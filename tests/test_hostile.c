@@ -48,7 +48,7 @@ static void set_fd_limit(rlim_t soft) {
 static void send_raw(tshare_channel *ch, const tshare_frame *f, int fd) {
   uint8_t buf[TSHARE_WIRE_FRAME_MAX];
   size_t len;
-  CHECK_RC(tshare_wire_encode(f, buf, sizeof buf, &len, NULL, 0), TSHARE_OK, "");
+  CHECK_RC(tshare_wire_encode(f, buf, sizeof buf, &len, NULL), TSHARE_OK, "");
   struct iovec iov = {.iov_base = buf, .iov_len = len};
   union {
     char space[CMSG_SPACE(sizeof(int))];
@@ -432,12 +432,12 @@ static void claims_to_be_init(int fd) {
   f.u.hello.uid = (uint32_t)getuid();
   f.u.hello.capabilities = TSHARE_CAP_FD_PASSING | TSHARE_CAP_HOST_MEMFD;
   snprintf(f.u.hello.name, sizeof f.u.hello.name, "init");
-  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, NULL, 0), TSHARE_OK, "");
+  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, NULL), TSHARE_OK, "");
   memset(&f, 0, sizeof f);
   f.type = TSHARE_FRAME_RELEASE;
   f.u.release.count = 1;
   f.u.release.share_ids[0] = 77;
-  CHECK_RC(tshare_wire_encode(&f, buf + len, sizeof buf - len, &more, NULL, 0), TSHARE_OK, "");
+  CHECK_RC(tshare_wire_encode(&f, buf + len, sizeof buf - len, &more, NULL), TSHARE_OK, "");
   CHECK(write(fd, buf, len + more) == (ssize_t)(len + more)); /* they stay readable after this process ends */
 }
 

@@ -37,8 +37,8 @@ static tshare_frame sample_share(void) {
 
 static size_t encode(const tshare_frame *f, uint8_t *buf) {
   size_t len = 0;
-  char err[256] = "";
-  CHECK_RC(tshare_wire_encode(f, buf, TSHARE_WIRE_FRAME_MAX, &len, err, sizeof err), TSHARE_OK, err);
+  tshare_error terr;
+  CHECK_RC(tshare_wire_encode(f, buf, TSHARE_WIRE_FRAME_MAX, &len, &terr), TSHARE_OK, terr.message);
   return len;
 }
 
@@ -161,7 +161,7 @@ TS_TEST(roundtrip_event_retire_and_minor1_share_fields) {
   CHECK(memcmp(g.u.event.handle, f.u.event.handle, TSHARE_HANDLE_MAX) == 0);
   f.u.event.slot = TSHARE_EVENT_SLOTS_MAX; /* over the limit: refused both ways */
   size_t len = 0;
-  CHECK_EQ(tshare_wire_encode(&f, buf, sizeof buf, &len, NULL, 0), TSHARE_E_TOO_LARGE);
+  CHECK_EQ(tshare_wire_encode(&f, buf, sizeof buf, &len, NULL), TSHARE_E_TOO_LARGE);
   f.u.event.slot = 1;
   len = encode(&f, buf);
   put_u32(buf + TSHARE_WIRE_HEADER_SIZE, TSHARE_EVENT_SLOTS_MAX);
@@ -211,7 +211,7 @@ TS_TEST(roundtrip_ring_and_chunk_frames) {
   CHECK_EQ(g.u.ring.op, TSHARE_RING_SETUP);
   CHECK_EQ(g.u.ring.capacity, 1u << 20);
   f.flags = 0; /* a setup frame carries its memfd */
-  CHECK_EQ(tshare_wire_encode(&f, buf, sizeof buf, &len, NULL, 0), TSHARE_E_MALFORMED);
+  CHECK_EQ(tshare_wire_encode(&f, buf, sizeof buf, &len, NULL), TSHARE_E_MALFORMED);
   f.u.ring.op = TSHARE_RING_SOCKET_NEXT;
   CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
   CHECK_EQ(g.u.ring.op, TSHARE_RING_SOCKET_NEXT);
@@ -242,7 +242,7 @@ TS_TEST(roundtrip_ring_and_chunk_frames) {
   buf[7] = 0; /* a chunk without its fd */
   CHECK_EQ(decode(buf, len, &g), TSHARE_E_MALFORMED);
   f.u.chunk.index = 3; /* not below count: refused when encoding too */
-  CHECK_EQ(tshare_wire_encode(&f, buf, sizeof buf, &len, NULL, 0), TSHARE_E_MALFORMED);
+  CHECK_EQ(tshare_wire_encode(&f, buf, sizeof buf, &len, NULL), TSHARE_E_MALFORMED);
 }
 
 TS_TEST(roundtrip_bye_and_error) {
@@ -397,9 +397,9 @@ TS_TEST(malformed_shape_overflow) {
   f.u.share.tensor.byte_offset = 0;
   uint8_t buf[TSHARE_WIRE_FRAME_MAX];
   size_t len;
-  char err[256];
+  tshare_error terr;
   /* The encoder refuses it ... */
-  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, err, sizeof err), TSHARE_E_OVERFLOW, err);
+  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, &terr), TSHARE_E_OVERFLOW, terr.message);
   /* ... and a hand-made frame is refused by the decoder. */
   tshare_frame ok = sample_share();
   ok.u.share.tensor.ndim = 2;
@@ -414,23 +414,23 @@ TS_TEST(malformed_shape_overflow) {
   /* Each dimension alone fits; their product does not. */
   f.u.share.tensor.shape[0] = (int64_t)1 << 40;
   f.u.share.tensor.shape[1] = (int64_t)1 << 40;
-  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, err, sizeof err), TSHARE_E_OVERFLOW, err);
+  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, &terr), TSHARE_E_OVERFLOW, terr.message);
 }
 
 TS_TEST(malformed_view_outside_allocation) {
   tshare_frame f = sample_share(), g;
   uint8_t buf[TSHARE_WIRE_FRAME_MAX];
   size_t len;
-  char err[256];
+  tshare_error terr;
   f.u.share.tensor.byte_offset = 4096 - 4; /* 24 floats from 4 bytes before the end */
-  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, err, sizeof err), TSHARE_E_OUT_OF_BOUNDS, err);
+  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, &terr), TSHARE_E_OUT_OF_BOUNDS, terr.message);
   f = sample_share();
   f.u.share.tensor.strides[0] = 1000; /* the last row lands past the end */
-  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, err, sizeof err), TSHARE_E_OUT_OF_BOUNDS, err);
+  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, &terr), TSHARE_E_OUT_OF_BOUNDS, terr.message);
   f = sample_share();
   f.u.share.tensor.strides[0] = -12; /* negative stride reaching before the allocation */
   f.u.share.tensor.byte_offset = 0;
-  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, err, sizeof err), TSHARE_E_OUT_OF_BOUNDS, err);
+  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, &terr), TSHARE_E_OUT_OF_BOUNDS, terr.message);
   /* The decoder applies the same rule: shrink alloc_size in a valid frame. */
   f = sample_share();
   len = encode(&f, buf);
@@ -476,15 +476,15 @@ TS_TEST(malformed_field_values) {
   tshare_frame f = sample_share(), g;
   uint8_t buf[TSHARE_WIRE_FRAME_MAX];
   size_t len;
-  char err[256];
+  tshare_error terr;
   f.u.share.tensor.dtype.bits = 12;
-  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, err, sizeof err), TSHARE_E_MALFORMED, err);
+  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, &terr), TSHARE_E_MALFORMED, terr.message);
   f = sample_share();
   f.u.share.share_id = 0;
-  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, err, sizeof err), TSHARE_E_MALFORMED, err);
+  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, &terr), TSHARE_E_MALFORMED, terr.message);
   f = sample_share();
   f.u.share.tensor.shape[1] = -3;
-  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, err, sizeof err), TSHARE_E_MALFORMED, err);
+  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, &terr), TSHARE_E_MALFORMED, terr.message);
   f = sample_share();
   len = encode(&f, buf);
   buf[TSHARE_WIRE_HEADER_SIZE + 16] = 9; /* mem_kind */
@@ -541,12 +541,12 @@ TS_TEST(contiguous_constructor) {
   CHECK_EQ(d.strides[2], 1);
   CHECK_EQ(d.byte_offset, 6);
   uint64_t b, e;
-  CHECK_RC(tshare_tensor_check(&d, 54, &b, &e, NULL, 0), TSHARE_OK, "");
+  CHECK_RC(tshare_tensor_check(&d, 54, &b, &e, NULL), TSHARE_OK, "");
   CHECK_EQ(e, 6 + 24 * 2);
   int64_t many[TSHARE_MAX_NDIM + 1];
   for (int i = 0; i <= TSHARE_MAX_NDIM; i++) many[i] = 1;
   d = tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_INT, 16, 1}, TSHARE_MAX_NDIM + 1, many, 0);
-  CHECK_RC(tshare_tensor_check(&d, 1024, NULL, NULL, NULL, 0), TSHARE_E_TOO_LARGE, "");
+  CHECK_RC(tshare_tensor_check(&d, 1024, NULL, NULL, NULL), TSHARE_E_TOO_LARGE, "");
 }
 
 TS_TEST(empty_tensor_and_zero_strides) {
@@ -560,8 +560,8 @@ TS_TEST(empty_tensor_and_zero_strides) {
   t.strides[1] = 1;
   t.byte_offset = 64;
   uint64_t b, e;
-  char err[256];
-  CHECK_RC(tshare_tensor_check(&t, 64, &b, &e, err, sizeof err), TSHARE_OK, err);
+  tshare_error terr;
+  CHECK_RC(tshare_tensor_check(&t, 64, &b, &e, &terr), TSHARE_OK, terr.message);
   CHECK_EQ(b, 64);
   CHECK_EQ(e, 64);
   /* A broadcast (stride 0) dimension touches one element however long it is. */
@@ -569,13 +569,13 @@ TS_TEST(empty_tensor_and_zero_strides) {
   t.strides[0] = 0;
   t.shape[1] = 2;
   t.byte_offset = 0;
-  CHECK_RC(tshare_tensor_check(&t, 16, &b, &e, err, sizeof err), TSHARE_OK, err);
+  CHECK_RC(tshare_tensor_check(&t, 16, &b, &e, &terr), TSHARE_OK, terr.message);
   CHECK_EQ(e, 16);
   /* A 0-d tensor is one element. */
   t.ndim = 0;
   t.byte_offset = 8;
-  CHECK_RC(tshare_tensor_check(&t, 16, &b, &e, err, sizeof err), TSHARE_OK, err);
-  CHECK_RC(tshare_tensor_check(&t, 15, &b, &e, err, sizeof err), TSHARE_E_OUT_OF_BOUNDS, err);
+  CHECK_RC(tshare_tensor_check(&t, 16, &b, &e, &terr), TSHARE_OK, terr.message);
+  CHECK_RC(tshare_tensor_check(&t, 15, &b, &e, &terr), TSHARE_E_OUT_OF_BOUNDS, terr.message);
 }
 
 /* Extreme strides from a peer are refused without undefined behaviour (this
@@ -595,11 +595,11 @@ TS_TEST(extreme_strides_are_refused_without_overflow) {
         t.strides[0] = extremes[i];
         t.strides[1] = 1;
         t.byte_offset = 1u << 20;
-        char err[256];
-        int rc = tshare_tensor_check(&t, 2u << 20, NULL, NULL, err, sizeof err);
+        tshare_error terr;
+        int rc = tshare_tensor_check(&t, 2u << 20, NULL, NULL, &terr);
         if (rc != TSHARE_E_OUT_OF_BOUNDS && rc != TSHARE_E_OVERFLOW)
           TS_FAIL("stride %lld, shape %lld, %u bits: %s (%s)", (long long)extremes[i], (long long)n, bits[b],
-                  tshare_status_name(rc), err);
+                  tshare_status_name(rc), terr.message);
       }
 }
 

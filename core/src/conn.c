@@ -3,6 +3,7 @@
 #include "conn.h"
 
 #include "error_detail.h"
+#include "wire_checks.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -338,7 +339,7 @@ static size_t ring_op_frame(uint8_t *buf, size_t cap, uint8_t op) {
   f.u.ring.op = op;
   size_t len = 0;
   char err[TSHARE_ERROR_MSG_MAX];
-  (void)tshare_wire_encode(&f, buf, cap, &len, err, sizeof err); /* cannot fail: a fixed, valid frame */
+  (void)ts_wire_encode(&f, buf, cap, &len, err, sizeof err); /* cannot fail: a fixed, valid frame */
   return len;
 }
 
@@ -458,7 +459,7 @@ static bool send_now_locked(ts_conn *c, const tshare_frame *f) {
   uint8_t buf[TSHARE_WIRE_FRAME_MAX];
   size_t len;
   char err[TSHARE_ERROR_MSG_MAX];
-  if (tshare_wire_encode(f, buf, sizeof buf, &len, err, sizeof err) != TSHARE_OK) return false;
+  if (ts_wire_encode(f, buf, sizeof buf, &len, err, sizeof err) != TSHARE_OK) return false;
   if (ts_conn_uses_ring(c)) {
     if (c->broken || ts_ring_write(&c->ring_out, buf, len) <= 0) return false; /* full, or for the driver to find */
     wake_ring_reader(c);
@@ -491,7 +492,7 @@ int ts_conn_send(ts_conn *c, const tshare_frame *f, int fd, int timeout_ms) {
     return ts_errf(c->err, c->err_cap, TSHARE_E_INVALID_ARG, "send: the fd-attached flag and the fd argument disagree");
   uint8_t buf[TSHARE_WIRE_FRAME_MAX];
   size_t len;
-  int rc = tshare_wire_encode(f, buf, sizeof buf, &len, c->err, c->err_cap);
+  int rc = ts_wire_encode(f, buf, sizeof buf, &len, c->err, c->err_cap);
   if (rc != TSHARE_OK) return rc;
   int64_t deadline = ts_deadline(timeout_ms);
   pthread_mutex_lock(&c->send_lock);

@@ -10,6 +10,7 @@
 #include "cuda_hooks.h"
 #include "cuda_internal.h"
 #include "error_detail.h"
+#include "wire_checks.h"
 #include "log.h"
 
 #include <errno.h>
@@ -432,7 +433,7 @@ static int share_foreign(tshare_channel *ch, const void *data, const tshare_tens
   if (vmm && !c) rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
   if (vmm && rc == TSHARE_OK) {
     char why[160];
-    rc = tshare_tensor_check(desc, UINT64_C(1) << 62, NULL, &span_end, why, sizeof why);
+    rc = ts_tensor_check(desc, UINT64_C(1) << 62, NULL, &span_end, why, sizeof why);
     if (rc != TSHARE_OK) ts_errf(ch->err, sizeof ch->err, rc, "share: %s", why);
     if (rc == TSHARE_OK) rc = ts_cuda_export_vmm(ptr, span_end, &x, &chunks, ch->err, sizeof ch->err);
     /* VMM chunks stay alive in the consumer's mapping whatever their owner
@@ -485,7 +486,7 @@ int tshare_share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const 
   if (rc != TSHARE_OK) return rc;
   /* The layout must stay inside the buffer, not just inside its slab. */
   char why[160];
-  rc = tshare_tensor_check(desc, tshare_cuda_buffer_size(buf), NULL, NULL, why, sizeof why);
+  rc = ts_tensor_check(desc, tshare_cuda_buffer_size(buf), NULL, NULL, why, sizeof why);
   if (rc != TSHARE_OK) return ts_errf(ch->err, sizeof ch->err, rc, "share: %s", why);
   ts_cuda_alloc *a = ts_cuda_buffer_alloc(buf);
   const ts_cuda_export *x = ts_cuda_alloc_export(a);

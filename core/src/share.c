@@ -8,6 +8,7 @@
 #include "channel_internal.h"
 #include "cuda_hooks.h"
 #include "error_detail.h"
+#include "wire_checks.h"
 #include "log.h"
 #include "tshare/cuda.h"
 
@@ -33,7 +34,7 @@ int ts_share_send_export(tshare_channel *ch, tshare_frame *f, int fd, ts_export 
                          uint64_t *share_id) {
   tshare_share_frame *s = &f->u.share;
   s->share_id = e->share_id = ch->next_share_id;
-  int rc = tshare_wire_check_share(s, &ch->conn.limits, ch->err, sizeof ch->err);
+  int rc = ts_wire_check_share(s, &ch->conn.limits, ch->err, sizeof ch->err);
   if (rc == TSHARE_OK && ts_u64map_put(&ch->exports, s->share_id, e) != 0)
     rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
   else if (rc == TSHARE_OK) {
@@ -74,7 +75,7 @@ static int share_view_export(tshare_channel *ch, tshare_view *v, const tshare_te
       rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_OVERFLOW, "share: byte_offset %llu overflows",
                    (unsigned long long)desc.byte_offset);
     else if (desc.byte_offset += view_offset,
-             (rc = tshare_tensor_check(&desc, v->frame.alloc_size, NULL, NULL, why, sizeof why)) != TSHARE_OK)
+             (rc = ts_tensor_check(&desc, v->frame.alloc_size, NULL, NULL, why, sizeof why)) != TSHARE_OK)
       ts_errf(ch->err, sizeof ch->err, rc, "share: %s", why);
   }
   e->user_data = user_data;

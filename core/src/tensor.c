@@ -1,6 +1,7 @@
 #include "tshare/tensor.h"
 
 #include "error_detail.h"
+#include "wire_checks.h"
 #include "tshare/errors.h"
 
 #include <stdio.h>
@@ -75,7 +76,7 @@ tshare_tensor_desc tshare_tensor_contiguous(tshare_dtype dtype, int32_t ndim, co
   return d;
 }
 
-int tshare_tensor_check(const tshare_tensor_desc *desc, uint64_t alloc_size, uint64_t *span_begin, uint64_t *span_end,
+int ts_tensor_check(const tshare_tensor_desc *desc, uint64_t alloc_size, uint64_t *span_begin, uint64_t *span_end,
                         char *err, size_t err_cap) {
   if (!desc) return ts_errf(err, err_cap, TSHARE_E_INVALID_ARG, "tensor descriptor is NULL");
   size_t itemsize = tshare_dtype_itemsize(desc->dtype);
@@ -132,4 +133,12 @@ int tshare_tensor_check(const tshare_tensor_desc *desc, uint64_t alloc_size, uin
   if (span_begin) *span_begin = begin;
   if (span_end) *span_end = end;
   return TSHARE_OK;
+}
+
+int tshare_tensor_check(const tshare_tensor_desc *desc, uint64_t alloc_size, uint64_t *span_begin, uint64_t *span_end,
+                        tshare_error *err) {
+  char msg[TSHARE_ERROR_MSG_MAX] = "";
+  int rc = ts_tensor_check(desc, alloc_size, span_begin, span_end, msg, sizeof msg);
+  ts_error_fill(err, rc, msg);
+  return rc;
 }

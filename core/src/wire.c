@@ -2,6 +2,7 @@
 
 #include "bytes.h"
 #include "error_detail.h"
+#include "wire_checks.h"
 #include "tshare/errors.h"
 
 #include <stdarg.h>
@@ -59,7 +60,7 @@ static bool type_known(int type) { return type >= TSHARE_FRAME_HELLO && type <= 
 
 static bool kind_takes_fd(int kind) { return kind == TSHARE_MEM_HOST_MEMFD || kind == TSHARE_MEM_CUDA_FD; }
 
-int tshare_wire_check_share(const tshare_share_frame *s, const tshare_wire_limits *limits_in, char *err, size_t cap) {
+int ts_wire_check_share(const tshare_share_frame *s, const tshare_wire_limits *limits_in, char *err, size_t cap) {
   tshare_wire_limits limits = clamp_limits(limits_in);
   if (s->share_id == 0) return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: share_id is 0");
   switch (s->mem_kind) {
@@ -103,7 +104,7 @@ int tshare_wire_check_share(const tshare_share_frame *s, const tshare_wire_limit
     return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "share: alloc_size %llu over max_alloc_size %llu",
                    (unsigned long long)s->alloc_size, (unsigned long long)limits.max_alloc_size);
   char why[160];
-  int rc = tshare_tensor_check(&s->tensor, s->alloc_size, NULL, NULL, why, sizeof why);
+  int rc = ts_tensor_check(&s->tensor, s->alloc_size, NULL, NULL, why, sizeof why);
   if (rc != TSHARE_OK) return ts_errf(err, cap, rc, "share %llu: %s", (unsigned long long)s->share_id, why);
   return TSHARE_OK;
 }
@@ -130,7 +131,7 @@ static int encode_payload(const tshare_frame *f, ts_writer *w, char *err, size_t
   }
   case TSHARE_FRAME_SHARE: {
     const tshare_share_frame *s = &f->u.share;
-    int rc = tshare_wire_check_share(s, NULL, err, cap);
+    int rc = ts_wire_check_share(s, NULL, err, cap);
     if (rc != TSHARE_OK) return rc;
     if (kind_takes_fd(s->mem_kind) != ((f->flags & TSHARE_FRAME_FLAG_FD_ATTACHED) != 0))
       return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: mem_kind %u and the fd-attached flag disagree",
@@ -218,7 +219,7 @@ static int encode_payload(const tshare_frame *f, ts_writer *w, char *err, size_t
   }
 }
 
-int tshare_wire_encode(const tshare_frame *f, uint8_t *buf, size_t cap, size_t *len, char *err, size_t err_cap) {
+int ts_wire_encode(const tshare_frame *f, uint8_t *buf, size_t cap, size_t *len, char *err, size_t err_cap) {
   if (!f || !buf || !len) return ts_errf(err, err_cap, TSHARE_E_INVALID_ARG, "encode: NULL argument");
   if (f->flags & ~TSHARE_FRAME_FLAGS_KNOWN)
     return ts_errf(err, err_cap, TSHARE_E_MALFORMED, "encode: unknown flags 0x%x", (unsigned)f->flags);
@@ -385,7 +386,7 @@ static int decode_share(tshare_decoder *d, ts_reader *r, uint8_t flags, tshare_s
   if (kind_takes_fd(s->mem_kind) != ((flags & TSHARE_FRAME_FLAG_FD_ATTACHED) != 0))
     return fail(d, TSHARE_E_MALFORMED, "share: mem_kind %u and the fd-attached flag (%d) disagree", s->mem_kind,
                 (flags & TSHARE_FRAME_FLAG_FD_ATTACHED) != 0);
-  int rc = tshare_wire_check_share(s, &d->limits, d->err, sizeof d->err);
+  int rc = ts_wire_check_share(s, &d->limits, d->err, sizeof d->err);
   if (rc != TSHARE_OK) return d->failed = rc;
   return TSHARE_OK;
 }
@@ -505,4 +506,18 @@ int tshare_decoder_next(tshare_decoder *d, tshare_frame *out) {
   d->start += TSHARE_WIRE_HEADER_SIZE + (size_t)length;
   if (d->start == d->end) d->start = d->end = 0;
   return TSHARE_OK;
+}
+
+int tshare_wire_check_share(const tshare_share_frame *share, const tshare_wire_limits *limits, tshare_error *err) {
+  char msg[TSHARE_ERROR_MSG_MAX] = "";
+  int rc = ts_wire_check_share(share, limits, msg, sizeof msg);
+  ts_error_fill(err, rc, msg);
+  return rc;
+}
+
+int tshare_wire_encode(const tshare_frame *frame, uint8_t *buf, size_t cap, size_t *len, tshare_error *err) {
+  char msg[TSHARE_ERROR_MSG_MAX] = "";
+  int rc = ts_wire_encode(frame, buf, cap, len, msg, sizeof msg);
+  ts_error_fill(err, rc, msg);
+  return rc;
 }

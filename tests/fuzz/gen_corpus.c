@@ -11,7 +11,7 @@ static void write_seed(const char *dir, const char *name, const tshare_frame *fr
   buf[len++] = chunk; /* the fuzz target's first byte: feed size */
   for (int i = 0; i < n; i++) {
     size_t l;
-    if (tshare_wire_encode(&frames[i], buf + len, sizeof buf - len, &l, NULL, 0) != 0) {
+    if (tshare_wire_encode(&frames[i], buf + len, sizeof buf - len, &l, NULL) != 0) {
       fprintf(stderr, "cannot encode %s\n", name);
       return;
     }
@@ -31,7 +31,7 @@ static void write_stride_seed(const char *dir, const char *name, const tshare_fr
   uint8_t buf[TSHARE_WIRE_FRAME_MAX + 1];
   size_t len;
   buf[0] = 7;
-  if (tshare_wire_encode(frame, buf + 1, sizeof buf - 1, &len, NULL, 0) != 0) return;
+  if (tshare_wire_encode(frame, buf + 1, sizeof buf - 1, &len, NULL) != 0) return;
   const uint8_t pattern[16] = {2, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0};
   for (size_t i = 1; i + 16 <= len + 1; i++)
     if (memcmp(buf + i, pattern, 16) == 0) {

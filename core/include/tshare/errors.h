@@ -10,9 +10,11 @@
  * ran out, timeout 0 included. TSHARE_AGAIN is only for calls that never wait
  * and are not finished: the decoder needs more bytes, a slab is full.
  *
- * Details ("which field, which syscall, which errno") live with the object that
- * failed: each handle type has a *_last_error() accessor. Constructors, which
- * have no object yet when they fail, fill an optional tshare_error instead.
+ * Details ("which field, which syscall, which errno"), one rule for every
+ * call: a call on a handle keeps its detail with that handle, read with the
+ * handle type's *_last_error() accessor; a call without one (constructors,
+ * which have no object yet when they fail, and calls on plain data: the wire
+ * encoder, tshare_tensor_check) fills an optional tshare_error.
  */
 #ifndef TSHARE_ERRORS_H
 #define TSHARE_ERRORS_H

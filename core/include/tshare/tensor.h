@@ -8,6 +8,7 @@
 #ifndef TSHARE_TENSOR_H
 #define TSHARE_TENSOR_H
 
+#include "tshare/errors.h"
 #include "tshare/version.h"
 
 #include <stddef.h>
@@ -74,10 +75,10 @@ TSHARE_API tshare_tensor_desc tshare_tensor_contiguous(tshare_dtype dtype, int32
  * arithmetic, and every byte any element touches inside [0, alloc_size).
  * On success span_begin and span_end (optional) get the byte range touched
  * (equal for an empty tensor). On failure returns TSHARE_E_MALFORMED,
- * TSHARE_E_OVERFLOW or TSHARE_E_OUT_OF_BOUNDS and writes a detail into err
- * (optional, err_cap bytes) naming the field. */
+ * TSHARE_E_OVERFLOW or TSHARE_E_OUT_OF_BOUNDS and err (optional) says which
+ * field. */
 TSHARE_API int tshare_tensor_check(const tshare_tensor_desc *desc, uint64_t alloc_size, uint64_t *span_begin,
-                                   uint64_t *span_end, char *err, size_t err_cap);
+                                   uint64_t *span_end, tshare_error *err);
 
 #ifdef __cplusplus
 }

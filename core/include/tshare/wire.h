@@ -204,8 +204,7 @@ TSHARE_API tshare_wire_limits tshare_wire_limits_default(void);
  * what a peer would reject. Returns TSHARE_E_TOO_LARGE when cap is too small;
  * TSHARE_WIRE_FRAME_MAX bytes always suffice. */
 #define TSHARE_WIRE_FRAME_MAX 4096
-TSHARE_API int tshare_wire_encode(const tshare_frame *frame, uint8_t *buf, size_t cap, size_t *len, char *err,
-                                  size_t err_cap);
+TSHARE_API int tshare_wire_encode(const tshare_frame *frame, uint8_t *buf, size_t cap, size_t *len, tshare_error *err);
 
 typedef struct tshare_decoder tshare_decoder;
 
@@ -232,8 +231,8 @@ TSHARE_API size_t tshare_decoder_pending(const tshare_decoder *dec);
 TSHARE_API const char *tshare_decoder_last_error(const tshare_decoder *dec); /* never NULL */
 
 /* Validate a share frame as the decoder does (limits may be NULL). */
-TSHARE_API int tshare_wire_check_share(const tshare_share_frame *share, const tshare_wire_limits *limits, char *err,
-                                       size_t err_cap);
+TSHARE_API int tshare_wire_check_share(const tshare_share_frame *share, const tshare_wire_limits *limits,
+                                       tshare_error *err);
 
 TSHARE_API const char *tshare_frame_type_name(int type); /* never NULL */
 

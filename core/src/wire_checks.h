@@ -1,0 +1,16 @@
+/* The wire encoder's and the tensor checks' own forms, with the detail in a
+ * caller's buffer (err may be NULL): what the library calls inside, where
+ * every object keeps its detail in a char array. The public forms (wire.h,
+ * tensor.h) fill an optional tshare_error, as every call without a handle
+ * does (errors.h). */
+#ifndef TSHARE_WIRE_CHECKS_H
+#define TSHARE_WIRE_CHECKS_H
+
+#include "tshare/wire.h"
+
+int ts_wire_encode(const tshare_frame *frame, uint8_t *buf, size_t cap, size_t *len, char *err, size_t err_cap);
+int ts_wire_check_share(const tshare_share_frame *share, const tshare_wire_limits *limits, char *err, size_t err_cap);
+int ts_tensor_check(const tshare_tensor_desc *desc, uint64_t alloc_size, uint64_t *span_begin, uint64_t *span_end,
+                    char *err, size_t err_cap);
+
+#endif
