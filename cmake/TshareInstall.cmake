@@ -23,7 +23,9 @@ install(EXPORT tshareTargets NAMESPACE tshare:: DESTINATION ${CMAKE_INSTALL_LIBD
 # that use C++ (or ask for the torch component), since it needs LibTorch.
 set(TSHARE_TORCH_DIR_HINT "")
 if(TARGET tshare_torch)
-  install(TARGETS tshare_torch EXPORT tshareTorchTargets ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
+  install(TARGETS tshare_torch tshare_torch_shared EXPORT tshareTorchTargets
+    ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+    LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
   install(FILES ${PROJECT_SOURCE_DIR}/torch_bridge/include/tshare/torch.h
     DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/tshare)
   install(EXPORT tshareTorchTargets NAMESPACE tshare:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/tshare)

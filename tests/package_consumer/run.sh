@@ -31,6 +31,7 @@ if [ -f "$work"/prefix/lib*/cmake/tshare/tshareTorchTargets.cmake ]; then
     -DCMAKE_CXX_FLAGS="$extra_cflags" -DCMAKE_EXE_LINKER_FLAGS="$extra_cflags" >/dev/null
   cmake --build "$work/torch-build" >/dev/null
   "$work/torch-build/uses_tshare_torch"
+  "$work/torch-build/uses_tshare_torch_shared" # the installed shared libraries, found through their RUNPATH
 else
   echo "the torch bridge is not built: skipped the LibTorch project"
 fi

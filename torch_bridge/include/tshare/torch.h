@@ -44,10 +44,20 @@
 #include <stdexcept>
 #include <string>
 
+// Marks the bridge's API: libtshare_torch.so is built with hidden
+// visibility and exports only this (a test checks the symbols).
+#ifndef TSHARE_TORCH_API
+#if defined(__GNUC__)
+#define TSHARE_TORCH_API __attribute__((visibility("default")))
+#else
+#define TSHARE_TORCH_API
+#endif
+#endif
+
 namespace tshare {
 namespace torch {
 
-class Error : public std::runtime_error {
+class TSHARE_TORCH_API Error : public std::runtime_error {
  public:
   Error(int code, const std::string &message) : std::runtime_error(message), code_(code) {}
   int code() const noexcept { return code_; } // a tshare_status value
@@ -64,7 +74,7 @@ struct SendOptions {
 // Share t on ch and return the share id (see tshare_share_is_released and
 // tshare_channel_wait_released). The channel's on_release callback, if any,
 // still gets these shares, with a user_data of nullptr.
-uint64_t send(tshare_channel *ch, const at::Tensor &t, const SendOptions &options = {});
+TSHARE_TORCH_API uint64_t send(tshare_channel *ch, const at::Tensor &t, const SendOptions &options = {});
 
 struct RecvOptions {
   int timeout_ms = -1; // < 0 waits forever; Error with TSHARE_E_TIMEOUT when nothing came
@@ -80,27 +90,27 @@ struct Received {
 // The next tensor on ch, or std::nullopt once the peer said bye. A share
 // that cannot become a tensor here (e.g. negative strides from a C producer)
 // is released back and reported as an Error; the channel stays usable.
-std::optional<Received> recv(tshare_channel *ch, const RecvOptions &options = {});
+TSHARE_TORCH_API std::optional<Received> recv(tshare_channel *ch, const RecvOptions &options = {});
 
 // A tensor over a view received with the C API; it takes the view (released
 // by the tensor's deleter, or here if this throws).
-at::Tensor tensor_from_view(tshare_view *view);
+TSHARE_TORCH_API at::Tensor tensor_from_view(tshare_view *view);
 
 // A CPU tensor in shared memory (a memfd), zero-filled; sent without a copy.
-at::Tensor empty_shared(at::IntArrayRef sizes, const at::TensorOptions &options = {});
+TSHARE_TORCH_API at::Tensor empty_shared(at::IntArrayRef sizes, const at::TensorOptions &options = {});
 
 // Move t's storage into shared memory in place (a no-op when it is there
 // already) and return t. Other tensors on the same storage move with it. Not
 // while another thread uses the storage: its data pointer changes.
-const at::Tensor &share_memory_(const at::Tensor &t);
+TSHARE_TORCH_API const at::Tensor &share_memory_(const at::Tensor &t);
 
 // True when t can be sent without a copy: CUDA memory, a received tensor, or
 // CPU memory from empty_shared()/share_memory_().
-bool is_shared(const at::Tensor &t);
+TSHARE_TORCH_API bool is_shared(const at::Tensor &t);
 
 // tshare's DLPack dtype for a LibTorch dtype; Error for dtypes it cannot carry.
-tshare_dtype to_tshare_dtype(at::ScalarType type);
-at::ScalarType to_scalar_type(tshare_dtype dtype);
+TSHARE_TORCH_API tshare_dtype to_tshare_dtype(at::ScalarType type);
+TSHARE_TORCH_API at::ScalarType to_scalar_type(tshare_dtype dtype);
 
 // Closes a channel; for std::unique_ptr<tshare_channel, ChannelCloser>.
 struct ChannelCloser {
