@@ -105,7 +105,7 @@ static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare
     ts_cuda_hello_devices(&self);
     if (kind == TSHARE_CHANNEL_SOCKET && wants_ring(&ch->opts)) self.capabilities |= TSHARE_CAP_RING;
     ch->conn.spin_us = spin_budget_us(&ch->opts);
-    rc = ts_conn_hello(&ch->conn, &self, ch->opts.allow_uid, 0, ch->opts.handshake_timeout_ms);
+    rc = ts_conn_hello(&ch->conn, &self, ch->opts.allow_uid, ch->opts.handshake_timeout_ms);
   }
   if (rc != TSHARE_OK) {
     ts_error_fill(err, rc, ch->err);

@@ -127,6 +127,11 @@ static void fdq_close_all(ts_conn *c) {
 
 /* One read from the peer into buf: fds that come along go to the fd queue.
  * Like recvmsg: bytes read, 0 at EOF, -1 with errno. */
+/* The peer went away: what `what` ("send", "receive") says about it. */
+static int peer_closed(ts_conn *c, const char *what) {
+  return ts_errf(c->err, c->err_cap, TSHARE_E_PEER_CLOSED, "%s: peer %s closed the channel", what, c->peer_label);
+}
+
 static ssize_t recv_into(ts_conn *c, uint8_t *buf, size_t cap) {
   if (c->kind != TSHARE_CHANNEL_SOCKET) {
     ssize_t r = read(c->rfd, buf, cap);
@@ -173,6 +178,14 @@ static ssize_t recv_into(ts_conn *c, uint8_t *buf, size_t cap) {
   return r;
 }
 
+/* Move up to cap bytes read ahead (a spill buffer) to dst; the count. */
+static size_t take_spilled(const uint8_t *spill, size_t *off, size_t len, uint8_t *dst, size_t cap) {
+  size_t n = len - *off < cap ? len - *off : cap;
+  memcpy(dst, spill + *off, n);
+  *off += n;
+  return n;
+}
+
 /* Read what the peer has sent into the spill buffer (a send is waiting for
  * room). Errors are left for the next receive to find. */
 static void spill_read(ts_conn *c) {
@@ -183,17 +196,13 @@ static void spill_read(ts_conn *c) {
   if (r == 0) c->spill_eof = true;
 }
 
+static void wait_on_socket_too(ts_conn *c);
 static void ring_spill_read(ts_conn *c);
-static void nudge_peer(ts_conn *c, bool have_send_lock);
 
 /* Wait until the peer can take bytes, reading what it sends meanwhile. */
 static int wait_writable(ts_conn *c, int64_t deadline) {
   for (;;) {
-    if (ts_conn_uses_ring(c)) { /* its ring too: a peer whose ring is full reads nothing of ours */
-      ring_spill_read(c);
-      ts_ring_reader_waits(&c->ring_in, TS_RING_SOCKET);
-      ring_spill_read(c);
-    }
+    if (ts_conn_uses_ring(c)) wait_on_socket_too(c); /* a peer whose ring is full reads nothing of ours */
     /* Reading never stops for fds: past the channel's fd budget they are
      * closed on arrival and their shares refused, so two ends that share to
      * each other both keep reading (up to SPILL_MAX bytes). */
@@ -273,7 +282,7 @@ static int send_bytes(ts_conn *c, const uint8_t *buf, size_t len, int fd, int64_
       continue;
     }
     if (r < 0 && (errno == EPIPE || errno == ECONNRESET))
-      return ts_errf(c->err, c->err_cap, TSHARE_E_PEER_CLOSED, "send: peer %s closed the channel", c->peer_label);
+      return peer_closed(c, "send");
     return ts_errsys(c->err, c->err_cap, TSHARE_E_SYSTEM, errno, "send");
   }
   return TSHARE_OK;
@@ -331,7 +340,7 @@ static int ring_corrupt(ts_conn *c, const char *which) {
   return c->broken;
 }
 
-/* A ring frame (SOCKET_NEXT, NUDGE) encoded into buf. */
+/* A ring frame (SOCKET_NEXT, NUDGE) encoded into buf (at ring setup). */
 static size_t ring_op_frame(uint8_t *buf, size_t cap, uint8_t op) {
   tshare_frame f;
   memset(&f, 0, sizeof f);
@@ -349,13 +358,12 @@ static size_t ring_op_frame(uint8_t *buf, size_t cap, uint8_t op) {
 static void nudge_peer(ts_conn *c, bool have_send_lock) {
   if (!have_send_lock && pthread_mutex_trylock(&c->send_lock) != 0) return; /* lost: its waits are sliced */
   if (c->wfd >= 0 && !atomic_load(&c->tail_pending)) {
-    uint8_t buf[64];
-    size_t len = ring_op_frame(buf, sizeof buf, TSHARE_RING_NUDGE);
+    size_t len = c->ring_op_len;
     int saved_errno = errno;
     ssize_t r;
-    while ((r = write_once(c, buf, len, -1)) < 0 && errno == EINTR) {
+    while ((r = write_once(c, c->nudge_frame, len, -1)) < 0 && errno == EINTR) {
     }
-    if (r > 0 && (size_t)r < len) keep_tail(c, buf + r, len - (size_t)r);
+    if (r > 0 && (size_t)r < len) keep_tail(c, c->nudge_frame + r, len - (size_t)r);
     errno = saved_errno;
   }
   if (!have_send_lock) pthread_mutex_unlock(&c->send_lock);
@@ -373,6 +381,24 @@ static bool socket_hung_up(ts_conn *c) {
   return poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR));
 }
 
+/* The same, asked at most once a millisecond (*last: when it was last
+ * asked), so a stream of ring calls costs no system call. */
+static bool socket_hung_up_lately(ts_conn *c, int64_t *last) {
+  int64_t now = ts_now_us();
+  if (now - *last < 1000) return false;
+  *last = now;
+  return socket_hung_up(c);
+}
+
+/* About to wait in poll() on the socket: take what is in the ring (the peer
+ * may itself wait for room in it) and ask its writer to nudge the socket
+ * from now on, then take again what came in between. */
+static void wait_on_socket_too(ts_conn *c) {
+  ring_spill_read(c);
+  ts_ring_reader_waits(&c->ring_in, TS_RING_SOCKET);
+  ring_spill_read(c);
+}
+
 /* The ring is full: the peer is not reading. Wait in poll() on the socket
  * for its nudge (it reads, or it writes to us: read that into the spill
  * buffers so two ends that both send keep going), in slices so a lost nudge
@@ -380,10 +406,8 @@ static bool socket_hung_up(ts_conn *c) {
 #define RING_ROOM_SLICE_MS 10
 static int wait_ring_room(ts_conn *c, size_t len, int64_t deadline) {
   for (;;) {
-    ring_spill_read(c);
     ts_ring_writer_waits(&c->ring_out, TS_RING_SOCKET);
-    ts_ring_reader_waits(&c->ring_in, TS_RING_SOCKET);
-    ring_spill_read(c);
+    wait_on_socket_too(c);
     int room = ts_ring_room(&c->ring_out, len);
     int left = ts_remaining(deadline);
     int n = 0;
@@ -397,7 +421,7 @@ static int wait_ring_room(ts_conn *c, size_t len, int64_t deadline) {
     if (room < 0) return ring_corrupt(c, "head");
     if (room > 0) return TSHARE_OK;
     if (n > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR)))
-      return ts_errf(c->err, c->err_cap, TSHARE_E_PEER_CLOSED, "send: peer %s closed the channel", c->peer_label);
+      return peer_closed(c, "send");
     if (n < 0 && errno != EINTR) return ts_errsys(c->err, c->err_cap, TSHARE_E_SYSTEM, errno, "poll (send)");
     if (ts_remaining(deadline) == 0)
       return ts_errf(c->err, c->err_cap, TSHARE_E_TIMEOUT, "send: timed out (peer %s does not empty its ring)",
@@ -407,14 +431,8 @@ static int wait_ring_room(ts_conn *c, size_t len, int64_t deadline) {
 
 /* Frame bytes into the ring, whole (send_lock held), waiting for room. */
 static int ring_put(ts_conn *c, const uint8_t *buf, size_t len, int64_t deadline) {
-  /* The ring stays mapped after the peer is gone: its socket says so. Asked
-   * at most once a millisecond, so a stream of sends costs no system call. */
-  int64_t now = ts_now_us();
-  if (now - c->hup_send_us >= 1000) {
-    c->hup_send_us = now;
-    if (socket_hung_up(c))
-      return ts_errf(c->err, c->err_cap, TSHARE_E_PEER_CLOSED, "send: peer %s closed the channel", c->peer_label);
-  }
+  /* The ring stays mapped after the peer is gone: its socket says so. */
+  if (socket_hung_up_lately(c, &c->hup_send_us)) return peer_closed(c, "send");
   for (;;) {
     if (c->broken) return c->broken;
     int w = ts_ring_write(&c->ring_out, buf, len);
@@ -430,10 +448,8 @@ static int ring_put(ts_conn *c, const uint8_t *buf, size_t len, int64_t deadline
 
 /* The SOCKET_NEXT entries owed for fd frames already on the socket. */
 static int pay_markers_locked(ts_conn *c, int64_t deadline) {
-  uint8_t buf[64];
-  size_t len = ring_op_frame(buf, sizeof buf, TSHARE_RING_SOCKET_NEXT);
   while (c->markers_owed > 0) {
-    int rc = ring_put(c, buf, len, deadline);
+    int rc = ring_put(c, c->socket_next_frame, c->ring_op_len, deadline);
     if (rc != TSHARE_OK) return rc;
     if (--c->markers_owed == 0) atomic_store(&c->markers_pending, false);
   }
@@ -585,9 +601,7 @@ static int read_some(ts_conn *c, int64_t deadline) {
     if (rc != TSHARE_OK) return ts_errf(c->err, c->err_cap, rc, "receive: %s", tshare_decoder_last_error(c->dec));
     ssize_t r;
     if (c->spill_off < c->spill_len) { /* read ahead while a send waited */
-      r = (ssize_t)(c->spill_len - c->spill_off < avail ? c->spill_len - c->spill_off : avail);
-      memcpy(space, c->spill + c->spill_off, (size_t)r);
-      c->spill_off += (size_t)r;
+      r = (ssize_t)take_spilled(c->spill, &c->spill_off, c->spill_len, space, avail);
     } else if (c->spill_eof) {
       r = 0;
     } else {
@@ -604,8 +618,7 @@ static int read_some(ts_conn *c, int64_t deadline) {
         return c->broken = ts_errf(c->err, c->err_cap, TSHARE_E_PEER_CLOSED,
                                    "receive: peer %s closed the channel mid-frame (%zu bytes of a frame read)",
                                    c->peer_label, pending);
-      return c->broken = ts_errf(c->err, c->err_cap, TSHARE_E_PEER_CLOSED, "receive: peer %s closed the channel",
-                                 c->peer_label);
+      return c->broken = peer_closed(c, "receive");
     }
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
@@ -708,16 +721,6 @@ static void drain_nudges(ts_conn *c) {
   }
 }
 
-/* Whether a receive that would not wait asks the socket for a hang-up now:
- * always for poll loops (poll said POLLHUP), else once a millisecond. */
-static bool hup_check_due(ts_conn *c) {
-  if (atomic_load(&c->pollable)) return true;
-  int64_t now = ts_now_us();
-  if (now - c->hup_checked_us < 1000) return false;
-  c->hup_checked_us = now;
-  return true;
-}
-
 #define RING_SLEEP_SLICE_US 100000 /* a sleeping receive looks for a hang-up this often */
 
 /* Wait for bytes in the ring: spin up to spin_us, then sleep on the bell
@@ -747,9 +750,10 @@ static int wait_ring(ts_conn *c, int64_t deadline) {
           return TSHARE_OK;
         }
       }
-      if (hup_check_due(c) && socket_hung_up(c) && ts_ring_available(&c->ring_in) == 0)
-        return c->broken = ts_errf(c->err, c->err_cap, TSHARE_E_PEER_CLOSED, "receive: peer %s closed the channel",
-                                   c->peer_label);
+      /* Poll loops ask each time (their poll said POLLHUP), others at most once a millisecond. */
+      bool hung_up = atomic_load(&c->pollable) ? socket_hung_up(c) : socket_hung_up_lately(c, &c->hup_recv_us);
+      if (hung_up && ts_ring_available(&c->ring_in) == 0)
+        return c->broken = peer_closed(c, "receive");
       return ts_errf(c->err, c->err_cap, TSHARE_E_TIMEOUT, "receive: timed out");
     }
     uint32_t seen = atomic_load_explicit(&c->ring_in.ctl->bell, memory_order_acquire);
@@ -770,8 +774,7 @@ static int wait_ring(ts_conn *c, int64_t deadline) {
     c->waiting = false;
     pthread_mutex_unlock(&c->wake_lock);
     if (avail == 0 && ts_ring_available(&c->ring_in) == 0 && socket_hung_up(c))
-      return c->broken = ts_errf(c->err, c->err_cap, TSHARE_E_PEER_CLOSED, "receive: peer %s closed the channel",
-                                 c->peer_label);
+      return c->broken = peer_closed(c, "receive");
   }
 }
 
@@ -783,10 +786,7 @@ static int ring_fill(ts_conn *c, int64_t deadline) {
     int rc = tshare_decoder_space(c->ring_dec, &space, &cap);
     if (rc != TSHARE_OK) return ts_errf(c->err, c->err_cap, rc, "receive: %s", tshare_decoder_last_error(c->ring_dec));
     if (c->ring_spill_off < c->ring_spill_len) {
-      size_t n = c->ring_spill_len - c->ring_spill_off < cap ? c->ring_spill_len - c->ring_spill_off : cap;
-      memcpy(space, c->ring_spill + c->ring_spill_off, n);
-      c->ring_spill_off += n;
-      tshare_decoder_commit(c->ring_dec, n);
+      tshare_decoder_commit(c->ring_dec, take_spilled(c->ring_spill, &c->ring_spill_off, c->ring_spill_len, space, cap));
       return TSHARE_OK;
     }
     long n = ts_ring_read(&c->ring_in, space, cap); /* copied out: the peer cannot change what is decoded */
@@ -1031,13 +1031,15 @@ static int ring_setup(ts_conn *c, uint32_t cap, int64_t deadline) {
     ts_conn_send_error(c, rc, c->err);
     return rc;
   }
+  c->ring_op_len = ring_op_frame(c->socket_next_frame, sizeof c->socket_next_frame, TSHARE_RING_SOCKET_NEXT);
+  (void)ring_op_frame(c->nudge_frame, sizeof c->nudge_frame, TSHARE_RING_NUDGE); /* the same length */
   /* Until the first receive, the peer's first frames also nudge the socket:
    * a poll loop started now must not sleep through them. */
   ts_ring_reader_waits(&c->ring_in, TS_RING_SOCKET);
   return TSHARE_OK;
 }
 
-int ts_conn_hello(ts_conn *c, const tshare_hello *self, long allow_uid, uint32_t ring_cap, int timeout_ms) {
+int ts_conn_hello(ts_conn *c, const tshare_hello *self, long allow_uid, int timeout_ms) {
   int64_t deadline = ts_deadline(timeout_ms);
   c->self = *self;
   c->self.major = TSHARE_WIRE_MAJOR;
@@ -1073,7 +1075,7 @@ int ts_conn_hello(ts_conn *c, const tshare_hello *self, long allow_uid, uint32_t
   const uint8_t ours = TSHARE_WIRE_MINOR;
   c->minor = c->peer.minor < ours ? c->peer.minor : ours;
   if (socket && c->minor >= 2 && (c->self.capabilities & c->peer.capabilities & TSHARE_CAP_RING))
-    return ring_setup(c, ring_cap ? ring_cap : TS_RING_CAP_DEFAULT, deadline);
+    return ring_setup(c, TS_RING_CAP_DEFAULT, deadline);
   return TSHARE_OK;
 }
 

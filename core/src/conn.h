@@ -91,6 +91,9 @@ typedef struct ts_conn {
   uint8_t *ring_spill;       /* ring bytes read while a send waited (driving thread) */
   size_t ring_spill_len, ring_spill_off;
   bool socket_next;          /* the ring said: the next frame is on the socket */
+  /* The two ring frames this end sends, encoded once at setup. */
+  uint8_t socket_next_frame[32], nudge_frame[32];
+  size_t ring_op_len;
   bool in_setup;             /* the hello is waiting for the peer's ring */
   bool has_early;            /* early: a socket frame read before its ring entry came */
   tshare_frame early;
@@ -98,7 +101,7 @@ typedef struct ts_conn {
   bool early_found;
   atomic_bool pollable;      /* tshare_channel_fd() was asked for: sleep flags ask for a socket nudge */
   long spin_us;              /* a ring receive spins this long before it sleeps */
-  int64_t hup_checked_us;    /* when a receive that would not wait last asked the socket for a hang-up */
+  int64_t hup_recv_us;       /* when a receive that would not wait last asked the socket for a hang-up */
   int64_t hup_send_us;       /* when a ring send last asked (under send_lock) */
 
   /* fds received but not yet claimed by a frame, oldest first (driving thread) */
@@ -125,8 +128,8 @@ int ts_conn_init(ts_conn *c, tshare_channel_kind kind, int rfd, int wfd, const t
  * here) goes out, the peer's comes in and is checked (boot id; on sockets the
  * uid, with SO_PEERCRED, against allow_uid as in tshare_channel_options).
  * When both hellos carry TSHARE_CAP_RING, each end then sends the ring it
- * will write into (ring_cap bytes) and maps the peer's. */
-int ts_conn_hello(ts_conn *c, const tshare_hello *self, long allow_uid, uint32_t ring_cap, int timeout_ms);
+ * will write into and maps the peer's. */
+int ts_conn_hello(ts_conn *c, const tshare_hello *self, long allow_uid, int timeout_ms);
 
 /* Send a frame with fd (or -1) beside it; waits up to timeout_ms for room,
  * reading what the peer sends meanwhile. */
