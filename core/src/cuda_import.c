@@ -195,19 +195,20 @@ static void trim_locked(void) {
 
 /* Several chunks into one reserved range, each at its offset: a tensor that
  * spans them sees one contiguous allocation, as in its owner's process. */
-static CUresult vmm_map_chunks(const ts_cuda_api *cu, const ts_vmm_chunks *chunks, size_t size, CUdeviceptr *ptr) {
+static CUresult vmm_map_chunks(const ts_cuda_api *cu, int n, const int *fds, const uint64_t *sizes, size_t size,
+                               CUdeviceptr *ptr) {
   CUdevice dev;
   CUresult rc = cu->cuCtxGetDevice(&dev);
   if (rc == CUDA_SUCCESS) rc = cu->cuMemAddressReserve(ptr, size, 0, 0, 0);
   if (rc != CUDA_SUCCESS) return rc;
   uint64_t off = 0;
   int mapped = 0;
-  for (; mapped < chunks->n && rc == CUDA_SUCCESS; off += chunks->size[mapped++]) {
+  for (; mapped < n && rc == CUDA_SUCCESS; off += sizes[mapped++]) {
     CUmemGenericAllocationHandle h;
-    rc = cu->cuMemImportFromShareableHandle(&h, (void *)(uintptr_t)chunks->fd[mapped],
+    rc = cu->cuMemImportFromShareableHandle(&h, (void *)(uintptr_t)fds[mapped],
                                             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
     if (rc != CUDA_SUCCESS) break;
-    rc = cu->cuMemMap(*ptr + off, chunks->size[mapped], 0, h, 0);
+    rc = cu->cuMemMap(*ptr + off, sizes[mapped], 0, h, 0);
     cu->cuMemRelease(h); /* the mapping keeps the memory */
     if (rc != CUDA_SUCCESS) break;
   }
@@ -221,7 +222,7 @@ static CUresult vmm_map_chunks(const ts_cuda_api *cu, const ts_vmm_chunks *chunk
   }
   if (rc != CUDA_SUCCESS) {
     off = 0;
-    for (int i = 0; i < mapped; off += chunks->size[i++]) cu->cuMemUnmap(*ptr + off, chunks->size[i]);
+    for (int i = 0; i < mapped; off += sizes[i++]) cu->cuMemUnmap(*ptr + off, sizes[i]);
     cu->cuMemAddressFree(*ptr, size);
   }
   return rc;
@@ -231,11 +232,8 @@ static CUresult vmm_map_chunks(const ts_cuda_api *cu, const ts_vmm_chunks *chunk
  * memory: it stays valid even after its owner released it, until it is
  * unmapped here. */
 static CUresult vmm_map(const ts_cuda_api *cu, int fd, size_t size, CUdeviceptr *ptr) {
-  static _Thread_local ts_vmm_chunks one;
-  one.n = 1;
-  one.fd[0] = fd;
-  one.size[0] = size;
-  return vmm_map_chunks(cu, &one, size, ptr);
+  uint64_t one = size;
+  return vmm_map_chunks(cu, 1, &fd, &one, size, ptr);
 }
 
 int ts_cuda_import_get(uint64_t origin, uint64_t alloc_id, CUcontext ctx, const CUipcMemHandle *handle, int *fdp,
@@ -278,7 +276,7 @@ int ts_cuda_import_get(uint64_t origin, uint64_t alloc_id, CUcontext ctx, const 
     CUresult rc = CUDA_ERROR_INVALID_CONTEXT;
     if (chunks && !(imp->chunk_size = malloc((size_t)chunks->n * sizeof *imp->chunk_size))) rc = CUDA_ERROR_OUT_OF_MEMORY;
     else if (ts_cuda_push(ctx)) {
-      rc = chunks ? vmm_map_chunks(cu, chunks, size, &imp->ptr)
+      rc = chunks ? vmm_map_chunks(cu, chunks->n, chunks->fd, chunks->size, size, &imp->ptr)
            : vmm  ? vmm_map(cu, *fdp, size, &imp->ptr)
                   : cu->cuIpcOpenMemHandle(&imp->ptr, *handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
       ts_cuda_pop();

@@ -292,7 +292,11 @@ static int check_can_share(tshare_channel *ch, const char *tag) {
   return TSHARE_OK;
 }
 
-/* Fill and send the share; e (release, owner, user_data set) is consumed. */
+/* Whether GPU memory that travels as fds can reach the peer. */
+static bool fds_travel(const tshare_channel *ch) {
+  return ch->conn.kind == TSHARE_CHANNEL_SOCKET && (ch->conn.peer.capabilities & TSHARE_CAP_CUDA_FD);
+}
+
 /* Chunks 1..n-1 of VMM memory, each with its fd, before the share that
  * carries chunk 0: the consumer maps them side by side. */
 static int send_chunks(tshare_channel *ch, const ts_cuda_export *x, const ts_vmm_chunks *chunks, int64_t deadline) {
@@ -311,27 +315,24 @@ static int send_chunks(tshare_channel *ch, const ts_cuda_export *x, const ts_vmm
   return TSHARE_OK;
 }
 
+/* Fill and send the share (chunks: another allocator's VMM memory, else
+ * NULL); e (release, owner, user_data set) is consumed. */
 static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, const ts_vmm_chunks *chunks, uint64_t offset,
                            uint32_t origin_pid, uint32_t flags, const tshare_tensor_desc *desc, void *stream,
                            const char *tag, ts_export *e, int timeout_ms, uint64_t *share_id) {
   struct ts_cuda_chan *c = ch->cuda;
   const ts_cuda_api *cu = ts_cuda_if_loaded();
-  if (chunks && (ch->conn.kind != TSHARE_CHANNEL_SOCKET || !(ch->conn.peer.capabilities & TSHARE_CAP_CUDA_FD))) {
+  if ((chunks || x->fd >= 0) && !fds_travel(ch)) {
     ts_export_drop(e);
-    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
-                   "share: this GPU memory is VMM memory another allocator mapped (PyTorch's expandable segments), "
-                   "which travels as fds, and %s; open a socket channel, or turn expandable segments off in the "
-                   "producer (PYTORCH_CUDA_ALLOC_CONF)",
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED, "share: this GPU memory travels as %s, and %s; %s",
+                   chunks ? "fds (VMM memory another allocator mapped: PyTorch's expandable segments)"
+                          : "an fd capability (CUDA VMM)",
                    ch->conn.kind != TSHARE_CHANNEL_SOCKET ? "a pipe channel cannot carry fds"
-                                                      : "the peer cannot import fd handles");
-  }
-  if (x->fd >= 0 && (ch->conn.kind != TSHARE_CHANNEL_SOCKET || !(ch->conn.peer.capabilities & TSHARE_CAP_CUDA_FD))) {
-    ts_export_drop(e);
-    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
-                   "share: this GPU memory travels as an fd capability (CUDA VMM), and %s; create the buffer with "
-                   "TSHARE_CUDA_HANDLE_LEGACY (or TSHARE_CUDA_HANDLES=legacy) for this channel",
-                   ch->conn.kind != TSHARE_CHANNEL_SOCKET ? "a pipe channel cannot carry fds"
-                                                      : "the peer cannot import fd handles");
+                                                      : "the peer cannot import fd handles",
+                   chunks ? "open a socket channel, or turn expandable segments off in the producer "
+                            "(PYTORCH_CUDA_ALLOC_CONF)"
+                          : "create the buffer with TSHARE_CUDA_HANDLE_LEGACY (or TSHARE_CUDA_HANDLES=legacy) for "
+                            "this channel");
   }
   bool several = chunks && chunks->n > 1;
   if (several && ch->conn.minor < 2) {
@@ -422,9 +423,8 @@ static int share_foreign(tshare_channel *ch, const void *data, const tshare_tens
   if (rc == TSHARE_OK) rc = check_can_share(ch, tag);
   ts_cuda_export x;
   /* Memory another allocator mapped with the VMM calls (PyTorch's
-   * expandable segments): the chunks the tensor touches travel as fds,
-   * exported for this share and closed once it went. */
-  static _Thread_local ts_vmm_chunks chunks;
+   * expandable segments): the chunks the tensor touches travel as fds. */
+  static _Thread_local ts_vmm_chunks chunks; /* 7 KiB: not on the stack */
   chunks.n = 0;
   CUdeviceptr ptr = (CUdeviceptr)(uintptr_t)data;
   uint64_t span_end = 0;
@@ -439,8 +439,7 @@ static int share_foreign(tshare_channel *ch, const void *data, const tshare_tens
     /* VMM chunks stay alive in the consumer's mapping whatever their owner
      * does, so it may keep them mapped while idle: this end watches them
      * and says when they change (a retire notice). */
-    bool fds_travel = ch->conn.kind == TSHARE_CHANNEL_SOCKET && (ch->conn.peer.capabilities & TSHARE_CAP_CUDA_FD);
-    if (rc == TSHARE_OK && fds_travel) rc = vmm_fds(ch, c, x.buffer_id, &chunks, &owned, &watched); /* else refused below */
+    if (rc == TSHARE_OK && fds_travel(ch)) rc = vmm_fds(ch, c, x.buffer_id, &chunks, &owned, &watched); /* else refused below */
     if (rc == TSHARE_OK) x.fd = chunks.fd[0];
   } else if (rc == TSHARE_OK) {
     rc = ts_cuda_export_of(ptr, &x, ch->err, sizeof ch->err);
