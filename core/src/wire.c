@@ -60,6 +60,25 @@ static bool type_known(int type) { return type >= TSHARE_FRAME_HELLO && type <= 
 
 static bool kind_takes_fd(int kind) { return kind == TSHARE_MEM_HOST_MEMFD || kind == TSHARE_MEM_CUDA_FD; }
 
+/* The ring and chunk frames' rules, the same for the encoder and the decoder. */
+static int check_ring(const tshare_ring_frame *g, uint8_t flags, char *err, size_t cap) {
+  if (g->op < TSHARE_RING_SETUP || g->op > TSHARE_RING_NUDGE)
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "ring: unknown op %u", (unsigned)g->op);
+  if ((g->op == TSHARE_RING_SETUP) != ((flags & TSHARE_FRAME_FLAG_FD_ATTACHED) != 0))
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "ring: only a setup frame carries an fd");
+  return TSHARE_OK;
+}
+
+static int check_chunk(const tshare_chunk_frame *k, uint8_t flags, uint64_t max_alloc_size, char *err, size_t cap) {
+  if (k->count < 2 || k->count > TSHARE_CHUNKS_MAX || k->index == 0 || k->index >= k->count || k->size == 0 ||
+      k->size > max_alloc_size)
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "chunk: index %u of %u, %llu bytes", k->index, k->count,
+                   (unsigned long long)k->size);
+  if (!(flags & TSHARE_FRAME_FLAG_FD_ATTACHED))
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "chunk: a chunk frame carries its fd");
+  return TSHARE_OK;
+}
+
 int ts_wire_check_share(const tshare_share_frame *s, const tshare_wire_limits *limits_in, char *err, size_t cap) {
   tshare_wire_limits limits = clamp_limits(limits_in);
   if (s->share_id == 0) return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: share_id is 0");
@@ -175,21 +194,17 @@ static int encode_payload(const tshare_frame *f, ts_writer *w, char *err, size_t
     for (uint32_t i = 0; i < r->count; i++) ts_put_u64(w, r->alloc_ids[i]);
     return TSHARE_OK;
   }
-  case TSHARE_FRAME_RING:
-    if (f->u.ring.op < TSHARE_RING_SETUP || f->u.ring.op > TSHARE_RING_NUDGE)
-      return ts_errf(err, cap, TSHARE_E_MALFORMED, "ring: unknown op %u", (unsigned)f->u.ring.op);
-    if ((f->u.ring.op == TSHARE_RING_SETUP) != ((f->flags & TSHARE_FRAME_FLAG_FD_ATTACHED) != 0))
-      return ts_errf(err, cap, TSHARE_E_MALFORMED, "ring: only a setup frame carries an fd");
+  case TSHARE_FRAME_RING: {
+    int rc = check_ring(&f->u.ring, f->flags, err, cap);
+    if (rc != TSHARE_OK) return rc;
     ts_put_u8(w, f->u.ring.op);
     ts_put_u32(w, f->u.ring.capacity);
     return TSHARE_OK;
+  }
   case TSHARE_FRAME_CHUNK: {
     const tshare_chunk_frame *k = &f->u.chunk;
-    if (k->count < 2 || k->count > TSHARE_CHUNKS_MAX || k->index == 0 || k->index >= k->count || k->size == 0)
-      return ts_errf(err, cap, TSHARE_E_MALFORMED, "chunk: index %u of %u, %llu bytes", k->index, k->count,
-                     (unsigned long long)k->size);
-    if (!(f->flags & TSHARE_FRAME_FLAG_FD_ATTACHED))
-      return ts_errf(err, cap, TSHARE_E_MALFORMED, "chunk: a chunk frame carries its fd");
+    int rc = check_chunk(k, f->flags, UINT64_MAX, err, cap);
+    if (rc != TSHARE_OK) return rc;
     ts_put_u64(w, k->alloc_id);
     ts_put_u32(w, k->index);
     ts_put_u32(w, k->count);
@@ -481,22 +496,19 @@ int tshare_decoder_next(tshare_decoder *d, tshare_frame *out) {
     k->index = ts_get_u32(&r);
     k->count = ts_get_u32(&r);
     k->size = ts_get_u64(&r);
-    if (!r.short_read && (k->count < 2 || k->count > TSHARE_CHUNKS_MAX || k->index == 0 || k->index >= k->count ||
-                          k->size == 0 || k->size > d->limits.max_alloc_size))
-      return fail(d, TSHARE_E_MALFORMED, "chunk: index %u of %u, %llu bytes", k->index, k->count,
-                  (unsigned long long)k->size);
-    if (!r.short_read && !(flags & TSHARE_FRAME_FLAG_FD_ATTACHED))
-      return fail(d, TSHARE_E_MALFORMED, "chunk: a chunk frame carries its fd");
+    char why[TSHARE_ERROR_MSG_MAX];
+    if (!r.short_read && (rc = check_chunk(k, flags, d->limits.max_alloc_size, why, sizeof why)) != TSHARE_OK)
+      return fail(d, rc, "%s", why);
     break;
   }
-  case TSHARE_FRAME_RING:
+  case TSHARE_FRAME_RING: {
     out->u.ring.op = ts_get_u8(&r);
     out->u.ring.capacity = ts_get_u32(&r);
-    if (!r.short_read && (out->u.ring.op < TSHARE_RING_SETUP || out->u.ring.op > TSHARE_RING_NUDGE))
-      return fail(d, TSHARE_E_MALFORMED, "ring: unknown op %u", out->u.ring.op);
-    if (!r.short_read && (out->u.ring.op == TSHARE_RING_SETUP) != ((flags & TSHARE_FRAME_FLAG_FD_ATTACHED) != 0))
-      return fail(d, TSHARE_E_MALFORMED, "ring: only a setup frame carries an fd");
+    char why[TSHARE_ERROR_MSG_MAX];
+    if (!r.short_read && (rc = check_ring(&out->u.ring, flags, why, sizeof why)) != TSHARE_OK)
+      return fail(d, rc, "%s", why);
     break;
+  }
   }
   if (rc != TSHARE_OK) return rc;
   if (r.short_read)
