@@ -83,6 +83,29 @@ static void peer_row(bench *b, char *const *argv, const char *key, const char *l
   if (torch) snprintf(row->note, sizeof row->note, "%s", torch);
 }
 
+/* An environment variable set for the programs run next, then put back. */
+typedef struct saved_env {
+  const char *name;
+  int had;
+  char value[256];
+} saved_env;
+
+static saved_env env_set(const char *name, const char *value) {
+  saved_env s = {.name = name, .had = 0, .value = ""};
+  const char *old = getenv(name);
+  if (old) {
+    s.had = 1;
+    snprintf(s.value, sizeof s.value, "%s", old);
+  }
+  setenv(name, value, 1);
+  return s;
+}
+
+static void env_restore(const saved_env *s) {
+  if (s->had) setenv(s->name, s->value, 1);
+  else unsetenv(s->name);
+}
+
 /* The bridge pipelined (64 in flight): shares/s and the producer's fds. */
 static void bridge_throughput_row(bench *b, const char *dev, long n, const char *key, const char *label) {
   char count[32], last[512], why[600];
@@ -132,10 +155,7 @@ void bench_peers_external(bench *b) {
                       (char *)"--warmup", warmup, NULL};
       /* Over the default transport (the ring), then the socket alone: the
        * program's channels pick theirs from TSHARE_TRANSPORT. */
-      const char *saved = getenv("TSHARE_TRANSPORT");
-      char keep[32] = "";
-      if (saved) snprintf(keep, sizeof keep, "%s", saved);
-      setenv("TSHARE_TRANSPORT", "ring", 1);
+      saved_env transport = env_set("TSHARE_TRANSPORT", "ring");
       snprintf(label, sizeof label, "tshare LibTorch bridge, %s tensor [ring]", dev);
       peer_row(b, argv, key, label, gpu ? "floor" : "floor_fd", peer_key);
       if (!gpu) bridge_throughput_row(b, dev, b->opt.pipelined, "torch_bridge_pipelined_cpu", "bridge: cpu tensors/s to 1 consumer");
@@ -143,20 +163,15 @@ void bench_peers_external(bench *b) {
       snprintf(key, sizeof key, "torch_bridge_%s_socket", dev);
       snprintf(label, sizeof label, "tshare LibTorch bridge, %s tensor [socket]", dev);
       peer_row(b, argv, key, label, gpu ? "floor_socket" : "floor_fd_socket", peer_key);
-      if (saved) setenv("TSHARE_TRANSPORT", keep, 1);
-      else unsetenv("TSHARE_TRANSPORT");
+      env_restore(&transport);
       if (gpu) { /* the caching allocator's expandable segments: VMM chunks as fds, kept mapped by the consumer */
-        const char *conf = getenv("PYTORCH_CUDA_ALLOC_CONF");
-        char keep_conf[256] = "";
-        if (conf) snprintf(keep_conf, sizeof keep_conf, "%s", conf);
-        setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", 1);
+        saved_env conf = env_set("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True");
         snprintf(key, sizeof key, "torch_bridge_%s_expandable", dev);
         snprintf(label, sizeof label, "tshare LibTorch bridge, %s tensor, expandable segments", dev);
         peer_row(b, argv, key, label, "floor", peer_key);
         bridge_throughput_row(b, dev, b->opt.memory_shares, "torch_bridge_pipelined_cuda_expandable",
                               "bridge: cuda tensors/s to 1 consumer, expandable segments");
-        if (conf) setenv("PYTORCH_CUDA_ALLOC_CONF", keep_conf, 1);
-        else unsetenv("PYTORCH_CUDA_ALLOC_CONF");
+        env_restore(&conf);
       }
     }
   }
