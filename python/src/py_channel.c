@@ -1,0 +1,499 @@
+/* py_channel.c - the Channel, Listener and Role types. Every call that can
+ * wait lets other Python threads run while it does. */
+#include "py_channel.h"
+
+#include "py_errors.h"
+
+#include <string.h>
+
+/* ---- options -------------------------------------------------------------- */
+
+int py_channel_options(PyObject *name, PyObject *transport, int spin_us, long allow_uid,
+                       tshare_channel_options *opts) {
+  tshare_channel_options_init(opts);
+  if (name && name != Py_None) {
+    opts->name = PyUnicode_AsUTF8(name);
+    if (!opts->name) return -1;
+  }
+  if (transport && transport != Py_None) {
+    const char *t = PyUnicode_AsUTF8(transport);
+    if (!t) return -1;
+    if (strcmp(t, "ring") == 0) opts->transport = TSHARE_TRANSPORT_RING;
+    else if (strcmp(t, "socket") == 0) opts->transport = TSHARE_TRANSPORT_SOCKET;
+    else {
+      py_raise_fmt(TSHARE_E_INVALID_ARG, "tshare: transport '%s': use 'ring', 'socket' or None", t);
+      return -1;
+    }
+  }
+  opts->spin_us = spin_us;
+  if (allow_uid != -1) opts->allow_uid = allow_uid;
+  return 0;
+}
+
+/* ---- Channel -------------------------------------------------------------- */
+
+PyObject *py_channel_wrap(tshare_channel *ch) {
+  PyChannel *self = PyObject_New(PyChannel, &PyChannel_Type);
+  if (!self) {
+    tshare_channel_close(ch);
+    return NULL;
+  }
+  self->ch = ch;
+  return (PyObject *)self;
+}
+
+tshare_channel *py_channel_get(PyChannel *self) {
+  if (!self->ch) py_raise(TSHARE_E_STATE, "tshare: the channel is closed");
+  return self->ch;
+}
+
+static void close_channel(PyChannel *self) {
+  tshare_channel *ch = self->ch;
+  self->ch = NULL;
+  if (!ch) return;
+  Py_BEGIN_ALLOW_THREADS tshare_channel_close(ch);
+  Py_END_ALLOW_THREADS
+}
+
+static void channel_dealloc(PyChannel *self) {
+  close_channel(self);
+  PyObject_Free(self);
+}
+
+static PyObject *channel_close(PyChannel *self, PyObject *unused) {
+  (void)unused;
+  close_channel(self);
+  Py_RETURN_NONE;
+}
+
+static PyObject *channel_enter(PyChannel *self, PyObject *unused) {
+  (void)unused;
+  if (!py_channel_get(self)) return NULL;
+  Py_INCREF(self);
+  return (PyObject *)self;
+}
+
+static PyObject *channel_exit(PyChannel *self, PyObject *args) {
+  (void)args;
+  close_channel(self);
+  Py_RETURN_FALSE;
+}
+
+static PyObject *channel_fileno(PyChannel *self, PyObject *unused) {
+  (void)unused;
+  tshare_channel *ch = py_channel_get(self);
+  return ch ? PyLong_FromLong(tshare_channel_fd(ch)) : NULL;
+}
+
+/* True: something was processed; False: nothing came in time; None: the peer said bye. */
+static PyObject *channel_poll(PyChannel *self, PyObject *args) {
+  int timeout_ms = 0, rc;
+  if (!PyArg_ParseTuple(args, "|i", &timeout_ms)) return NULL;
+  tshare_channel *ch = py_channel_get(self);
+  if (!ch) return NULL;
+  Py_BEGIN_ALLOW_THREADS rc = tshare_channel_poll(ch, timeout_ms);
+  Py_END_ALLOW_THREADS
+  if (rc == TSHARE_OK) Py_RETURN_TRUE;
+  if (rc == TSHARE_E_TIMEOUT) Py_RETURN_FALSE;
+  if (rc == TSHARE_END) Py_RETURN_NONE;
+  return py_raise_channel(ch, rc, "poll");
+}
+
+static PyObject *channel_wait_released(PyChannel *self, PyObject *args) {
+  unsigned long long share_id = 0;
+  int timeout_ms = -1, rc;
+  if (!PyArg_ParseTuple(args, "|Ki", &share_id, &timeout_ms)) return NULL;
+  tshare_channel *ch = py_channel_get(self);
+  if (!ch) return NULL;
+  Py_BEGIN_ALLOW_THREADS rc = tshare_channel_wait_released(ch, share_id, timeout_ms);
+  Py_END_ALLOW_THREADS
+  if (rc != TSHARE_OK) return py_raise_channel(ch, rc, "wait_released");
+  Py_RETURN_NONE;
+}
+
+static PyObject *channel_is_released(PyChannel *self, PyObject *args) {
+  unsigned long long share_id;
+  if (!PyArg_ParseTuple(args, "K", &share_id)) return NULL;
+  tshare_channel *ch = py_channel_get(self);
+  if (!ch) return NULL;
+  int r = tshare_share_is_released(ch, share_id);
+  if (r < 0) return py_raise_fmt(TSHARE_E_INVALID_ARG, "tshare: share %llu was not sent on this channel", share_id);
+  return PyBool_FromLong(r);
+}
+
+static PyObject *channel_outstanding(PyChannel *self, PyObject *unused) {
+  (void)unused;
+  tshare_channel *ch = py_channel_get(self);
+  return ch ? PyLong_FromSize_t(tshare_channel_outstanding(ch)) : NULL;
+}
+
+static PyObject *channel_send_bye(PyChannel *self, PyObject *args) {
+  int timeout_ms = -1, rc;
+  if (!PyArg_ParseTuple(args, "|i", &timeout_ms)) return NULL;
+  tshare_channel *ch = py_channel_get(self);
+  if (!ch) return NULL;
+  Py_BEGIN_ALLOW_THREADS rc = tshare_channel_send_bye(ch, 0, timeout_ms);
+  Py_END_ALLOW_THREADS
+  if (rc != TSHARE_OK) return py_raise_channel(ch, rc, "send_bye");
+  Py_RETURN_NONE;
+}
+
+static PyObject *channel_get_closed(PyChannel *self, void *unused) {
+  (void)unused;
+  return PyBool_FromLong(self->ch == NULL);
+}
+
+static PyObject *channel_get_transport(PyChannel *self, void *unused) {
+  (void)unused;
+  tshare_channel *ch = py_channel_get(self);
+  if (!ch) return NULL;
+  if (tshare_channel_kind_of(ch) == TSHARE_CHANNEL_PIPES) return PyUnicode_FromString("pipes");
+  return PyUnicode_FromString(tshare_channel_transport(ch) == TSHARE_TRANSPORT_RING ? "ring" : "socket");
+}
+
+static PyObject *channel_get_peer_name(PyChannel *self, void *unused) {
+  (void)unused;
+  tshare_channel *ch = py_channel_get(self);
+  return ch ? PyUnicode_DecodeUTF8(tshare_channel_peer(ch)->name, strlen(tshare_channel_peer(ch)->name), "replace")
+            : NULL;
+}
+
+static PyObject *channel_get_peer_pid(PyChannel *self, void *unused) {
+  (void)unused;
+  tshare_channel *ch = py_channel_get(self);
+  return ch ? PyLong_FromUnsignedLong(tshare_channel_peer(ch)->pid) : NULL;
+}
+
+static PyObject *channel_get_last_error(PyChannel *self, void *unused) {
+  (void)unused;
+  return PyUnicode_FromString(self->ch ? tshare_channel_last_error(self->ch) : "");
+}
+
+static PyObject *channel_repr(PyChannel *self) {
+  if (!self->ch) return PyUnicode_FromString("<tshare.Channel closed>");
+  const tshare_hello *peer = tshare_channel_peer(self->ch);
+  const char *transport = tshare_channel_kind_of(self->ch) == TSHARE_CHANNEL_PIPES ? "pipes"
+                          : tshare_channel_transport(self->ch) == TSHARE_TRANSPORT_RING ? "ring"
+                                                                                          : "socket";
+  return PyUnicode_FromFormat("<tshare.Channel to '%s' (pid %u) over %s, %zu shares outstanding>", peer->name,
+                              (unsigned)peer->pid, transport, tshare_channel_outstanding(self->ch));
+}
+
+static PyMethodDef channel_methods[] = {
+  {"close", (PyCFunction)channel_close, METH_NOARGS,
+   "Close: flush releases, say bye unless sent, drop what the peer holds. Idempotent."},
+  {"fileno", (PyCFunction)channel_fileno, METH_NOARGS, "The fd an event loop watches for readability."},
+  {"poll", (PyCFunction)channel_poll, METH_VARARGS,
+   "_poll(timeout_ms): True if something was processed, False if nothing came, None once the peer said bye."},
+  {"_wait_released", (PyCFunction)channel_wait_released, METH_VARARGS, NULL},
+  {"is_released", (PyCFunction)channel_is_released, METH_VARARGS, "Whether the peer released share_id."},
+  {"outstanding", (PyCFunction)channel_outstanding, METH_NOARGS, "Shares sent that the peer still holds."},
+  {"_send_bye", (PyCFunction)channel_send_bye, METH_VARARGS, NULL},
+  {"_send", (PyCFunction)py_channel_send, METH_VARARGS, NULL},
+  {"_recv", (PyCFunction)py_channel_recv, METH_VARARGS, NULL},
+  {"__enter__", (PyCFunction)channel_enter, METH_NOARGS, NULL},
+  {"__exit__", (PyCFunction)channel_exit, METH_VARARGS, NULL},
+  {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef channel_getset[] = {
+  {"closed", (getter)channel_get_closed, NULL, "True once closed.", NULL},
+  {"transport", (getter)channel_get_transport, NULL, "'ring', 'socket' or 'pipes'.", NULL},
+  {"peer_name", (getter)channel_get_peer_name, NULL, "The name the peer gave in its hello.", NULL},
+  {"peer_pid", (getter)channel_get_peer_pid, NULL, "The peer's pid as the kernel reports it.", NULL},
+  {"last_error", (getter)channel_get_last_error, NULL, "The channel's last error detail.", NULL},
+  {NULL, NULL, NULL, NULL, NULL}};
+
+PyTypeObject PyChannel_Type = {
+  PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tshare._tshare.Channel",
+  .tp_basicsize = sizeof(PyChannel),
+  .tp_dealloc = (destructor)channel_dealloc,
+  .tp_repr = (reprfunc)channel_repr,
+  .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+  .tp_doc = "A connected tshare channel (see tshare.Channel).",
+  .tp_methods = channel_methods,
+  .tp_getset = channel_getset,
+};
+
+/* ---- opening channels ------------------------------------------------------ */
+
+static char *open_keywords[] = {"fd", "name", "transport", "spin_us", "allow_uid", NULL};
+
+PyObject *py_open_socket(PyObject *module, PyObject *args, PyObject *kwargs) {
+  (void)module;
+  int fd, spin_us = -1, rc;
+  long allow_uid = -1;
+  PyObject *name = NULL, *transport = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "i|OOil", open_keywords, &fd, &name, &transport, &spin_us,
+                                   &allow_uid))
+    return NULL;
+  tshare_channel_options opts;
+  if (py_channel_options(name, transport, spin_us, allow_uid, &opts) < 0) return NULL;
+  tshare_channel *ch = NULL;
+  tshare_error err;
+  Py_BEGIN_ALLOW_THREADS rc = tshare_channel_open_socket(fd, &opts, &ch, &err);
+  Py_END_ALLOW_THREADS
+  if (rc != TSHARE_OK) return py_raise_fmt(rc, "tshare: open channel: %s", err.message);
+  return py_channel_wrap(ch);
+}
+
+PyObject *py_socketpair(PyObject *module, PyObject *unused) {
+  (void)module;
+  (void)unused;
+  int fds[2];
+  tshare_error err;
+  int rc = tshare_socketpair(fds, &err);
+  if (rc != TSHARE_OK) return py_raise_fmt(rc, "tshare: socketpair: %s", err.message);
+  return Py_BuildValue("(ii)", fds[0], fds[1]);
+}
+
+static char *connect_keywords[] = {"name", "timeout_ms", "channel_name", "transport", "spin_us", "allow_uid", NULL};
+
+PyObject *py_connect(PyObject *module, PyObject *args, PyObject *kwargs) {
+  (void)module;
+  const char *where;
+  int timeout_ms = -1, spin_us = -1, rc;
+  long allow_uid = -1;
+  PyObject *name = NULL, *transport = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|iOOil", connect_keywords, &where, &timeout_ms, &name, &transport,
+                                   &spin_us, &allow_uid))
+    return NULL;
+  tshare_channel_options opts;
+  if (py_channel_options(name, transport, spin_us, allow_uid, &opts) < 0) return NULL;
+  tshare_channel *ch = NULL;
+  tshare_error err;
+  Py_BEGIN_ALLOW_THREADS rc = tshare_connect(where, &opts, timeout_ms, &ch, &err);
+  Py_END_ALLOW_THREADS
+  if (rc != TSHARE_OK) return py_raise_fmt(rc, "tshare: connect to '%s': %s", where, err.message);
+  return py_channel_wrap(ch);
+}
+
+/* ---- Listener ------------------------------------------------------------- */
+
+typedef struct {
+  PyObject_HEAD tshare_listener *l;
+} PyListener;
+
+PyObject *py_listen(PyObject *module, PyObject *args) {
+  (void)module;
+  const char *name;
+  if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+  tshare_listener *l = NULL;
+  tshare_error err;
+  int rc = tshare_listen(name, &l, &err);
+  if (rc != TSHARE_OK) return py_raise_fmt(rc, "tshare: listen on '%s': %s", name, err.message);
+  PyListener *self = PyObject_New(PyListener, &PyListener_Type);
+  if (!self) {
+    tshare_listener_close(l);
+    return NULL;
+  }
+  self->l = l;
+  return (PyObject *)self;
+}
+
+static void listener_close_now(PyListener *self) {
+  tshare_listener_close(self->l);
+  self->l = NULL;
+}
+
+static void listener_dealloc(PyListener *self) {
+  listener_close_now(self);
+  PyObject_Free(self);
+}
+
+static tshare_listener *listener_get(PyListener *self) {
+  if (!self->l) py_raise(TSHARE_E_STATE, "tshare: the listener is closed");
+  return self->l;
+}
+
+static char *accept_keywords[] = {"timeout_ms", "name", "transport", "spin_us", "allow_uid", NULL};
+
+static PyObject *listener_accept(PyListener *self, PyObject *args, PyObject *kwargs) {
+  int timeout_ms = -1, spin_us = -1, rc;
+  long allow_uid = -1;
+  PyObject *name = NULL, *transport = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|iOOil", accept_keywords, &timeout_ms, &name, &transport, &spin_us,
+                                   &allow_uid))
+    return NULL;
+  tshare_listener *l = listener_get(self);
+  if (!l) return NULL;
+  tshare_channel_options opts;
+  if (py_channel_options(name, transport, spin_us, allow_uid, &opts) < 0) return NULL;
+  tshare_channel *ch = NULL;
+  tshare_error err;
+  Py_BEGIN_ALLOW_THREADS rc = tshare_listener_accept(l, &opts, timeout_ms, &ch, &err);
+  Py_END_ALLOW_THREADS
+  if (rc != TSHARE_OK) return py_raise_fmt(rc, "tshare: accept: %s", err.message);
+  return py_channel_wrap(ch);
+}
+
+static PyObject *listener_close(PyListener *self, PyObject *unused) {
+  (void)unused;
+  listener_close_now(self);
+  Py_RETURN_NONE;
+}
+
+static PyObject *listener_fileno(PyListener *self, PyObject *unused) {
+  (void)unused;
+  tshare_listener *l = listener_get(self);
+  return l ? PyLong_FromLong(tshare_listener_fd(l)) : NULL;
+}
+
+static PyObject *listener_get_path(PyListener *self, void *unused) {
+  (void)unused;
+  tshare_listener *l = listener_get(self);
+  return l ? PyUnicode_DecodeFSDefault(tshare_listener_path(l)) : NULL;
+}
+
+static PyObject *listener_enter(PyListener *self, PyObject *unused) {
+  (void)unused;
+  if (!listener_get(self)) return NULL;
+  Py_INCREF(self);
+  return (PyObject *)self;
+}
+
+static PyObject *listener_exit(PyListener *self, PyObject *args) {
+  (void)args;
+  listener_close_now(self);
+  Py_RETURN_FALSE;
+}
+
+static PyObject *listener_repr(PyListener *self) {
+  if (!self->l) return PyUnicode_FromString("<tshare.Listener closed>");
+  return PyUnicode_FromFormat("<tshare.Listener on %s>", tshare_listener_path(self->l));
+}
+
+static PyMethodDef listener_methods[] = {
+  {"_accept", (PyCFunction)(void (*)(void))listener_accept, METH_VARARGS | METH_KEYWORDS, NULL},
+  {"close", (PyCFunction)listener_close, METH_NOARGS, "Stop listening and remove the socket file. Idempotent."},
+  {"fileno", (PyCFunction)listener_fileno, METH_NOARGS, "Readable when a peer waits."},
+  {"__enter__", (PyCFunction)listener_enter, METH_NOARGS, NULL},
+  {"__exit__", (PyCFunction)listener_exit, METH_VARARGS, NULL},
+  {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef listener_getset[] = {{"path", (getter)listener_get_path, NULL, "The socket's path.", NULL},
+                                        {NULL, NULL, NULL, NULL, NULL}};
+
+PyTypeObject PyListener_Type = {
+  PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tshare._tshare.Listener",
+  .tp_basicsize = sizeof(PyListener),
+  .tp_dealloc = (destructor)listener_dealloc,
+  .tp_repr = (reprfunc)listener_repr,
+  .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+  .tp_doc = "A rendezvous listener (see tshare.listen).",
+  .tp_methods = listener_methods,
+  .tp_getset = listener_getset,
+};
+
+/* ---- Role ------------------------------------------------------------------ */
+
+typedef struct {
+  PyObject_HEAD tshare_role role;
+} PyRole;
+
+PyObject *py_role_from_env(PyObject *module, PyObject *unused) {
+  (void)module;
+  (void)unused;
+  PyRole *self = PyObject_New(PyRole, &PyRole_Type);
+  if (!self) return NULL;
+  tshare_error err;
+  int rc = tshare_role_from_env(&self->role, &err);
+  if (rc == TSHARE_E_NOT_FOUND) {
+    Py_DECREF(self);
+    Py_RETURN_NONE;
+  }
+  if (rc != TSHARE_OK) {
+    Py_DECREF(self);
+    return py_raise_fmt(rc, "tshare: role: %s", err.message);
+  }
+  return (PyObject *)self;
+}
+
+/* Channels it did not open stay the process's fds, as with the C API. */
+static void role_dealloc(PyRole *self) { PyObject_Free(self); }
+
+static char *role_channel_keywords[] = {"index", "name", "transport", "spin_us", "allow_uid", NULL};
+
+static PyObject *role_channel(PyRole *self, PyObject *args, PyObject *kwargs) {
+  int index = 0, spin_us = -1, rc;
+  long allow_uid = -1;
+  PyObject *name = NULL, *transport = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|iOOil", role_channel_keywords, &index, &name, &transport, &spin_us,
+                                   &allow_uid))
+    return NULL;
+  if (index < 0 || index >= self->role.nchannels)
+    return py_raise_fmt(TSHARE_E_INVALID_ARG, "tshare: role %s %d has %d channel(s); there is no channel %d",
+                        self->role.name, self->role.rank, self->role.nchannels, index);
+  if (self->role.channels[index].read_fd < 0)
+    return py_raise_fmt(TSHARE_E_STATE, "tshare: channel %d of this role is already open", index);
+  tshare_channel_options opts;
+  if (py_channel_options(name, transport, spin_us, allow_uid, &opts) < 0) return NULL;
+  tshare_channel *ch = NULL;
+  tshare_error err;
+  Py_BEGIN_ALLOW_THREADS rc = tshare_role_open_channel(&self->role, index, &opts, &ch, &err);
+  Py_END_ALLOW_THREADS
+  if (rc != TSHARE_OK) return py_raise_fmt(rc, "tshare: role channel %d: %s", index, err.message);
+  return py_channel_wrap(ch);
+}
+
+static PyObject *role_report(PyRole *self, PyObject *args) {
+  const char *key;
+  long long value;
+  if (!PyArg_ParseTuple(args, "sL", &key, &value)) return NULL;
+  tshare_role_report(&self->role, key, value);
+  Py_RETURN_NONE;
+}
+
+static PyObject *role_report_add(PyRole *self, PyObject *args) {
+  const char *key;
+  long long delta;
+  if (!PyArg_ParseTuple(args, "sL", &key, &delta)) return NULL;
+  tshare_role_report_add(&self->role, key, delta);
+  Py_RETURN_NONE;
+}
+
+static PyObject *role_get_name(PyRole *self, void *unused) {
+  (void)unused;
+  return PyUnicode_FromString(self->role.name);
+}
+static PyObject *role_get_rank(PyRole *self, void *unused) {
+  (void)unused;
+  return PyLong_FromLong(self->role.rank);
+}
+static PyObject *role_get_num_consumers(PyRole *self, void *unused) {
+  (void)unused;
+  return PyLong_FromLong(self->role.num_consumers);
+}
+static PyObject *role_get_num_channels(PyRole *self, void *unused) {
+  (void)unused;
+  return PyLong_FromLong(self->role.nchannels);
+}
+
+static PyObject *role_repr(PyRole *self) {
+  return PyUnicode_FromFormat("<tshare.Role %s rank %d of %d consumer(s), %d channel(s)>", self->role.name,
+                              self->role.rank, self->role.num_consumers, self->role.nchannels);
+}
+
+static PyMethodDef role_methods[] = {
+  {"channel", (PyCFunction)(void (*)(void))role_channel, METH_VARARGS | METH_KEYWORDS,
+   "channel(index=0, name=None, transport=None): open the role's channel index (each once)."},
+  {"report", (PyCFunction)role_report, METH_VARARGS, "report(key, value): set a figure in the launcher's summary."},
+  {"report_add", (PyCFunction)role_report_add, METH_VARARGS, "report_add(key, delta): add to a figure."},
+  {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef role_getset[] = {
+  {"name", (getter)role_get_name, NULL, "'producer' or 'consumer'.", NULL},
+  {"rank", (getter)role_get_rank, NULL, "0 for the producer; 0..K-1 for consumers.", NULL},
+  {"num_consumers", (getter)role_get_num_consumers, NULL, "K.", NULL},
+  {"num_channels", (getter)role_get_num_channels, NULL, "K for the producer, 1 for a consumer.", NULL},
+  {NULL, NULL, NULL, NULL, NULL}};
+
+PyTypeObject PyRole_Type = {
+  PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tshare._tshare.Role",
+  .tp_basicsize = sizeof(PyRole),
+  .tp_dealloc = (destructor)role_dealloc,
+  .tp_repr = (reprfunc)role_repr,
+  .tp_flags = Py_TPFLAGS_DEFAULT,
+  .tp_doc = "This process's role under tshare-launch (see tshare.role).",
+  .tp_methods = role_methods,
+  .tp_getset = role_getset,
+};

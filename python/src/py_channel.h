@@ -1,0 +1,40 @@
+/* py_channel.h - tshare.Channel, tshare.Listener and tshare.Role: the C
+ * objects behind a channel, the rendezvous and the launcher's roles. */
+#ifndef TSHARE_PY_CHANNEL_H
+#define TSHARE_PY_CHANNEL_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <tshare/tshare.h>
+
+typedef struct {
+  PyObject_HEAD tshare_channel *ch; /* NULL once closed */
+} PyChannel;
+
+extern PyTypeObject PyChannel_Type;
+extern PyTypeObject PyListener_Type;
+extern PyTypeObject PyRole_Type;
+
+/* A Channel owning ch; NULL (ch closed) on failure. */
+PyObject *py_channel_wrap(tshare_channel *ch);
+
+/* The open channel behind self; NULL with tshare.Error (TSHARE_E_STATE) if closed. */
+tshare_channel *py_channel_get(PyChannel *self);
+
+/* Channel options from keyword values: name, transport ("ring", "socket" or
+ * None), spin_us, allow_uid. name must outlive the options (it is borrowed). */
+int py_channel_options(PyObject *name, PyObject *transport, int spin_us, long allow_uid,
+                       tshare_channel_options *opts);
+
+/* Module-level functions (tshare_module.c lists them). */
+PyObject *py_open_socket(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *py_socketpair(PyObject *module, PyObject *unused);
+PyObject *py_listen(PyObject *module, PyObject *args);
+PyObject *py_connect(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *py_role_from_env(PyObject *module, PyObject *unused);
+
+/* Channel methods that move tensors (py_tensor.c). */
+PyObject *py_channel_send(PyChannel *self, PyObject *args);
+PyObject *py_channel_recv(PyChannel *self, PyObject *args);
+
+#endif /* TSHARE_PY_CHANNEL_H */

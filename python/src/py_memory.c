@@ -1,0 +1,188 @@
+/* py_memory.c - DLPack capsules over tshare memory, and the storage table. */
+#include "py_memory.h"
+
+#include "dlpack_abi.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* One per capsule: the DLPack struct torch reads, and what it stands for. */
+typedef struct py_mem {
+  py_mem_kind kind;
+  tshare_view *view;          /* PY_MEM_VIEW */
+  tshare_host_buffer *buffer; /* PY_MEM_HOST_BUFFER */
+  uintptr_t storage_key;      /* 0 until bound */
+  struct py_mem *next;        /* chain in the table */
+  int versioned;
+  union {
+    DLManagedTensor classic;
+    DLManagedTensorVersioned versioned;
+  } dl;
+  int64_t shape[TSHARE_MAX_NDIM];
+  int64_t strides[TSHARE_MAX_NDIM];
+} py_mem;
+
+static int capsules_versioned;
+static int bool_travels_as_uint8;
+
+void py_memory_configure(int versioned, int bool_as_uint8) {
+  capsules_versioned = versioned;
+  bool_travels_as_uint8 = bool_as_uint8;
+}
+
+int py_memory_versioned(void) { return capsules_versioned; }
+
+/* ---- the table: storage identity -> memory ------------------------------ */
+
+#define TABLE_BUCKETS 4096
+static py_mem *table[TABLE_BUCKETS];
+static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static size_t bucket_of(uintptr_t key) { return (size_t)((key >> 4) * 0x9E3779B97F4A7C15ull >> 52) % TABLE_BUCKETS; }
+
+static void table_insert(py_mem *m) {
+  pthread_mutex_lock(&table_lock);
+  size_t b = bucket_of(m->storage_key);
+  m->next = table[b];
+  table[b] = m;
+  pthread_mutex_unlock(&table_lock);
+}
+
+static void table_remove(py_mem *m) {
+  if (!m->storage_key) return;
+  pthread_mutex_lock(&table_lock);
+  for (py_mem **p = &table[bucket_of(m->storage_key)]; *p; p = &(*p)->next) {
+    if (*p == m) {
+      *p = m->next;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&table_lock);
+}
+
+py_mem_kind py_memory_lookup(uintptr_t storage_key, void **memory) {
+  py_mem_kind kind = PY_MEM_NONE;
+  *memory = NULL;
+  pthread_mutex_lock(&table_lock);
+  for (py_mem *m = table[bucket_of(storage_key)]; m; m = m->next) {
+    if (m->storage_key == storage_key) {
+      kind = m->kind;
+      *memory = kind == PY_MEM_VIEW ? (void *)m->view : (void *)m->buffer;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&table_lock);
+  return kind;
+}
+
+/* ---- giving the memory back ----------------------------------------------- */
+
+/* The one place memory goes back, whichever way the capsule ended. */
+static void mem_free(py_mem *m) {
+  table_remove(m);
+  if (m->kind == PY_MEM_VIEW) tshare_view_release(m->view);
+  else tshare_host_buffer_destroy(m->buffer);
+  free(m);
+}
+
+static void classic_deleter(DLManagedTensor *self) { mem_free(self->manager_ctx); }
+static void versioned_deleter(DLManagedTensorVersioned *self) { mem_free(self->manager_ctx); }
+
+/* A capsule nobody consumed still owns its memory. */
+static void capsule_destructor(PyObject *capsule) {
+  const char *name = PyCapsule_GetName(capsule);
+  if (!name || (strcmp(name, DLPACK_CAPSULE) != 0 && strcmp(name, DLPACK_CAPSULE_VERSIONED) != 0)) return;
+  void *p = PyCapsule_GetPointer(capsule, name);
+  if (!p) {
+    PyErr_Clear();
+    return;
+  }
+  if (strcmp(name, DLPACK_CAPSULE) == 0) classic_deleter(p);
+  else versioned_deleter(p);
+}
+
+static DLTensor *dl_tensor_of(py_mem *m) { return m->versioned ? &m->dl.versioned.dl_tensor : &m->dl.classic.dl_tensor; }
+
+static PyObject *capsule_of(py_mem *m, void *data, const tshare_tensor_desc *d, int device_type, int device_id) {
+  m->versioned = capsules_versioned;
+  DLTensor *t = dl_tensor_of(m);
+  t->data = data; /* element [0,...,0]: byte_offset stays 0, which every torch reads the same */
+  t->device.device_type = device_type;
+  t->device.device_id = device_id;
+  t->ndim = d->ndim;
+  t->dtype.code = d->dtype.code;
+  t->dtype.bits = d->dtype.bits;
+  t->dtype.lanes = d->dtype.lanes;
+  if (d->dtype.code == TSHARE_DTYPE_BOOL && bool_travels_as_uint8) t->dtype.code = TSHARE_DTYPE_UINT;
+  for (int32_t i = 0; i < d->ndim; i++) {
+    m->shape[i] = d->shape[i];
+    m->strides[i] = d->strides[i];
+  }
+  t->shape = m->shape;
+  t->strides = m->strides;
+  t->byte_offset = 0;
+  PyObject *capsule;
+  if (m->versioned) {
+    m->dl.versioned.version.major = 1;
+    m->dl.versioned.version.minor = 0;
+    m->dl.versioned.manager_ctx = m;
+    m->dl.versioned.deleter = versioned_deleter;
+    m->dl.versioned.flags = 0;
+    capsule = PyCapsule_New(&m->dl.versioned, DLPACK_CAPSULE_VERSIONED, capsule_destructor);
+  } else {
+    m->dl.classic.manager_ctx = m;
+    m->dl.classic.deleter = classic_deleter;
+    capsule = PyCapsule_New(&m->dl.classic, DLPACK_CAPSULE, capsule_destructor);
+  }
+  if (!capsule) mem_free(m);
+  return capsule;
+}
+
+PyObject *py_memory_view_capsule(tshare_view *view) {
+  py_mem *m = calloc(1, sizeof *m);
+  if (!m) {
+    tshare_view_release(view);
+    return PyErr_NoMemory();
+  }
+  m->kind = PY_MEM_VIEW;
+  m->view = view;
+  int device_id = tshare_view_device_type(view) == TSHARE_DEVICE_CUDA ? tshare_view_cuda_device(view) : 0;
+  return capsule_of(m, tshare_view_data(view), tshare_view_desc(view), tshare_view_device_type(view), device_id);
+}
+
+PyObject *py_memory_host_capsule(size_t nbytes) {
+  tshare_host_buffer *buffer = NULL;
+  tshare_error err;
+  int rc = tshare_host_buffer_create(nbytes ? nbytes : 1, "tshare-python", &buffer, &err);
+  if (rc != TSHARE_OK) {
+    PyErr_Format(PyExc_MemoryError, "tshare: empty_shared: %s", err.message);
+    return NULL;
+  }
+  py_mem *m = calloc(1, sizeof *m);
+  if (!m) {
+    tshare_host_buffer_destroy(buffer);
+    return PyErr_NoMemory();
+  }
+  m->kind = PY_MEM_HOST_BUFFER;
+  m->buffer = buffer;
+  int64_t n = (int64_t)nbytes;
+  tshare_tensor_desc d = tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_UINT, 8, 1}, 1, &n, 0);
+  return capsule_of(m, tshare_host_buffer_data(buffer), &d, TSHARE_DEVICE_CPU, 0);
+}
+
+int py_memory_bind(PyObject *capsule, uintptr_t storage_key) {
+  const char *name = PyCapsule_GetName(capsule);
+  void *p = name ? PyCapsule_GetPointer(capsule, name) : NULL;
+  if (!p) return -1;
+  if (strcmp(name, DLPACK_CAPSULE_USED) != 0 && strcmp(name, DLPACK_CAPSULE_VERSIONED_USED) != 0) {
+    PyErr_SetString(PyExc_ValueError, "tshare: bind: the capsule was not consumed by torch");
+    return -1;
+  }
+  py_mem *m = strcmp(name, DLPACK_CAPSULE_USED) == 0 ? ((DLManagedTensor *)p)->manager_ctx
+                                                      : ((DLManagedTensorVersioned *)p)->manager_ctx;
+  if (m->storage_key) return 0;
+  m->storage_key = storage_key;
+  table_insert(m);
+  return 0;
+}

@@ -1,0 +1,42 @@
+/* py_memory.h - tshare memory under torch tensors.
+ *
+ * A received view or a host buffer (empty_shared) becomes a torch tensor
+ * through a DLPack capsule whose deleter gives the memory back: the view is
+ * released, the buffer's reference dropped. The deleter runs exactly once,
+ * on whatever thread frees the tensor's storage, and needs no GIL.
+ *
+ * Once torch has built the tensor, its storage is bound to the memory by the
+ * storage's identity (not its address: two shares of one tensor map to the
+ * same address), so a later send of that tensor, or of any view of it, finds
+ * how its memory travels: a received view is shared on, a host buffer is
+ * shared as a memfd. The binding goes with the storage. */
+#ifndef TSHARE_PY_MEMORY_H
+#define TSHARE_PY_MEMORY_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <tshare/tshare.h>
+
+typedef enum py_mem_kind { PY_MEM_NONE = 0, PY_MEM_VIEW = 1, PY_MEM_HOST_BUFFER = 2 } py_mem_kind;
+
+/* How capsules are made for the installed torch: versioned (DLPack 1.0) or
+ * classic; whether bool travels as uint8 (torch builds without kDLBool). */
+void py_memory_configure(int versioned, int bool_as_uint8);
+int py_memory_versioned(void);
+
+/* A capsule over a received view; the capsule (then the tensor) owns the view. */
+PyObject *py_memory_view_capsule(tshare_view *view);
+
+/* A capsule over a new zero-filled host buffer of nbytes as a 1-D uint8
+ * tensor; NULL with a Python error set on failure. */
+PyObject *py_memory_host_capsule(size_t nbytes);
+
+/* Bind the memory under a consumed capsule to a storage identity. */
+int py_memory_bind(PyObject *capsule, uintptr_t storage_key);
+
+/* The memory bound to a storage identity, if any. The pointer stays valid
+ * while the caller holds a tensor on that storage. */
+py_mem_kind py_memory_lookup(uintptr_t storage_key, void **memory);
+
+#endif /* TSHARE_PY_MEMORY_H */

@@ -1,0 +1,244 @@
+"""tshare: zero-copy tensor hand-offs between processes on one machine.
+
+CPU tensors travel as memfds, CUDA tensors as CUDA IPC handles (or VMM chunk
+fds for expandable segments); the peer may be Python, C or a LibTorch C++
+program: they all speak the same wire format.
+
+    import tshare, torch
+    with tshare.connect("weights", timeout=10) as ch:
+        r = tshare.recv(ch)          # Received(tensor, tag, share_id), None at the end
+        print(r.tag, r.tensor.sum())
+        del r                        # the producer's memory is released
+
+Errors are tshare.Error (tshare.TimeoutError, tshare.PeerClosedError) with
+.code (a tshare status, e.g. tshare.E_TIMEOUT) and .status (its name).
+Timeouts are in seconds; None waits forever.
+"""
+from . import _tshare
+from ._tshare import END, OK, Error, PeerClosedError, TimeoutError, cuda_device_count, library_version, socketpair
+from ._tshare import (  # noqa: F401  statuses, for comparing with Error.code
+    E_CUDA,
+    E_INVALID_ARG,
+    E_LIMIT,
+    E_NO_DEVICE,
+    E_NOT_FOUND,
+    E_PEER_CLOSED,
+    E_PEER_ERROR,
+    E_PERMISSION,
+    E_PROTOCOL,
+    E_STATE,
+    E_TIMEOUT,
+    E_TOO_LARGE,
+    E_UNSUPPORTED,
+)
+from ._torch import DLPACK_CAPSULE, Received, empty_shared, is_shared, recv, send, share_memory_
+from ._torch import _timeout_ms
+
+__version__ = library_version()
+TAG_MAX = _tshare.TAG_MAX
+
+__all__ = [
+    "Channel", "Listener", "Role", "Received", "Error", "TimeoutError", "PeerClosedError",
+    "open_socket", "socketpair", "listen", "connect", "role", "send", "recv",
+    "empty_shared", "share_memory_", "is_shared", "library_version", "cuda_device_count",
+]
+
+
+class Channel:
+    """A connected channel to one peer. Use it as a context manager, or close()
+    it: pending releases go out, the peer is told the stream ended (bye) and
+    every share it still holds is dropped as released. One thread drives a
+    channel; received tensors may die on any thread."""
+
+    __slots__ = ("_c",)
+
+    def __init__(self, c):
+        self._c = c
+
+    def send(self, tensor, tag="", timeout=None, move_to_shared_memory=True):
+        """tshare.send(self, ...)."""
+        return send(self, tensor, tag=tag, timeout=timeout, move_to_shared_memory=move_to_shared_memory)
+
+    def recv(self, timeout=None, device=None):
+        """tshare.recv(self, ...)."""
+        return recv(self, timeout=timeout, device=device)
+
+    def __iter__(self):
+        """Received tensors until the peer says bye."""
+        while True:
+            r = recv(self)
+            if r is None:
+                return
+            yield r
+
+    def poll(self, timeout=0.0):
+        """Process incoming frames (releases, shares queued for recv): True if
+        something came, False if nothing did within timeout, None once the peer
+        said bye."""
+        return self._c.poll(_timeout_ms(timeout))
+
+    def wait_released(self, share_id=0, timeout=None):
+        """Drive the channel until share_id (0: every share) is released;
+        tshare.TimeoutError if that takes longer than timeout."""
+        self._c._wait_released(share_id, _timeout_ms(timeout))
+
+    def is_released(self, share_id):
+        return self._c.is_released(share_id)
+
+    def outstanding(self):
+        """Shares sent on this channel that the peer still holds."""
+        return self._c.outstanding()
+
+    def send_bye(self, timeout=None):
+        """Tell the peer the stream is over (close() does it too)."""
+        self._c._send_bye(_timeout_ms(timeout))
+
+    def close(self):
+        self._c.close()
+
+    def fileno(self):
+        return self._c.fileno()
+
+    @property
+    def closed(self):
+        return self._c.closed
+
+    @property
+    def transport(self):
+        """'ring', 'socket' or 'pipes'."""
+        return self._c.transport
+
+    @property
+    def peer_name(self):
+        return self._c.peer_name
+
+    @property
+    def peer_pid(self):
+        return self._c.peer_pid
+
+    def __enter__(self):
+        self._c.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._c.close()
+        return False
+
+    def __repr__(self):
+        return repr(self._c)
+
+
+def _options(name, transport, spin_us, allow_uid):
+    return dict(
+        name=name,
+        transport=transport,
+        spin_us=-1 if spin_us is None else int(spin_us),
+        allow_uid=-1 if allow_uid is None else int(allow_uid),
+    )
+
+
+def open_socket(fd, name=None, transport=None, spin_us=None, allow_uid=None):
+    """A channel on one end of a connected Unix stream socket (e.g. from
+    socketpair()); the channel owns fd from here on, also on failure."""
+    return Channel(_tshare._open_socket(fd, **_options(name, transport, spin_us, allow_uid)))
+
+
+class Listener:
+    """A rendezvous listener: accept() opens a channel per peer."""
+
+    __slots__ = ("_l",)
+
+    def __init__(self, l):
+        self._l = l
+
+    def accept(self, timeout=None, name=None, transport=None, spin_us=None, allow_uid=None):
+        """The next peer's channel; tshare.TimeoutError when none came in time."""
+        opts = _options(name, transport, spin_us, allow_uid)
+        return Channel(self._l._accept(_timeout_ms(timeout), **opts))
+
+    @property
+    def path(self):
+        return self._l.path
+
+    def fileno(self):
+        return self._l.fileno()
+
+    def close(self):
+        self._l.close()
+
+    def __enter__(self):
+        self._l.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._l.close()
+        return False
+
+    def __repr__(self):
+        return repr(self._l)
+
+
+def listen(name):
+    """Listen on a name ($XDG_RUNTIME_DIR/tshare/NAME, or a path with a '/')."""
+    return Listener(_tshare._listen(name))
+
+
+def connect(name, timeout=None, channel_name=None, transport=None, spin_us=None, allow_uid=None):
+    """Connect to the listener on name, waiting up to timeout for it to appear."""
+    opts = _options(channel_name, transport, spin_us, allow_uid)
+    opts["channel_name"] = opts.pop("name")
+    return Channel(_tshare._connect(name, _timeout_ms(timeout), **opts))
+
+
+class Role:
+    """This process's role under tshare-launch: name ('producer' or
+    'consumer'), rank, num_consumers, and its channels (the producer has one
+    per consumer, a consumer one to the producer)."""
+
+    __slots__ = ("_r", "_channels")
+
+    def __init__(self, r):
+        self._r = r
+        self._channels = {}
+
+    name = property(lambda self: self._r.name)
+    rank = property(lambda self: self._r.rank)
+    num_consumers = property(lambda self: self._r.num_consumers)
+    num_channels = property(lambda self: self._r.num_channels)
+
+    def channel(self, index=0, name=None, transport=None, spin_us=None, allow_uid=None):
+        """The role's channel index, opened on first use."""
+        if index not in self._channels:
+            opts = _options(name, transport, spin_us, allow_uid)
+            self._channels[index] = Channel(self._r.channel(index, **opts))
+        return self._channels[index]
+
+    def channels(self):
+        """Every channel of the role, in rank order."""
+        return [self.channel(i) for i in range(self.num_channels)]
+
+    def report(self, key, value):
+        """Set a figure in the launcher's summary ("shared", "verified")."""
+        self._r.report(key, int(value))
+
+    def report_add(self, key, delta):
+        """Add delta to a figure in the launcher's summary."""
+        self._r.report_add(key, int(delta))
+
+    def __repr__(self):
+        return repr(self._r)
+
+
+_role = None
+
+
+def role():
+    """The Role this process was started in by tshare-launch, or None when it
+    was not started by the launcher. The same object on every call."""
+    global _role
+    if _role is None:
+        r = _tshare._role_from_env()
+        if r is None:
+            return None
+        _role = Role(r)
+    return _role

@@ -1,0 +1,285 @@
+"""Torch tensors over tshare channels: send, recv, empty_shared, share_memory_.
+
+How a tensor travels is decided by where its memory lives, as in the LibTorch
+bridge: a CUDA tensor (caching allocator, expandable segments or any device
+memory) as a CUDA IPC handle or VMM chunk fds plus an event recorded on the
+current stream; a CPU tensor in tshare's shared memory (empty_shared,
+share_memory_) as a memfd; a received tensor, or any view of one, as a share
+of the original producer's memory. Received tensors are built through DLPack
+(the versioned capsule where the installed torch takes it, else the classic
+one); their deleter releases the share exactly once, from any thread.
+"""
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import _tshare
+from ._tshare import Error
+
+_DTYPE_INT, _DTYPE_UINT, _DTYPE_FLOAT, _DTYPE_BFLOAT, _DTYPE_COMPLEX, _DTYPE_BOOL = 0, 1, 2, 4, 5, 6
+_DEVICE_CUDA = 2
+
+# torch dtype -> DLPack (code, bits): the dtypes the LibTorch bridge carries.
+_TO_DLPACK = {
+    torch.bool: (_DTYPE_BOOL, 8),
+    torch.uint8: (_DTYPE_UINT, 8),
+    torch.int8: (_DTYPE_INT, 8),
+    torch.int16: (_DTYPE_INT, 16),
+    torch.int32: (_DTYPE_INT, 32),
+    torch.int64: (_DTYPE_INT, 64),
+    torch.float16: (_DTYPE_FLOAT, 16),
+    torch.bfloat16: (_DTYPE_BFLOAT, 16),
+    torch.float32: (_DTYPE_FLOAT, 32),
+    torch.float64: (_DTYPE_FLOAT, 64),
+    torch.complex64: (_DTYPE_COMPLEX, 64),
+    torch.complex128: (_DTYPE_COMPLEX, 128),
+}
+_FROM_DLPACK = {v: k for k, v in _TO_DLPACK.items()}
+_DLPACK_CODE_NAMES = {0: "int", 1: "uint", 2: "float", 3: "handle", 4: "bfloat", 5: "complex", 6: "bool"}
+
+if hasattr(torch.Tensor, "untyped_storage"):
+
+    def _storage(t):
+        return t.untyped_storage()
+
+else:  # torch before 2.0
+
+    def _storage(t):
+        return t.storage()
+
+
+_from_dlpack = getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack
+
+
+def _configure_dlpack():
+    """Pick the capsule the installed torch takes, and how bool travels."""
+    try:
+        torch.utils.dlpack.to_dlpack(torch.zeros(1, dtype=torch.bool))
+        bool_as_uint8 = False
+    except Exception:  # torch 1.x: "Bool type is not supported by dlpack"
+        bool_as_uint8 = True
+    _tshare._configure(True, bool_as_uint8)
+    try:
+        _from_dlpack(_tshare._host_capsule(1))
+        return "versioned", bool_as_uint8
+    except Exception:  # the capsule was not taken; its destructor freed the buffer
+        _tshare._configure(False, bool_as_uint8)
+        return "classic", bool_as_uint8
+
+
+DLPACK_CAPSULE, _BOOL_AS_UINT8 = _configure_dlpack()
+
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):
+
+    def _current_stream(device):
+        return torch._C._cuda_getCurrentRawStream(device)
+
+else:
+
+    def _current_stream(device):
+        return torch.cuda.current_stream(device).cuda_stream
+
+
+def _fail(code, message):
+    raise _tshare._error(code, "tshare: " + message)
+
+
+def _timeout_ms(timeout):
+    """Seconds (None: forever) to the C library's milliseconds (< 0: forever)."""
+    if timeout is None:
+        return -1
+    if timeout <= 0:
+        return 0
+    return max(1, int(timeout * 1000.0 + 0.999))
+
+
+def _check_shareable(t):
+    """Everything send() refuses, each with what to do instead."""
+    if not isinstance(t, torch.Tensor):
+        _fail(_tshare.E_INVALID_ARG, "send: expected a torch.Tensor, got %s" % type(t).__name__)
+    if t.is_sparse or t.layout in _SPARSE_LAYOUTS:
+        _fail(_tshare.E_UNSUPPORTED, "cannot send a sparse tensor: send its indices and values, or .to_dense()")
+    if t.is_quantized:
+        _fail(_tshare.E_UNSUPPORTED, "cannot send a quantized tensor: send int_repr() with its scale and zero point")
+    if getattr(t, "is_nested", False):
+        _fail(_tshare.E_UNSUPPORTED, "cannot send a nested tensor: send its components")
+    if t.is_meta:
+        _fail(_tshare.E_UNSUPPORTED, "cannot send a meta tensor: it has no memory to share")
+    if t.layout != torch.strided:
+        _fail(_tshare.E_UNSUPPORTED, "cannot send a tensor with a non-strided layout; convert it with .to_dense()")
+    if t.device.type not in ("cpu", "cuda"):
+        _fail(_tshare.E_UNSUPPORTED, "cannot send a tensor on %s: tshare shares CPU and CUDA memory" % t.device)
+    if t.is_conj():
+        _fail(_tshare.E_UNSUPPORTED, "cannot send a lazily conjugated view: call .resolve_conj() first")
+    if t.is_neg():
+        _fail(_tshare.E_UNSUPPORTED, "cannot send a lazily negated view: call .resolve_neg() first")
+    if t.dim() > _tshare.MAX_NDIM:
+        _fail(_tshare.E_TOO_LARGE, "cannot send a tensor of %d dimensions (at most %d)" % (t.dim(), _tshare.MAX_NDIM))
+    if t.dtype not in _TO_DLPACK:
+        hint = (
+            " (a quantized type: send int_repr() and the scale and zero point)"
+            if t.dtype in _QUANTIZED
+            else " (convert it with .to() to a type tshare carries)"
+        )
+        _fail(_tshare.E_UNSUPPORTED, "dtype %s has no DLPack code tshare carries%s" % (t.dtype, hint))
+
+
+_SPARSE_LAYOUTS = tuple(
+    getattr(torch, name) for name in ("sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc") if hasattr(torch, name)
+)
+_QUANTIZED = tuple(getattr(torch, name) for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, name))
+
+
+def _storage_of(t):
+    try:
+        return _storage(t)
+    except (RuntimeError, NotImplementedError):
+        _fail(_tshare.E_UNSUPPORTED, "cannot send a tensor without storage (a functional or fake tensor)")
+
+
+def send(ch, tensor, tag="", timeout=None, move_to_shared_memory=True):
+    """Share tensor on ch without copying it and return the share id.
+
+    The tensor's memory stays alive until the peer releases the share, however
+    long the tensor itself lives. A CPU tensor outside shared memory is moved
+    there first, once (share_memory_), unless move_to_shared_memory is False.
+    """
+    c = ch._c
+    _check_shareable(tensor)
+    code, bits = _TO_DLPACK[tensor.dtype]
+    ms = _timeout_ms(timeout)
+    storage = _storage_of(tensor)
+    cuda = tensor.is_cuda
+    device = tensor.device.index if cuda else 0
+    stream = _current_stream(device) if cuda else 0
+    args = (cuda, device, code, bits, tensor.shape, tensor.stride(), stream, tag, ms)
+    share_id = c._send(tensor, storage._cdata, storage.data_ptr(), tensor.data_ptr(), *args)
+    if share_id is None:  # CPU memory that is not shared memory
+        if not move_to_shared_memory:
+            _fail(
+                _tshare.E_UNSUPPORTED,
+                "the CPU tensor is not in shared memory: allocate it with tshare.empty_shared(), call "
+                "tshare.share_memory_(), or pass move_to_shared_memory=True",
+            )
+        share_memory_(tensor)
+        storage = _storage(tensor)
+        share_id = c._send(tensor, storage._cdata, storage.data_ptr(), tensor.data_ptr(), *args)
+    return share_id
+
+
+class Received(NamedTuple):
+    """A received tensor, its tag and its share id (the producer's number)."""
+
+    tensor: torch.Tensor
+    tag: str
+    share_id: int
+
+
+def _stream_for(device):
+    if device < 0:
+        device = torch.cuda.current_device()
+    count = torch.cuda.device_count()
+    if device >= count:
+        _fail(_tshare.E_INVALID_ARG, "recv: device %d does not exist here (%d visible)" % (device, count))
+    return _current_stream(device)
+
+
+def _dtype_name(code, bits):
+    return "%s%d" % (_DLPACK_CODE_NAMES.get(code, "code%d" % code), bits)
+
+
+def recv(ch, timeout=None, device=None) -> Optional[Received]:
+    """The next tensor on ch, or None once the peer said bye.
+
+    Its memory is the producer's (writes are visible there); it is released
+    when the tensor and every view of it are gone. A CUDA tensor arrives on
+    the device holding it (or `device`, by peer access), and that device's
+    current stream waits for the producer's work. A share that cannot become
+    a torch tensor here is released back and raised as tshare.Error.
+    """
+    c = ch._c
+    r = c._recv(_timeout_ms(timeout), _stream_for, -1 if device is None else int(device))
+    if r is None:
+        return None
+    capsule, tag, share_id, code, bits, device_type, _ = r
+    dtype = _FROM_DLPACK.get((code, bits))
+    if dtype is None:
+        del capsule  # releases the share
+        _fail(_tshare.E_UNSUPPORTED, "a shared dtype %s has no PyTorch equivalent" % _dtype_name(code, bits))
+    if device_type == _DEVICE_CUDA and not torch.cuda.is_available():
+        del capsule
+        _fail(_tshare.E_UNSUPPORTED, "share %d is GPU memory and this torch has no usable CUDA" % share_id)
+    t = _from_dlpack(capsule)
+    _tshare._bind(capsule, _storage(t)._cdata)
+    if dtype is torch.bool and _BOOL_AS_UINT8:
+        t = t.view(torch.bool)
+    return Received(t, tag, share_id)
+
+
+def _normalize_size(size):
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    out = []
+    for s in size:
+        s = int(s)
+        if s < 0:
+            _fail(_tshare.E_INVALID_ARG, "empty_shared: negative size %d" % s)
+        out.append(s)
+    return tuple(out)
+
+
+def empty_shared(*size, dtype=None):
+    """A zero-filled CPU tensor in shared memory (a memfd): sent without a copy."""
+    size = _normalize_size(size)
+    dtype = dtype or torch.get_default_dtype()
+    if dtype not in _TO_DLPACK:
+        _fail(_tshare.E_UNSUPPORTED, "empty_shared: dtype %s has no DLPack code tshare carries" % dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = 1
+    for s in size:
+        numel *= s
+    return _shared_bytes(numel * itemsize).view(dtype).view(size)
+
+
+def _shared_bytes(nbytes):
+    """A 1-D uint8 tensor over a new host buffer, bound for later sends."""
+    capsule = _tshare._host_capsule(nbytes)
+    raw = _from_dlpack(capsule)
+    _tshare._bind(capsule, _storage(raw)._cdata)
+    return raw
+
+
+def is_shared(tensor):
+    """True when tensor can be sent without a copy: CUDA memory, a received
+    tensor, or CPU memory from empty_shared()/share_memory_()."""
+    if tensor.is_cuda:
+        return True
+    if not tensor.is_cpu:
+        return False
+    try:
+        return _tshare._memory_kind(_storage(tensor)._cdata) is not None
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def share_memory_(tensor):
+    """Move tensor's storage into shared memory (one copy) and return tensor.
+
+    A no-op for CUDA tensors and for memory that is shared already. Unlike
+    the LibTorch bridge, only this tensor is moved: other tensors on the old
+    storage keep the old (private) memory, since Python cannot swap a storage's
+    memory under them.
+    """
+    if not isinstance(tensor, torch.Tensor) or not (tensor.is_cpu or tensor.is_cuda):
+        _fail(_tshare.E_INVALID_ARG, "share_memory_: needs a CPU tensor with storage")
+    if is_shared(tensor):
+        return tensor
+    storage = _storage_of(tensor)
+    itemsize = tensor.element_size()
+    count = storage.nbytes() // itemsize if callable(getattr(storage, "nbytes", None)) else storage.size()
+    shared = empty_shared(count, dtype=tensor.dtype)
+    if count:
+        shared.copy_(tensor.as_strided((count,), (1,), 0))
+    with torch.no_grad():
+        tensor.set_(_storage(shared), tensor.storage_offset(), tensor.size(), tensor.stride())
+    return tensor

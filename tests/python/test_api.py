@@ -1,0 +1,308 @@
+"""The tshare package's own behaviour, one test per argument:
+
+  test_api.py NAME      (exit 0 pass, 1 fail, 77 skip with the reason)
+
+Two ends of a channel in one process are opened from two threads and then
+driven by the test's thread; CUDA tests put the consumer in a child forked
+before CUDA starts (a process cannot open its own CUDA IPC handles)."""
+import gc
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+try:
+    import torch
+except ImportError:
+    print("SKIP: this Python has no torch (Debian: apt-get install python3-torch)")
+    sys.exit(77)
+
+import tshare
+
+TESTS = {}
+
+
+def test(fn):
+    TESTS[fn.__name__] = fn
+    return fn
+
+
+def pair(**kw):
+    a, b = tshare.socketpair()
+    out = {}
+    th = threading.Thread(target=lambda: out.setdefault("c", tshare.open_socket(b, name="consumer", **kw)))
+    th.start()
+    p = tshare.open_socket(a, name="producer", **kw)
+    th.join()
+    return p, out["c"]
+
+
+def expect_error(code, fragment, fn, *args, **kw):
+    try:
+        fn(*args, **kw)
+    except tshare.Error as e:
+        assert e.code == code, "code %s (%s), want %s: %s" % (e.code, e.status, code, e)
+        assert fragment in str(e), "message %r lacks %r" % (str(e), fragment)
+        return e
+    raise AssertionError("no error; wanted %s with %r" % (code, fragment))
+
+
+def memfds():
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "memfd:tshare" in os.readlink("/proc/self/fd/" + fd):
+                n += 1
+        except OSError:
+            pass
+    return n
+
+
+@test
+def release_once():
+    p, c = pair()
+    t = tshare.empty_shared(4, 5, dtype=torch.float32)
+    t += torch.arange(20.0).view(4, 5)
+    sid = tshare.send(p, t, tag="x")
+    r = tshare.recv(c, timeout=5)
+    assert r.share_id == sid and r.tag == "x" and torch.equal(r.tensor, t)
+    v = r.tensor[1:, ::2]  # a view keeps the share
+    del r
+    gc.collect()
+    c.poll(0)
+    p.poll(0.05)
+    assert p.outstanding() == 1, "released while a view lives"
+    del v
+    c.poll(0)  # the consumer's driving thread sends its own releases when it drives the channel
+    p.wait_released(sid, timeout=5)
+    assert p.outstanding() == 0 and p.is_released(sid)
+    # A second release of the same share would be a protocol error on the
+    # producer's side: the channel goes on working.
+    sid2 = tshare.send(p, t[0], tag="again")
+    r = tshare.recv(c, timeout=5)
+    assert r.share_id == sid2 and torch.equal(r.tensor, t[0])
+    del r
+    c.poll(0)
+    p.wait_released(timeout=5)
+    p.close()
+    assert tshare.recv(c, timeout=5) is None, "a closed producer ends the stream"
+    c.close()
+
+
+@test
+def release_from_another_thread():
+    p, c = pair()
+    t = tshare.empty_shared(1000, dtype=torch.int64)
+    ids = [tshare.send(p, t[i * 10:(i + 1) * 10], tag=str(i)) for i in range(50)]
+    got = [tshare.recv(c, timeout=5) for _ in ids]
+    holder = [got]
+    del got
+
+    def drop():
+        holder.clear()  # the tensors die here, on this thread
+
+    th = threading.Thread(target=drop)
+    th.start()
+    th.join()
+    gc.collect()
+    c.poll(0)
+    p.wait_released(timeout=5)
+    assert p.outstanding() == 0
+    p.close()
+    c.close()
+
+
+@test
+def release_after_the_producer_died():
+    a, b = tshare.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        os.close(b)
+        ch = tshare.open_socket(a, name="doomed producer")
+        t = tshare.empty_shared(256, dtype=torch.float64)
+        t += 7.0
+        tshare.send(ch, t, tag="last words")
+        ch.poll(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.close(a)
+    c = tshare.open_socket(b, name="consumer")
+    r = tshare.recv(c, timeout=10)
+    os.waitpid(pid, 0)
+    assert r.tensor.sum().item() == 7.0 * 256, "the memory outlives its producer"
+    del r  # releasing into a dead channel: no crash, no error
+    gc.collect()
+    e = expect_error(tshare.E_PEER_CLOSED, "", tshare.recv, c, timeout=5)
+    assert isinstance(e, tshare.PeerClosedError) and isinstance(e, ConnectionError)
+    c.close()
+
+
+@test
+def refusals_name_what_to_do():
+    p, c = pair()
+    E = tshare
+    expect_error(E.E_UNSUPPORTED, "sparse", tshare.send, p, torch.eye(3).to_sparse())
+    expect_error(E.E_UNSUPPORTED, "quantized", tshare.send, p, torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8))
+    expect_error(E.E_UNSUPPORTED, "meta", tshare.send, p, torch.empty(2, device="meta"))
+    expect_error(E.E_UNSUPPORTED, "resolve_conj", tshare.send, p, torch.ones(2, dtype=torch.complex64).conj())
+    if hasattr(torch, "_neg_view"):
+        expect_error(E.E_UNSUPPORTED, "resolve_neg", tshare.send, p, torch._neg_view(torch.ones(2, dtype=torch.complex64)))
+    expect_error(E.E_UNSUPPORTED, "has no DLPack code", tshare.send, p, torch.zeros(2, dtype=torch.complex32))
+    expect_error(E.E_TOO_LARGE, "dimensions", tshare.send, p, torch.zeros([1] * 33))
+    expect_error(E.E_TOO_LARGE, "tag of 65 bytes", tshare.send, p, tshare.empty_shared(1), tag="x" * 65)
+    expect_error(E.E_UNSUPPORTED, "not in shared memory", tshare.send, p, torch.ones(3), move_to_shared_memory=False)
+    expect_error(E.E_INVALID_ARG, "expected a torch.Tensor", tshare.send, p, [1, 2])
+    expect_error(E.E_INVALID_ARG, "negative size", tshare.empty_shared, 2, -1)
+    # Nothing was sent, and the channel still works.
+    assert p.outstanding() == 0
+    sid = tshare.send(p, torch.arange(3), tag="fine")
+    r = tshare.recv(c, timeout=5)
+    assert r.share_id == sid and r.tensor.tolist() == [0, 1, 2]
+    del r
+    c.poll(0)
+    p.wait_released(timeout=5)
+    p.close()
+    c.close()
+
+
+@test
+def errors_carry_status_and_message():
+    p, c = pair()
+    e = expect_error(tshare.E_TIMEOUT, "recv", tshare.recv, c, timeout=0.05)
+    assert isinstance(e, tshare.TimeoutError) and isinstance(e, TimeoutError) and e.status == "TSHARE_E_TIMEOUT"
+    p.close()
+    expect_error(tshare.E_STATE, "closed", tshare.send, p, torch.ones(1))
+    assert repr(p) == "<tshare.Channel closed>"
+    c.close()
+    e = expect_error(tshare.E_NOT_FOUND, "connect to", tshare.connect, "tshare-test-nobody-%d" % os.getpid(), timeout=0.1)
+    assert tshare.E_NOT_FOUND < 0 and tshare.OK == 0
+
+
+@test
+def shared_memory_tensors():
+    t = tshare.empty_shared((2, 3), dtype=torch.float64)
+    assert t.shape == (2, 3) and t.dtype == torch.float64 and not t.any() and tshare.is_shared(t)
+    assert tshare.is_shared(t.t()[1:]), "views of shared memory are shared"
+    b = tshare.empty_shared(5, dtype=torch.bool)
+    assert b.dtype == torch.bool and tshare.is_shared(b)
+    plain = torch.arange(12, dtype=torch.int32).view(3, 4)[:, 1:]
+    assert not tshare.is_shared(plain)
+    before = plain.clone()
+    assert tshare.share_memory_(plain) is plain and tshare.is_shared(plain) and torch.equal(plain, before)
+    assert plain.stride() == (4, 1) and plain.storage_offset() == 1
+    p, c = pair()
+    sid = tshare.send(p, plain, move_to_shared_memory=False, tag="in place")
+    r = tshare.recv(c, timeout=5)
+    r.tensor.mul_(10)  # the consumer writes: the producer sees it
+    assert torch.equal(plain, before * 10)
+    del r
+    c.poll(0)
+    p.wait_released(sid, timeout=5)
+    p.close()
+    c.close()
+
+
+@test
+def consumer_killed_mid_stream_frees_the_producers_memory():
+    base_fds = memfds()
+    a, b = tshare.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        os.close(a)
+        ch = tshare.open_socket(b, name="doomed consumer")
+        held = []
+        while True:
+            r = tshare.recv(ch, timeout=10)
+            held.append(r)  # holds everything, then dies holding it
+            if len(held) == 20:
+                os.kill(os.getpid(), signal.SIGKILL)
+    os.close(b)
+    p = tshare.open_socket(a, name="producer")
+    for i in range(40):
+        t = tshare.empty_shared(1 << 16, dtype=torch.uint8)
+        try:
+            tshare.send(p, t, tag=str(i), timeout=5)
+        except tshare.PeerClosedError:
+            break
+        del t  # only the share holds the memfd now
+    os.waitpid(pid, 0)
+    deadline = time.monotonic() + 5
+    while p.outstanding() and time.monotonic() < deadline:
+        try:
+            p.poll(0.05)
+        except tshare.PeerClosedError:
+            pass
+    assert p.outstanding() == 0, "%d shares still held by a dead consumer" % p.outstanding()
+    gc.collect()
+    assert memfds() == base_fds, "memfds open: %d, before %d" % (memfds(), base_fds)
+    p.close()
+
+
+@test
+def rendezvous_and_reprs():
+    name = "tshare-pytest-%d" % os.getpid()
+    with tshare.listen(name) as l:
+        assert name in repr(l) and l.path.endswith(name)
+        out = {}
+        th = threading.Thread(target=lambda: out.setdefault("c", tshare.connect(name, timeout=5, channel_name="client")))
+        th.start()
+        s = l.accept(timeout=5, name="server")
+        th.join()
+        with s, out["c"] as c:
+            assert "'client'" in repr(s) and "over ring" in repr(s), repr(s)
+            assert c.peer_name == "server" and s.peer_pid == os.getpid()
+            sid = s.send(tshare.empty_shared(3, dtype=torch.int16))
+            r = c.recv(timeout=5)
+            assert r.share_id == sid and "share_id=%d" % sid in repr(r)
+            del r
+            c.poll(0)
+            s.wait_released(timeout=5)
+        assert s.closed and c.closed
+    assert tshare.role() is None, "not started by tshare-launch"
+    p, c = pair(transport="socket")
+    assert p.transport == "socket" and c.transport == "socket"
+    p.close()
+    c.close()
+
+
+@test
+def cuda_writes_are_seen_and_memory_returns():
+    """The consumer (another process) adds 1 on its stream; the producer sees
+    it after the release, and its CUDA memory is back once the tensor is gone."""
+    if not torch.cuda.is_available():
+        print("SKIP: torch sees no CUDA device here")
+        sys.exit(77)
+    a, b = tshare.socketpair()
+    child = subprocess.Popen([sys.executable, __file__, "_cuda_consumer", str(b)], pass_fds=[b])
+    os.close(b)
+    ch = tshare.open_socket(a, name="cuda producer")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    t = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    sid = tshare.send(ch, t, tag="add one")
+    ch.wait_released(sid, timeout=30)
+    assert t[:10].tolist() == [float(i + 1) for i in range(10)], t[:10]
+    del t
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before, (torch.cuda.memory_allocated(), before)
+    ch.close()
+    assert child.wait(timeout=30) == 0
+
+
+def _cuda_consumer(fd):
+    with tshare.open_socket(int(fd), name="cuda consumer") as ch:
+        for r in ch:
+            assert r.tensor.is_cuda and r.tensor.shape == (1 << 20,)
+            assert r.tensor[:10].tolist() == list(range(10)), r.tensor[:10]
+            r.tensor.add_(1)  # on the current stream; the release waits for it
+            del r
+
+
+if __name__ == "__main__":
+    name = sys.argv[1]
+    if name == "_cuda_consumer":
+        _cuda_consumer(sys.argv[2])
+        sys.exit(0)
+    TESTS[name]()
+    print("%s: ok (DLPack %s capsules, torch %s)" % (name, tshare.DLPACK_CAPSULE, torch.__version__))
