@@ -28,6 +28,7 @@ typedef struct bench_opts {
   int window;         /* shares in flight per consumer when pipelining */
   const char *python; /* interpreter for the torch.multiprocessing peer */
   const char *peer_script;
+  const char *py_script;   /* the Python package's hand-off (tshare_py_peer.py) */
   const char *torch_bench; /* the LibTorch bridge's hand-off program, or NULL */
 } bench_opts;
 

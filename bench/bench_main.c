@@ -20,6 +20,12 @@
 #ifndef TSHARE_BENCH_VERSION
 #define TSHARE_BENCH_VERSION "?"
 #endif
+#ifndef TSHARE_BENCH_PYTHON
+#define TSHARE_BENCH_PYTHON "python3"
+#endif
+#ifndef TSHARE_BENCH_PY_SCRIPT
+#define TSHARE_BENCH_PY_SCRIPT "tshare_py_peer.py"
+#endif
 #ifndef TSHARE_BENCH_PEER_SCRIPT
 #define TSHARE_BENCH_PEER_SCRIPT "torch_mp_peer.py"
 #endif
@@ -152,6 +158,28 @@ static void targets(bench *b) {
     br_target_add(r, "an idle waiting consumer < 1% of a core", -1, "not measured");
   else
     br_target_add(r, "an idle waiting consumer < 1% of a core", idle < 1, "%.3f%%", idle);
+  /* The Python package against torch.multiprocessing and the bridge. */
+  char py_detail[200] = "";
+  int py_ok = 1, py_measured = 0;
+  const char *py_devs[2] = {"cuda", "cpu"};
+  for (int i = 0; i < 2; i++) {
+    char k_py[48], k_mp[48], k_br[48];
+    snprintf(k_py, sizeof k_py, "tshare_python_%s", py_devs[i]);
+    snprintf(k_mp, sizeof k_mp, "torch_mp_%s", py_devs[i]);
+    snprintf(k_br, sizeof k_br, "torch_bridge_%s", py_devs[i]);
+    double py = value_of(b, k_py), pmp = value_of(b, k_mp), pbr = value_of(b, k_br);
+    if (isnan(py) || isnan(pmp) || isnan(pbr)) continue;
+    py_measured++;
+    py_ok = py_ok && pmp / py >= 10 && py <= 2 * pbr;
+    size_t used = strlen(py_detail);
+    snprintf(py_detail + used, sizeof py_detail - used, "%s%s %.1fx faster than torch.mp, %.2fx the bridge", used ? "; " : "",
+             py_devs[i], pmp / py, py / pbr);
+  }
+  if (py_measured < 2)
+    br_target_add(r, "Python: cpu and cuda >= 10x faster than torch.mp, within 2x of the bridge", -1, "not measured");
+  else
+    br_target_add(r, "Python: cpu and cuda >= 10x faster than torch.mp, within 2x of the bridge", py_ok, "%s",
+                  py_detail);
   double bp = value_of(b, "torch_bridge_pipelined_cuda_expandable");
   if (isnan(bp))
     br_target_add(r, "bridge: >= 200k cuda shares/s to one consumer (memory already mapped)", -1, "not measured");
@@ -182,8 +210,17 @@ int main(int argc, char **argv) {
   if (argc == 5 && strcmp(argv[1], "--consumer") == 0) return consumer_main(atoi(argv[2]), argv[3], atoi(argv[4]));
   static bench b;
   b.opt = (bench_opts){.iters = 20000, .warmup = 2000, .pipelined = 200000, .memory_shares = 1000000,
-                       .bw_bytes = (size_t)1 << 30, .window = 64, .python = "python3",
-                       .peer_script = TSHARE_BENCH_PEER_SCRIPT};
+                       .bw_bytes = (size_t)1 << 30, .window = 64, .python = TSHARE_BENCH_PYTHON,
+                       .peer_script = TSHARE_BENCH_PEER_SCRIPT,
+                       .py_script = TSHARE_BENCH_PY_SCRIPT};
+#ifdef TSHARE_BENCH_PYTHONPATH
+  { /* the package as built here, ahead of any installed one */
+    const char *old = getenv("PYTHONPATH");
+    char path[4096];
+    snprintf(path, sizeof path, "%s%s%s", TSHARE_BENCH_PYTHONPATH, old && *old ? ":" : "", old ? old : "");
+    setenv("PYTHONPATH", path, 1);
+  }
+#endif
 #ifdef TSHARE_BENCH_TORCH
   b.opt.torch_bench = TSHARE_BENCH_TORCH;
 #endif

@@ -141,6 +141,18 @@ void bench_peers_external(bench *b) {
                       (char *)"--iters", iters, (char *)"--warmup", warmup, NULL};
       peer_row(b, argv, key, label, gpu ? "floor" : "floor_fd", NULL);
     }
+    snprintf(key, sizeof key, "tshare_python_%s", dev);
+    snprintf(label, sizeof label, "tshare Python package, %s tensor", dev);
+    if (gpu && !b->have_gpu) {
+      snprintf(why, sizeof why, "no GPU: %s", b->no_gpu_why);
+      br_skip(&b->rep, BR_LATENCY, "latency", key, label, why);
+    } else {
+      char peer_key[48];
+      snprintf(peer_key, sizeof peer_key, "torch_mp_%s", dev);
+      char *argv[] = {(char *)b->opt.python, (char *)b->opt.py_script, (char *)"--device", (char *)dev,
+                      (char *)"--iters", iters, (char *)"--warmup", warmup, NULL};
+      peer_row(b, argv, key, label, gpu ? "floor" : "floor_fd", peer_key);
+    }
     snprintf(key, sizeof key, "torch_bridge_%s", dev);
     snprintf(label, sizeof label, "tshare LibTorch bridge, %s tensor", dev);
     if (!b->opt.torch_bench) {

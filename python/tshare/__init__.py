@@ -64,12 +64,17 @@ class Channel:
         return recv(self, timeout=timeout, device=device)
 
     def __iter__(self):
-        """Received tensors until the peer says bye."""
-        while True:
-            r = recv(self)
-            if r is None:
-                return
-            yield r
+        """Received tensors until the peer says bye: `for r in ch:`. The loop
+        variable holds its tensor until the next one arrives; `del r` at the
+        end of the body releases it before the loop waits again (a producer
+        that waits for releases needs that). No hidden reference is kept."""
+        return self
+
+    def __next__(self):
+        r = recv(self)
+        if r is None:
+            raise StopIteration
+        return r
 
     def poll(self, timeout=0.0):
         """Process incoming frames (releases, shares queued for recv): True if

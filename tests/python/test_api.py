@@ -86,6 +86,19 @@ def release_once():
     del r
     c.poll(0)
     p.wait_released(timeout=5)
+    # Iterating the channel keeps no reference of its own: del in the loop
+    # body releases at once.
+    for i in range(3):
+        tshare.send(p, t[i], tag=str(i))
+    n = 0
+    for r in c:  # (not enumerate(c): its cached result tuple would hold r)
+        del r
+        c.poll(0)
+        p.poll(0.05)
+        assert p.outstanding() == 2 - n, "iteration %d: %d outstanding" % (n, p.outstanding())
+        if n == 2:
+            break
+        n += 1
     p.close()
     assert tshare.recv(c, timeout=5) is None, "a closed producer ends the stream"
     c.close()
