@@ -6,7 +6,8 @@
 # make valgrind (CPU tests under valgrind),
 # make fuzz (libFuzzer on the decoder and share validation), make faults (fault
 # trials), make load (the load test), make gpu-sanitize (compute-sanitizer memcheck
-# and racecheck, on a GPU machine), make install PREFIX=..., make clean.
+# and racecheck, on a GPU machine), make install PREFIX=..., make install-python
+# (the tshare Python package into its interpreter's site-packages), make clean.
 
 BUILD_DIR ?= build
 ASAN_BUILD_DIR ?= build-asan
@@ -23,7 +24,7 @@ CMAKE_FLAGS ?= $(if $(CI),-DTSHARE_WERROR=ON)
 # "Entering directory" chatter.
 MAKEFLAGS += --no-print-directory
 
-.PHONY: all deps build demo test bench asan tsan valgrind fuzz faults load gpu-sanitize install clean
+.PHONY: all deps build demo test bench asan tsan valgrind fuzz faults load gpu-sanitize install install-python clean
 
 all: build
 
@@ -38,6 +39,7 @@ build: deps $(BUILD_DIR)/CMakeCache.txt
 
 demo: build
 	$(BUILD_DIR)/launcher/tshare-launch demo --tensors 8 --consumers 2
+	@./examples/python/run_demo.sh $(BUILD_DIR)
 
 test: build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS)
@@ -117,6 +119,13 @@ fuzz: build
 
 install: build
 	cmake --install $(BUILD_DIR) --prefix $(PREFIX)
+
+# The Python package into the site-packages of the interpreter it was built
+# for (cmake's TSHARE_PYTHON; PYTHON_SITE=DIR puts it elsewhere).
+install-python: build
+	@test -f $(BUILD_DIR)/python/interpreter || { echo "install-python: the Python package is not built (see cmake's output: it needs python3 with its C headers)"; exit 1; }
+	$(if $(PYTHON_SITE),cmake -S . -B $(BUILD_DIR) -DTSHARE_PYTHON_SITE=$(PYTHON_SITE) >/dev/null && cmake --build $(BUILD_DIR) -j $(JOBS) >/dev/null &&) cmake --install $(BUILD_DIR) --component python
+	@echo "installed: import tshare with $$(cat $(BUILD_DIR)/python/interpreter)"
 
 clean:
 	rm -rf $(BUILD_DIR) $(ASAN_BUILD_DIR) $(TSAN_BUILD_DIR) $(VALGRIND_BUILD_DIR)

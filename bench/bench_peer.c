@@ -152,6 +152,12 @@ void bench_peers_external(bench *b) {
       char *argv[] = {(char *)b->opt.python, (char *)b->opt.py_script, (char *)"--device", (char *)dev,
                       (char *)"--iters", iters, (char *)"--warmup", warmup, NULL};
       peer_row(b, argv, key, label, gpu ? "floor" : "floor_fd", peer_key);
+      if (gpu) { /* the fast path for caching-allocator tensors, as in the bridge's row below */
+        saved_env conf = env_set("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True");
+        peer_row(b, argv, "tshare_python_cuda_expandable", "tshare Python package, cuda tensor, expandable segments",
+                 "floor", peer_key);
+        env_restore(&conf);
+      }
     }
     snprintf(key, sizeof key, "torch_bridge_%s", dev);
     snprintf(label, sizeof label, "tshare LibTorch bridge, %s tensor", dev);

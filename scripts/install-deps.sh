@@ -6,8 +6,10 @@
 # torch.multiprocessing peer), clang (the libFuzzer target), valgrind
 # (make valgrind), a C++
 # compiler and LibTorch for the torch bridge: Debian's libtorch-dev (CPU-only)
-# where no LibTorch is found (Torch_DIR, python3's torch, the system).
-# TSHARE_WITH_TORCH=OFF in the environment skips LibTorch.
+# where no LibTorch is found (Torch_DIR, python3's torch, the system), and
+# for the Python package an interpreter with torch and its C headers
+# (Debian's python3-torch and python3-dev, for /usr/bin/python3).
+# TSHARE_WITH_TORCH=OFF / TSHARE_WITH_PYTHON=OFF in the environment skip them.
 set -eu
 
 need=""
@@ -38,6 +40,21 @@ have_torch() {
 if [ "${TSHARE_WITH_TORCH:-AUTO}" != "OFF" ]; then
   command -v c++ >/dev/null 2>&1 || optional="$optional g++"
   have_torch || optional="$optional libtorch-dev"
+fi
+
+# The Python package: an interpreter that imports torch, with its C headers.
+# Debian's python3-torch installs into /usr/bin/python3, which need not be the
+# python3 first on PATH; the build looks at both (cmake/TsharePython.cmake).
+python_ready() {
+  for py in "${TSHARE_PYTHON:-}" "$(command -v python3 2>/dev/null)" /usr/bin/python3; do
+    [ -n "$py" ] && [ -x "$py" ] || continue
+    "$py" -c "import torch, sysconfig, os, sys; sys.exit(0 if os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')) else 1)" \
+      >/dev/null 2>&1 && return 0
+  done
+  return 1
+}
+if [ "${TSHARE_WITH_PYTHON:-AUTO}" != "OFF" ] && ! python_ready; then
+  optional="$optional python3-dev python3-torch"
 fi
 
 [ -z "$need$optional" ] && exit 0
