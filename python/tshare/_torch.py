@@ -9,6 +9,7 @@ of the original producer's memory. Received tensors are built through DLPack
 (the versioned capsule where the installed torch takes it, else the classic
 one); their deleter releases the share exactly once, from any thread.
 """
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -175,10 +176,18 @@ class Received(NamedTuple):
     share_id: int
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_device_count():
+    """Devices torch can use: fixed for the process, so asked once, not per hand-off."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _stream_for(device):
+    if not _cuda_device_count():  # no stream to order on: the share is taken, then refused (recv)
+        return 0
     if device < 0:
         device = torch.cuda.current_device()
-    count = torch.cuda.device_count()
+    count = _cuda_device_count()
     if device >= count:
         _fail(_tshare.E_INVALID_ARG, "recv: device %d does not exist here (%d visible)" % (device, count))
     return _current_stream(device)
@@ -206,7 +215,7 @@ def recv(ch, timeout=None, device=None) -> Optional[Received]:
     if dtype is None:
         del capsule  # releases the share
         _fail(_tshare.E_UNSUPPORTED, "a shared dtype %s has no PyTorch equivalent" % _dtype_name(code, bits))
-    if device_type == _DEVICE_CUDA and not torch.cuda.is_available():
+    if device_type == _DEVICE_CUDA and not _cuda_device_count():
         del capsule
         _fail(_tshare.E_UNSUPPORTED, "share %d is GPU memory and this torch has no usable CUDA" % share_id)
     t = _from_dlpack(capsule)
@@ -276,7 +285,7 @@ def share_memory_(tensor):
         return tensor
     storage = _storage_of(tensor)
     itemsize = tensor.element_size()
-    count = storage.nbytes() // itemsize if callable(getattr(storage, "nbytes", None)) else storage.size()
+    count = storage.nbytes() // itemsize
     shared = empty_shared(count, dtype=tensor.dtype)
     if count:
         shared.copy_(tensor.as_strided((count,), (1,), 0))
