@@ -190,6 +190,7 @@ void tshare_channel_close(tshare_channel *ch) {
   /* A clean end for the peer (TSHARE_END, not TSHARE_E_PEER_CLOSED): the
    * bye goes after the releases, best effort. */
   if (ch->conn.wfd >= 0 && !ch->conn.broken) {
+    ts_cuda_before_close(ch, 100); /* segments held for the peer's mappings: answered before they go */
     if (ch->bye_sent)
       ts_share_flush_pending(ch, 100);
     else

@@ -119,6 +119,9 @@ void ts_share_send_releases_now(tshare_channel *ch);
 
 void ts_share_queue_release_locked(tshare_channel *ch, uint64_t share_id); /* with ch->lock held */
 int ts_share_send_export(tshare_channel *ch, tshare_frame *f, int fd, ts_export *e, int timeout_ms, uint64_t *share_id);
+/* Handle one frame from the peer (after its bye too: TSHARE_END for the bye
+ * itself); shares are queued for tshare_view_recv(). */
+int ts_share_drive(tshare_channel *ch, int timeout_ms);
 void ts_export_drop(ts_export *e); /* a share that never went out: release what it held, free it */
 void ts_share_free_incoming(tshare_channel *ch);
 

@@ -42,6 +42,11 @@ typedef enum ts_gpu_wait {
 #define TS_GPU_SPIN_US 200
 int ts_cuda_flush(tshare_channel *ch, int timeout_ms, ts_gpu_wait *gpu_wait);
 
+/* Before this end closes: the peer is asked to close the mappings it keeps
+ * of segments held for it (cuda_anchor.h) and given up to timeout_ms to
+ * answer (or hang up), so that none is freed under its mapping. */
+void ts_cuda_before_close(tshare_channel *ch, int timeout_ms);
+
 /* A share holding event slot `slot` was released or dropped. */
 void ts_cuda_slot_free(tshare_channel *ch, int slot);
 

@@ -253,7 +253,12 @@ int ts_cuda_import_get(uint64_t origin, uint64_t alloc_id, CUcontext ctx, const 
            ts_u64map_get(&by_key, key_of(origin, alloc_id, ctx, vmm ? NULL : (const uint8_t *)handle->reserved));
        i; i = i->same_key)
     if (same_identity(i, &id) && (!imp || imp->gone)) imp = i;
-  if (imp && !imp->gone) {
+  if (imp && imp->gone && imp->views && imp->legacy && imp->size == size) {
+    /* Retired but still in use, and shared again: this share holds the
+     * allocation too, and a second open of one handle in one context is
+     * refused by some drivers. It still closes at its last view. */
+    ts_cuda_counters.import_hits++;
+  } else if (imp && !imp->gone) {
     if (imp->size != size) {
       pthread_mutex_unlock(&ts_cuda_lock);
       return ts_errf(err, cap, TSHARE_E_PROTOCOL, "import: allocation %llu came back with %zu bytes, not %zu",

@@ -162,6 +162,11 @@ static uint64_t cuda_hello_caps(tshare_channel_kind kind) {
   return 0; /* this build imports no GPU memory */
 }
 static void cuda_view_release(struct tshare_view *v) { (void)v; /* no CUDA view can exist here */ }
+void ts_cuda_before_close(tshare_channel *ch, int timeout_ms) {
+  (void)ch;
+  (void)timeout_ms;
+}
+
 static void cuda_nothing(tshare_channel *ch) { (void)ch; }
 
 const ts_backend ts_cuda_backend = {

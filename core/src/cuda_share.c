@@ -5,6 +5,7 @@
  * waiting for the GPU are under ch->lock, since views are released from any
  * thread. */
 #include "backend.h"
+#include "cuda_anchor.h"
 #include "channel_internal.h"
 #include "clock.h"
 #include "cuda_hooks.h"
@@ -78,6 +79,10 @@ struct ts_cuda_chan {
   ts_u64map vmm_runs; /* run id + 1 -> vmm_run */
   size_t nruns;
   int64_t runs_checked_us;
+  /* producer: cudaMalloc segments of another allocator held while the peer
+   * keeps them mapped between hand-offs (cuda_anchor.h) */
+  ts_anchors anchors;
+  int64_t anchors_checked_us;
 };
 
 #define VMM_RUNS_MAX 256 /* runs watched per channel; past it shares go without a retire notice */
@@ -451,11 +456,17 @@ static int share_foreign(tshare_channel *ch, const void *data, const tshare_tens
     drop(keep);
     return rc;
   }
+  /* cudaMalloc memory whose release would let its owner free it: the
+   * segment is held past the release instead, so the peer may keep it
+   * mapped between hand-offs (cuda_anchor.h). */
+  bool anchored = !vmm && x.fd < 0 && drop != no_release && ch->conn.minor >= 1 &&
+                  ts_anchor_share(&chan_of(ch)->anchors, x.buffer_id, &drop, &keep);
   e->release = drop;
   e->owner = keep;
   e->user_data = user_data;
   rc = send_cuda_share(ch, &x, vmm ? &chunks : NULL, (uint64_t)(ptr - x.base), (uint32_t)getpid(),
-                       watched ? TSHARE_SHARE_FLAG_RETIRE_NOTICE : 0, desc, stream, tag, e, timeout_ms, share_id);
+                       watched || anchored ? TSHARE_SHARE_FLAG_RETIRE_NOTICE : 0, desc, stream, tag, e, timeout_ms,
+                       share_id);
   if (owned) ts_vmm_chunks_close(&chunks); /* the peer has its own; a watched run keeps them */
   return rc;
 }
@@ -803,6 +814,8 @@ int ts_cuda_on_frame(tshare_channel *ch, const tshare_frame *f) {
       if (pm) {
         ts_cuda_alloc_peer_release(pm->alloc);
         free(pm);
+      } else {
+        (void)ts_anchor_closed(&c->anchors, r->alloc_ids[i]);
       }
     } else { /* the owner frees it: close it (now if idle) and say so */
       TS_LOG(TS_LOG_DEBUG, "peer %s retires allocation %llu", ch->conn.peer_label, (unsigned long long)r->alloc_ids[i]);
@@ -917,6 +930,15 @@ int ts_cuda_flush(tshare_channel *ch, int timeout_ms, ts_gpu_wait *busy) {
       if (rc != TSHARE_OK) return rc;
     }
   }
+  if (c->anchors.n && ts_now_us() - c->anchors_checked_us >= VMM_RUNS_CHECK_US) {
+    c->anchors_checked_us = ts_now_us();
+    uint64_t idle[TSHARE_RELEASE_MAX];
+    size_t nidle = ts_anchors_idle(&c->anchors, c->anchors_checked_us, idle, TSHARE_RELEASE_MAX);
+    if (nidle) {
+      int rc = send_retire(ch, 0, idle, nidle, ts_remaining(deadline));
+      if (rc != TSHARE_OK) return rc;
+    }
+  }
   if (c->nacks) {
     int rc = send_retire(ch, 1, c->acks, c->nacks, ts_remaining(deadline));
     if (rc != TSHARE_OK) return rc;
@@ -938,6 +960,21 @@ int ts_cuda_flush(tshare_channel *ch, int timeout_ms, ts_gpu_wait *busy) {
   return n ? send_retire(ch, 0, ids, n, ts_remaining(deadline)) : TSHARE_OK;
 }
 
+void ts_cuda_before_close(tshare_channel *ch, int timeout_ms) {
+  struct ts_cuda_chan *c = ch->cuda;
+  if (!c || !c->anchors.n) return;
+  int64_t deadline = ts_deadline(timeout_ms);
+  uint64_t ids[TSHARE_RELEASE_MAX];
+  for (size_t n; (n = ts_anchors_retire_all(&c->anchors, ids, TSHARE_RELEASE_MAX)) > 0;)
+    if (send_retire(ch, 0, ids, n, ts_remaining(deadline)) != TSHARE_OK) return;
+  /* A peer that hangs up has closed its idle mappings first (its close, or
+   * its exit, does that before the socket goes). */
+  while (ts_anchors_pending(&c->anchors) && ts_remaining(deadline) != 0) {
+    int rc = ts_share_drive(ch, ts_remaining(deadline));
+    if (rc != TSHARE_OK && rc != TSHARE_END) break;
+  }
+}
+
 static void cuda_peer_gone(tshare_channel *ch) {
   struct ts_cuda_chan *c = ch->cuda;
   if (!c) return;
@@ -950,6 +987,7 @@ static void cuda_peer_gone(tshare_channel *ch) {
   }
   ts_u64map_free(&c->mapped);
   vmm_runs_free(c);
+  ts_anchors_drop_all(&c->anchors);
   if (ch->conn.peer_key) ts_cuda_import_origin_gone(ch->conn.peer_key);
 }
 

@@ -437,6 +437,11 @@ static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, i
   }
 }
 
+int ts_share_drive(tshare_channel *ch, int timeout_ms) {
+  bool got;
+  return drive_once(ch, timeout_ms, NULL, NULL, &got, true);
+}
+
 int tshare_channel_poll(tshare_channel *ch, int timeout_ms) {
   if (!ch) return TSHARE_E_INVALID_ARG;
   bool got;

@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #define TIMEOUT 20000
@@ -530,6 +531,70 @@ TS_TEST(import_cache) {
   tshare_channel_close(ch);
   tshare_cuda_slab_release(slab);
   cu->cuMemFree(second);
+}
+
+static void count_drop(void *counter) { ++*(int *)counter; }
+
+static long long now_ms(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (long long)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+/* cudaMalloc memory shared with a drop function (how the LibTorch bridge
+ * shares caching-allocator tensors): the consumer keeps the segment mapped
+ * between hand-offs because the producer keeps what the last release would
+ * have dropped, until the segment was idle a while and the consumer said it
+ * closed its mapping. */
+TS_TEST(segment_held_while_the_consumer_keeps_it_mapped) {
+  need_gpu(1);
+  peer c = start_role("checker", "", NULL, -1, -1);
+  tshare_channel *ch = open_ch(c.channel_fd, "producer");
+  CUdeviceptr seg;
+  CHECK(cu->cuMemAlloc(&seg, 1 << 20) == CUDA_SUCCESS);
+  tshare_tensor_desc d = vec_i32(1024);
+  int drops = 0;
+  const int rounds = 10;
+  for (int i = 0; i < rounds; i++) {
+    d.byte_offset = (uint64_t)(i % 4) * 4096;
+    CHECK(ck_fill(seg + d.byte_offset, 1024, 10 * i, 1, NULL) == CUDA_SUCCESS);
+    char tag[32];
+    snprintf(tag, sizeof tag, "%d 1 1024", 10 * i);
+    uint64_t id;
+    CHECK_RC(tshare_share_cuda_keep(ch, (void *)(uintptr_t)seg, &d, NULL, tag, count_drop, &drops, NULL, TIMEOUT,
+                                    &id),
+             TSHARE_OK, tshare_channel_last_error(ch));
+    CHECK_RC(tshare_channel_wait_released(ch, id, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  }
+  printf("after %d released hand-offs: %d keeps dropped\n", rounds, drops);
+  CHECK_EQ(drops, rounds - 1); /* the last one holds the segment for the consumer's mapping */
+  long long t0 = now_ms();
+  while (drops < rounds && now_ms() - t0 < 5000) {
+    int rc = tshare_channel_poll(ch, 10);
+    if (rc != TSHARE_OK && rc != TSHARE_E_TIMEOUT) TS_FAIL("poll: %s", tshare_channel_last_error(ch));
+  }
+  printf("idle: the last keep dropped %lld ms after the last release\n", now_ms() - t0);
+  CHECK_EQ(drops, rounds);
+  /* Again, then a close straight after: the close asks the consumer first. */
+  CHECK(ck_fill(seg, 1024, 500, 1, NULL) == CUDA_SUCCESS);
+  d.byte_offset = 0;
+  CHECK_RC(tshare_share_cuda_keep(ch, (void *)(uintptr_t)seg, &d, NULL, "500 1 1024", count_drop, &drops, NULL,
+                                  TIMEOUT, NULL),
+           TSHARE_OK, tshare_channel_last_error(ch));
+  end_stream(ch);
+  size_t views;
+  unsigned long long bad, imports, hits;
+  int device;
+  parse_checker(result_line(&c), &views, &bad, &imports, &hits, &device);
+  printf("consumer: views %zu, wrong elements %llu, opens %llu, cache hits %llu\n", views, bad, imports, hits);
+  CHECK_EQ(views, rounds + 1);
+  CHECK_EQ(bad, 0);
+  CHECK_EQ(imports, 2); /* once, and once more after the idle retire */
+  CHECK_EQ(hits, rounds - 1);
+  tshare_channel_close(ch);
+  CHECK_EQ(drops, rounds + 1);
+  CHECK_EQ(finish(&c), 0);
+  cu->cuMemFree(seg);
 }
 
 /* The consumer sees the devices in another order: it maps by UUID. With one

@@ -275,6 +275,28 @@ static int role_holder(tshare_channel *ch) {
   return 0;
 }
 
+// Twenty hand-offs of one caching-allocator tensor: mapped once, whichever
+// allocator mode (the fast path for memory tshare does not own).
+static int role_repeat_reader(tshare_channel *ch) {
+  tshare_cuda_export_stats st0, st;
+  tshare_cuda_stats(&st0);
+  int n = 0;
+  while (auto r = tt::recv(ch, {TIMEOUT})) {
+    CHECK(r->tag == std::to_string(n));
+    CHECK(at::equal(r->tensor, at::full({1024}, float(n), on_gpu)));
+    n++;
+  }
+  tshare_cuda_stats(&st);
+  unsigned long long opens = (st.imports + st.fd_imports) - (st0.imports + st0.fd_imports),
+                     hits = st.import_hits - st0.import_hits;
+  printf("consumer: %d hand-offs of one tensor (%s): %llu opens, %llu cache hits\n", n,
+         expandable() ? "expandable segments" : "default allocator", opens, hits);
+  CHECK_EQ(n, 20);
+  CHECK_EQ(opens, 1);
+  CHECK_EQ(hits, 19);
+  return 0;
+}
+
 static int role_main(int argc, char **argv) {
   if (argc < 3) return 2;
   tshare_channel *ch = open_channel(3, argv[2]);
@@ -288,6 +310,7 @@ static int role_main(int argc, char **argv) {
            : role == "neighbours_producer" ? role_neighbours_producer(ch)
            : role == "chunk_reader"       ? role_chunk_reader(ch)
            : role == "holder"             ? role_holder(ch)
+           : role == "repeat_reader"      ? role_repeat_reader(ch)
                                           : 2;
   tshare_channel_close(ch);
   fflush(stdout);
@@ -418,8 +441,24 @@ TS_TEST(cuda_expandable_segment_tensor_spanning_chunks) {
   tshare_channel_close(ch);
 }
 
-TS_TEST(cuda_expandable_memory_freed_by_the_producer_returns_after_release) {
-  need_expandable();
+TS_TEST(cuda_repeated_hand_offs_map_once) {
+  need_gpu();
+  int fd;
+  tshare_process *p = start("repeat_reader", &fd);
+  tshare_channel *ch = open_channel(fd, "producer");
+  at::Tensor x = at::zeros({1024}, on_gpu);
+  for (int i = 0; i < 20; i++) {
+    x.fill_(float(i));
+    uint64_t id = tt::send(ch, x, {std::to_string(i)});
+    CHECK_RC(tshare_channel_wait_released(ch, id, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  }
+  bye_and_wait_released(ch, TIMEOUT);
+  finish(p, "consumer");
+  tshare_channel_close(ch);
+}
+
+TS_TEST(cuda_memory_freed_by_the_producer_returns_after_release) {
+  need_gpu();
   int fd;
   tshare_process *p = start("holder", &fd);
   tshare_channel *ch = open_channel(fd, "producer");
@@ -437,18 +476,21 @@ TS_TEST(cuda_expandable_memory_freed_by_the_producer_returns_after_release) {
   size_t while_held = gpu_free_bytes();
   tt::send(ch, at::zeros({1}), {"freed"});
   CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
-  // Released: the storage goes back to the caching allocator, which unmaps
-  // it when its cache is emptied. The consumer lives on; the memory comes
-  // back once this end has seen the chunks unmapped and said so (it looks
-  // every millisecond it drives the channel) and the consumer closed the
-  // mapping it kept for the next share.
+  // Released. Expandable segments: the storage goes back to the caching
+  // allocator, which unmaps it when its cache is emptied; this end sees the
+  // chunks unmapped (it looks every millisecond it drives the channel) and
+  // says so, and the consumer closes the mapping it kept for the next share.
+  // The default allocator's segment: this end holds the storage while the
+  // consumer keeps the segment mapped, until it was idle for a while and the
+  // consumer closed it; then the cache can let it go.
   c10::cuda::CUDACachingAllocator::emptyCache();
   size_t released = gpu_free_bytes(); // kernels loaded since the baseline took some too: compare with this
   int64_t t0 = tt_now_ms();
   size_t after = released;
-  const size_t back = size_t(120) << 20; // of the 128 MiB tensor's chunks
+  const size_t back = size_t(120) << 20; // of the 128 MiB tensor's memory
   while (after < released + back && tt_now_ms() - t0 < 5000) {
     (void)tshare_channel_poll(ch, 1);
+    c10::cuda::CUDACachingAllocator::emptyCache();
     after = gpu_free_bytes();
   }
   printf("GPU free: baseline %zu MiB, shared and freed here %zu MiB, released %zu MiB, then %zu MiB %lld ms later\n",
