@@ -106,8 +106,24 @@ static void env_restore(const saved_env *s) {
   else unsetenv(s->name);
 }
 
-/* The bridge pipelined (64 in flight): shares/s and the producer's fds. */
-static void bridge_throughput_row(bench *b, const char *dev, long n, const char *key, const char *label) {
+/* One before -> after figure of a pipelined bridge run, when it reported it. */
+static void bridge_memory_row(bench *b, const char *line, const char *field, const char *key_prefix,
+                              const char *key_suffix, const char *label, const char *unit, long n) {
+  char before_f[64], after_f[64], key[96];
+  snprintf(before_f, sizeof before_f, "%s_before", field);
+  snprintf(after_f, sizeof after_f, "%s_after", field);
+  double before = bp_field(line, before_f), after = bp_field(line, after_f);
+  if (isnan(before) || isnan(after) || before < 0 || after < 0) return;
+  snprintf(key, sizeof key, "%s_%s", key_prefix, key_suffix);
+  bench_memory_row(b, key, label, before, after, unit);
+  br_find(&b->rep, key)->n = n;
+}
+
+/* The bridge pipelined (64 in flight): shares/s, and the figures that must
+ * not grow over the run (fds on both sides, the consumer's mappings, the
+ * GPU's free memory). */
+static void bridge_throughput_row(bench *b, const char *dev, long n, const char *key, const char *label,
+                                  const char *what) {
   char count[32], last[512], why[600];
   snprintf(count, sizeof count, "%ld", n);
   char *argv[] = {(char *)b->opt.torch_bench, (char *)"--device", (char *)dev, (char *)"--pipelined", count, NULL};
@@ -120,6 +136,17 @@ static void bridge_throughput_row(bench *b, const char *dev, long n, const char 
   row->n = (long)bp_field(last, "n");
   snprintf(row->note, sizeof row->note, "producer open fds %.0f -> %.0f over the run", bp_field(last, "fds_before"),
            bp_field(last, "fds_after"));
+  char label_m[128];
+  const struct {
+    const char *field, *suffix, *label, *unit;
+  } figures[] = {{"gpu_free", "gpu_free", "GPU memory free", "MiB"},
+                 {"fds", "producer_fds", "producer open fds", ""},
+                 {"consumer_fds", "consumer_fds", "consumer open fds", ""},
+                 {"consumer_mappings", "consumer_mappings", "consumer GPU mappings open", ""}};
+  for (size_t i = 0; i < sizeof figures / sizeof *figures; i++) {
+    snprintf(label_m, sizeof label_m, "bridge %s: %s", what, figures[i].label);
+    bridge_memory_row(b, last, figures[i].field, key, figures[i].suffix, label_m, figures[i].unit, n);
+  }
 }
 
 void bench_peers_external(bench *b) {
@@ -176,7 +203,12 @@ void bench_peers_external(bench *b) {
       saved_env transport = env_set("TSHARE_TRANSPORT", "ring");
       snprintf(label, sizeof label, "tshare LibTorch bridge, %s tensor [ring]", dev);
       peer_row(b, argv, key, label, gpu ? "floor" : "floor_fd", peer_key);
-      if (!gpu) bridge_throughput_row(b, dev, b->opt.pipelined, "torch_bridge_pipelined_cpu", "bridge: cpu tensors/s to 1 consumer");
+      if (!gpu)
+        bridge_throughput_row(b, dev, b->opt.pipelined, "torch_bridge_pipelined_cpu",
+                              "bridge: cpu tensors/s to 1 consumer", "cpu");
+      else /* the default caching allocator: segments kept mapped between hand-offs */
+        bridge_throughput_row(b, dev, b->opt.memory_shares, "torch_bridge_pipelined_cuda",
+                              "bridge: cuda tensors/s to 1 consumer, default allocator", "cuda");
       setenv("TSHARE_TRANSPORT", "socket", 1);
       snprintf(key, sizeof key, "torch_bridge_%s_socket", dev);
       snprintf(label, sizeof label, "tshare LibTorch bridge, %s tensor [socket]", dev);
@@ -188,7 +220,7 @@ void bench_peers_external(bench *b) {
         snprintf(label, sizeof label, "tshare LibTorch bridge, %s tensor, expandable segments", dev);
         peer_row(b, argv, key, label, "floor", peer_key);
         bridge_throughput_row(b, dev, b->opt.memory_shares, "torch_bridge_pipelined_cuda_expandable",
-                              "bridge: cuda tensors/s to 1 consumer, expandable segments");
+                              "bridge: cuda tensors/s to 1 consumer, expandable segments", "cuda expandable");
         env_restore(&conf);
       }
     }

@@ -7,8 +7,11 @@
 //   bench_torch --device cuda|cpu --pipelined N   (64 in flight, no round trip)
 //
 // Prints "result p50_us=... p99_us=... n=... torch=..." (pipelined:
-// "result shares_per_s=... n=... fds_before=... fds_after=... torch=...") or
-// "skip: why" (exit 77).
+// "result shares_per_s=... n=... fds_before=... fds_after=... gpu_free_before=...
+// gpu_free_after=... (MiB) consumer_mappings_before=... consumer_mappings_after=...
+// consumer_fds_before=... consumer_fds_after=... torch=...": the consumer's
+// figures come over a pipe on its fd 4, taken at the first timed share and
+// at the end) or "skip: why" (exit 77).
 // The consumer is this binary again (--consumer, posix_spawn: a CUDA process
 // must not fork).
 #include <tshare/torch.h>
@@ -23,6 +26,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <cerrno>
+#include <dlfcn.h>
+#include <fcntl.h>
 #include <string>
 #include <unistd.h>
 #include <vector>
@@ -51,6 +57,22 @@ static long open_fds() {
   return n;
 }
 
+// The GPU's free memory in MiB (the driver that LibTorch loaded), -1 if unknown.
+static double gpu_free_mib() {
+  void *cuda = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+  auto get_info = cuda ? (int (*)(size_t *, size_t *))dlsym(cuda, "cuMemGetInfo_v2") : nullptr;
+  size_t free_b = 0, total = 0;
+  double mib = get_info && get_info(&free_b, &total) == 0 ? double(free_b) / (1 << 20) : -1;
+  if (cuda) dlclose(cuda);
+  return mib;
+}
+
+static unsigned long long open_mappings() {
+  tshare_cuda_export_stats st;
+  tshare_cuda_stats(&st);
+  return st.imports + st.fd_imports - st.import_closes;
+}
+
 static int consumer() {
   tshare_channel *ch = nullptr;
   tshare_error err;
@@ -59,12 +81,26 @@ static int consumer() {
     return 1;
   }
   tshare::torch::ChannelPtr owned(ch);
+  unsigned long long mappings_before = 0;
+  long fds_before = 0;
   try {
-    while (auto got = tshare::torch::recv(ch, {TIMEOUT}))
+    while (auto got = tshare::torch::recv(ch, {TIMEOUT})) {
       if (got->tensor.numel() != 1024) return 1; // usable here; dropping it releases the share
+      if (got->tag != "start") continue;
+      got.reset(); // released: the baseline is of what stays between hand-offs
+      mappings_before = open_mappings();
+      fds_before = open_fds();
+    }
   } catch (const std::exception &e) {
     std::fprintf(stderr, "bench_torch consumer: %s\n", e.what());
     return 1;
+  }
+  FILE *report = fdopen(4, "w");
+  if (report) {
+    std::fprintf(report, "consumer_mappings_before=%llu consumer_mappings_after=%llu consumer_fds_before=%ld "
+                         "consumer_fds_after=%ld\n",
+                 mappings_before, open_mappings(), fds_before, open_fds());
+    std::fclose(report);
   }
   return 0;
 }
@@ -89,19 +125,25 @@ int main(int argc, char **argv) {
     std::printf("error: %s\n", err.message);
     return 1;
   }
+  int report[2];
+  if (pipe2(report, O_CLOEXEC) != 0) {
+    std::printf("error: pipe: %s\n", std::strerror(errno));
+    return 1;
+  }
   char *child_argv[] = {(char *)"/proc/self/exe", (char *)"--consumer", nullptr};
-  tshare_fd_map fds[1] = {{3, sv[1]}};
+  tshare_fd_map fds[2] = {{3, sv[1]}, {4, report[1]}};
   tshare_spawn_options so = {};
   so.file = "/proc/self/exe";
   so.argv = child_argv;
   so.fds = fds;
-  so.nfds = 1;
+  so.nfds = 2;
   tshare_process *child = nullptr;
   if (tshare_spawn(&so, &child, &err) != TSHARE_OK) {
     std::printf("error: %s\n", err.message);
     return 1;
   }
   close(sv[1]);
+  close(report[1]);
   tshare_channel *ch = nullptr;
   if (tshare_channel_open_socket(sv[0], nullptr, &ch, &err) != TSHARE_OK) {
     std::printf("error: %s\n", err.message);
@@ -111,6 +153,7 @@ int main(int argc, char **argv) {
   long pipelined = arg_long(argc, argv, "--pipelined", 0);
   double shares_per_s = 0;
   long fds_before = 0, fds_after = 0;
+  double gpu_before = -1, gpu_after = -1;
   std::vector<double> us;
   try {
     std::vector<at::Tensor> pool;
@@ -123,8 +166,10 @@ int main(int argc, char **argv) {
       std::vector<uint64_t> window;
       window.reserve(64);
       size_t oldest = 0;
+      const char *tag = "";
       auto step = [&](long i) {
-        uint64_t id = tshare::torch::send(ch, pool[size_t(i % 8)], {"", TIMEOUT});
+        uint64_t id = tshare::torch::send(ch, pool[size_t(i % 8)], {tag, TIMEOUT});
+        tag = "";
         if (window.size() < 64) {
           window.push_back(id);
           return;
@@ -139,12 +184,15 @@ int main(int argc, char **argv) {
       window.clear();
       oldest = 0;
       fds_before = open_fds();
+      if (device == "cuda") gpu_before = gpu_free_mib();
+      tag = "start"; // the consumer takes its own baseline here
       auto t0 = std::chrono::steady_clock::now();
       for (long i = 0; i < pipelined; i++) step(i);
       int rc = tshare_channel_wait_released(ch, 0, TIMEOUT);
       auto t1 = std::chrono::steady_clock::now();
       if (rc != TSHARE_OK) throw tshare::torch::Error(rc, tshare_channel_last_error(ch));
       fds_after = open_fds();
+      if (device == "cuda") gpu_after = gpu_free_mib();
       shares_per_s = double(pipelined) / std::chrono::duration<double>(t1 - t0).count();
     }
     for (long i = 0; pipelined == 0 && i < warmup + iters; i++) {
@@ -172,10 +220,16 @@ int main(int argc, char **argv) {
   }
   tshare_process_destroy(child);
   if (pipelined > 0) {
-    std::printf("result shares_per_s=%.0f n=%ld fds_before=%ld fds_after=%ld torch=%s\n", shares_per_s, pipelined,
-                fds_before, fds_after, TORCH_VERSION);
+    char consumer_said[256] = "";
+    FILE *from = fdopen(report[0], "r");
+    if (!from || !std::fgets(consumer_said, sizeof consumer_said, from)) std::strcpy(consumer_said, "\n");
+    if (from) std::fclose(from);
+    std::printf("result shares_per_s=%.0f n=%ld fds_before=%ld fds_after=%ld gpu_free_before=%.0f gpu_free_after=%.0f "
+                "torch=%s %s",
+                shares_per_s, pipelined, fds_before, fds_after, gpu_before, gpu_after, TORCH_VERSION, consumer_said);
     return 0;
   }
+  close(report[0]);
   std::sort(us.begin(), us.end());
   auto pct = [&](double p) { // nearest rank, as tshare-bench takes it
     size_t rank = size_t(std::ceil(p / 100.0 * double(us.size())));

@@ -15,11 +15,9 @@
 #include <vector>
 
 int main(int argc, char **argv) {
-  // The fast path for CUDA tensors: the caching allocator's expandable
-  // segments travel as fds that the workers keep mapped (docs/cuda.md), so a
-  // weight handed out again costs no open and close. Read by the allocator
-  // at its first CUDA allocation; a setting already in the environment wins.
-  setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", 0);
+  // Nothing to set up for the fast path: the workers keep the memory of the
+  // weights mapped between hand-offs in either allocator mode (the default
+  // caching allocator's segments, or expandable segments; docs/cuda.md).
   torch::Device device = device_from_args(argc, argv);
   int batches = int_arg(argc, argv, "--batches", 8);
   tshare_role role;
