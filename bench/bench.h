@@ -61,7 +61,7 @@ void bench_pump_note(const bench *b, br_row *row);
 void bench_throughput_rows(bench *b, const char *what, bench_share_fn share, void *src, const char *unavailable);
 
 /* A memory row: a figure before and after the long stream. */
-void bench_memory_row(bench *b, const char *key, const char *label, double before, double after, const char *unit);
+br_row *bench_memory_row(bench *b, const char *key, const char *label, double before, double after, const char *unit);
 
 /* A latency row from samples in nanoseconds. */
 br_row *bench_latency_row(bench *b, const char *key, const char *label, bs_samples *ns, const char *floor_key,

@@ -294,11 +294,12 @@ static int share_host_random(tshare_channel *ch, void *src, int lane, uint64_t *
   return tshare_share_host(ch, buf, &d, NULL, NULL, BENCH_TIMEOUT_MS, id);
 }
 
-void bench_memory_row(bench *b, const char *key, const char *label, double before, double after, const char *unit) {
+br_row *bench_memory_row(bench *b, const char *key, const char *label, double before, double after, const char *unit) {
   br_row *row = br_add(&b->rep, BR_MEMORY, "memory", key, label, unit);
   row->before = before;
   row->value = after;
   row->n = b->opt.memory_shares;
+  return row;
 }
 
 static void host_memory_rows(bench *b) {

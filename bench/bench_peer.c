@@ -115,8 +115,7 @@ static void bridge_memory_row(bench *b, const char *line, const char *field, con
   double before = bp_field(line, before_f), after = bp_field(line, after_f);
   if (isnan(before) || isnan(after) || before < 0 || after < 0) return;
   snprintf(key, sizeof key, "%s_%s", key_prefix, key_suffix);
-  bench_memory_row(b, key, label, before, after, unit);
-  br_find(&b->rep, key)->n = n;
+  bench_memory_row(b, key, label, before, after, unit)->n = n;
 }
 
 /* The bridge pipelined (64 in flight): shares/s, and the figures that must
@@ -136,7 +135,10 @@ static void bridge_throughput_row(bench *b, const char *dev, long n, const char 
   row->n = (long)bp_field(last, "n");
   snprintf(row->note, sizeof row->note, "producer open fds %.0f -> %.0f over the run", bp_field(last, "fds_before"),
            bp_field(last, "fds_after"));
-  char label_m[128];
+  char label_m[128], stem[32]; /* row keys hold 47 characters */
+  snprintf(stem, sizeof stem, "bridge_%s", what);
+  for (char *c = stem; *c; c++)
+    if (*c == ' ') *c = '_';
   const struct {
     const char *field, *suffix, *label, *unit;
   } figures[] = {{"gpu_free", "gpu_free", "GPU memory free", "MiB"},
@@ -144,8 +146,9 @@ static void bridge_throughput_row(bench *b, const char *dev, long n, const char 
                  {"consumer_fds", "consumer_fds", "consumer open fds", ""},
                  {"consumer_mappings", "consumer_mappings", "consumer GPU mappings open", ""}};
   for (size_t i = 0; i < sizeof figures / sizeof *figures; i++) {
+    if (strcmp(what, "cpu") == 0 && strcmp(figures[i].field, "consumer_mappings") == 0) continue; /* host memory */
     snprintf(label_m, sizeof label_m, "bridge %s: %s", what, figures[i].label);
-    bridge_memory_row(b, last, figures[i].field, key, figures[i].suffix, label_m, figures[i].unit, n);
+    bridge_memory_row(b, last, figures[i].field, stem, figures[i].suffix, label_m, figures[i].unit, n);
   }
 }
 

@@ -39,7 +39,7 @@ typedef struct br_target {
   int met;            /* 1 met, 0 missed, -1 not measured */
 } br_target;
 
-#define BR_ROWS_MAX 96
+#define BR_ROWS_MAX 128
 #define BR_TARGETS_MAX 16
 
 typedef struct br_report {
