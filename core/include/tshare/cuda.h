@@ -181,8 +181,13 @@ TSHARE_API int tshare_share_cuda(tshare_channel *ch, const void *data, const tsh
                                  const char *tag, void *user_data, int timeout_ms, uint64_t *share_id);
 
 /* The same, with something kept alive for the share: drop(keep) runs once,
- * when the share is released or dropped, or at once when it fails. This is
- * how a bridge holds a caching allocator's block (LibTorch: the Storage). */
+ * on the thread that drives the channel, after the share is released or
+ * dropped, or at once when it fails. This is how a bridge holds a caching
+ * allocator's block (LibTorch: the Storage). For cudaMalloc memory it may run
+ * up to about 100 ms after the release: the keep then holds the segment
+ * while the consumer keeps it mapped for the next share (docs/cuda.md, "held
+ * while the consumer keeps them"), so repeated hand-offs skip the consumer's
+ * open and close. */
 TSHARE_API int tshare_share_cuda_keep(tshare_channel *ch, const void *data, const tshare_tensor_desc *desc,
                                       void *stream, const char *tag, tshare_drop_fn drop, void *keep, void *user_data,
                                       int timeout_ms, uint64_t *share_id);
