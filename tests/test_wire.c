@@ -179,8 +179,26 @@ TS_TEST(roundtrip_event_retire_and_minor1_share_fields) {
   CHECK_EQ(g.u.retire.count, 3);
   CHECK(g.u.retire.alloc_ids[2] == UINT64_MAX);
   len = encode(&f, buf);
-  buf[TSHARE_WIRE_HEADER_SIZE] = 2; /* closed is 0 or 1 */
+  buf[TSHARE_WIRE_HEADER_SIZE] = 2; /* kept mapped until retired */
+  CHECK_RC(decode(buf, len, &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.retire.closed, 2);
+  buf[TSHARE_WIRE_HEADER_SIZE] = 3; /* closed is 0, 1 or 2 */
   CHECK_EQ(decode(buf, len, &g), TSHARE_E_MALFORMED);
+
+  /* A share of VMM memory the receiver keeps mapped: no fd, no handle. */
+  f = sample_share();
+  f.flags = 0;
+  f.u.share.mem_kind = TSHARE_MEM_CUDA_HELD;
+  f.u.share.device_type = TSHARE_DEVICE_CUDA;
+  CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.share.mem_kind, TSHARE_MEM_CUDA_HELD);
+  size_t ignored;
+  tshare_error terr;
+  f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED; /* it names memory already mapped: no fd */
+  CHECK_EQ(tshare_wire_encode(&f, buf, TSHARE_WIRE_FRAME_MAX, &ignored, &terr), TSHARE_E_MALFORMED);
+  f.flags = 0;
+  f.u.share.handle_len = 8;
+  CHECK_EQ(tshare_wire_encode(&f, buf, TSHARE_WIRE_FRAME_MAX, &ignored, &terr), TSHARE_E_MALFORMED);
 
   f = sample_share();
   f.u.share.origin_pid = 4242;

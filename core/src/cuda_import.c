@@ -331,6 +331,17 @@ int ts_cuda_import_get(uint64_t origin, uint64_t alloc_id, CUcontext ctx, const 
 CUdeviceptr ts_cuda_import_ptr(const ts_cuda_mapping *imp) { return imp->ptr; }
 int ts_cuda_import_fd(const ts_cuda_mapping *imp) { return imp->fd; }
 
+void ts_cuda_import_hold(ts_cuda_mapping *imp, bool hit) {
+  pthread_mutex_lock(&ts_cuda_lock);
+  idle_unlink(imp);
+  imp->views++;
+  if (hit) ts_cuda_counters.import_hits++;
+  pthread_mutex_unlock(&ts_cuda_lock);
+}
+
+size_t ts_cuda_import_size(const ts_cuda_mapping *imp) { return imp->size; }
+CUcontext ts_cuda_import_ctx(const ts_cuda_mapping *imp) { return imp->ctx; }
+
 void ts_cuda_import_put(ts_cuda_mapping *imp) {
   pthread_mutex_lock(&ts_cuda_lock);
   if (--imp->views == 0) {

@@ -99,6 +99,11 @@ int ts_cuda_import_get(uint64_t origin, uint64_t alloc_id, CUcontext ctx, const 
 CUdeviceptr ts_cuda_import_ptr(const ts_cuda_mapping *imp);
 int ts_cuda_import_fd(const ts_cuda_mapping *imp); /* VMM: the capability the mapping came with; else -1 */
 void ts_cuda_import_put(ts_cuda_mapping *imp);     /* a view is gone */
+/* One more reference to a mapping already held (a pin, or a share of memory
+ * the consumer keeps mapped: counted as a cache hit when hit). */
+void ts_cuda_import_hold(ts_cuda_mapping *imp, bool hit);
+size_t ts_cuda_import_size(const ts_cuda_mapping *imp);
+CUcontext ts_cuda_import_ctx(const ts_cuda_mapping *imp);
 
 /* The owner says the allocation goes away; true if nothing maps it any more. */
 void ts_cuda_import_retire(uint64_t origin, uint64_t alloc_id);

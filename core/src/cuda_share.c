@@ -83,7 +83,17 @@ struct ts_cuda_chan {
    * keeps them mapped between hand-offs (cuda_anchor.h) */
   ts_anchors anchors;
   int64_t anchors_checked_us;
+  /* consumer: VMM mappings of the peer's watched runs this end keeps (a
+   * reference each) until the peer retires them, having told the peer so
+   * (retire frame, closed = 2), which then shares them without their fds. */
+  ts_u64map pins;       /* alloc id + 1 -> ts_cuda_mapping */
+  size_t npins;
+  ts_u64map held_refs;  /* share id + 1 -> ts_cuda_mapping: a reference taken when such a share arrived */
+  uint64_t *holds;      /* notices to send */
+  size_t nholds, cap_holds;
 };
+
+#define PINS_MAX 64 /* mappings a consumer keeps for one channel's peer; past it shares keep carrying fds */
 
 #define VMM_RUNS_MAX 256 /* runs watched per channel; past it shares go without a retire notice */
 #define VMM_RUNS_CHECK_US 1000
@@ -94,6 +104,7 @@ struct ts_cuda_chan {
  * owner's allocator unmapped it). */
 struct vmm_run {
   int n;
+  bool peer_holds; /* the peer keeps it mapped until retired: shares of it go without fds */
   int *fd;        /* n */
   uint64_t v[];   /* n chunk bases, then their n buffer ids */
 };
@@ -109,10 +120,12 @@ static void vmm_run_free(struct vmm_run *r) {
  * after sending (*owned true: the channel watches as many runs as it may).
  * *watched: the share may promise a retire notice. */
 static int vmm_fds(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t run_id, ts_vmm_chunks *chunks, bool *owned,
-                   bool *watched) {
+                   bool *watched, bool *held) {
   struct vmm_run *r = ts_u64map_get(&c->vmm_runs, run_id + 1);
   *owned = false;
   *watched = r != NULL;
+  *held = r && r->peer_holds;
+  if (*held) return TSHARE_OK; /* the peer has it mapped: no fds travel */
   if (r) {
     for (int i = 0; i < chunks->n; i++) chunks->fd[i] = r->fd[i];
     return TSHARE_OK;
@@ -125,6 +138,7 @@ static int vmm_fds(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t run_id, 
   r = malloc(sizeof *r + 2 * n * sizeof(uint64_t) + n * sizeof(int));
   if (!r) return TSHARE_OK;
   r->n = chunks->n;
+  r->peer_holds = false;
   r->fd = (int *)(r->v + 2 * n);
   for (size_t i = 0; i < n; i++) {
     r->v[i] = chunks->base[i];
@@ -230,7 +244,7 @@ static struct ts_cuda_chan *chan_of(tshare_channel *ch) {
 
 static uint64_t cuda_hello_caps(tshare_channel_kind kind) {
   (void)kind; /* fd handles need a socket: the sender checks the channel before it sends one */
-  return TSHARE_CAP_CUDA_IPC | TSHARE_CAP_CUDA_FD;
+  return TSHARE_CAP_CUDA_IPC | TSHARE_CAP_CUDA_FD | TSHARE_CAP_CUDA_HELD;
 }
 
 void ts_cuda_hello_devices(tshare_hello *h) {
@@ -321,12 +335,14 @@ static int send_chunks(tshare_channel *ch, const ts_cuda_export *x, const ts_vmm
 }
 
 /* Fill and send the share (chunks: another allocator's VMM memory, else
- * NULL); e (release, owner, user_data set) is consumed. */
-static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, const ts_vmm_chunks *chunks, uint64_t offset,
-                           uint32_t origin_pid, uint32_t flags, const tshare_tensor_desc *desc, void *stream,
-                           const char *tag, ts_export *e, int timeout_ms, uint64_t *share_id) {
+ * NULL; held: such memory the peer keeps mapped, named by its id alone); e
+ * (release, owner, user_data set) is consumed. */
+static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, const ts_vmm_chunks *chunks, bool held,
+                           uint64_t offset, uint32_t origin_pid, uint32_t flags, const tshare_tensor_desc *desc,
+                           void *stream, const char *tag, ts_export *e, int timeout_ms, uint64_t *share_id) {
   struct ts_cuda_chan *c = ch->cuda;
   const ts_cuda_api *cu = ts_cuda_if_loaded();
+  if (held) chunks = NULL; /* nothing but the share travels */
   if ((chunks || x->fd >= 0) && !fds_travel(ch)) {
     ts_export_drop(e);
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED, "share: this GPU memory travels as %s, and %s; %s",
@@ -354,7 +370,9 @@ static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, const ts
   tshare_share_frame *s = &f.u.share;
   s->alloc_id = x->buffer_id;
   s->device_type = TSHARE_DEVICE_CUDA;
-  if (x->fd >= 0) {
+  if (held) {
+    s->mem_kind = TSHARE_MEM_CUDA_HELD;
+  } else if (x->fd >= 0) {
     s->mem_kind = TSHARE_MEM_CUDA_FD;
     f.flags |= TSHARE_FRAME_FLAG_FD_ATTACHED;
   } else {
@@ -433,7 +451,7 @@ static int share_foreign(tshare_channel *ch, const void *data, const tshare_tens
   chunks.n = 0;
   CUdeviceptr ptr = (CUdeviceptr)(uintptr_t)data;
   uint64_t span_end = 0;
-  bool vmm = rc == TSHARE_OK && ts_cuda_is_foreign_vmm(ptr), owned = false, watched = false;
+  bool vmm = rc == TSHARE_OK && ts_cuda_is_foreign_vmm(ptr), owned = false, watched = false, held = false;
   struct ts_cuda_chan *c = vmm ? chan_of(ch) : NULL;
   if (vmm && !c) rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
   if (vmm && rc == TSHARE_OK) {
@@ -444,7 +462,8 @@ static int share_foreign(tshare_channel *ch, const void *data, const tshare_tens
     /* VMM chunks stay alive in the consumer's mapping whatever their owner
      * does, so it may keep them mapped while idle: this end watches them
      * and says when they change (a retire notice). */
-    if (rc == TSHARE_OK && fds_travel(ch)) rc = vmm_fds(ch, c, x.buffer_id, &chunks, &owned, &watched); /* else refused below */
+    if (rc == TSHARE_OK && fds_travel(ch))
+      rc = vmm_fds(ch, c, x.buffer_id, &chunks, &owned, &watched, &held); /* else refused below */
     if (rc == TSHARE_OK) x.fd = chunks.fd[0];
   } else if (rc == TSHARE_OK) {
     rc = ts_cuda_export_of(ptr, &x, ch->err, sizeof ch->err);
@@ -464,9 +483,10 @@ static int share_foreign(tshare_channel *ch, const void *data, const tshare_tens
   e->release = drop;
   e->owner = keep;
   e->user_data = user_data;
-  rc = send_cuda_share(ch, &x, vmm ? &chunks : NULL, (uint64_t)(ptr - x.base), (uint32_t)getpid(),
-                       watched || anchored ? TSHARE_SHARE_FLAG_RETIRE_NOTICE : 0, desc, stream, tag, e, timeout_ms,
-                       share_id);
+  uint32_t flags = watched || anchored ? TSHARE_SHARE_FLAG_RETIRE_NOTICE : 0;
+  if (watched && !held && (ch->conn.peer.capabilities & TSHARE_CAP_CUDA_HELD)) flags |= TSHARE_SHARE_FLAG_HOLD_OFFER;
+  rc = send_cuda_share(ch, &x, vmm ? &chunks : NULL, held, (uint64_t)(ptr - x.base), (uint32_t)getpid(), flags, desc,
+                       stream, tag, e, timeout_ms, share_id);
   if (owned) ts_vmm_chunks_close(&chunks); /* the peer has its own; a watched run keeps them */
   return rc;
 }
@@ -522,8 +542,8 @@ int tshare_share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const 
   e->owner = buf;
   e->user_data = user_data;
   ts_cuda_buffer_retain(buf);
-  return send_cuda_share(ch, x, NULL, ts_cuda_buffer_offset(buf), (uint32_t)getpid(), flags, desc, stream, tag, e,
-                         timeout_ms, share_id);
+  return send_cuda_share(ch, x, NULL, false, ts_cuda_buffer_offset(buf), (uint32_t)getpid(), flags, desc, stream, tag,
+                         e, timeout_ms, share_id);
 }
 
 static int cuda_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_desc *desc, void *stream,
@@ -543,7 +563,7 @@ static int cuda_share_view(tshare_channel *ch, tshare_view *v, const tshare_tens
   memcpy(x.uuid, v->frame.device_uuid, 16);
   memcpy(x.handle.reserved, v->frame.handle, TSHARE_HANDLE_MAX);
   x.fd = ts_cuda_import_fd(v->cuda_import);
-  if (v->frame.mem_kind == TSHARE_MEM_CUDA_FD && x.fd < 0) {
+  if ((v->frame.mem_kind == TSHARE_MEM_CUDA_FD || v->frame.mem_kind == TSHARE_MEM_CUDA_HELD) && x.fd < 0) {
     ts_export_drop(e);
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
                    "share: this view lies in VMM memory of several chunks, whose fds its mapping does not keep: it "
@@ -552,8 +572,8 @@ static int cuda_share_view(tshare_channel *ch, tshare_view *v, const tshare_tens
   uint32_t origin = v->frame.origin_pid ? v->frame.origin_pid : v->ch->conn.peer.pid;
   tshare_tensor_desc rel = *desc; /* desc is relative to the allocation; send_cuda_share adds the offset */
   rel.byte_offset = 0;
-  return send_cuda_share(ch, &x, NULL, desc->byte_offset, origin, 0, &rel, stream ? stream : v->stream, tag, e, timeout_ms,
-                         share_id);
+  return send_cuda_share(ch, &x, NULL, false, desc->byte_offset, origin, 0, &rel, stream ? stream : v->stream, tag, e,
+                         timeout_ms, share_id);
 }
 
 /* ---- consumer ------------------------------------------------------------- */
@@ -587,18 +607,47 @@ static int gather_chunks(tshare_channel *ch, const tshare_share_frame *s, int fd
 }
 
 static int cuda_import_set(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v,
-                           const struct chunk_set *set);
+                           const struct chunk_set *set, ts_cuda_mapping **held);
 
 static int cuda_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v) {
   struct ts_cuda_chan *c = chan_of(ch);
   struct chunk_set *set = c ? ts_u64map_remove(&c->chunk_sets, f->u.share.share_id + 1) : NULL;
-  int status = cuda_import_set(ch, f, fdp, stream, v, set);
+  ts_cuda_mapping *held = c ? ts_u64map_remove(&c->held_refs, f->u.share.share_id + 1) : NULL;
+  int status = cuda_import_set(ch, f, fdp, stream, v, set, &held);
   chunk_set_free(ch, set); /* mapped or not, their fds are done with */
+  if (held) ts_cuda_import_put(held); /* not taken by a view */
   return status;
 }
 
+/* After a VMM share of a watched run came in with its fds: keep the mapping
+ * (a reference of its own) and tell the peer, which sends the run's next
+ * shares without them. Best effort: without it the fds keep coming. */
+static void pin(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t alloc_id, ts_cuda_mapping *imp) {
+  if (!(ch->conn.peer.capabilities & TSHARE_CAP_CUDA_HELD) || c->npins >= PINS_MAX ||
+      ts_u64map_get(&c->pins, alloc_id + 1))
+    return;
+  if (c->nholds == c->cap_holds) {
+    size_t cap = c->cap_holds ? c->cap_holds * 2 : 16;
+    uint64_t *h = realloc(c->holds, cap * sizeof *h);
+    if (!h) return;
+    c->holds = h;
+    c->cap_holds = cap;
+  }
+  if (ts_u64map_put(&c->pins, alloc_id + 1, imp) != 0) return;
+  ts_cuda_import_hold(imp, false);
+  c->npins++;
+  c->holds[c->nholds++] = alloc_id;
+}
+
+static void unpin(struct ts_cuda_chan *c, uint64_t alloc_id) {
+  ts_cuda_mapping *imp = ts_u64map_remove(&c->pins, alloc_id + 1);
+  if (!imp) return;
+  c->npins--;
+  ts_cuda_import_put(imp);
+}
+
 static int cuda_import_set(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v,
-                           const struct chunk_set *set) {
+                           const struct chunk_set *set, ts_cuda_mapping **held) {
   const tshare_share_frame *s = &f->u.share;
   int status = TSHARE_OK;
   const ts_cuda_api *cu = ts_cuda_require(ch->err, sizeof ch->err, &status);
@@ -648,22 +697,45 @@ static int cuda_import_set(tshare_channel *ch, const tshare_frame *f, int *fdp, 
   }
   bool keep_idle = (s->share_flags & TSHARE_SHARE_FLAG_RETIRE_NOTICE) != 0;
   ts_cuda_mapping *imp;
-  CUipcMemHandle h;
-  memcpy(h.reserved, s->handle, TSHARE_HANDLE_MAX);
-  bool vmm = s->mem_kind == TSHARE_MEM_CUDA_FD;
-  if (vmm && *fdp < 0)
-    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "import: share %llu is CUDA VMM memory without its fd",
-                   (unsigned long long)s->share_id);
-  ts_vmm_chunks chunks;
-  chunks.n = 0;
-  if (vmm && (s->share_flags & TSHARE_SHARE_FLAG_CHUNKS) &&
-      (status = gather_chunks(ch, s, *fdp, set, &chunks)) != TSHARE_OK)
-    return status;
-  /* Found under a key the peer cannot forge: its claimed pid may be anyone's. */
-  status = ts_cuda_import_get(ts_conn_origin_key(&ch->conn, s->origin_pid), s->alloc_id, ctx, &h, vmm ? fdp : NULL,
-                              chunks.n > 1 ? &chunks : NULL, (size_t)s->alloc_size, keep_idle, &imp, ch->err,
-                              sizeof ch->err);
-  if (status != TSHARE_OK) return status;
+  if (s->mem_kind == TSHARE_MEM_CUDA_HELD) {
+    /* Memory this end keeps mapped for the peer: the reference taken when
+     * the share arrived becomes the view's. */
+    if (!*held)
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                     "import: share %llu names VMM memory %llu, which this end does not keep mapped",
+                     (unsigned long long)s->share_id, (unsigned long long)s->alloc_id);
+    if (ts_cuda_import_ctx(*held) != ctx)
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
+                     "import: share %llu is memory this end keeps mapped on the device it first received it on; "
+                     "receive it there",
+                     (unsigned long long)s->share_id);
+    if (ts_cuda_import_size(*held) != s->alloc_size)
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                     "import: share %llu names VMM memory %llu of %llu bytes, mapped here with %zu",
+                     (unsigned long long)s->share_id, (unsigned long long)s->alloc_id,
+                     (unsigned long long)s->alloc_size, ts_cuda_import_size(*held));
+    imp = *held;
+    *held = NULL;
+  } else {
+    CUipcMemHandle h;
+    memcpy(h.reserved, s->handle, TSHARE_HANDLE_MAX);
+    bool vmm = s->mem_kind == TSHARE_MEM_CUDA_FD;
+    if (vmm && *fdp < 0)
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "import: share %llu is CUDA VMM memory without its fd",
+                     (unsigned long long)s->share_id);
+    ts_vmm_chunks chunks;
+    chunks.n = 0;
+    if (vmm && (s->share_flags & TSHARE_SHARE_FLAG_CHUNKS) &&
+        (status = gather_chunks(ch, s, *fdp, set, &chunks)) != TSHARE_OK)
+      return status;
+    /* Found under a key the peer cannot forge: its claimed pid may be anyone's. */
+    status = ts_cuda_import_get(ts_conn_origin_key(&ch->conn, s->origin_pid), s->alloc_id, ctx, &h, vmm ? fdp : NULL,
+                                chunks.n > 1 ? &chunks : NULL, (size_t)s->alloc_size, keep_idle, &imp, ch->err,
+                                sizeof ch->err);
+    if (status != TSHARE_OK) return status;
+    /* The owner watches this run and retires it: keep it for its next shares. */
+    if (vmm && (s->share_flags & TSHARE_SHARE_FLAG_HOLD_OFFER)) pin(ch, c, s->alloc_id, imp);
+  }
   if (f->flags & TSHARE_FRAME_FLAG_HAS_EVENT) {
     peer_event *pe = c->events && s->event_slot < TSHARE_EVENT_SLOTS_MAX ? &c->events[s->event_slot] : NULL;
     if (!pe || !pe->announced)
@@ -817,7 +889,11 @@ int ts_cuda_on_frame(tshare_channel *ch, const tshare_frame *f) {
       } else {
         (void)ts_anchor_closed(&c->anchors, r->alloc_ids[i]);
       }
+    } else if (r->closed == 2) { /* our peer keeps this run mapped: its next shares go without fds */
+      struct vmm_run *run = ts_u64map_get(&c->vmm_runs, r->alloc_ids[i] + 1);
+      if (run) run->peer_holds = true; /* else retired meanwhile: the peer hears of it */
     } else { /* the owner frees it: close it (now if idle) and say so */
+      unpin(c, r->alloc_ids[i]);
       TS_LOG(TS_LOG_DEBUG, "peer %s retires allocation %llu", ch->conn.peer_label, (unsigned long long)r->alloc_ids[i]);
       ts_cuda_import_retire(ch->conn.peer_key, r->alloc_ids[i]);
       if (queue_ack(c, r->alloc_ids[i]) != TSHARE_OK)
@@ -859,7 +935,23 @@ int ts_cuda_on_chunk(tshare_channel *ch, const tshare_frame *f, int fd, int fd_l
   return TSHARE_OK;
 }
 
+/* A share of memory this end keeps mapped: a reference for it now, while the
+ * peer's word stands (a retire that follows it unpins the mapping). */
+static int take_held(tshare_channel *ch, const tshare_share_frame *s) {
+  struct ts_cuda_chan *c = chan_of(ch);
+  ts_cuda_mapping *imp = c ? ts_u64map_get(&c->pins, s->alloc_id + 1) : NULL;
+  if (!imp)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                   "share %llu: peer %s names VMM memory %llu, which this end does not keep mapped",
+                   (unsigned long long)s->share_id, ch->conn.peer_label, (unsigned long long)s->alloc_id);
+  if (ts_u64map_put(&c->held_refs, s->share_id + 1, imp) != 0)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "receive: out of memory");
+  ts_cuda_import_hold(imp, true);
+  return TSHARE_OK;
+}
+
 int ts_cuda_on_share(tshare_channel *ch, const tshare_frame *f) {
+  if (f->u.share.mem_kind == TSHARE_MEM_CUDA_HELD && (!ch->cuda || !ch->cuda->gathering)) return take_held(ch, &f->u.share);
   struct ts_cuda_chan *c = ch->cuda;
   struct chunk_set *set = c ? c->gathering : NULL;
   bool chunked = f->u.share.mem_kind == TSHARE_MEM_CUDA_FD && (f->u.share.share_flags & TSHARE_SHARE_FLAG_CHUNKS);
@@ -880,7 +972,10 @@ int ts_cuda_on_share(tshare_channel *ch, const tshare_frame *f) {
 
 void ts_cuda_drop_chunks(tshare_channel *ch, uint64_t share_id) {
   struct ts_cuda_chan *c = ch->cuda;
-  if (c) chunk_set_free(ch, ts_u64map_remove(&c->chunk_sets, share_id + 1));
+  if (!c) return;
+  chunk_set_free(ch, ts_u64map_remove(&c->chunk_sets, share_id + 1));
+  ts_cuda_mapping *held = ts_u64map_remove(&c->held_refs, share_id + 1);
+  if (held) ts_cuda_import_put(held);
 }
 
 static int send_retire(tshare_channel *ch, uint8_t closed, const uint64_t *ids, size_t n, int timeout_ms) {
@@ -939,6 +1034,11 @@ int ts_cuda_flush(tshare_channel *ch, int timeout_ms, ts_gpu_wait *busy) {
       if (rc != TSHARE_OK) return rc;
     }
   }
+  if (c->nholds) {
+    int rc = send_retire(ch, 2, c->holds, c->nholds, ts_remaining(deadline));
+    if (rc != TSHARE_OK) return rc;
+    c->nholds = 0;
+  }
   if (c->nacks) {
     int rc = send_retire(ch, 1, c->acks, c->nacks, ts_remaining(deadline));
     if (rc != TSHARE_OK) return rc;
@@ -988,6 +1088,10 @@ static void cuda_peer_gone(tshare_channel *ch) {
   ts_u64map_free(&c->mapped);
   vmm_runs_free(c);
   ts_anchors_drop_all(&c->anchors);
+  for (size_t pos = 0; ts_u64map_next(&c->pins, &pos, &key, &value);) ts_cuda_import_put(value);
+  ts_u64map_free(&c->pins);
+  c->npins = 0;
+  c->nholds = 0;
   if (ch->conn.peer_key) ts_cuda_import_origin_gone(ch->conn.peer_key);
 }
 
@@ -1009,6 +1113,9 @@ static void cuda_chan_free(tshare_channel *ch) {
   void *set;
   for (size_t i = 0; ts_u64map_next(&c->chunk_sets, &i, &key, &set);) chunk_set_free(ch, set);
   ts_u64map_free(&c->chunk_sets);
+  for (size_t i = 0; ts_u64map_next(&c->held_refs, &i, &key, &set);) ts_cuda_import_put(set);
+  ts_u64map_free(&c->held_refs);
+  free(c->holds);
   if (cu) {
     for (uint32_t i = 0; i < c->nslots; i++) event_destroy(cu, c->pool[i]);
     for (uint32_t i = 0; c->events && i < TSHARE_EVENT_SLOTS_MAX; i++)

@@ -27,7 +27,10 @@ void ts_export_drop(ts_export *e) {
 }
 
 static const char *mem_kind_name(int kind) {
-  return kind == TSHARE_MEM_HOST_MEMFD ? "host memfd" : kind == TSHARE_MEM_CUDA_FD ? "CUDA VMM fd" : "CUDA IPC handle";
+  return kind == TSHARE_MEM_HOST_MEMFD ? "host memfd"
+         : kind == TSHARE_MEM_CUDA_FD  ? "CUDA VMM fd"
+         : kind == TSHARE_MEM_CUDA_HELD ? "CUDA VMM memory kept mapped"
+                                        : "CUDA IPC handle";
 }
 
 int ts_share_send_export(tshare_channel *ch, tshare_frame *f, int fd, ts_export *e, int timeout_ms,

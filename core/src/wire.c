@@ -99,6 +99,7 @@ int ts_wire_check_share(const tshare_share_frame *s, const tshare_wire_limits *l
                      (unsigned)s->handle_len, TSHARE_HANDLE_MAX);
     break;
   case TSHARE_MEM_CUDA_FD:
+  case TSHARE_MEM_CUDA_HELD:
     if (s->device_type != TSHARE_DEVICE_CUDA)
       return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: CUDA fd memory with device_type %u",
                      (unsigned)s->device_type);
@@ -188,7 +189,7 @@ static int encode_payload(const tshare_frame *f, ts_writer *w, char *err, size_t
     const tshare_retire_frame *r = &f->u.retire;
     if (r->count == 0 || r->count > TSHARE_RELEASE_MAX)
       return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "retire: count %u outside 1..%d", r->count, TSHARE_RELEASE_MAX);
-    if (r->closed > 1) return ts_errf(err, cap, TSHARE_E_MALFORMED, "retire: closed is %u", (unsigned)r->closed);
+    if (r->closed > 2) return ts_errf(err, cap, TSHARE_E_MALFORMED, "retire: closed is %u", (unsigned)r->closed);
     ts_put_u8(w, r->closed);
     ts_put_u32(w, r->count);
     for (uint32_t i = 0; i < r->count; i++) ts_put_u64(w, r->alloc_ids[i]);
@@ -482,7 +483,7 @@ int tshare_decoder_next(tshare_decoder *d, tshare_frame *out) {
   case TSHARE_FRAME_RETIRE: {
     out->u.retire.closed = ts_get_u8(&r);
     uint32_t count = ts_get_u32(&r);
-    if (!r.short_read && out->u.retire.closed > 1)
+    if (!r.short_read && out->u.retire.closed > 2)
       return fail(d, TSHARE_E_MALFORMED, "retire: closed is %u", out->u.retire.closed);
     if (!r.short_read && (count == 0 || count > d->limits.max_release_ids))
       return fail(d, TSHARE_E_TOO_LARGE, "retire: count %u outside 1..%u", count, d->limits.max_release_ids);

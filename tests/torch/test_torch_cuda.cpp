@@ -297,8 +297,41 @@ static int role_repeat_reader(tshare_channel *ch) {
   return 0;
 }
 
+// Expandable segments: after the first share of a run of chunks, this end
+// keeps the mapping and says so, and the next shares come without fds. With
+// room for one unclaimed fd, ten shares queued before any is taken are then
+// all accepted (with fds, all but one would be refused).
+static int role_held_reader() {
+  tshare_channel_options o;
+  tshare_channel_options_init(&o);
+  o.name = "held reader";
+  o.max_unclaimed_fds = 1;
+  tshare_channel *ch = nullptr;
+  tshare_error err;
+  CHECK_RC(tshare_channel_open_socket(3, &o, &ch, &err), TSHARE_OK, err.message);
+  auto first = tt::recv(ch, {TIMEOUT});
+  CHECK(first && first->tag == "first");
+  CHECK(at::equal(first->tensor, at::arange(1024, on_gpu.dtype(at::kFloat))));
+  first.reset();
+  int rc;
+  while ((rc = tshare_channel_poll(ch, TIMEOUT)) == TSHARE_OK) {
+  } // the release and the notice go; the rest of the stream is queued here
+  CHECK_RC(rc, TSHARE_END, tshare_channel_last_error(ch));
+  int n = 0;
+  while (auto r = tt::recv(ch, {TIMEOUT})) {
+    CHECK(r->tag == std::to_string(n));
+    CHECK(at::equal(r->tensor, at::arange(n * 100, n * 100 + 100, on_gpu.dtype(at::kFloat))));
+    n++;
+  }
+  printf("consumer: %d shares queued with room for one fd, all taken\n", n);
+  CHECK_EQ(n, 10);
+  tshare_channel_close(ch);
+  return 0;
+}
+
 static int role_main(int argc, char **argv) {
   if (argc < 3) return 2;
+  if (std::string(argv[2]) == "held_reader") return role_held_reader();
   tshare_channel *ch = open_channel(3, argv[2]);
   std::string role = argv[2];
   int rc = role == "check_all"            ? role_check_all(ch)
@@ -452,6 +485,20 @@ TS_TEST(cuda_repeated_hand_offs_map_once) {
     uint64_t id = tt::send(ch, x, {std::to_string(i)});
     CHECK_RC(tshare_channel_wait_released(ch, id, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
   }
+  bye_and_wait_released(ch, TIMEOUT);
+  finish(p, "consumer");
+  tshare_channel_close(ch);
+}
+
+TS_TEST(cuda_expandable_kept_mapping_shares_travel_without_fds) {
+  need_expandable();
+  int fd;
+  tshare_process *p = start("held_reader", &fd);
+  tshare_channel *ch = open_channel(fd, "producer");
+  at::Tensor x = at::arange(1024, on_gpu.dtype(at::kFloat));
+  uint64_t id = tt::send(ch, x, {"first"});
+  CHECK_RC(tshare_channel_wait_released(ch, id, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  for (int i = 0; i < 10; i++) tt::send(ch, x.narrow(0, i * 100, 100), {std::to_string(i)});
   bye_and_wait_released(ch, TIMEOUT);
   finish(p, "consumer");
   tshare_channel_close(ch);

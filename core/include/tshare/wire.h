@@ -59,7 +59,8 @@ typedef enum tshare_frame_type {
   TSHARE_FRAME_BYE = 4,
   TSHARE_FRAME_ERROR = 5,
   TSHARE_FRAME_EVENT = 6, /* minor 1: an inter-process CUDA event for a slot of the sender's pool */
-  TSHARE_FRAME_RETIRE = 7, /* minor 1: allocations going away (closed = 0) or closed by the receiver (closed = 1) */
+  TSHARE_FRAME_RETIRE = 7, /* minor 1: allocations going away (closed = 0), closed by the receiver (closed = 1), or
+                              kept mapped by it until retired (closed = 2, TSHARE_CAP_CUDA_HELD) */
   TSHARE_FRAME_RING = 8,   /* minor 2: the ring transport's own frames (never seen above the connection) */
   TSHARE_FRAME_CHUNK = 9   /* minor 2: one more chunk of the VMM memory of the share that follows, its fd attached */
 } tshare_frame_type;
@@ -75,6 +76,9 @@ typedef enum tshare_frame_type {
 #define TSHARE_CAP_CUDA_IPC (1u << 2)   /* can import legacy CUDA IPC shares */
 #define TSHARE_CAP_CUDA_FD (1u << 3)    /* can import CUDA VMM shares whose memory travels as an fd */
 #define TSHARE_CAP_RING (1u << 4)       /* wants the shared-memory ring transport (sockets only) */
+#define TSHARE_CAP_CUDA_HELD                                                                                           \
+  (1u << 5) /* keeps VMM mappings it announces with a retire frame (closed = 2) until their owner retires them, and    \
+               takes TSHARE_MEM_CUDA_HELD shares of them */
 
 /* Share flags (share_flags, minor 1). Unknown bits are ignored. */
 #define TSHARE_SHARE_FLAG_RETIRE_NOTICE                                                                                \
@@ -83,12 +87,18 @@ typedef enum tshare_frame_type {
 #define TSHARE_SHARE_FLAG_CHUNKS                                                                                       \
   (1u << 1) /* minor 2, TSHARE_MEM_CUDA_FD: the attached fd is the first of several chunks mapped side by side;        \
                the others came just before, in chunk frames of this alloc_id */
+#define TSHARE_SHARE_FLAG_HOLD_OFFER                                                                                   \
+  (1u << 2) /* TSHARE_MEM_CUDA_FD, to a peer with TSHARE_CAP_CUDA_HELD: the receiver may keep this allocation mapped \
+               until it is retired and say so (retire frame, closed = 2); its next shares then come as               \
+               TSHARE_MEM_CUDA_HELD */
 
 /* Memory kinds of a share. */
 typedef enum tshare_mem_kind {
   TSHARE_MEM_HOST_MEMFD = 1, /* a sealed memfd; the fd is attached to the frame */
   TSHARE_MEM_CUDA_IPC = 2,   /* a cudaIpcMemHandle_t in handle[] */
-  TSHARE_MEM_CUDA_FD = 3     /* a CUDA VMM POSIX-fd handle; the fd is attached */
+  TSHARE_MEM_CUDA_FD = 3,    /* a CUDA VMM POSIX-fd handle; the fd is attached */
+  TSHARE_MEM_CUDA_HELD = 4   /* CUDA VMM memory the receiver said it keeps mapped (retire frame, closed = 2): no fd,
+                                no handle; alloc_id names it. Sent only to a peer with TSHARE_CAP_CUDA_HELD */
 } tshare_mem_kind;
 
 typedef struct tshare_hello {
@@ -129,7 +139,8 @@ typedef struct tshare_event_frame {
 } tshare_event_frame;
 
 typedef struct tshare_retire_frame {
-  uint8_t closed; /* 0: the sender will free these; 1: the sender closed its mappings of them */
+  uint8_t closed; /* 0: the sender will free these; 1: the sender closed its mappings of them; 2: the sender keeps
+                     them mapped until they are retired (send them as TSHARE_MEM_CUDA_HELD) */
   uint32_t count; /* 1..TSHARE_RELEASE_MAX */
   uint64_t alloc_ids[TSHARE_RELEASE_MAX];
 } tshare_retire_frame;
