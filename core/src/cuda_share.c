@@ -881,7 +881,7 @@ int ts_cuda_on_frame(tshare_channel *ch, const tshare_frame *f) {
   }
   const tshare_retire_frame *r = &f->u.retire;
   for (uint32_t i = 0; i < r->count; i++) {
-    if (r->closed) { /* our peer closed its mapping: one reference less on the memory */
+    if (r->closed == 1) { /* our peer closed its mapping: one reference less on the memory */
       peer_mapped *pm = ts_u64map_remove(&c->mapped, MAPKEY(r->alloc_ids[i]));
       if (pm) {
         ts_cuda_alloc_peer_release(pm->alloc);
