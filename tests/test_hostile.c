@@ -652,6 +652,49 @@ static void sends_chunks_that_do_not_add_up(int fd) {
   tshare_channel_close(ch);
 }
 
+/* Names GPU memory the consumer never said it keeps mapped (a share of kind
+ * TSHARE_MEM_CUDA_HELD, no fd), then shares host memory; both must come back. */
+static void sends_memory_the_consumer_does_not_keep(int fd) {
+  tshare_channel *ch = open_socket_only_channel(fd, "held producer");
+  tshare_frame h = memfd_share_frame(4096, ints_at(16, 0));
+  h.flags = 0;
+  h.u.share.alloc_id = 99;
+  h.u.share.mem_kind = TSHARE_MEM_CUDA_HELD;
+  h.u.share.device_type = TSHARE_DEVICE_CUDA;
+  send_raw(ch, &h, -1);
+  tshare_host_buffer *b = filled_buffer("tshare-held", 16, 5);
+  tshare_frame s = memfd_share_frame(tshare_host_buffer_size(b), ints_at(16, 0));
+  s.u.share.share_id = 2;
+  send_raw(ch, &s, tshare_host_buffer_fd(b));
+  unsigned came_back = 0;
+  while (came_back < 2) {
+    tshare_frame f;
+    int got = -1;
+    CHECK_RC(tshare_channel_recv_frame(ch, &f, &got, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+    if (got >= 0) close(got);
+    if (f.type == TSHARE_FRAME_RELEASE) came_back += f.u.release.count;
+  }
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, "");
+  tshare_host_buffer_destroy(b);
+  tshare_channel_close(ch);
+}
+
+TS_TEST(a_share_of_memory_this_end_does_not_keep_mapped_is_released_back) {
+  int sock;
+  pid_t pid = fork_with_socket(sends_memory_the_consumer_does_not_keep, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "consumer", NULL, NULL);
+  tshare_view *v = NULL;
+  int rc = tshare_view_recv(ch, 5000, &v);
+  printf("%s: %s\n", tshare_status_name(rc), tshare_channel_last_error(ch));
+  CHECK(rc != TSHARE_OK && v == NULL);
+  CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_OK, tshare_channel_last_error(ch));
+  check_view(v, 16, 5); /* the channel goes on */
+  tshare_view_release(v);
+  CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_END, tshare_channel_last_error(ch));
+  tshare_channel_close(ch);
+  CHECK_CHILD_OK(pid);
+}
+
 TS_TEST(chunk_frames_that_do_not_add_up_are_a_protocol_error_and_leak_no_fd) {
   int fds_before = count_open_fds();
   int sock;
