@@ -13,6 +13,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include <csignal>
 #include <cstring>
 #include <ctime>
 
@@ -329,6 +330,19 @@ static int role_held_reader() {
   return 0;
 }
 
+// Takes three shares of one tensor (its memory then kept mapped for the
+// next), holds a fourth, and is killed.
+static int role_killed_while_keeping(tshare_channel *ch) {
+  at::zeros({1}, on_gpu); // this process's CUDA context, before the producer's baseline
+  c10::cuda::device_synchronize();
+  tt::send(ch, at::zeros({1}), {"ready"});
+  for (int i = 0; i < 3; i++) CHECK(tt::recv(ch, {TIMEOUT}));
+  auto held = tt::recv(ch, {TIMEOUT});
+  CHECK(held && held->tensor.numel() == int64_t(32) << 20);
+  raise(SIGKILL);
+  return 1;
+}
+
 static int role_main(int argc, char **argv) {
   if (argc < 3) return 2;
   if (std::string(argv[2]) == "held_reader") return role_held_reader();
@@ -344,6 +358,7 @@ static int role_main(int argc, char **argv) {
            : role == "chunk_reader"       ? role_chunk_reader(ch)
            : role == "holder"             ? role_holder(ch)
            : role == "repeat_reader"      ? role_repeat_reader(ch)
+           : role == "killed_while_keeping" ? role_killed_while_keeping(ch)
                                           : 2;
   tshare_channel_close(ch);
   fflush(stdout);
@@ -501,6 +516,41 @@ TS_TEST(cuda_expandable_kept_mapping_shares_travel_without_fds) {
   for (int i = 0; i < 10; i++) tt::send(ch, x.narrow(0, i * 100, 100), {std::to_string(i)});
   bye_and_wait_released(ch, TIMEOUT);
   finish(p, "consumer");
+  tshare_channel_close(ch);
+}
+
+// The consumer dies while it keeps the producer's memory mapped (and holds
+// a view): the producer lets go of what it held for it, and the memory comes
+// back once its own tensor is gone.
+TS_TEST(cuda_consumer_killed_while_keeping_memory_mapped) {
+  need_gpu();
+  int fd;
+  tshare_process *p = start("killed_while_keeping", &fd);
+  tshare_channel *ch = open_channel(fd, "producer");
+  auto ready = tt::recv(ch, {TIMEOUT});
+  CHECK(ready && ready->tag == "ready");
+  ready.reset();
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  size_t baseline = gpu_free_bytes();
+  {
+    at::Tensor x = at::arange(int64_t(32) << 20, on_gpu.dtype(at::kInt)); // 128 MiB
+    for (int i = 0; i < 3; i++) {
+      uint64_t id = tt::send(ch, x);
+      CHECK_RC(tshare_channel_wait_released(ch, id, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+    }
+    tt::send(ch, x);
+  }
+  // Everything the dead consumer held is dropped; nothing is held for it.
+  CHECK_RC(tshare_channel_wait_released(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_exit_status st;
+  CHECK_RC(tshare_process_wait(p, TIMEOUT, &st), TSHARE_OK, "the consumer did not end");
+  tshare_process_destroy(p);
+  CHECK(st.kind == TSHARE_EXIT_SIGNAL && st.value == SIGKILL);
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  size_t after = gpu_free_bytes();
+  printf("GPU free: baseline %zu MiB, after the consumer died and the cache was emptied %zu MiB\n", baseline >> 20,
+         after >> 20);
+  CHECK(after + (size_t(16) << 20) >= baseline); // the 128 MiB came back
   tshare_channel_close(ch);
 }
 
