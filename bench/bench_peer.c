@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <math.h>
 #include <poll.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -152,6 +153,15 @@ static void bridge_throughput_row(bench *b, const char *dev, long n, const char 
   }
 }
 
+/* A GPU row where there is no GPU: skipped, saying why. */
+static bool skipped_without_gpu(bench *b, int gpu, const char *key, const char *label) {
+  if (!gpu || b->have_gpu) return false;
+  char why[256];
+  snprintf(why, sizeof why, "no GPU: %s", b->no_gpu_why);
+  br_skip(&b->rep, BR_LATENCY, "latency", key, label, why);
+  return true;
+}
+
 void bench_peers_external(bench *b) {
   char iters[32], warmup[32];
   snprintf(iters, sizeof iters, "%ld", b->opt.iters);
@@ -160,29 +170,21 @@ void bench_peers_external(bench *b) {
   for (int i = 0; i < 2; i++) {
     const char *dev = devices[i];
     int gpu = i == 0;
-    char key[48], label[80], why[256];
-    snprintf(key, sizeof key, "torch_mp_%s", dev);
+    char key[48], label[80], peer_key[48];
+    snprintf(peer_key, sizeof peer_key, "torch_mp_%s", dev);
     snprintf(label, sizeof label, "torch.multiprocessing Queue, %s tensor (the peer)", dev);
-    if (gpu && !b->have_gpu) {
-      snprintf(why, sizeof why, "no GPU: %s", b->no_gpu_why);
-      br_skip(&b->rep, BR_LATENCY, "latency", key, label, why);
-    } else {
+    if (!skipped_without_gpu(b, gpu, peer_key, label)) {
       char *argv[] = {(char *)b->opt.python, (char *)b->opt.peer_script, (char *)"--device", (char *)dev,
                       (char *)"--iters", iters, (char *)"--warmup", warmup, NULL};
-      peer_row(b, argv, key, label, gpu ? "floor" : "floor_fd", NULL);
+      peer_row(b, argv, peer_key, label, gpu ? "floor" : "floor_fd", NULL);
     }
     snprintf(key, sizeof key, "tshare_python_%s", dev);
     snprintf(label, sizeof label, "tshare Python package, %s tensor", dev);
-    if (gpu && !b->have_gpu) {
-      snprintf(why, sizeof why, "no GPU: %s", b->no_gpu_why);
-      br_skip(&b->rep, BR_LATENCY, "latency", key, label, why);
-    } else {
-      char peer_key[48];
-      snprintf(peer_key, sizeof peer_key, "torch_mp_%s", dev);
+    if (!skipped_without_gpu(b, gpu, key, label)) {
       char *argv[] = {(char *)b->opt.python, (char *)b->opt.py_script, (char *)"--device", (char *)dev,
                       (char *)"--iters", iters, (char *)"--warmup", warmup, NULL};
       peer_row(b, argv, key, label, gpu ? "floor" : "floor_fd", peer_key);
-      if (gpu) { /* the fast path for caching-allocator tensors, as in the bridge's row below */
+      if (gpu) { /* the caching allocator's other mode, as in the bridge's row below */
         saved_env conf = env_set("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True");
         peer_row(b, argv, "tshare_python_cuda_expandable", "tshare Python package, cuda tensor, expandable segments",
                  "floor", peer_key);
@@ -193,12 +195,7 @@ void bench_peers_external(bench *b) {
     snprintf(label, sizeof label, "tshare LibTorch bridge, %s tensor", dev);
     if (!b->opt.torch_bench) {
       br_skip(&b->rep, BR_LATENCY, "latency", key, label, "built without LibTorch");
-    } else if (gpu && !b->have_gpu) {
-      snprintf(why, sizeof why, "no GPU: %s", b->no_gpu_why);
-      br_skip(&b->rep, BR_LATENCY, "latency", key, label, why);
-    } else {
-      char peer_key[48];
-      snprintf(peer_key, sizeof peer_key, "torch_mp_%s", dev);
+    } else if (!skipped_without_gpu(b, gpu, key, label)) {
       char *argv[] = {(char *)b->opt.torch_bench, (char *)"--device", (char *)dev, (char *)"--iters", iters,
                       (char *)"--warmup", warmup, NULL};
       /* Over the default transport (the ring), then the socket alone: the

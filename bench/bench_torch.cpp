@@ -27,11 +27,16 @@
 #include <cstdlib>
 #include <cstring>
 #include <cerrno>
-#include <dlfcn.h>
 #include <fcntl.h>
 #include <string>
 #include <unistd.h>
 #include <vector>
+
+#if TSHARE_HAVE_CUDA
+extern "C" {
+#include "cuda_driver.h" // the driver as tshare loaded it
+}
+#endif
 
 static const int TIMEOUT = 60000;
 
@@ -57,14 +62,14 @@ static long open_fds() {
   return n;
 }
 
-// The GPU's free memory in MiB (the driver that LibTorch loaded), -1 if unknown.
+// The GPU's free memory in MiB, -1 if unknown.
 static double gpu_free_mib() {
-  void *cuda = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
-  auto get_info = cuda ? (int (*)(size_t *, size_t *))dlsym(cuda, "cuMemGetInfo_v2") : nullptr;
+#if TSHARE_HAVE_CUDA
+  const ts_cuda_api *cu = ts_cuda_if_loaded();
   size_t free_b = 0, total = 0;
-  double mib = get_info && get_info(&free_b, &total) == 0 ? double(free_b) / (1 << 20) : -1;
-  if (cuda) dlclose(cuda);
-  return mib;
+  if (cu && cu->cuMemGetInfo(&free_b, &total) == CUDA_SUCCESS) return double(free_b) / (1 << 20);
+#endif
+  return -1;
 }
 
 static unsigned long long open_mappings() {

@@ -30,7 +30,6 @@ static void parked_drop(struct parked *p) {
 static void anchor_remove(ts_anchors *set, uint64_t alloc_id) {
   struct anchor *a = ts_u64map_remove(&set->by_id, alloc_id + 1);
   if (!a) return;
-  set->n--;
   parked_drop(a->held);
   free(a);
 }
@@ -57,12 +56,11 @@ bool ts_anchor_share(ts_anchors *set, uint64_t alloc_id, void (**drop)(void *), 
   struct anchor *a = ts_u64map_get(&set->by_id, alloc_id + 1);
   bool fresh = !a;
   if (fresh) {
-    if (set->n >= ANCHORS_MAX || !(a = calloc(1, sizeof *a))) return false;
+    if (set->by_id.count >= ANCHORS_MAX || !(a = calloc(1, sizeof *a))) return false;
     if (ts_u64map_put(&set->by_id, alloc_id + 1, a) != 0) {
       free(a);
       return false;
     }
-    set->n++;
   }
   struct parked *p = malloc(sizeof *p);
   if (!p) {
@@ -130,7 +128,6 @@ void ts_anchors_drop_all(ts_anchors *set) {
     free(a);
   }
   ts_u64map_free(&set->by_id);
-  set->n = 0;
 }
 
-size_t ts_anchors_count(const ts_anchors *set) { return set->n; }
+size_t ts_anchors_count(const ts_anchors *set) { return set->by_id.count; }

@@ -32,7 +32,6 @@
 
 typedef struct ts_anchors {
   ts_u64map by_id; /* segment buffer id + 1 -> struct anchor */
-  size_t n;
   bool off; /* the peer is gone: releases drop their keep at once */
 } ts_anchors;
 

@@ -47,6 +47,24 @@ typedef struct spare_event {
 
 #define SPARES_MAX 64
 
+/* Allocation ids waiting to go out in retire frames. */
+typedef struct id_list {
+  uint64_t *ids;
+  size_t n, cap;
+} id_list;
+
+static bool id_list_push(id_list *l, uint64_t id) {
+  if (l->n == l->cap) {
+    size_t cap = l->cap ? l->cap * 2 : 16;
+    uint64_t *ids = realloc(l->ids, cap * sizeof *ids);
+    if (!ids) return false;
+    l->ids = ids;
+    l->cap = cap;
+  }
+  l->ids[l->n++] = id;
+  return true;
+}
+
 typedef struct peer_mapped {
   ts_cuda_alloc *alloc;
   bool retire_sent;
@@ -66,8 +84,7 @@ struct ts_cuda_chan {
   size_t ndrain, cap_drain;
   spare_event spares[SPARES_MAX]; /* under ch->lock */
   size_t nspares;
-  uint64_t *acks; /* retire acks to send */
-  size_t nacks, cap_acks;
+  id_list acks; /* retire acks to send */
   /* Chunk frames of VMM memory, gathered until their share comes (then
    * filed under its share id until it is imported or dropped). */
   struct chunk_set *gathering;
@@ -77,26 +94,22 @@ struct ts_cuda_chan {
    * millisecond the channel is driven, and retired once a chunk was
    * unmapped or mapped anew (its buffer id changed). */
   ts_u64map vmm_runs; /* run id + 1 -> vmm_run */
-  size_t nruns;
-  int64_t runs_checked_us;
   /* producer: cudaMalloc segments of another allocator held while the peer
    * keeps them mapped between hand-offs (cuda_anchor.h) */
   ts_anchors anchors;
-  int64_t anchors_checked_us;
+  int64_t watched_checked_us; /* the last look at the runs and the anchors */
   /* consumer: VMM mappings of the peer's watched runs this end keeps (a
    * reference each) until the peer retires them, having told the peer so
    * (retire frame, closed = 2), which then shares them without their fds. */
   ts_u64map pins;       /* alloc id + 1 -> ts_cuda_mapping */
-  size_t npins;
   ts_u64map held_refs;  /* share id + 1 -> ts_cuda_mapping: a reference taken when such a share arrived */
-  uint64_t *holds;      /* notices to send */
-  size_t nholds, cap_holds;
+  id_list holds;        /* notices to send */
 };
 
 #define PINS_MAX 64 /* mappings a consumer keeps for one channel's peer; past it shares keep carrying fds */
 
 #define VMM_RUNS_MAX 256 /* runs watched per channel; past it shares go without a retire notice */
-#define VMM_RUNS_CHECK_US 1000
+#define WATCH_CHECK_US 1000 /* how often a driven channel looks at its runs and anchors */
 
 /* A watched run keeps the fds it was exported as: the next share of it
  * sends them again without the driver's export (they pin its memory until
@@ -133,7 +146,7 @@ static int vmm_fds(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t run_id, 
   int rc = ts_cuda_vmm_export_fds(chunks, ch->err, sizeof ch->err);
   if (rc != TSHARE_OK) return rc;
   *owned = true;
-  if (c->nruns >= VMM_RUNS_MAX || ch->conn.minor < 1) return TSHARE_OK;
+  if (c->vmm_runs.count >= VMM_RUNS_MAX || ch->conn.minor < 1) return TSHARE_OK;
   size_t n = (size_t)chunks->n;
   r = malloc(sizeof *r + 2 * n * sizeof(uint64_t) + n * sizeof(int));
   if (!r) return TSHARE_OK;
@@ -149,7 +162,6 @@ static int vmm_fds(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t run_id, 
     free(r);
     return TSHARE_OK;
   }
-  c->nruns++;
   *owned = false;
   *watched = true;
   return TSHARE_OK;
@@ -174,7 +186,6 @@ static size_t vmm_runs_gone(struct ts_cuda_chan *c, const ts_cuda_api *cu, uint6
            (unsigned long long)(key - 1), r->n);
     ids[n++] = key - 1;
     vmm_run_free(ts_u64map_remove(&c->vmm_runs, key));
-    c->nruns--;
   }
   return n;
 }
@@ -184,7 +195,6 @@ static void vmm_runs_free(struct ts_cuda_chan *c) {
   void *value;
   for (size_t pos = 0; ts_u64map_next(&c->vmm_runs, &pos, &key, &value);) vmm_run_free(value);
   ts_u64map_free(&c->vmm_runs);
-  c->nruns = 0;
 }
 
 /* Chunks 1..count-1 of one share's VMM memory (chunk 0 rides on the share). */
@@ -335,14 +345,13 @@ static int send_chunks(tshare_channel *ch, const ts_cuda_export *x, const ts_vmm
 }
 
 /* Fill and send the share (chunks: another allocator's VMM memory, else
- * NULL; held: such memory the peer keeps mapped, named by its id alone); e
+ * NULL; held: such memory the peer keeps mapped, named by its id alone, no chunks); e
  * (release, owner, user_data set) is consumed. */
 static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, const ts_vmm_chunks *chunks, bool held,
                            uint64_t offset, uint32_t origin_pid, uint32_t flags, const tshare_tensor_desc *desc,
                            void *stream, const char *tag, ts_export *e, int timeout_ms, uint64_t *share_id) {
   struct ts_cuda_chan *c = ch->cuda;
   const ts_cuda_api *cu = ts_cuda_if_loaded();
-  if (held) chunks = NULL; /* nothing but the share travels */
   if ((chunks || x->fd >= 0) && !fds_travel(ch)) {
     ts_export_drop(e);
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED, "share: this GPU memory travels as %s, and %s; %s",
@@ -479,14 +488,14 @@ static int share_foreign(tshare_channel *ch, const void *data, const tshare_tens
    * segment is held past the release instead, so the peer may keep it
    * mapped between hand-offs (cuda_anchor.h). */
   bool anchored = !vmm && x.fd < 0 && drop != no_release && ch->conn.minor >= 1 &&
-                  ts_anchor_share(&chan_of(ch)->anchors, x.buffer_id, &drop, &keep);
+                  ts_anchor_share(&ch->cuda->anchors, x.buffer_id, &drop, &keep);
   e->release = drop;
   e->owner = keep;
   e->user_data = user_data;
   uint32_t flags = watched || anchored ? TSHARE_SHARE_FLAG_RETIRE_NOTICE : 0;
   if (watched && !held && (ch->conn.peer.capabilities & TSHARE_CAP_CUDA_HELD)) flags |= TSHARE_SHARE_FLAG_HOLD_OFFER;
-  rc = send_cuda_share(ch, &x, vmm ? &chunks : NULL, held, (uint64_t)(ptr - x.base), (uint32_t)getpid(), flags, desc,
-                       stream, tag, e, timeout_ms, share_id);
+  rc = send_cuda_share(ch, &x, vmm && !held ? &chunks : NULL, held, (uint64_t)(ptr - x.base), (uint32_t)getpid(),
+                       flags, desc, stream, tag, e, timeout_ms, share_id);
   if (owned) ts_vmm_chunks_close(&chunks); /* the peer has its own; a watched run keeps them */
   return rc;
 }
@@ -623,27 +632,68 @@ static int cuda_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void
  * (a reference of its own) and tell the peer, which sends the run's next
  * shares without them. Best effort: without it the fds keep coming. */
 static void pin(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t alloc_id, ts_cuda_mapping *imp) {
-  if (!(ch->conn.peer.capabilities & TSHARE_CAP_CUDA_HELD) || c->npins >= PINS_MAX ||
+  if (!(ch->conn.peer.capabilities & TSHARE_CAP_CUDA_HELD) || c->pins.count >= PINS_MAX ||
       ts_u64map_get(&c->pins, alloc_id + 1))
     return;
-  if (c->nholds == c->cap_holds) {
-    size_t cap = c->cap_holds ? c->cap_holds * 2 : 16;
-    uint64_t *h = realloc(c->holds, cap * sizeof *h);
-    if (!h) return;
-    c->holds = h;
-    c->cap_holds = cap;
+  if (!id_list_push(&c->holds, alloc_id)) return;
+  if (ts_u64map_put(&c->pins, alloc_id + 1, imp) != 0) {
+    c->holds.n--;
+    return;
   }
-  if (ts_u64map_put(&c->pins, alloc_id + 1, imp) != 0) return;
   ts_cuda_import_hold(imp, false);
-  c->npins++;
-  c->holds[c->nholds++] = alloc_id;
 }
 
 static void unpin(struct ts_cuda_chan *c, uint64_t alloc_id) {
   ts_cuda_mapping *imp = ts_u64map_remove(&c->pins, alloc_id + 1);
-  if (!imp) return;
-  c->npins--;
-  ts_cuda_import_put(imp);
+  if (imp) ts_cuda_import_put(imp);
+}
+
+/* Memory this end keeps mapped for the peer: the reference taken when the
+ * share arrived (*held) becomes the view's. */
+static int held_mapping(tshare_channel *ch, const tshare_share_frame *s, CUcontext ctx, ts_cuda_mapping **held,
+                        ts_cuda_mapping **imp) {
+  if (!*held)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                   "import: share %llu names VMM memory %llu, which this end does not keep mapped",
+                   (unsigned long long)s->share_id, (unsigned long long)s->alloc_id);
+  if (ts_cuda_import_ctx(*held) != ctx)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
+                   "import: share %llu is memory this end keeps mapped on the device it first received it on; "
+                   "receive it there",
+                   (unsigned long long)s->share_id);
+  if (ts_cuda_import_size(*held) != s->alloc_size)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                   "import: share %llu names VMM memory %llu of %llu bytes, mapped here with %zu",
+                   (unsigned long long)s->share_id, (unsigned long long)s->alloc_id, (unsigned long long)s->alloc_size,
+                   ts_cuda_import_size(*held));
+  *imp = *held;
+  *held = NULL;
+  return TSHARE_OK;
+}
+
+/* Memory that came with its handle or fds: mapped through the import cache
+ * (or found there), and kept for the peer where it offers that. */
+static int open_mapping(tshare_channel *ch, struct ts_cuda_chan *c, const tshare_share_frame *s, CUcontext ctx,
+                        int *fdp, const struct chunk_set *set, ts_cuda_mapping **imp) {
+  CUipcMemHandle h;
+  memcpy(h.reserved, s->handle, TSHARE_HANDLE_MAX);
+  bool vmm = s->mem_kind == TSHARE_MEM_CUDA_FD;
+  if (vmm && *fdp < 0)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "import: share %llu is CUDA VMM memory without its fd",
+                   (unsigned long long)s->share_id);
+  ts_vmm_chunks chunks;
+  chunks.n = 0;
+  int status;
+  if (vmm && (s->share_flags & TSHARE_SHARE_FLAG_CHUNKS) &&
+      (status = gather_chunks(ch, s, *fdp, set, &chunks)) != TSHARE_OK)
+    return status;
+  /* Found under a key the peer cannot forge: its claimed pid may be anyone's. */
+  status = ts_cuda_import_get(ts_conn_origin_key(&ch->conn, s->origin_pid), s->alloc_id, ctx, &h, vmm ? fdp : NULL,
+                              chunks.n > 1 ? &chunks : NULL, (size_t)s->alloc_size,
+                              (s->share_flags & TSHARE_SHARE_FLAG_RETIRE_NOTICE) != 0, imp, ch->err, sizeof ch->err);
+  /* The owner watches this run and retires it: keep it for its next shares. */
+  if (status == TSHARE_OK && vmm && (s->share_flags & TSHARE_SHARE_FLAG_HOLD_OFFER)) pin(ch, c, s->alloc_id, *imp);
+  return status;
 }
 
 static int cuda_import_set(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v,
@@ -695,47 +745,10 @@ static int cuda_import_set(tshare_channel *ch, const tshare_frame *f, int *fdp, 
                      "them",
                      (unsigned long long)s->share_id, owner_dev, uuid, (int)here);
   }
-  bool keep_idle = (s->share_flags & TSHARE_SHARE_FLAG_RETIRE_NOTICE) != 0;
   ts_cuda_mapping *imp;
-  if (s->mem_kind == TSHARE_MEM_CUDA_HELD) {
-    /* Memory this end keeps mapped for the peer: the reference taken when
-     * the share arrived becomes the view's. */
-    if (!*held)
-      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
-                     "import: share %llu names VMM memory %llu, which this end does not keep mapped",
-                     (unsigned long long)s->share_id, (unsigned long long)s->alloc_id);
-    if (ts_cuda_import_ctx(*held) != ctx)
-      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
-                     "import: share %llu is memory this end keeps mapped on the device it first received it on; "
-                     "receive it there",
-                     (unsigned long long)s->share_id);
-    if (ts_cuda_import_size(*held) != s->alloc_size)
-      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
-                     "import: share %llu names VMM memory %llu of %llu bytes, mapped here with %zu",
-                     (unsigned long long)s->share_id, (unsigned long long)s->alloc_id,
-                     (unsigned long long)s->alloc_size, ts_cuda_import_size(*held));
-    imp = *held;
-    *held = NULL;
-  } else {
-    CUipcMemHandle h;
-    memcpy(h.reserved, s->handle, TSHARE_HANDLE_MAX);
-    bool vmm = s->mem_kind == TSHARE_MEM_CUDA_FD;
-    if (vmm && *fdp < 0)
-      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "import: share %llu is CUDA VMM memory without its fd",
-                     (unsigned long long)s->share_id);
-    ts_vmm_chunks chunks;
-    chunks.n = 0;
-    if (vmm && (s->share_flags & TSHARE_SHARE_FLAG_CHUNKS) &&
-        (status = gather_chunks(ch, s, *fdp, set, &chunks)) != TSHARE_OK)
-      return status;
-    /* Found under a key the peer cannot forge: its claimed pid may be anyone's. */
-    status = ts_cuda_import_get(ts_conn_origin_key(&ch->conn, s->origin_pid), s->alloc_id, ctx, &h, vmm ? fdp : NULL,
-                                chunks.n > 1 ? &chunks : NULL, (size_t)s->alloc_size, keep_idle, &imp, ch->err,
-                                sizeof ch->err);
-    if (status != TSHARE_OK) return status;
-    /* The owner watches this run and retires it: keep it for its next shares. */
-    if (vmm && (s->share_flags & TSHARE_SHARE_FLAG_HOLD_OFFER)) pin(ch, c, s->alloc_id, imp);
-  }
+  status = s->mem_kind == TSHARE_MEM_CUDA_HELD ? held_mapping(ch, s, ctx, held, &imp)
+                                               : open_mapping(ch, c, s, ctx, fdp, set, &imp);
+  if (status != TSHARE_OK) return status;
   if (f->flags & TSHARE_FRAME_FLAG_HAS_EVENT) {
     peer_event *pe = c->events && s->event_slot < TSHARE_EVENT_SLOTS_MAX ? &c->events[s->event_slot] : NULL;
     if (!pe || !pe->announced)
@@ -854,18 +867,6 @@ static void cuda_view_release(tshare_view *v) {
 
 /* ---- frames and housekeeping --------------------------------------------- */
 
-static int queue_ack(struct ts_cuda_chan *c, uint64_t alloc_id) {
-  if (c->nacks == c->cap_acks) {
-    size_t cap = c->cap_acks ? c->cap_acks * 2 : 16;
-    uint64_t *a = realloc(c->acks, cap * sizeof *a);
-    if (!a) return TSHARE_E_NOMEM;
-    c->acks = a;
-    c->cap_acks = cap;
-  }
-  c->acks[c->nacks++] = alloc_id;
-  return TSHARE_OK;
-}
-
 int ts_cuda_on_frame(tshare_channel *ch, const tshare_frame *f) {
   struct ts_cuda_chan *c = chan_of(ch);
   if (!c) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "receive: out of memory");
@@ -896,7 +897,7 @@ int ts_cuda_on_frame(tshare_channel *ch, const tshare_frame *f) {
       unpin(c, r->alloc_ids[i]);
       TS_LOG(TS_LOG_DEBUG, "peer %s retires allocation %llu", ch->conn.peer_label, (unsigned long long)r->alloc_ids[i]);
       ts_cuda_import_retire(ch->conn.peer_key, r->alloc_ids[i]);
-      if (queue_ack(c, r->alloc_ids[i]) != TSHARE_OK)
+      if (!id_list_push(&c->acks, r->alloc_ids[i]))
         return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "retire: out of memory");
     }
   }
@@ -992,6 +993,13 @@ static int send_retire(tshare_channel *ch, uint8_t closed, const uint64_t *ids, 
   return TSHARE_OK;
 }
 
+/* The ids of l in retire frames (closed as given); l is emptied once sent. */
+static int send_ids(tshare_channel *ch, uint8_t closed, id_list *l, int timeout_ms) {
+  int rc = l->n ? send_retire(ch, closed, l->ids, l->n, timeout_ms) : TSHARE_OK;
+  if (rc == TSHARE_OK) l->n = 0;
+  return rc;
+}
+
 int ts_cuda_flush(tshare_channel *ch, int timeout_ms, ts_gpu_wait *busy) {
   *busy = TS_GPU_IDLE;
   struct ts_cuda_chan *c = ch->cuda;
@@ -1016,34 +1024,19 @@ int ts_cuda_flush(tshare_channel *ch, int timeout_ms, ts_gpu_wait *busy) {
   pthread_mutex_unlock(&ch->lock);
 
   int64_t deadline = ts_deadline(timeout_ms);
-  if (c->nruns && cu && ts_now_us() - c->runs_checked_us >= VMM_RUNS_CHECK_US) {
-    c->runs_checked_us = ts_now_us();
+  int64_t now = ts_now_us();
+  if ((c->vmm_runs.count || ts_anchors_count(&c->anchors)) && now - c->watched_checked_us >= WATCH_CHECK_US) {
+    /* Runs whose chunks were unmapped, segments idle long enough: retired. */
+    c->watched_checked_us = now;
     uint64_t gone[TSHARE_RELEASE_MAX];
-    size_t ngone = vmm_runs_gone(c, cu, gone, TSHARE_RELEASE_MAX);
-    if (ngone) {
-      int rc = send_retire(ch, 0, gone, ngone, ts_remaining(deadline));
-      if (rc != TSHARE_OK) return rc;
-    }
-  }
-  if (c->anchors.n && ts_now_us() - c->anchors_checked_us >= VMM_RUNS_CHECK_US) {
-    c->anchors_checked_us = ts_now_us();
-    uint64_t idle[TSHARE_RELEASE_MAX];
-    size_t nidle = ts_anchors_idle(&c->anchors, c->anchors_checked_us, idle, TSHARE_RELEASE_MAX);
-    if (nidle) {
-      int rc = send_retire(ch, 0, idle, nidle, ts_remaining(deadline));
-      if (rc != TSHARE_OK) return rc;
-    }
-  }
-  if (c->nholds) {
-    int rc = send_retire(ch, 2, c->holds, c->nholds, ts_remaining(deadline));
+    size_t n = cu && c->vmm_runs.count ? vmm_runs_gone(c, cu, gone, TSHARE_RELEASE_MAX) : 0;
+    n += ts_anchors_idle(&c->anchors, now, gone + n, TSHARE_RELEASE_MAX - n);
+    int rc = n ? send_retire(ch, 0, gone, n, ts_remaining(deadline)) : TSHARE_OK;
     if (rc != TSHARE_OK) return rc;
-    c->nholds = 0;
   }
-  if (c->nacks) {
-    int rc = send_retire(ch, 1, c->acks, c->nacks, ts_remaining(deadline));
-    if (rc != TSHARE_OK) return rc;
-    c->nacks = 0;
-  }
+  int rc = send_ids(ch, 2, &c->holds, ts_remaining(deadline));
+  if (rc == TSHARE_OK) rc = send_ids(ch, 1, &c->acks, ts_remaining(deadline));
+  if (rc != TSHARE_OK) return rc;
   /* Owned allocations nobody holds any more: tell the peer, which closes
    * them and answers; the memory is freed after the answer. */
   uint64_t ids[TSHARE_RELEASE_MAX];
@@ -1062,7 +1055,7 @@ int ts_cuda_flush(tshare_channel *ch, int timeout_ms, ts_gpu_wait *busy) {
 
 void ts_cuda_before_close(tshare_channel *ch, int timeout_ms) {
   struct ts_cuda_chan *c = ch->cuda;
-  if (!c || !c->anchors.n) return;
+  if (!c || !ts_anchors_count(&c->anchors)) return;
   int64_t deadline = ts_deadline(timeout_ms);
   uint64_t ids[TSHARE_RELEASE_MAX];
   for (size_t n; (n = ts_anchors_retire_all(&c->anchors, ids, TSHARE_RELEASE_MAX)) > 0;)
@@ -1090,8 +1083,7 @@ static void cuda_peer_gone(tshare_channel *ch) {
   ts_anchors_drop_all(&c->anchors);
   for (size_t pos = 0; ts_u64map_next(&c->pins, &pos, &key, &value);) ts_cuda_import_put(value);
   ts_u64map_free(&c->pins);
-  c->npins = 0;
-  c->nholds = 0;
+  c->holds.n = 0;
   if (ch->conn.peer_key) ts_cuda_import_origin_gone(ch->conn.peer_key);
 }
 
@@ -1115,7 +1107,7 @@ static void cuda_chan_free(tshare_channel *ch) {
   ts_u64map_free(&c->chunk_sets);
   for (size_t i = 0; ts_u64map_next(&c->held_refs, &i, &key, &set);) ts_cuda_import_put(set);
   ts_u64map_free(&c->held_refs);
-  free(c->holds);
+  free(c->holds.ids);
   if (cu) {
     for (uint32_t i = 0; i < c->nslots; i++) event_destroy(cu, c->pool[i]);
     for (uint32_t i = 0; c->events && i < TSHARE_EVENT_SLOTS_MAX; i++)
@@ -1124,7 +1116,7 @@ static void cuda_chan_free(tshare_channel *ch) {
   }
   free(c->events);
   free(c->drains);
-  free(c->acks);
+  free(c->acks.ids);
   free(c);
   ch->cuda = NULL;
 }

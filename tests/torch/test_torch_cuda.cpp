@@ -89,6 +89,19 @@ static size_t gpu_free_bytes() {
   return free_b;
 }
 
+// A consumer whose own GPU memory must not count in the producer's baseline:
+// it makes its CUDA context first, then says so.
+static void say_ready(tshare_channel *ch) {
+  at::zeros({1}, on_gpu);
+  c10::cuda::device_synchronize();
+  tt::send(ch, at::zeros({1}), {"ready"});
+}
+
+static void wait_ready(tshare_channel *ch) {
+  auto ready = tt::recv(ch, {TIMEOUT});
+  CHECK(ready && ready->tag == "ready");
+}
+
 static at::Tensor cuda_base() { return at::arange(120, on_gpu.dtype(at::kFloat)).view({4, 5, 6}); }
 
 // ---- roles ---------------------------------------------------------------------
@@ -256,9 +269,7 @@ static int role_chunk_reader(tshare_channel *ch) {
 // Holds a view while its producer frees the tensor and empties its cache,
 // reads it intact, then releases it.
 static int role_holder(tshare_channel *ch) {
-  at::zeros({1}, on_gpu); // this process's CUDA context, before the producer's baseline
-  c10::cuda::device_synchronize();
-  tt::send(ch, at::zeros({1}), {"ready"});
+  say_ready(ch);
   auto r = tt::recv(ch, {TIMEOUT});
   CHECK(r && r->tag == "held");
   auto freed = tt::recv(ch, {TIMEOUT});
@@ -334,9 +345,7 @@ static int role_held_reader() {
 // Takes three shares of one tensor (its memory then kept mapped for the
 // next), holds a fourth, and is killed.
 static int role_killed_while_keeping(tshare_channel *ch) {
-  at::zeros({1}, on_gpu); // this process's CUDA context, before the producer's baseline
-  c10::cuda::device_synchronize();
-  tt::send(ch, at::zeros({1}), {"ready"});
+  say_ready(ch);
   for (int i = 0; i < 3; i++) CHECK(tt::recv(ch, {TIMEOUT}));
   auto held = tt::recv(ch, {TIMEOUT});
   CHECK(held && held->tensor.numel() == int64_t(32) << 20);
@@ -528,9 +537,7 @@ TS_TEST(cuda_consumer_killed_while_keeping_memory_mapped) {
   int fd;
   tshare_process *p = start("killed_while_keeping", &fd);
   tshare_channel *ch = open_channel(fd, "producer");
-  auto ready = tt::recv(ch, {TIMEOUT});
-  CHECK(ready && ready->tag == "ready");
-  ready.reset();
+  wait_ready(ch);
   {
     at::Tensor x = at::arange(int64_t(32) << 20, on_gpu.dtype(at::kInt)); // 128 MiB
     for (int i = 0; i < 3; i++) {
@@ -568,9 +575,7 @@ TS_TEST(cuda_memory_freed_by_the_producer_returns_after_release) {
   int fd;
   tshare_process *p = start("holder", &fd);
   tshare_channel *ch = open_channel(fd, "producer");
-  auto ready = tt::recv(ch, {TIMEOUT});
-  CHECK(ready && ready->tag == "ready");
-  ready.reset();
+  wait_ready(ch);
   c10::cuda::CUDACachingAllocator::emptyCache();
   size_t baseline = gpu_free_bytes();
   {
