@@ -32,7 +32,8 @@ static bool wants_ring(const tshare_channel_options *o) {
   if (o->transport == TSHARE_TRANSPORT_SOCKET) return false;
   const char *env = getenv("TSHARE_TRANSPORT");
   if (env && strcmp(env, "socket") == 0) return false;
-  if (env && *env && strcmp(env, "ring") != 0) TS_LOG(TS_LOG_WARN, "TSHARE_TRANSPORT=%s is neither ring nor socket: ring", env);
+  if (env && *env && strcmp(env, "ring") != 0)
+    TS_LOG(TS_LOG_WARN, "TSHARE_TRANSPORT=%s is neither ring nor socket: ring", env);
   return true;
 }
 
@@ -60,15 +61,88 @@ int tshare_socketpair(int fds[2], tshare_error *err) {
   return TSHARE_OK;
 }
 
+/* ---- who may call: the opening process, one thread at a time ----------- */
+
+/* This process's pid, kept by an atfork handler: every call compares it with
+ * its channel's owner, and getpid() would cost a system call each time. */
+static atomic_long process_pid;
+static pthread_once_t watch_forks_once = PTHREAD_ONCE_INIT;
+
+static void note_pid(void) { atomic_store(&process_pid, (long)getpid()); }
+
+static void watch_forks(void) {
+  note_pid();
+  pthread_atfork(NULL, NULL, note_pid);
+}
+
+bool ts_channel_foreign(const tshare_channel *ch) {
+  return ch->owner_pid != atomic_load_explicit(&process_pid, memory_order_relaxed);
+}
+
+/* A refused call's detail, kept for the refused thread: the channel's own
+ * detail belongs to the thread inside a call (or to the parent process). */
+static _Thread_local struct {
+  const tshare_channel *ch;
+  char msg[TSHARE_ERROR_MSG_MAX];
+} refusal;
+
+static int refuse(const tshare_channel *ch, int status, const char *what) {
+  refusal.ch = ch;
+  if (status == TSHARE_E_BUSY)
+    snprintf(refusal.msg, sizeof refusal.msg,
+             "%s: another thread is inside a call on channel '%s': one thread at a time may call a channel "
+             "(only tshare_view_release may run beside it)",
+             what, ch->name);
+  else if (ts_channel_foreign(ch))
+    snprintf(refusal.msg, sizeof refusal.msg,
+             "%s: channel '%s' belongs to process %ld (opened before fork); this process (%ld) may only release "
+             "its views and close its copy, which sends nothing",
+             what, ch->name, ch->owner_pid, atomic_load(&process_pid));
+  else
+    snprintf(refusal.msg, sizeof refusal.msg, "%s: channel '%s' was closed by another call", what, ch->name);
+  return status;
+}
+
+int ts_channel_enter(tshare_channel *ch, const char *what) {
+  if (ts_channel_foreign(ch)) return refuse(ch, TSHARE_E_STATE, what);
+  unsigned long me = ts_thread_tag();
+  if (atomic_load_explicit(&ch->call_owner, memory_order_relaxed) == me) {
+    ch->call_depth++; /* a callback of this thread's call */
+    return TSHARE_OK;
+  }
+  unsigned idle = 0;
+  if (!atomic_compare_exchange_strong_explicit(&ch->call_state, &idle, TS_CALL_BUSY, memory_order_acquire,
+                                               memory_order_relaxed))
+    return refuse(ch, idle & TS_CALL_CLOSING ? TSHARE_E_STATE : TSHARE_E_BUSY, what);
+  atomic_store_explicit(&ch->call_owner, me, memory_order_relaxed);
+  ch->call_depth = 1;
+  refusal.ch = NULL;
+  return TSHARE_OK;
+}
+
+static void close_now(tshare_channel *ch);
+
+int ts_channel_leave(tshare_channel *ch, int rc) {
+  if (--ch->call_depth > 0) return rc;
+  atomic_store_explicit(&ch->call_owner, 0, memory_order_relaxed);
+  unsigned was = atomic_fetch_and_explicit(&ch->call_state, ~TS_CALL_BUSY, memory_order_acq_rel);
+  if (was & TS_CALL_CLOSING) close_now(ch); /* asked for while this call ran */
+  return rc;
+}
+
 tshare_channel_kind tshare_channel_kind_of(const tshare_channel *ch) { return ch->conn.kind; }
 const tshare_hello *tshare_channel_peer(const tshare_channel *ch) { return &ch->conn.peer; }
 const char *tshare_channel_last_error(const tshare_channel *ch) {
   if (!ch) return "channel is NULL";
+  if (refusal.ch == ch) return refusal.msg;
   return ch->err[0] ? ch->err : "no error";
 }
 int tshare_channel_fd(const tshare_channel *ch) {
-  /* Asking for the fd is what makes a ring channel nudge it: logically const. */
-  return ts_conn_poll_fd((ts_conn *)&ch->conn);
+  /* Asking for the fd is what makes a ring channel nudge it, a write into
+   * the ring's control page: a call like the others, logically const. */
+  tshare_channel *c = (tshare_channel *)ch;
+  if (ts_channel_enter(c, "fd") != TSHARE_OK) return -1;
+  return ts_channel_leave(c, ts_conn_poll_fd(&c->conn));
 }
 tshare_transport tshare_channel_transport(const tshare_channel *ch) {
   return ts_conn_uses_ring(&ch->conn) ? TSHARE_TRANSPORT_RING : TSHARE_TRANSPORT_SOCKET;
@@ -85,6 +159,8 @@ static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare
     return TSHARE_E_NOMEM;
   }
   atomic_init(&ch->refs, 1);
+  pthread_once(&watch_forks_once, watch_forks);
+  ch->owner_pid = atomic_load(&process_pid);
   pthread_mutex_init(&ch->lock, NULL);
   ch->next_share_id = 1;
   if (opts)
@@ -115,9 +191,9 @@ static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare
   }
   ts_error_fill(err, TSHARE_OK, "");
   TS_LOG(TS_LOG_INFO, "channel '%s' open to %s over %s (its capabilities 0x%llx)", ch->name, ch->conn.peer_label,
-         kind == TSHARE_CHANNEL_PIPES ? "pipes"
+         kind == TSHARE_CHANNEL_PIPES   ? "pipes"
          : ts_conn_uses_ring(&ch->conn) ? "a socket and shared-memory rings"
-                                         : "a socket",
+                                        : "a socket",
          (unsigned long long)ch->conn.peer.capabilities);
   *out = ch;
   return TSHARE_OK;
@@ -134,11 +210,10 @@ int tshare_channel_open_pipes(int read_fd, int write_fd, const tshare_channel_op
 
 int tshare_channel_send_frame(tshare_channel *ch, const tshare_frame *f, int fd, int timeout_ms) {
   if (!ch || !f) return TSHARE_E_INVALID_ARG;
-  return ts_conn_send(&ch->conn, f, fd, timeout_ms);
+  TS_CHANNEL_CALL(ch, "send", ts_conn_send(&ch->conn, f, fd, timeout_ms));
 }
 
-int tshare_channel_recv_frame(tshare_channel *ch, tshare_frame *f, int *fd_out, int timeout_ms) {
-  if (!ch || !f || !fd_out) return TSHARE_E_INVALID_ARG;
+static int recv_frame(tshare_channel *ch, tshare_frame *f, int *fd_out, int timeout_ms) {
   int fd_lost;
   int rc = ts_session_recv(ch, f, fd_out, &fd_lost, timeout_ms);
   if (rc == TSHARE_OK && fd_lost) {
@@ -153,8 +228,12 @@ int tshare_channel_recv_frame(tshare_channel *ch, tshare_frame *f, int *fd_out, 
   return rc;
 }
 
-int tshare_channel_send_bye(tshare_channel *ch, uint32_t reason, int timeout_ms) {
-  if (!ch) return TSHARE_E_INVALID_ARG;
+int tshare_channel_recv_frame(tshare_channel *ch, tshare_frame *f, int *fd_out, int timeout_ms) {
+  if (!ch || !f || !fd_out) return TSHARE_E_INVALID_ARG;
+  TS_CHANNEL_CALL(ch, "receive", recv_frame(ch, f, fd_out, timeout_ms));
+}
+
+static int send_bye(tshare_channel *ch, uint32_t reason, int timeout_ms) {
   int64_t deadline = ts_deadline(timeout_ms);
   int rc = ts_share_flush_pending(ch, ts_remaining(deadline));
   if (rc != TSHARE_OK) return rc;
@@ -167,13 +246,34 @@ int tshare_channel_send_bye(tshare_channel *ch, uint32_t reason, int timeout_ms)
   return rc;
 }
 
+int tshare_channel_send_bye(tshare_channel *ch, uint32_t reason, int timeout_ms) {
+  if (!ch) return TSHARE_E_INVALID_ARG;
+  TS_CHANNEL_CALL(ch, "bye", send_bye(ch, reason, timeout_ms));
+}
+
 int tshare_channel_send_error(tshare_channel *ch, int code, const char *message) {
   if (!ch) return TSHARE_E_INVALID_ARG;
-  return ts_conn_send_error(&ch->conn, code, message);
+  TS_CHANNEL_CALL(ch, "error", ts_conn_send_error(&ch->conn, code, message));
+}
+
+/* A forked child's last reference to its copy of a channel: only memory of
+ * its own goes. The CUDA state stays (the driver's state after fork is not
+ * this process's to use), and so do the shares sent before fork (what keeps
+ * them alive belongs to the parent's code) and locks a thread the child does
+ * not have may hold: all of it goes when the child exits or execs. */
+static void free_in_child(tshare_channel *ch) {
+  ts_host_backend.chan_free(ch); /* this process's mappings of host memory */
+  ts_share_free_incoming(ch);
+  free(ch->pending);
+  free(ch);
 }
 
 void ts_channel_unref(tshare_channel *ch) {
   if (atomic_fetch_sub(&ch->refs, 1) != 1) return;
+  if (ts_channel_foreign(ch)) {
+    free_in_child(ch);
+    return;
+  }
   const ts_backend *backends[] = TS_BACKENDS;
   for (size_t i = 0; i < sizeof backends / sizeof *backends; i++) backends[i]->chan_free(ch);
   ts_conn_destroy(&ch->conn);
@@ -182,8 +282,7 @@ void ts_channel_unref(tshare_channel *ch) {
   free(ch);
 }
 
-void tshare_channel_close(tshare_channel *ch) {
-  if (!ch) return;
+static void close_now(tshare_channel *ch) {
   if (ch->conn.peer.major) /* it opened */
     TS_LOG(TS_LOG_INFO, "channel '%s' to %s closed; %zu shares it still held dropped", ch->name, ch->conn.peer_label,
            (size_t)ch->exports.count);
@@ -194,7 +293,7 @@ void tshare_channel_close(tshare_channel *ch) {
     if (ch->bye_sent)
       ts_share_flush_pending(ch, 100);
     else
-      (void)tshare_channel_send_bye(ch, 0, 100); /* which flushes the releases first */
+      (void)send_bye(ch, 0, 100); /* which flushes the releases first */
   }
   ts_conn_flush_tail(&ch->conn, 100);
   ts_share_drop_all(ch, TSHARE_E_PEER_CLOSED);
@@ -203,5 +302,43 @@ void tshare_channel_close(tshare_channel *ch) {
   ch->closed = true; /* views released from now on queue nothing */
   ts_conn_close(&ch->conn);
   pthread_mutex_unlock(&ch->lock);
+  ts_channel_unref(ch);
+}
+
+/* A forked child closes its copy of its parent's channel: nothing goes to
+ * the peer and nothing both processes share changes (the socket's state,
+ * the rings); its own copies of the fds and ring mappings are dropped
+ * unless a lock that a thread of the parent held at fork is in the way. */
+static void close_in_child(tshare_channel *ch) {
+  bool locks_free = false;
+  if (pthread_mutex_trylock(&ch->conn.wake_lock) == 0) {
+    locks_free = pthread_mutex_trylock(&ch->conn.send_lock) == 0;
+    if (locks_free) pthread_mutex_unlock(&ch->conn.send_lock);
+    pthread_mutex_unlock(&ch->conn.wake_lock);
+  }
+  if (locks_free) ts_conn_close(&ch->conn); /* closes and unmaps, writes nothing */
+  ch->closed = true;
+  ts_channel_unref(ch);
+}
+
+void tshare_channel_close(tshare_channel *ch) {
+  if (!ch) return;
+  if (ts_channel_foreign(ch)) {
+    close_in_child(ch);
+    return;
+  }
+  if (atomic_load_explicit(&ch->call_owner, memory_order_relaxed) == ts_thread_tag()) {
+    /* From a callback inside this thread's call: the call closes it as it returns. */
+    atomic_fetch_or(&ch->call_state, TS_CALL_CLOSING);
+    return;
+  }
+  atomic_fetch_add(&ch->refs, 1); /* the wake-up below must not outlive a close the other thread does */
+  unsigned was = atomic_fetch_or(&ch->call_state, TS_CALL_CLOSING);
+  if (was & TS_CALL_CLOSING)
+    TS_LOG(TS_LOG_WARN, "channel '%s' closed twice: the second close does nothing", ch->name);
+  else if (was & TS_CALL_BUSY)
+    ts_conn_wake(&ch->conn); /* the thread inside stops waiting and closes it as its call returns */
+  else
+    close_now(ch);
   ts_channel_unref(ch);
 }

@@ -87,7 +87,17 @@ struct tshare_channel {
   bool refusal_told;
 
   struct ts_cuda_chan *cuda; /* event pools, releases waiting on the GPU; NULL until used */
+
+  /* Who may call (channel.h's thread and fork rules): the process that
+   * opened it, one thread of it at a time. */
+  long owner_pid;
+  atomic_uint call_state;  /* TS_CALL_BUSY while a thread is inside a call; TS_CALL_CLOSING once closed */
+  atomic_ulong call_owner; /* ts_thread_tag() of that thread, 0 when none */
+  unsigned call_depth;     /* its nested calls (from its callbacks); only that thread touches it */
 };
+
+#define TS_CALL_BUSY 1u
+#define TS_CALL_CLOSING 2u
 
 static inline int ts_channel_send(tshare_channel *ch, const tshare_frame *f, int fd, int timeout_ms) {
   return ts_conn_send(&ch->conn, f, fd, timeout_ms);
@@ -95,6 +105,30 @@ static inline int ts_channel_send(tshare_channel *ch, const tshare_frame *f, int
 
 /* channel.c */
 void ts_channel_unref(tshare_channel *ch);
+
+/* Whether ch was opened by another process: this one is a child forked
+ * after it opened, and may only drop its own copies of what it holds. */
+bool ts_channel_foreign(const tshare_channel *ch);
+/* Begin a call named what ("receive", "share") on ch: TSHARE_OK, or a
+ * refusal (TSHARE_E_BUSY: another thread is inside a call; TSHARE_E_STATE:
+ * closing, or foreign) whose detail the calling thread reads with
+ * tshare_channel_last_error(). The thread inside a call may call again
+ * (from a callback). Every TSHARE_OK is paired with ts_channel_leave(). */
+int ts_channel_enter(tshare_channel *ch, const char *what);
+/* End the call; returns rc. A close asked for meanwhile happens here: the
+ * caller must not touch ch afterwards. */
+int ts_channel_leave(tshare_channel *ch, int rc);
+/* A close is waiting for the call in progress: a wait inside it stops. */
+static inline bool ts_channel_close_waits(tshare_channel *ch) {
+  return atomic_load_explicit(&ch->call_state, memory_order_relaxed) == (TS_CALL_BUSY | TS_CALL_CLOSING);
+}
+/* The body of a public call returning a status: expr runs between enter and
+ * leave, and a refusal is returned without running it. */
+#define TS_CHANNEL_CALL(ch, what, expr)                                                                                \
+  do {                                                                                                                 \
+    int ts_entered_ = ts_channel_enter((ch), (what));                                                                  \
+    return ts_entered_ != TSHARE_OK ? ts_entered_ : ts_channel_leave((ch), (expr));                                    \
+  } while (0)
 
 /* share.c */
 /* The next frame from the peer, the session's housekeeping done while it
@@ -130,5 +164,8 @@ struct tshare_host_buffer;
 uint64_t ts_host_next_alloc_id(void); /* host allocation ids, unique in the process */
 void ts_host_buffer_retain(struct tshare_host_buffer *buf);
 void ts_host_buffer_release(void *buf);
+/* host_share.c: a forked child lets go of one view of its copy of mapping m
+ * (the last one unmaps it), touching nothing its parent uses. */
+void ts_host_drop_mapping_in_child(tshare_channel *ch, ts_mapping *m);
 
 #endif

@@ -65,6 +65,12 @@ static bool id_list_push(id_list *l, uint64_t id) {
   return true;
 }
 
+/* The first n ids went out: only the rest wait. */
+static void id_list_drop_front(id_list *l, size_t n) {
+  memmove(l->ids, l->ids + n, (l->n - n) * sizeof *l->ids);
+  l->n -= n;
+}
+
 typedef struct peer_mapped {
   ts_cuda_alloc *alloc;
   bool retire_sent;
@@ -502,7 +508,10 @@ static int share_foreign(tshare_channel *ch, const void *data, const tshare_tens
 
 int tshare_share_cuda(tshare_channel *ch, const void *data, const tshare_tensor_desc *desc, void *stream,
                       const char *tag, void *user_data, int timeout_ms, uint64_t *share_id) {
-  return share_foreign(ch, data, desc, stream, tag, no_release, NULL, user_data, timeout_ms, share_id);
+  if (share_id) *share_id = 0;
+  if (!ch) return TSHARE_E_INVALID_ARG;
+  TS_CHANNEL_CALL(ch, "share",
+                  share_foreign(ch, data, desc, stream, tag, no_release, NULL, user_data, timeout_ms, share_id));
 }
 
 int tshare_share_cuda_keep(tshare_channel *ch, const void *data, const tshare_tensor_desc *desc, void *stream,
@@ -513,12 +522,17 @@ int tshare_share_cuda_keep(tshare_channel *ch, const void *data, const tshare_te
     return ch ? ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "share: NULL drop function")
               : TSHARE_E_INVALID_ARG;
   }
-  return share_foreign(ch, data, desc, stream, tag, drop, keep, user_data, timeout_ms, share_id);
+  int rc = ch ? ts_channel_enter(ch, "share") : TSHARE_E_INVALID_ARG;
+  if (rc != TSHARE_OK) {
+    if (share_id) *share_id = 0;
+    drop(keep); /* exactly once, also when refused */
+    return rc;
+  }
+  return ts_channel_leave(ch, share_foreign(ch, data, desc, stream, tag, drop, keep, user_data, timeout_ms, share_id));
 }
 
-int tshare_share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const tshare_tensor_desc *desc, void *stream,
+static int share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const tshare_tensor_desc *desc, void *stream,
                              const char *tag, void *user_data, int timeout_ms, uint64_t *share_id) {
-  if (share_id) *share_id = 0;
   if (!buf || !desc) return ch ? ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "share: NULL argument")
                                : TSHARE_E_INVALID_ARG;
   int rc = check_can_share(ch, tag);
@@ -553,6 +567,13 @@ int tshare_share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const 
   ts_cuda_buffer_retain(buf);
   return send_cuda_share(ch, x, NULL, false, ts_cuda_buffer_offset(buf), (uint32_t)getpid(), flags, desc, stream, tag,
                          e, timeout_ms, share_id);
+}
+
+int tshare_share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const tshare_tensor_desc *desc, void *stream,
+                             const char *tag, void *user_data, int timeout_ms, uint64_t *share_id) {
+  if (share_id) *share_id = 0;
+  if (!ch) return TSHARE_E_INVALID_ARG;
+  TS_CHANNEL_CALL(ch, "share", share_cuda_buffer(ch, buf, desc, stream, tag, user_data, timeout_ms, share_id));
 }
 
 static int cuda_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_desc *desc, void *stream,
@@ -979,24 +1000,33 @@ void ts_cuda_drop_chunks(tshare_channel *ch, uint64_t share_id) {
   if (held) ts_cuda_import_put(held);
 }
 
-static int send_retire(tshare_channel *ch, uint8_t closed, const uint64_t *ids, size_t n, int timeout_ms) {
+/* ids in retire frames (closed as given), in order; *sent (optional): how
+ * many went before a frame could not, which the caller must not send again. */
+static int send_retire(tshare_channel *ch, uint8_t closed, const uint64_t *ids, size_t n, int timeout_ms,
+                       size_t *sent) {
   int64_t deadline = ts_deadline(timeout_ms);
-  for (size_t at = 0; at < n;) {
+  int rc = TSHARE_OK;
+  size_t at = 0;
+  while (at < n && rc == TSHARE_OK) {
     tshare_frame f;
     memset(&f, 0, sizeof f);
     f.type = TSHARE_FRAME_RETIRE;
     f.u.retire.closed = closed;
-    while (at < n && f.u.retire.count < TSHARE_RELEASE_MAX) f.u.retire.alloc_ids[f.u.retire.count++] = ids[at++];
-    int rc = ts_channel_send(ch, &f, -1, ts_remaining(deadline));
-    if (rc != TSHARE_OK) return rc;
+    for (size_t i = at; i < n && f.u.retire.count < TSHARE_RELEASE_MAX; i++)
+      f.u.retire.alloc_ids[f.u.retire.count++] = ids[i];
+    rc = ts_channel_send(ch, &f, -1, ts_remaining(deadline));
+    if (rc == TSHARE_OK) at += f.u.retire.count;
   }
-  return TSHARE_OK;
+  if (sent) *sent = at;
+  return rc;
 }
 
-/* The ids of l in retire frames (closed as given); l is emptied once sent. */
+/* The ids of l in retire frames (closed as given); those that went leave l,
+ * the rest go with a later flush. */
 static int send_ids(tshare_channel *ch, uint8_t closed, id_list *l, int timeout_ms) {
-  int rc = l->n ? send_retire(ch, closed, l->ids, l->n, timeout_ms) : TSHARE_OK;
-  if (rc == TSHARE_OK) l->n = 0;
+  size_t sent = 0;
+  int rc = l->n ? send_retire(ch, closed, l->ids, l->n, timeout_ms, &sent) : TSHARE_OK;
+  id_list_drop_front(l, sent);
   return rc;
 }
 
@@ -1031,7 +1061,7 @@ int ts_cuda_flush(tshare_channel *ch, int timeout_ms, ts_gpu_wait *busy) {
     uint64_t gone[TSHARE_RELEASE_MAX];
     size_t n = cu && c->vmm_runs.count ? vmm_runs_gone(c, cu, gone, TSHARE_RELEASE_MAX) : 0;
     n += ts_anchors_idle(&c->anchors, now, gone + n, TSHARE_RELEASE_MAX - n);
-    int rc = n ? send_retire(ch, 0, gone, n, ts_remaining(deadline)) : TSHARE_OK;
+    int rc = n ? send_retire(ch, 0, gone, n, ts_remaining(deadline), NULL) : TSHARE_OK;
     if (rc != TSHARE_OK) return rc;
   }
   int rc = send_ids(ch, 2, &c->holds, ts_remaining(deadline));
@@ -1050,7 +1080,7 @@ int ts_cuda_flush(tshare_channel *ch, int timeout_ms, ts_gpu_wait *busy) {
       ids[n++] = key - 1;
     }
   }
-  return n ? send_retire(ch, 0, ids, n, ts_remaining(deadline)) : TSHARE_OK;
+  return n ? send_retire(ch, 0, ids, n, ts_remaining(deadline), NULL) : TSHARE_OK;
 }
 
 void ts_cuda_before_close(tshare_channel *ch, int timeout_ms) {
@@ -1059,7 +1089,7 @@ void ts_cuda_before_close(tshare_channel *ch, int timeout_ms) {
   int64_t deadline = ts_deadline(timeout_ms);
   uint64_t ids[TSHARE_RELEASE_MAX];
   for (size_t n; (n = ts_anchors_retire_all(&c->anchors, ids, TSHARE_RELEASE_MAX)) > 0;)
-    if (send_retire(ch, 0, ids, n, ts_remaining(deadline)) != TSHARE_OK) return;
+    if (send_retire(ch, 0, ids, n, ts_remaining(deadline), NULL) != TSHARE_OK) return;
   /* A peer that hangs up has closed its idle mappings first (its close, or
    * its exit, does that before the socket goes). */
   while (ts_anchors_pending(&c->anchors) && ts_remaining(deadline) != 0) {

@@ -49,10 +49,8 @@ static int send_memfd_share(tshare_channel *ch, uint64_t alloc_id, uint64_t allo
   return ts_share_send_export(ch, &f, fd, e, timeout_ms, share_id);
 }
 
-int tshare_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_tensor_desc *desc, const char *tag,
+static int share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_tensor_desc *desc, const char *tag,
                       void *user_data, int timeout_ms, uint64_t *share_id) {
-  if (share_id) *share_id = 0;
-  if (!ch || !buf || !desc) return TSHARE_E_INVALID_ARG;
   if (ch->closed || ch->conn.wfd < 0)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: channel is closed");
   size_t tag_len = tag ? strlen(tag) : 0;
@@ -68,6 +66,13 @@ int tshare_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_
   ts_host_buffer_retain(buf);
   return send_memfd_share(ch, tshare_host_buffer_id(buf), tshare_host_buffer_size(buf), tshare_host_buffer_fd(buf),
                           desc, tag, e, timeout_ms, share_id);
+}
+
+int tshare_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_tensor_desc *desc, const char *tag,
+                      void *user_data, int timeout_ms, uint64_t *share_id) {
+  if (share_id) *share_id = 0;
+  if (!ch || !buf || !desc) return TSHARE_E_INVALID_ARG;
+  TS_CHANNEL_CALL(ch, "share", share_host(ch, buf, desc, tag, user_data, timeout_ms, share_id));
 }
 
 /* The host half of sharing a received view on: the memfd the mapping kept
@@ -94,18 +99,29 @@ static void unmap(ts_mapping *m) {
   free(m);
 }
 
+/* One view of m went (ch->lock held): the last one unmaps it. */
+static void drop_mapping_locked(tshare_channel *ch, ts_mapping *m) {
+  if (--m->views != 0) return;
+  ts_u64map_remove(&ch->mappings, m->alloc_id);
+  TS_LOG(TS_LOG_DEBUG, "unmapped allocation %llu of %s: its last view went", (unsigned long long)m->alloc_id,
+         ch->conn.peer_label);
+  unmap(m);
+}
+
+void ts_host_drop_mapping_in_child(tshare_channel *ch, ts_mapping *m) {
+  /* Only tried: a thread of the parent may have held the lock at fork, and
+   * the child has no such thread to let it go. Then the mapping stays. */
+  if (pthread_mutex_trylock(&ch->lock) != 0) return;
+  drop_mapping_locked(ch, m);
+  pthread_mutex_unlock(&ch->lock);
+}
+
 static void host_release(tshare_view *v) {
   tshare_channel *ch = v->ch;
   pthread_mutex_lock(&ch->lock);
-  ts_mapping *m = v->mapping;
-  if (m && --m->views == 0) {
-    /* Unmap before the release goes out: once the producer frees the memory,
-     * nothing here may still reference it. */
-    ts_u64map_remove(&ch->mappings, m->alloc_id);
-    TS_LOG(TS_LOG_DEBUG, "unmapped allocation %llu of %s: its last view went", (unsigned long long)m->alloc_id,
-           ch->conn.peer_label);
-    unmap(m);
-  }
+  /* Unmapped before the release goes out: once the producer frees the
+   * memory, nothing here may still reference it. */
+  if (v->mapping) drop_mapping_locked(ch, v->mapping);
   TS_LOG(TS_LOG_INFO, "released share %llu of %s", (unsigned long long)v->share_id, ch->conn.peer_label);
   ts_share_queue_release_locked(ch, v->share_id);
   pthread_mutex_unlock(&ch->lock);

@@ -27,8 +27,8 @@ void ts_export_drop(ts_export *e) {
 }
 
 static const char *mem_kind_name(int kind) {
-  return kind == TSHARE_MEM_HOST_MEMFD ? "host memfd"
-         : kind == TSHARE_MEM_CUDA_FD  ? "CUDA VMM fd"
+  return kind == TSHARE_MEM_HOST_MEMFD  ? "host memfd"
+         : kind == TSHARE_MEM_CUDA_FD   ? "CUDA VMM fd"
          : kind == TSHARE_MEM_CUDA_HELD ? "CUDA VMM memory kept mapped"
                                         : "CUDA IPC handle";
 }
@@ -69,6 +69,11 @@ static int share_view_export(tshare_channel *ch, tshare_view *v, const tshare_te
                  TSHARE_TAG_MAX);
   } else if (ch->closed || ch->conn.wfd < 0) {
     rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: channel is closed");
+  } else if (ts_channel_foreign(v->ch)) {
+    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE,
+                 "share: the view came on a channel of process %ld, which this process was forked from: it may "
+                 "only be released here",
+                 v->ch->owner_pid);
   } else {
     /* From the view's first element to an offset in the producer's allocation,
      * and the layout must stay inside what the view's producer mapped. */
@@ -92,10 +97,8 @@ static int share_view_export(tshare_channel *ch, tshare_view *v, const tshare_te
 
 static void release_forwarded_view(void *view) { tshare_view_release(view); }
 
-int tshare_share_view(tshare_channel *ch, tshare_view *v, void *stream, const char *tag, void *user_data,
+static int share_view(tshare_channel *ch, tshare_view *v, void *stream, const char *tag, void *user_data,
                       int timeout_ms, uint64_t *share_id) {
-  if (share_id) *share_id = 0;
-  if (!ch || !v) return TSHARE_E_INVALID_ARG;
   ts_export *e = calloc(1, sizeof *e);
   if (!e) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
   e->release = release_forwarded_view; /* the view is held until the third process releases */
@@ -105,20 +108,42 @@ int tshare_share_view(tshare_channel *ch, tshare_view *v, void *stream, const ch
   return share_view_export(ch, v, &whole, stream, tag, user_data, e, timeout_ms, share_id);
 }
 
-int tshare_share_view_part(tshare_channel *ch, tshare_view *v, const tshare_tensor_desc *desc, void *stream,
+int tshare_share_view(tshare_channel *ch, tshare_view *v, void *stream, const char *tag, void *user_data,
+                      int timeout_ms, uint64_t *share_id) {
+  if (share_id) *share_id = 0;
+  if (!ch || !v) return TSHARE_E_INVALID_ARG;
+  int rc = ts_channel_enter(ch, "share");
+  if (rc != TSHARE_OK) {
+    tshare_view_release(v); /* consumed, also when refused */
+    return rc;
+  }
+  return ts_channel_leave(ch, share_view(ch, v, stream, tag, user_data, timeout_ms, share_id));
+}
+
+static int share_view_part(tshare_channel *ch, tshare_view *v, const tshare_tensor_desc *desc, void *stream,
                            const char *tag, tshare_drop_fn drop, void *keep, void *user_data, int timeout_ms,
                            uint64_t *share_id) {
-  if (share_id) *share_id = 0;
-  ts_export *e = ch && v && desc && drop ? calloc(1, sizeof *e) : NULL;
+  ts_export *e = v && desc && drop ? calloc(1, sizeof *e) : NULL;
   if (!e) {
     if (drop) drop(keep);
-    if (!ch) return TSHARE_E_INVALID_ARG;
     return ts_errf(ch->err, sizeof ch->err, v && desc && drop ? TSHARE_E_NOMEM : TSHARE_E_INVALID_ARG,
                    v && desc && drop ? "share: out of memory" : "share: NULL view, descriptor or drop function");
   }
   e->release = drop;
   e->owner = keep;
   return share_view_export(ch, v, desc, stream, tag, user_data, e, timeout_ms, share_id);
+}
+
+int tshare_share_view_part(tshare_channel *ch, tshare_view *v, const tshare_tensor_desc *desc, void *stream,
+                           const char *tag, tshare_drop_fn drop, void *keep, void *user_data, int timeout_ms,
+                           uint64_t *share_id) {
+  if (share_id) *share_id = 0;
+  int rc = ch ? ts_channel_enter(ch, "share") : TSHARE_E_INVALID_ARG;
+  if (rc != TSHARE_OK) {
+    if (drop) drop(keep); /* exactly once, also when refused */
+    return rc;
+  }
+  return ts_channel_leave(ch, share_view_part(ch, v, desc, stream, tag, drop, keep, user_data, timeout_ms, share_id));
 }
 
 size_t tshare_channel_outstanding(const tshare_channel *ch) { return ch ? ch->exports.count : 0; }
@@ -187,7 +212,7 @@ static void send_refusal_notice(tshare_channel *ch) {
            "refused share %llu, and refuses more while %zu fds of shares wait here for tshare_view_recv() "
            "(max_unclaimed_fds); each is released back",
            (unsigned long long)ch->refused_first, ch->conn.fd_budget);
-  tshare_channel_send_error(ch, TSHARE_E_LIMIT, msg);
+  ts_conn_send_error(&ch->conn, TSHARE_E_LIMIT, msg);
 }
 
 /* A release frame that did not go out: its ids are queued again. */
@@ -246,8 +271,22 @@ void ts_share_queue_release_locked(tshare_channel *ch, uint64_t share_id) {
   ts_conn_wake(&ch->conn);
 }
 
+/* A view a forked child inherited: its channel is its parent's, so nothing
+ * is queued or sent; the child only drops its own mapping of the memory
+ * (host memory; CUDA's stays with the driver state fork left behind). */
+static void release_in_child(tshare_view *v) {
+  tshare_channel *ch = v->ch;
+  if (v->mapping) ts_host_drop_mapping_in_child(ch, v->mapping);
+  free(v);
+  ts_channel_unref(ch);
+}
+
 void tshare_view_release(tshare_view *v) {
-  if (v) v->backend->release(v);
+  if (!v) return;
+  if (ts_channel_foreign(v->ch))
+    release_in_child(v);
+  else
+    v->backend->release(v);
 }
 
 void ts_share_free_incoming(tshare_channel *ch) {
@@ -366,6 +405,10 @@ int ts_session_recv(tshare_channel *ch, tshare_frame *f, int *fd_out, int *fd_lo
   int64_t deadline = ts_deadline(timeout_ms);
   bool woken = false;
   for (;;) {
+    if (ts_channel_close_waits(ch))
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE,
+                     "receive: the channel was closed while this call waited (tshare_channel_close from another "
+                     "thread or a callback); the handle is gone once this call returns");
     ts_gpu_wait gpu = TS_GPU_IDLE;
     int rc = housekeeping(ch, deadline, woken, &gpu);
     if (rc != TSHARE_OK) return rc;
@@ -445,8 +488,7 @@ int ts_share_drive(tshare_channel *ch, int timeout_ms) {
   return drive_once(ch, timeout_ms, NULL, NULL, &got, true);
 }
 
-int tshare_channel_poll(tshare_channel *ch, int timeout_ms) {
-  if (!ch) return TSHARE_E_INVALID_ARG;
+static int channel_poll(tshare_channel *ch, int timeout_ms) {
   bool got;
   /* Once the peer said bye the answer is TSHARE_END at once, after what it
    * still sent (its releases) was read without waiting. */
@@ -462,8 +504,12 @@ int tshare_channel_poll(tshare_channel *ch, int timeout_ms) {
   return rc;
 }
 
-int tshare_channel_wait_released(tshare_channel *ch, uint64_t share_id, int timeout_ms) {
+int tshare_channel_poll(tshare_channel *ch, int timeout_ms) {
   if (!ch) return TSHARE_E_INVALID_ARG;
+  TS_CHANNEL_CALL(ch, "poll", channel_poll(ch, timeout_ms));
+}
+
+static int wait_released(tshare_channel *ch, uint64_t share_id, int timeout_ms) {
   int64_t deadline = ts_deadline(timeout_ms);
   for (;;) {
     bool done = share_id ? tshare_share_is_released(ch, share_id) != 0 : ch->exports.count == 0;
@@ -481,10 +527,12 @@ int tshare_channel_wait_released(tshare_channel *ch, uint64_t share_id, int time
   }
 }
 
-int tshare_channel_peek_share(tshare_channel *ch, int timeout_ms, tshare_share_info *info) {
-  if (!ch || !info) return TSHARE_E_INVALID_ARG;
-  memset(info, 0, sizeof *info);
-  info->cuda_device = -1;
+int tshare_channel_wait_released(tshare_channel *ch, uint64_t share_id, int timeout_ms) {
+  if (!ch) return TSHARE_E_INVALID_ARG;
+  TS_CHANNEL_CALL(ch, "wait for release", wait_released(ch, share_id, timeout_ms));
+}
+
+static int peek_share(tshare_channel *ch, int timeout_ms, tshare_share_info *info) {
   if (ch->closed) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "receive: channel is closed");
   int64_t deadline = ts_deadline(timeout_ms);
   while (!ch->in_len) {
@@ -499,14 +547,18 @@ int tshare_channel_peek_share(tshare_channel *ch, int timeout_ms, tshare_share_i
   return TSHARE_OK;
 }
 
+int tshare_channel_peek_share(tshare_channel *ch, int timeout_ms, tshare_share_info *info) {
+  if (!ch || !info) return TSHARE_E_INVALID_ARG;
+  memset(info, 0, sizeof *info);
+  info->cuda_device = -1;
+  TS_CHANNEL_CALL(ch, "receive", peek_share(ch, timeout_ms, info));
+}
+
 int tshare_view_recv(tshare_channel *ch, int timeout_ms, tshare_view **out) {
   return tshare_view_recv_stream(ch, NULL, timeout_ms, out);
 }
 
-int tshare_view_recv_stream(tshare_channel *ch, void *stream, int timeout_ms, tshare_view **out) {
-  if (!out) return TSHARE_E_INVALID_ARG;
-  *out = NULL;
-  if (!ch) return TSHARE_E_INVALID_ARG;
+static int view_recv(tshare_channel *ch, void *stream, int timeout_ms, tshare_view **out) {
   if (ch->closed) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "receive: channel is closed");
   tshare_frame f;
   int fd = -1;
@@ -556,6 +608,13 @@ int tshare_view_recv_stream(tshare_channel *ch, void *stream, int timeout_ms, ts
          v->tag, ch->conn.peer_label);
   *out = v;
   return TSHARE_OK;
+}
+
+int tshare_view_recv_stream(tshare_channel *ch, void *stream, int timeout_ms, tshare_view **out) {
+  if (!out) return TSHARE_E_INVALID_ARG;
+  *out = NULL;
+  if (!ch) return TSHARE_E_INVALID_ARG;
+  TS_CHANNEL_CALL(ch, "receive", view_recv(ch, stream, timeout_ms, out));
 }
 
 void *tshare_view_data(const tshare_view *v) { return v ? v->data : NULL; }

@@ -14,7 +14,12 @@
  * call: a call on a handle keeps its detail with that handle, read with the
  * handle type's *_last_error() accessor; a call without one (constructors,
  * which have no object yet when they fail, and calls on plain data: the wire
- * encoder, tshare_tensor_check) fills an optional tshare_error.
+ * encoder, tshare_tensor_check) fills an optional tshare_error. A call on a
+ * channel refused before it began (TSHARE_E_BUSY: another thread is inside a
+ * call on it; TSHARE_E_STATE: it is being closed, or it belongs to the process
+ * this one was forked from) keeps its detail for the refused thread:
+ * tshare_channel_last_error() on that thread returns it, while the channel's
+ * own detail stays the other thread's.
  */
 #ifndef TSHARE_ERRORS_H
 #define TSHARE_ERRORS_H
@@ -56,7 +61,8 @@ extern "C" {
   X(TSHARE_E_NO_DEVICE, -21, "no CUDA device")                                                                         \
   X(TSHARE_E_CUDA, -22, "CUDA call failed")                                                                            \
   X(TSHARE_E_PERMISSION, -23, "peer or path not allowed") /* another user, a path that is not private */               \
-  X(TSHARE_E_LIMIT, -24, "a resource limit was reached")  /* fds, a channel's bound; the detail names it */
+  X(TSHARE_E_LIMIT, -24, "a resource limit was reached")  /* fds, a channel's bound; the detail names it */            \
+  X(TSHARE_E_BUSY, -25, "another thread is inside a call on this channel") /* one thread at a time: channel.h */
 
 typedef enum tshare_status {
 #define TSHARE_STATUS_ENUM_(name, value, message) name = value,
