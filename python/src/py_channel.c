@@ -4,6 +4,8 @@
 
 #include "py_errors.h"
 
+#include <errno.h>
+#include <poll.h>
 #include <string.h>
 
 /* ---- options -------------------------------------------------------------- */
@@ -39,6 +41,7 @@ PyObject *py_channel_wrap(tshare_channel *ch) {
     return NULL;
   }
   self->ch = ch;
+  py_guard_init(&self->guard, "channel");
   return (PyObject *)self;
 }
 
@@ -47,22 +50,50 @@ tshare_channel *py_channel_get(PyChannel *self) {
   return self->ch;
 }
 
-static void close_channel(PyChannel *self) {
-  tshare_channel *ch = self->ch;
-  self->ch = NULL;
-  if (!ch) return;
-  Py_BEGIN_ALLOW_THREADS tshare_channel_close(ch);
-  Py_END_ALLOW_THREADS
+tshare_channel *py_channel_enter(PyChannel *self) {
+  if (py_guard_enter(&self->guard) < 0) return NULL;
+  if (self->ch) return self->ch;
+  py_guard_leave(&self->guard); /* closed in a forked child, where the guard is not used */
+  return py_channel_get(self);
 }
 
+void py_channel_leave(PyChannel *self) { py_guard_leave(&self->guard); }
+
+int py_channel_wait(PyChannel *self, const char *what, int timeout_ms, const py_guard_slice *slice,
+                    int timeout_answers, int *status) {
+  if (!py_channel_get(self)) return -1;
+  if (py_guard_wait(&self->guard, what, timeout_ms, slice, status) < 0) return -1;
+  int answer = *status == TSHARE_OK || *status == TSHARE_END || (timeout_answers && *status == TSHARE_E_TIMEOUT);
+  if (!answer) py_raise_channel(self->ch, *status, what);
+  py_channel_leave(self);
+  return answer ? 0 : -1;
+}
+
+/* Frees the C channel once no call is inside: a call waiting in another
+ * thread sees the close at its next slice and raises. */
+static int close_channel(PyChannel *self) {
+  int r = py_guard_begin_close(&self->guard);
+  if (r <= 0) return r;
+  tshare_channel *ch = self->ch;
+  self->ch = NULL;
+  Py_BEGIN_ALLOW_THREADS tshare_channel_close(ch);
+  Py_END_ALLOW_THREADS
+  py_guard_leave(&self->guard);
+  return 0;
+}
+
+/* Nothing can be inside: every call holds a reference to self. */
 static void channel_dealloc(PyChannel *self) {
-  close_channel(self);
+  tshare_channel *ch = self->ch;
+  Py_BEGIN_ALLOW_THREADS tshare_channel_close(ch);
+  Py_END_ALLOW_THREADS
+  py_guard_destroy(&self->guard);
   PyObject_Free(self);
 }
 
 static PyObject *channel_close(PyChannel *self, PyObject *unused) {
   (void)unused;
-  close_channel(self);
+  if (close_channel(self) < 0) return NULL;
   Py_RETURN_NONE;
 }
 
@@ -75,7 +106,7 @@ static PyObject *channel_enter(PyChannel *self, PyObject *unused) {
 
 static PyObject *channel_exit(PyChannel *self, PyObject *args) {
   (void)args;
-  close_channel(self);
+  if (close_channel(self) < 0) return NULL;
   Py_RETURN_FALSE;
 }
 
@@ -85,56 +116,69 @@ static PyObject *channel_fileno(PyChannel *self, PyObject *unused) {
   return ch ? PyLong_FromLong(tshare_channel_fd(ch)) : NULL;
 }
 
+/* Slices of poll and send_bye: arg is the channel. */
+static int poll_slice(void *arg, int slice_ms) { return tshare_channel_poll(((PyChannel *)arg)->ch, slice_ms); }
+
+static int send_bye_slice(void *arg, int slice_ms) {
+  return tshare_channel_send_bye(((PyChannel *)arg)->ch, 0, slice_ms); /* a bye that timed out did not go */
+}
+
 /* True: something was processed; False: nothing came in time; None: the peer said bye. */
 static PyObject *channel_poll(PyChannel *self, PyObject *args) {
   int timeout_ms = 0, rc;
   if (!PyArg_ParseTuple(args, "|i", &timeout_ms)) return NULL;
-  tshare_channel *ch = py_channel_get(self);
-  if (!ch) return NULL;
-  Py_BEGIN_ALLOW_THREADS rc = tshare_channel_poll(ch, timeout_ms);
-  Py_END_ALLOW_THREADS
+  py_guard_slice slice = {poll_slice, NULL, self};
+  if (py_channel_wait(self, "poll", timeout_ms, &slice, 1, &rc) < 0) return NULL;
   if (rc == TSHARE_OK) Py_RETURN_TRUE;
   if (rc == TSHARE_E_TIMEOUT) Py_RETURN_FALSE;
-  if (rc == TSHARE_END) Py_RETURN_NONE;
-  return py_raise_channel(ch, rc, "poll");
+  Py_RETURN_NONE;
+}
+
+typedef struct release_wait {
+  PyChannel *self;
+  uint64_t share_id;
+} release_wait;
+
+static int wait_released_slice(void *arg, int slice_ms) {
+  release_wait *w = arg;
+  return tshare_channel_wait_released(w->self->ch, w->share_id, slice_ms);
 }
 
 static PyObject *channel_wait_released(PyChannel *self, PyObject *args) {
   unsigned long long share_id = 0;
   int timeout_ms = -1, rc;
   if (!PyArg_ParseTuple(args, "|Ki", &share_id, &timeout_ms)) return NULL;
-  tshare_channel *ch = py_channel_get(self);
-  if (!ch) return NULL;
-  Py_BEGIN_ALLOW_THREADS rc = tshare_channel_wait_released(ch, share_id, timeout_ms);
-  Py_END_ALLOW_THREADS
-  if (rc != TSHARE_OK) return py_raise_channel(ch, rc, "wait_released");
+  release_wait w = {self, share_id};
+  py_guard_slice slice = {wait_released_slice, NULL, &w};
+  if (py_channel_wait(self, "wait_released", timeout_ms, &slice, 0, &rc) < 0) return NULL;
   Py_RETURN_NONE;
 }
 
 static PyObject *channel_is_released(PyChannel *self, PyObject *args) {
   unsigned long long share_id;
   if (!PyArg_ParseTuple(args, "K", &share_id)) return NULL;
-  tshare_channel *ch = py_channel_get(self);
+  tshare_channel *ch = py_channel_enter(self);
   if (!ch) return NULL;
   int r = tshare_share_is_released(ch, share_id);
+  py_channel_leave(self);
   if (r < 0) return py_raise_fmt(TSHARE_E_INVALID_ARG, "tshare: share %llu was not sent on this channel", share_id);
   return PyBool_FromLong(r);
 }
 
 static PyObject *channel_outstanding(PyChannel *self, PyObject *unused) {
   (void)unused;
-  tshare_channel *ch = py_channel_get(self);
-  return ch ? PyLong_FromSize_t(tshare_channel_outstanding(ch)) : NULL;
+  tshare_channel *ch = py_channel_enter(self);
+  if (!ch) return NULL;
+  size_t n = tshare_channel_outstanding(ch);
+  py_channel_leave(self);
+  return PyLong_FromSize_t(n);
 }
 
 static PyObject *channel_send_bye(PyChannel *self, PyObject *args) {
   int timeout_ms = -1, rc;
   if (!PyArg_ParseTuple(args, "|i", &timeout_ms)) return NULL;
-  tshare_channel *ch = py_channel_get(self);
-  if (!ch) return NULL;
-  Py_BEGIN_ALLOW_THREADS rc = tshare_channel_send_bye(ch, 0, timeout_ms);
-  Py_END_ALLOW_THREADS
-  if (rc != TSHARE_OK) return py_raise_channel(ch, rc, "send_bye");
+  py_guard_slice slice = {send_bye_slice, NULL, self};
+  if (py_channel_wait(self, "send_bye", timeout_ms, &slice, 0, &rc) < 0) return NULL;
   Py_RETURN_NONE;
 }
 
@@ -166,17 +210,29 @@ static PyObject *channel_get_peer_pid(PyChannel *self, void *unused) {
 
 static PyObject *channel_get_last_error(PyChannel *self, void *unused) {
   (void)unused;
-  return PyUnicode_FromString(self->ch ? tshare_channel_last_error(self->ch) : "");
+  if (!self->ch) return PyUnicode_FromString("");
+  tshare_channel *ch = py_channel_enter(self);
+  if (!ch) return NULL;
+  PyObject *detail = PyUnicode_FromString(tshare_channel_last_error(ch));
+  py_channel_leave(self);
+  return detail;
 }
 
 static PyObject *channel_repr(PyChannel *self) {
   if (!self->ch) return PyUnicode_FromString("<tshare.Channel closed>");
-  const tshare_hello *peer = tshare_channel_peer(self->ch);
-  const char *transport = tshare_channel_kind_of(self->ch) == TSHARE_CHANNEL_PIPES ? "pipes"
-                          : tshare_channel_transport(self->ch) == TSHARE_TRANSPORT_RING ? "ring"
-                                                                                          : "socket";
-  return PyUnicode_FromFormat("<tshare.Channel to '%s' (pid %u) over %s, %zu shares outstanding>", peer->name,
-                              (unsigned)peer->pid, transport, tshare_channel_outstanding(self->ch));
+  tshare_channel *ch = py_channel_enter(self);
+  if (!ch) { /* closed meanwhile */
+    PyErr_Clear();
+    return PyUnicode_FromString("<tshare.Channel closed>");
+  }
+  const tshare_hello *peer = tshare_channel_peer(ch);
+  const char *transport = tshare_channel_kind_of(ch) == TSHARE_CHANNEL_PIPES      ? "pipes"
+                          : tshare_channel_transport(ch) == TSHARE_TRANSPORT_RING ? "ring"
+                                                                                  : "socket";
+  PyObject *r = PyUnicode_FromFormat("<tshare.Channel to '%s' (pid %u) over %s, %zu shares outstanding>", peer->name,
+                                     (unsigned)peer->pid, transport, tshare_channel_outstanding(ch));
+  py_channel_leave(self);
+  return r;
 }
 
 static PyMethodDef channel_methods[] = {
@@ -270,7 +326,8 @@ PyObject *py_connect(PyObject *module, PyObject *args, PyObject *kwargs) {
 /* ---- Listener ------------------------------------------------------------- */
 
 typedef struct {
-  PyObject_HEAD tshare_listener *l;
+  PyObject_HEAD tshare_listener *l; /* NULL once closed */
+  py_guard guard;                   /* one thread at a time inside l's calls, as for channels */
 } PyListener;
 
 PyObject *py_listen(PyObject *module, PyObject *args) {
@@ -287,22 +344,60 @@ PyObject *py_listen(PyObject *module, PyObject *args) {
     return NULL;
   }
   self->l = l;
+  py_guard_init(&self->guard, "listener");
   return (PyObject *)self;
 }
 
-static void listener_close_now(PyListener *self) {
+static int listener_close_now(PyListener *self) {
+  int r = py_guard_begin_close(&self->guard);
+  if (r <= 0) return r;
   tshare_listener_close(self->l);
   self->l = NULL;
+  py_guard_leave(&self->guard);
+  return 0;
 }
 
 static void listener_dealloc(PyListener *self) {
-  listener_close_now(self);
+  tshare_listener_close(self->l);
+  py_guard_destroy(&self->guard);
   PyObject_Free(self);
 }
 
+/* For what never changes while the GIL is held (the fd, the path). */
 static tshare_listener *listener_get(PyListener *self) {
   if (!self->l) py_raise(TSHARE_E_STATE, "tshare: the listener is closed");
   return self->l;
+}
+
+typedef struct accept_call {
+  PyListener *self;
+  const tshare_channel_options *opts;
+  int64_t deadline;
+  tshare_channel *ch;
+  tshare_error err;
+} accept_call;
+
+/* Whether a peer knocked within slice_ms (a signal counts as no). */
+static int knocked(int fd, int slice_ms) {
+  struct pollfd p = {fd, POLLIN, 0};
+  int n = poll(&p, 1, slice_ms);
+  return n > 0 || (n < 0 && errno != EINTR); /* a poll error: accept reports it */
+}
+
+/* The accept's budget once a peer knocked: its whole hello (a slice would
+ * cut a slow but good peer short), within the caller's timeout. When that
+ * peer is dropped, the accept waits for the next one for the rest of it. */
+static int hello_budget_ms(const accept_call *a) {
+  int left = py_guard_left_ms(a->deadline), hello = a->opts->handshake_timeout_ms;
+  return left < 0 || left > hello ? hello : left;
+}
+
+/* One slice of accept: wait for a knock, and only then accept. */
+static int accept_slice(void *arg, int slice_ms) {
+  accept_call *a = arg;
+  tshare_listener *l = a->self->l;
+  if (!knocked(tshare_listener_fd(l), slice_ms)) return TSHARE_E_TIMEOUT;
+  return tshare_listener_accept(l, a->opts, hello_budget_ms(a), &a->ch, &a->err);
 }
 
 static char *accept_keywords[] = {"timeout_ms", "name", "transport", "spin_us", "allow_uid", NULL};
@@ -314,21 +409,23 @@ static PyObject *listener_accept(PyListener *self, PyObject *args, PyObject *kwa
   if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|iOOil", accept_keywords, &timeout_ms, &name, &transport, &spin_us,
                                    &allow_uid))
     return NULL;
-  tshare_listener *l = listener_get(self);
-  if (!l) return NULL;
+  if (!listener_get(self)) return NULL;
   tshare_channel_options opts;
   if (py_channel_options(name, transport, spin_us, allow_uid, &opts) < 0) return NULL;
-  tshare_channel *ch = NULL;
-  tshare_error err;
-  Py_BEGIN_ALLOW_THREADS rc = tshare_listener_accept(l, &opts, timeout_ms, &ch, &err);
-  Py_END_ALLOW_THREADS
-  if (rc != TSHARE_OK) return py_raise_fmt(rc, "tshare: accept: %s", err.message);
-  return py_channel_wrap(ch);
+  accept_call a = {self, &opts, py_guard_deadline(timeout_ms), NULL, {0}};
+  py_guard_slice slice = {accept_slice, NULL, &a};
+  if (py_guard_wait(&self->guard, "accept", timeout_ms, &slice, &rc) < 0) return NULL;
+  const char *path = tshare_listener_path(self->l);
+  py_guard_leave(&self->guard);
+  if (rc == TSHARE_E_TIMEOUT && !a.err.message[0])
+    return py_raise_fmt(rc, "tshare: accept: nobody connected to %s in time", path);
+  if (rc != TSHARE_OK) return py_raise_fmt(rc, "tshare: accept: %s", a.err.message);
+  return py_channel_wrap(a.ch);
 }
 
 static PyObject *listener_close(PyListener *self, PyObject *unused) {
   (void)unused;
-  listener_close_now(self);
+  if (listener_close_now(self) < 0) return NULL;
   Py_RETURN_NONE;
 }
 
@@ -353,7 +450,7 @@ static PyObject *listener_enter(PyListener *self, PyObject *unused) {
 
 static PyObject *listener_exit(PyListener *self, PyObject *args) {
   (void)args;
-  listener_close_now(self);
+  if (listener_close_now(self) < 0) return NULL;
   Py_RETURN_FALSE;
 }
 

@@ -4,11 +4,14 @@
 #define TSHARE_PY_CHANNEL_H
 
 #define PY_SSIZE_T_CLEAN
+#include "py_guard.h"
+
 #include <Python.h>
 #include <tshare/tshare.h>
 
 typedef struct {
   PyObject_HEAD tshare_channel *ch; /* NULL once closed */
+  py_guard guard;                   /* one thread at a time inside ch's calls */
 } PyChannel;
 
 extern PyTypeObject PyChannel_Type;
@@ -18,13 +21,30 @@ extern PyTypeObject PyRole_Type;
 /* A Channel owning ch; NULL (ch closed) on failure. */
 PyObject *py_channel_wrap(tshare_channel *ch);
 
-/* The open channel behind self; NULL with tshare.Error (TSHARE_E_STATE) if closed. */
+/* The open channel behind self, for a caller that reads what never changes
+ * (the peer's hello, the fd) and keeps the GIL until it is done with it: a
+ * close frees the channel only after taking the GIL back. NULL with
+ * tshare.Error (TSHARE_E_STATE) if closed. */
 tshare_channel *py_channel_get(PyChannel *self);
+
+/* The open channel behind self with this thread inside its guard until
+ * py_channel_leave(): for every C call that may release the GIL or reads
+ * state that calls change (counts, the last error). NULL with tshare.Error
+ * if closed. */
+tshare_channel *py_channel_enter(PyChannel *self);
+void py_channel_leave(PyChannel *self);
+
+/* A wait on self's channel in slices (py_guard_wait), then leave. 0 with
+ * *status TSHARE_OK or TSHARE_END, or TSHARE_E_TIMEOUT when timeout_answers
+ * (the call's own answer, not an error); -1 with a Python error for any
+ * other status, raised as "tshare: WHAT: <the channel's detail>" before
+ * leaving, so that the detail is this call's. */
+int py_channel_wait(PyChannel *self, const char *what, int timeout_ms, const py_guard_slice *slice,
+                    int timeout_answers, int *status);
 
 /* Channel options from keyword values: name, transport ("ring", "socket" or
  * None), spin_us, allow_uid. name must outlive the options (it is borrowed). */
-int py_channel_options(PyObject *name, PyObject *transport, int spin_us, long allow_uid,
-                       tshare_channel_options *opts);
+int py_channel_options(PyObject *name, PyObject *transport, int spin_us, long allow_uid, tshare_channel_options *opts);
 
 /* Module-level functions (tshare_module.c lists them). */
 PyObject *py_open_socket(PyObject *module, PyObject *args, PyObject *kwargs);

@@ -35,23 +35,66 @@ static int fill_desc(PyObject *shape, PyObject *strides, int code, int bits, tsh
   return PyErr_Occurred() ? -1 : 0;
 }
 
+/* How a share's memory travels, and what a try to send it needs. */
+typedef enum send_how { SEND_VIEW_PART, SEND_HOST, SEND_CUDA_BUFFER, SEND_CUDA_KEEP } send_how;
+
+typedef struct send_call {
+  PyChannel *self;
+  send_how how;
+  void *memory;   /* the received view, host buffer, CUDA buffer, or CUDA allocation's base */
+  PyObject *keep; /* the tensor, held by the share (a received view's part, CUDA memory); else NULL */
+  tshare_tensor_desc d;
+  void *stream;
+  const char *tag;
+  uint64_t id;
+} send_call;
+
+/* One try (a slice of a send waiting for room). A try that timed out sent
+ * nothing and dropped what it was given to keep. */
+static int send_slice(void *arg, int timeout_ms) {
+  send_call *s = arg;
+  tshare_channel *ch = s->self->ch;
+  switch (s->how) {
+  case SEND_VIEW_PART:
+    return tshare_share_view_part(ch, s->memory, &s->d, s->stream, s->tag, drop_python_object, s->keep, NULL,
+                                  timeout_ms, &s->id);
+  case SEND_HOST:
+    return tshare_share_host(ch, s->memory, &s->d, s->tag, NULL, timeout_ms, &s->id);
+  case SEND_CUDA_BUFFER:
+    return tshare_share_cuda_buffer(ch, s->memory, &s->d, s->stream, s->tag, NULL, timeout_ms, &s->id);
+  case SEND_CUDA_KEEP:
+    return tshare_share_cuda_keep(ch, s->memory, &s->d, s->stream, s->tag, drop_python_object, s->keep, NULL,
+                                  timeout_ms, &s->id);
+  }
+  return TSHARE_E_INVALID_ARG;
+}
+
+/* Before each try: the try's share holds the tensor (the forward holds the
+ * tensor, the tensor its memory). */
+static void hold_keep(void *arg) { Py_XINCREF(((send_call *)arg)->keep); }
+
+static int send_in_slices(send_call *s, const char *what, int timeout_ms) {
+  int rc;
+  py_guard_slice slice = {send_slice, hold_keep, s};
+  return py_channel_wait(s->self, what, timeout_ms, &slice, 0, &rc);
+}
+
 /* An empty CUDA storage has no allocation to export: a small owned buffer
  * carries the (empty) layout, as the LibTorch bridge does. */
-static int send_empty_cuda(tshare_channel *ch, int device, tshare_tensor_desc *d, void *stream, const char *tag,
-                           int timeout_ms, uint64_t *id) {
+static int send_empty_cuda(send_call *s, int device, int timeout_ms) {
   tshare_cuda_buffer *buffer = NULL;
   tshare_error err;
   int rc = tshare_cuda_buffer_create_kind(device, 256, TSHARE_CUDA_HANDLE_LEGACY, &buffer, &err);
   if (rc != TSHARE_OK) {
     py_raise_fmt(rc, "tshare: send (empty CUDA tensor): %s", err.message);
-    return rc;
+    return -1;
   }
-  d->byte_offset = 0;
-  Py_BEGIN_ALLOW_THREADS rc = tshare_share_cuda_buffer(ch, buffer, d, stream, tag, NULL, timeout_ms, id);
-  Py_END_ALLOW_THREADS
-  tshare_cuda_buffer_release(buffer);
-  if (rc != TSHARE_OK) py_raise_channel(ch, rc, "send (CUDA tensor)");
-  return rc;
+  s->how = SEND_CUDA_BUFFER;
+  s->memory = buffer;
+  s->d.byte_offset = 0;
+  int r = send_in_slices(s, "send (CUDA tensor)", timeout_ms);
+  tshare_cuda_buffer_release(buffer); /* the share holds its own reference */
+  return r;
 }
 
 /* _send(keep, storage_key, base, data, is_cuda, device, code, bits, shape,
@@ -60,51 +103,42 @@ static int send_empty_cuda(tshare_channel *ch, int device, tshare_tensor_desc *d
 PyObject *py_channel_send(PyChannel *self, PyObject *args) {
   PyObject *keep, *shape, *strides;
   unsigned long long storage_key, base, data, stream;
-  int is_cuda, device, code, bits, timeout_ms, rc;
+  int is_cuda, device, code, bits, timeout_ms;
   const char *tag;
   Py_ssize_t tag_len;
   if (!PyArg_ParseTuple(args, "OKKKpiiiO!O!Ks#i", &keep, &storage_key, &base, &data, &is_cuda, &device, &code, &bits,
                         &PyTuple_Type, &shape, &PyTuple_Type, &strides, &stream, &tag, &tag_len, &timeout_ms))
     return NULL;
-  tshare_channel *ch = py_channel_get(self);
-  if (!ch) return NULL;
+  if (!py_channel_get(self)) return NULL;
   if (tag_len > TSHARE_TAG_MAX)
     return py_raise_fmt(TSHARE_E_TOO_LARGE, "tshare: send: tag of %zd bytes (at most %d)", tag_len, TSHARE_TAG_MAX);
-  tshare_tensor_desc d;
-  if (fill_desc(shape, strides, code, bits, &d) < 0) return NULL;
-  int empty = tshare_tensor_numel(&d) == 0;
-  void *cuda_stream = is_cuda ? (void *)(uintptr_t)stream : NULL;
-  uint64_t id = 0;
-  void *memory;
-  py_mem_kind kind = py_memory_lookup((uintptr_t)storage_key, &memory);
+  send_call s = {.self = self, .tag = tag, .stream = is_cuda ? (void *)(uintptr_t)stream : NULL};
+  if (fill_desc(shape, strides, code, bits, &s.d) < 0) return NULL;
+  int empty = tshare_tensor_numel(&s.d) == 0;
+  int r;
+  py_mem_kind kind = py_memory_lookup((uintptr_t)storage_key, &s.memory);
   if (kind == PY_MEM_VIEW) {
-    tshare_view *view = memory;
-    d.byte_offset = empty ? 0 : data - (uintptr_t)tshare_view_data(view);
-    Py_INCREF(keep); /* the forward holds the tensor, the tensor holds the view */
-    Py_BEGIN_ALLOW_THREADS rc = tshare_share_view_part(ch, view, &d, cuda_stream, tag, drop_python_object, keep, NULL,
-                                                       timeout_ms, &id);
-    Py_END_ALLOW_THREADS
-    if (rc != TSHARE_OK) return py_raise_channel(ch, rc, "send (a received tensor, on)");
+    s.how = SEND_VIEW_PART;
+    s.keep = keep;
+    s.d.byte_offset = empty ? 0 : data - (uintptr_t)tshare_view_data(s.memory);
+    r = send_in_slices(&s, "send (a received tensor, on)", timeout_ms);
   } else if (kind == PY_MEM_HOST_BUFFER) {
-    tshare_host_buffer *buffer = memory;
-    d.byte_offset = empty ? 0 : data - (uintptr_t)tshare_host_buffer_data(buffer);
-    /* The share holds the memfd itself: the tensor may go before the consumer. */
-    Py_BEGIN_ALLOW_THREADS rc = tshare_share_host(ch, buffer, &d, tag, NULL, timeout_ms, &id);
-    Py_END_ALLOW_THREADS
-    if (rc != TSHARE_OK) return py_raise_channel(ch, rc, "send (CPU tensor)");
+    s.how = SEND_HOST; /* the share holds the memfd itself: the tensor may go before the consumer */
+    s.d.byte_offset = empty ? 0 : data - (uintptr_t)tshare_host_buffer_data(s.memory);
+    r = send_in_slices(&s, "send (CPU tensor)", timeout_ms);
   } else if (!is_cuda) {
     Py_RETURN_NONE;
   } else if (base == 0) {
-    if (send_empty_cuda(ch, device, &d, cuda_stream, tag, timeout_ms, &id) != TSHARE_OK) return NULL;
+    r = send_empty_cuda(&s, device, timeout_ms);
   } else {
-    d.byte_offset = empty ? 0 : data - base;
-    Py_INCREF(keep); /* the caching allocator's block stays ours while the peer holds it */
-    Py_BEGIN_ALLOW_THREADS rc = tshare_share_cuda_keep(ch, (const void *)(uintptr_t)base, &d, cuda_stream, tag,
-                                                       drop_python_object, keep, NULL, timeout_ms, &id);
-    Py_END_ALLOW_THREADS
-    if (rc != TSHARE_OK) return py_raise_channel(ch, rc, "send (CUDA tensor)");
+    s.how = SEND_CUDA_KEEP; /* the caching allocator's block stays ours while the peer holds it */
+    s.keep = keep;
+    s.memory = (void *)(uintptr_t)base;
+    s.d.byte_offset = empty ? 0 : data - base;
+    r = send_in_slices(&s, "send (CUDA tensor)", timeout_ms);
   }
-  return PyLong_FromUnsignedLongLong(id);
+  if (r < 0) return NULL;
+  return PyLong_FromUnsignedLongLong(s.id);
 }
 
 /* The stream a CUDA share is received on: stream_for(device) gives the
@@ -123,25 +157,52 @@ static int receive_stream(PyObject *stream_for, const tshare_share_info *info, i
   return 0;
 }
 
+typedef struct peek_call {
+  PyChannel *self;
+  tshare_share_info info;
+} peek_call;
+
+/* One slice of recv's wait for the next share. */
+static int peek_slice(void *arg, int slice_ms) {
+  peek_call *p = arg;
+  return tshare_channel_peek_share(p->self->ch, slice_ms, &p->info);
+}
+
+/* The next share as a view: 0 with *view (NULL once the peer said bye), -1
+ * with a Python error. The share is peeked and taken in one turn inside the
+ * channel, so another thread's recv cannot take it in between. */
+static int take_view(PyChannel *self, int timeout_ms, PyObject *stream_for, int device, tshare_view **view) {
+  peek_call p = {.self = self};
+  int rc, failed = 0;
+  *view = NULL;
+  if (!py_channel_get(self)) return -1;
+  py_guard_slice slice = {peek_slice, NULL, &p};
+  if (py_guard_wait(&self->guard, "recv", timeout_ms, &slice, &rc) < 0) return -1;
+  void *stream;
+  if (rc == TSHARE_OK && receive_stream(stream_for, &p.info, device, &stream) < 0) {
+    failed = 1;
+  } else if (rc == TSHARE_OK) {
+    tshare_channel *ch = self->ch;
+    Py_BEGIN_ALLOW_THREADS rc = tshare_view_recv_stream(ch, stream, 0, view); /* already queued: no wait */
+    Py_END_ALLOW_THREADS
+  }
+  if (!failed && rc != TSHARE_OK && rc != TSHARE_END) {
+    py_raise_channel(self->ch, rc, "recv");
+    failed = 1;
+  }
+  py_channel_leave(self);
+  return failed ? -1 : 0;
+}
+
 /* _recv(timeout_ms, stream_for, device) -> None once the peer said bye, else
  * (capsule, tag, share_id, dtype_code, dtype_bits, device_type, device). */
 PyObject *py_channel_recv(PyChannel *self, PyObject *args) {
-  int timeout_ms, device, rc;
+  int timeout_ms, device;
   PyObject *stream_for;
   if (!PyArg_ParseTuple(args, "iOi", &timeout_ms, &stream_for, &device)) return NULL;
-  tshare_channel *ch = py_channel_get(self);
-  if (!ch) return NULL;
-  tshare_share_info info;
-  Py_BEGIN_ALLOW_THREADS rc = tshare_channel_peek_share(ch, timeout_ms, &info);
-  Py_END_ALLOW_THREADS
-  if (rc == TSHARE_END) Py_RETURN_NONE;
-  if (rc != TSHARE_OK) return py_raise_channel(ch, rc, "recv");
-  void *stream;
-  if (receive_stream(stream_for, &info, device, &stream) < 0) return NULL;
-  tshare_view *view = NULL;
-  Py_BEGIN_ALLOW_THREADS rc = tshare_view_recv_stream(ch, stream, 0, &view); /* already queued: no wait */
-  Py_END_ALLOW_THREADS
-  if (rc != TSHARE_OK) return py_raise_channel(ch, rc, "recv");
+  tshare_view *view;
+  if (take_view(self, timeout_ms, stream_for, device, &view) < 0) return NULL;
+  if (!view) Py_RETURN_NONE;
   const tshare_tensor_desc *d = tshare_view_desc(view);
   uint64_t share_id = tshare_view_share_id(view);
   for (int32_t i = 0; i < d->ndim; i++) {

@@ -281,6 +281,176 @@ def rendezvous_and_reprs():
     c.close()
 
 
+def in_thread(fn, *args, **kw):
+    """Run fn on a new thread; the returned dict gets "result" or "error"."""
+    out = {}
+
+    def run():
+        try:
+            out["result"] = fn(*args, **kw)
+        except BaseException as e:  # noqa: B902  handed to the test thread
+            out["error"] = e
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    out["thread"] = th
+    return out
+
+
+def joined(out, what):
+    out["thread"].join(10)
+    assert not out["thread"].is_alive(), "%s still waits 10 s after the channel was closed" % what
+    return out.get("error")
+
+
+@test
+def close_while_another_thread_waits():
+    """close() from one thread while another waits inside recv, wait_released
+    or poll (timeout None): the waiter gets tshare.Error naming the close, the
+    process does not crash, and the channel's memory is freed only after."""
+    waits = {
+        "recv": lambda p, c: tshare.recv(c),
+        "poll": lambda p, c: c.poll(None),
+        "wait_released": lambda p, c: p.wait_released(timeout=None),
+    }
+    for attempt in range(3):
+        for what, wait in waits.items():
+            p, c = pair()
+            r = None
+            if what == "wait_released":  # a share the consumer holds: the wait cannot end by itself
+                tshare.send(p, tshare.empty_shared(4), tag="held")
+                r = tshare.recv(c, timeout=5)
+            closing = p if what == "wait_released" else c
+            out = in_thread(wait, p, c)
+            time.sleep(0.05 * attempt)  # closes before, as and after the waiter enters its wait
+            closing.close()
+            e = joined(out, what)
+            assert isinstance(e, tshare.Error), "%s: %r instead of tshare.Error" % (what, e if e else out.get("result"))
+            assert e.code == tshare.E_STATE and "closed" in str(e), "%s: %s" % (what, e)
+            assert closing.closed
+            del r
+            p.close()
+            c.close()
+
+
+@test
+def eight_threads_send_on_one_channel():
+    """8 threads share on one channel while a ninth waits in recv on it: every
+    share id is distinct, the consumer gets each once, all are released and
+    outstanding() comes back to 0. close() ends the waiting recv."""
+    senders, per_thread = 8, 200
+    p, c = pair()
+    t = tshare.empty_shared(senders * per_thread, dtype=torch.int64)
+    t += torch.arange(senders * per_thread)
+    got = []
+
+    def consume():
+        for _ in range(senders * per_thread):
+            r = tshare.recv(c, timeout=30)
+            assert r.tensor.item() == int(r.tag), "share %d: %s, tagged %s" % (r.share_id, r.tensor, r.tag)
+            got.append(r.share_id)
+            del r
+        c.poll(0)  # the last releases go out
+
+    consumer = in_thread(consume)
+    waiter = in_thread(tshare.recv, p)  # nothing comes this way: it waits throughout
+    sent = [[] for _ in range(senders)]
+
+    def send(k):
+        for i in range(k * per_thread, (k + 1) * per_thread):
+            sent[k].append(tshare.send(p, t[i], tag=str(i), timeout=30))
+
+    threads = [in_thread(send, k) for k in range(senders)]
+    for th in threads:
+        assert joined(th, "a sender") is None, th.get("error")
+    assert joined(consumer, "the consumer") is None, consumer.get("error")
+    ids = [i for s in sent for i in s]
+    assert len(set(ids)) == len(ids), "%d duplicate share ids" % (len(ids) - len(set(ids)))
+    assert sorted(got) == sorted(ids), "received ids differ from the sent ones"
+    p.wait_released(timeout=30)
+    assert p.outstanding() == 0, "%d shares outstanding after every release" % p.outstanding()
+    p.close()
+    assert isinstance(joined(waiter, "recv"), tshare.Error)
+    c.close()
+
+
+def interrupted_by_sigint(what, fn, *args, **kw):
+    """fn (a call that waits forever) raises KeyboardInterrupt when SIGINT
+    arrives from another thread; a watchdog ends the process if it does not."""
+    watchdog = threading.Timer(20, lambda: (print("FAIL: %s was not interrupted by SIGINT in 20 s" % what, flush=True),
+                                            os._exit(1)))
+    watchdog.start()
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    try:
+        fn(*args, **kw)
+        raise AssertionError("%s returned instead of waiting" % what)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        watchdog.cancel()
+    took = time.monotonic() - t0
+    assert took < 5, "%s took %.1f s to see SIGINT" % (what, took)
+    print("%s interrupted %.0f ms after it started" % (what, took * 1000))
+
+
+@test
+def ctrl_c_interrupts_waits():
+    p, c = pair()
+    interrupted_by_sigint("recv", tshare.recv, c)
+    interrupted_by_sigint("poll", c.poll, None)
+    tshare.send(p, tshare.empty_shared(4), tag="held")
+    r = tshare.recv(c, timeout=5)
+    interrupted_by_sigint("wait_released", p.wait_released, timeout=None)
+    # The channel still works after the interruptions.
+    del r
+    c.poll(0)
+    p.wait_released(timeout=5)
+    p.close()
+    assert tshare.recv(c, timeout=5) is None
+    c.close()
+    with tshare.listen("tshare-pytest-sigint-%d" % os.getpid()) as l:
+        interrupted_by_sigint("accept", l.accept)
+    p, c = pair()
+    sent = fill(p)
+    interrupted_by_sigint("send waiting for room", tshare.send, p, tshare.empty_shared(4))
+    assert p.outstanding() == sent, "the interrupted send left a share behind"
+    p.close()
+    c.close()
+
+
+def fill(ch):
+    """Send until ch has no room (its peer does not read); the count sent."""
+    t = tshare.empty_shared(16)
+    n = 0
+    while True:
+        try:
+            tshare.send(ch, t[n % 16], timeout=0)
+        except tshare.TimeoutError:
+            return n
+        n += 1
+
+
+@test
+def a_send_that_times_out_keeps_nothing():
+    """A send waits for room in slices, each a try of its own: when it times
+    out, nothing was sent and the tensor it was given is not held."""
+    p, c = pair()
+    tshare.send(p, tshare.empty_shared(8), tag="forward me")
+    r = tshare.recv(c, timeout=5)
+    q, d = pair()
+    sent = fill(q)
+    refs = sys.getrefcount(r.tensor)
+    expect_error(tshare.E_TIMEOUT, "send", tshare.send, q, r.tensor, timeout=0.2)
+    assert sys.getrefcount(r.tensor) == refs, "references %d, before %d" % (sys.getrefcount(r.tensor), refs)
+    assert q.outstanding() == sent
+    del r
+    c.poll(0)
+    p.wait_released(timeout=5)
+    for ch in (p, c, q, d):
+        ch.close()
+
+
 @test
 def cuda_writes_are_seen_and_memory_returns():
     """The consumer (another process) adds 1 on its stream; the producer sees
