@@ -9,6 +9,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 static int parse_int(const char *s, long min, long max, int *out) {
@@ -21,6 +23,14 @@ static int parse_int(const char *s, long min, long max, int *out) {
   return 0;
 }
 
+static int parse_ino(const char *s, unsigned long long *out) {
+  if (!s || *s < '0' || *s > '9') return -1; /* strtoull would take a sign */
+  char *end;
+  errno = 0;
+  *out = strtoull(s, &end, 10);
+  return errno || *end ? -1 : 0;
+}
+
 static int bad(tshare_error *err, const char *var, const char *value, const char *why) {
   char msg[TSHARE_ERROR_MSG_MAX];
   ts_errf(msg, sizeof msg, TSHARE_E_MALFORMED, "%s='%s': %s", var, value ? value : "", why);
@@ -29,6 +39,30 @@ static int bad(tshare_error *err, const char *var, const char *value, const char
 }
 
 static bool fd_open(int fd) { return fcntl(fd, F_GETFD) >= 0; }
+
+/* TSHARE_CHANNEL_IDS: one entry per channel, shaped like its fds' entry. */
+static int read_channel_ids(tshare_role *role, tshare_error *err) {
+  const char *list = getenv(TSHARE_ENV_CHANNEL_IDS);
+  if (!list) return TSHARE_OK; /* not from a launcher that names them: type checks only */
+  char copy[TSHARE_ROLE_CHANNELS_MAX * 42 + 1]; /* two 20-digit inodes, ":" and "," per channel */
+  if (strlen(list) >= sizeof copy) return bad(err, TSHARE_ENV_CHANNEL_IDS, list, "too long");
+  snprintf(copy, sizeof copy, "%s", list);
+  char *save = NULL;
+  int n = 0;
+  for (char *item = strtok_r(copy, ",", &save); item; item = strtok_r(NULL, ",", &save), n++) {
+    if (n == role->nchannels) return bad(err, TSHARE_ENV_CHANNEL_IDS, list, "more entries than channels");
+    tshare_role_channel *c = &role->channels[n];
+    char *colon = strchr(item, ':');
+    if ((colon != NULL) != (c->kind == TSHARE_CHANNEL_PIPES))
+      return bad(err, TSHARE_ENV_CHANNEL_IDS, list, "an entry does not match " TSHARE_ENV_CHANNEL_FDS);
+    if (colon) *colon = '\0';
+    if (parse_ino(item, &c->read_ino) || (colon && parse_ino(colon + 1, &c->write_ino)))
+      return bad(err, TSHARE_ENV_CHANNEL_IDS, list, "an entry is not I or R:W");
+    if (!colon) c->write_ino = c->read_ino;
+  }
+  if (n != role->nchannels) return bad(err, TSHARE_ENV_CHANNEL_IDS, list, "fewer entries than channels");
+  return TSHARE_OK;
+}
 
 int tshare_role_from_env(tshare_role *role, tshare_error *err) {
   memset(role, 0, sizeof *role);
@@ -75,8 +109,58 @@ int tshare_role_from_env(tshare_role *role, tshare_error *err) {
     role->nchannels++;
   }
   if (role->nchannels == 0) return bad(err, TSHARE_ENV_CHANNEL_FDS, list, "no channels");
-  ts_error_fill(err, TSHARE_OK, "");
-  return TSHARE_OK;
+  int rc = read_channel_ids(role, err);
+  if (rc == TSHARE_OK) ts_error_fill(err, TSHARE_OK, "");
+  return rc;
+}
+
+static const char *file_kind(mode_t mode) {
+  return S_ISREG(mode)    ? "a regular file"
+         : S_ISSOCK(mode) ? "a socket"
+         : S_ISFIFO(mode) ? "a pipe"
+         : S_ISCHR(mode)  ? "a character device"
+         : S_ISDIR(mode)  ? "a directory"
+                          : "a file";
+}
+
+/* What the fd is now, for the message: "/var/log/app.log (a regular file)". */
+static void describe_fd(int fd, const struct stat *st, char *out, size_t cap) {
+  char link[64], target[160];
+  snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+  ssize_t n = readlink(link, target, sizeof target - 1);
+  target[n > 0 ? n : 0] = '\0';
+  snprintf(out, cap, "%s%s%s%s", target, n > 0 ? " (" : "", file_kind(st->st_mode), n > 0 ? ")" : "");
+}
+
+static bool is_unix_stream_socket(int fd) {
+  int type = 0, domain = 0;
+  socklen_t len = sizeof type;
+  if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) != 0 || type != SOCK_STREAM) return false;
+  len = sizeof domain;
+  return getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &len) == 0 && domain == AF_UNIX;
+}
+
+/* A program may close a channel fd and get its number back for a file of its
+ * own (a log): taking that would close the program's file under it. So the fd
+ * must still be the kind of file the launcher gave, with the inode it named. */
+static int check_launcher_fd(int fd, tshare_channel_kind kind, unsigned long long ino, tshare_error *err) {
+  const char *want = kind == TSHARE_CHANNEL_SOCKET ? "a Unix stream socket" : "a pipe";
+  struct stat st;
+  char now[224], msg[TSHARE_ERROR_MSG_MAX];
+  if (fstat(fd, &st) != 0) {
+    ts_errf(msg, sizeof msg, TSHARE_E_STATE, "role: fd %d, given by tshare-launch as %s, is closed", fd, want);
+  } else {
+    bool right_kind = kind == TSHARE_CHANNEL_SOCKET ? S_ISSOCK(st.st_mode) && is_unix_stream_socket(fd)
+                                                    : S_ISFIFO(st.st_mode);
+    if (right_kind && (ino == 0 || (unsigned long long)st.st_ino == ino)) return TSHARE_OK;
+    describe_fd(fd, &st, now, sizeof now);
+    ts_errf(msg, sizeof msg, TSHARE_E_STATE,
+            "role: fd %d is no longer tshare-launch's channel (%s%s) but %s, left open (did the program close it "
+            "and reuse the number?)",
+            fd, want, right_kind ? " of another inode" : "", now);
+  }
+  ts_error_fill(err, TSHARE_E_STATE, msg);
+  return TSHARE_E_STATE;
 }
 
 int tshare_role_open_channel(tshare_role *role, int index, const tshare_channel_options *opts, tshare_channel **out,
@@ -91,6 +175,9 @@ int tshare_role_open_channel(tshare_role *role, int index, const tshare_channel_
     ts_error_fill(err, TSHARE_E_STATE, "role: channel already opened");
     return TSHARE_E_STATE;
   }
+  int rc = check_launcher_fd(c->read_fd, c->kind, c->read_ino, err);
+  if (rc == TSHARE_OK && c->write_fd != c->read_fd) rc = check_launcher_fd(c->write_fd, c->kind, c->write_ino, err);
+  if (rc != TSHARE_OK) return rc; /* not taken: the fds stay as the program has them */
   tshare_channel_options o;
   char name[48];
   if (opts)

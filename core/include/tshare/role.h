@@ -9,6 +9,11 @@
  *                         "N" is a Unix socket at fd N, "R:W" a pipe pair
  *                         (read fd R, write fd W). The producer has K, one per
  *                         consumer rank; a consumer has 1, to the producer.
+ *   TSHARE_CHANNEL_IDS    optional: the inode number (fstat's st_ino) of every
+ *                         fd in TSHARE_CHANNEL_FDS, in the same shape ("I" for
+ *                         a socket, "IR:IW" for a pipe pair), so that an fd
+ *                         number the program closed and reused is told apart
+ *                         from the launcher's channel
  *   TSHARE_REPORT_FD      optional: write "key=value" lines here to have them
  *                         shown in the launcher's summary (shared, verified)
  *
@@ -30,12 +35,14 @@ extern "C" {
 #define TSHARE_ENV_NUM_CONSUMERS "TSHARE_NUM_CONSUMERS"
 #define TSHARE_ENV_CHANNEL_FDS "TSHARE_CHANNEL_FDS"
 #define TSHARE_ENV_REPORT_FD "TSHARE_REPORT_FD"
+#define TSHARE_ENV_CHANNEL_IDS "TSHARE_CHANNEL_IDS"
 
 #define TSHARE_ROLE_CHANNELS_MAX 64
 
 typedef struct tshare_role_channel {
   tshare_channel_kind kind;
   int read_fd, write_fd; /* equal for sockets; -1 once opened */
+  unsigned long long read_ino, write_ino; /* from TSHARE_CHANNEL_IDS; 0: not given */
 } tshare_role_channel;
 
 typedef struct tshare_role {
@@ -53,7 +60,12 @@ typedef struct tshare_role {
 TSHARE_API int tshare_role_from_env(tshare_role *role, tshare_error *err);
 
 /* Open channel index (0-based) of the role; the channel takes its fds. opts
- * may be NULL; its name defaults to "<role> <rank>". */
+ * may be NULL; its name defaults to "<role> <rank>". Before taking them it
+ * checks that each fd still is what the launcher gave: a Unix stream socket
+ * (or a pipe end) with the inode TSHARE_CHANNEL_IDS names. When the program
+ * closed the fd and the number now holds something else (its log file),
+ * TSHARE_E_STATE names the fd and what it is now, and the fd is left open
+ * and untouched. */
 TSHARE_API int tshare_role_open_channel(tshare_role *role, int index, const tshare_channel_options *opts,
                                         tshare_channel **out, tshare_error *err);
 
