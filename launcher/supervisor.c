@@ -1,5 +1,7 @@
 #include "supervisor.h"
 
+#include "output.h"
+
 #include "tshare/role.h"
 #include "tshare/spawn.h"
 
@@ -8,11 +10,13 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -34,6 +38,7 @@ typedef struct role_run {
   tshare_process *proc;
   pid_t pid;
   line_buf out[OUT_COUNT];
+  out_queue pending[OUT_REPORT]; /* stdout and stderr lines the launcher's reader has not taken yet */
   double start_s, end_s;
   bool ended;
   tshare_exit_status status;
@@ -58,12 +63,19 @@ static double now_s(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-static void emit_line(const role_run *r, int stream, const char *text, size_t n) {
-  FILE *to = r->log ? r->log : stream == OUT_STDERR ? stderr : stdout;
-  if (r->prefixed) fprintf(to, "[%s pid %d] ", r->label, (int)r->pid);
-  fwrite(text, 1, n, to); /* as it came, NUL bytes included */
-  fputc('\n', to);
-  fflush(to);
+/* A line goes out as it came, NUL bytes included: to the role's log file, or
+ * queued for the launcher's stdout or stderr (see output.h). */
+static void emit_line(role_run *r, int stream, const char *text, size_t n) {
+  char prefix[64] = "";
+  if (r->prefixed) snprintf(prefix, sizeof prefix, "[%s pid %d] ", r->label, (int)r->pid);
+  if (!r->log) {
+    out_queue_line(&r->pending[stream], prefix, strlen(prefix), text, n);
+    return;
+  }
+  fputs(prefix, r->log);
+  fwrite(text, 1, n, r->log);
+  fputc('\n', r->log);
+  fflush(r->log);
 }
 
 /* "key=N" sets a figure, "key+=N" adds to it (tshare_role_report / _add). */
@@ -123,26 +135,36 @@ static void read_output(role_run *r, int stream) {
   take_lines(r, stream, false);
 }
 
-/* Channel ends for one role: the fds to give it and the text for TSHARE_CHANNEL_FDS. */
+/* Channel ends for one role: the fds to give it and the text for
+ * TSHARE_CHANNEL_FDS and TSHARE_CHANNEL_IDS. */
 typedef struct role_fds {
   tshare_fd_map map[3 + 2 * TSHARE_ROLE_CHANNELS_MAX + 1];
   size_t n;
   char channel_env[1024];
+  char ids_env[TSHARE_ROLE_CHANNELS_MAX * 42 + 1]; /* two 20-digit inodes, ":" and "," per channel */
   int next_child_fd;
 } role_fds;
 
+/* The inode of an fd we give a role: the role checks it before it takes the
+ * fd, so a number it closed and reused for a file of its own is not taken. */
+static unsigned long long inode_of(int fd) {
+  struct stat st;
+  return fstat(fd, &st) == 0 ? (unsigned long long)st.st_ino : 0;
+}
+
 static void add_channel(role_fds *f, tshare_channel_kind kind, int rfd, int wfd) {
-  size_t used = strlen(f->channel_env);
+  size_t used = strlen(f->channel_env), ids_used = strlen(f->ids_env);
   const char *sep = used ? "," : "";
+  int first = f->next_child_fd;
+  f->map[f->n++] = (tshare_fd_map){first, rfd};
   if (kind == TSHARE_CHANNEL_SOCKET) {
-    f->map[f->n++] = (tshare_fd_map){f->next_child_fd, rfd};
-    snprintf(f->channel_env + used, sizeof f->channel_env - used, "%s%d", sep, f->next_child_fd);
+    snprintf(f->channel_env + used, sizeof f->channel_env - used, "%s%d", sep, first);
+    snprintf(f->ids_env + ids_used, sizeof f->ids_env - ids_used, "%s%llu", sep, inode_of(rfd));
     f->next_child_fd++;
   } else {
-    f->map[f->n++] = (tshare_fd_map){f->next_child_fd, rfd};
-    f->map[f->n++] = (tshare_fd_map){f->next_child_fd + 1, wfd};
-    snprintf(f->channel_env + used, sizeof f->channel_env - used, "%s%d:%d", sep, f->next_child_fd,
-             f->next_child_fd + 1);
+    f->map[f->n++] = (tshare_fd_map){first + 1, wfd};
+    snprintf(f->channel_env + used, sizeof f->channel_env - used, "%s%d:%d", sep, first, first + 1);
+    snprintf(f->ids_env + ids_used, sizeof f->ids_env - ids_used, "%s%llu:%llu", sep, inode_of(rfd), inode_of(wfd));
     f->next_child_fd += 2;
   }
 }
@@ -186,21 +208,41 @@ typedef struct job {
   int first_failure;     /* index of the role whose failure stopped the job, or -1 */
   int not_started;       /* index of the role that could not be started, or -1 */
   bool timed_out;
+  double stopped_s;        /* time spent stopped by job control: not counted against --timeout */
+  out_queue own;           /* the launcher's own messages, on their way to stderr */
+  out_sink sink[OUT_REPORT]; /* the launcher's stdout and stderr */
 } job;
+
+/* A message of the launcher's own ("tshare-launch: ..."), through the same
+ * queues as the roles' lines: printing it must not block supervision either. */
+__attribute__((format(printf, 2, 3))) static void say(job *j, const char *fmt, ...) {
+  char text[512];
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(text, sizeof text, fmt, ap);
+  va_end(ap);
+  size_t len = n < 0 ? 0 : (size_t)n < sizeof text ? (size_t)n : sizeof text - 1;
+  static const char prefix[] = "tshare-launch: ";
+  out_queue_line(&j->own, prefix, sizeof prefix - 1, text, len);
+}
+
+static void signal_roles(job *j, int sig) {
+  for (int i = 0; i < j->started; i++)
+    if (!j->roles[i].ended) tshare_process_signal(j->roles[i].proc, sig);
+}
 
 /* Send sig to every role still running and arm the SIGKILL deadline. */
 static void begin_teardown(job *j, int sig) {
   j->tearing_down = true;
   j->grace_deadline = now_s() + j->plan->grace_s;
-  for (int i = 0; i < j->started; i++)
-    if (!j->roles[i].ended) tshare_process_signal(j->roles[i].proc, sig);
+  signal_roles(j, sig);
 }
 
 static void kill_stragglers(job *j) {
   for (int i = 0; i < j->started; i++)
     if (!j->roles[i].ended) {
-      fprintf(stderr, "tshare-launch: %s (pid %d) still running after %.1f s; killing it\n", j->roles[i].label,
-              (int)j->roles[i].pid, j->plan->grace_s);
+      say(j, "%s (pid %d) still running after %.1f s; killing it", j->roles[i].label, (int)j->roles[i].pid,
+          j->plan->grace_s);
       tshare_process_signal(j->roles[i].proc, SIGKILL);
     }
   j->grace_deadline = 0;
@@ -223,12 +265,31 @@ static bool reap_roles(job *j) {
     if (failed(r) && !j->tearing_down) {
       char what[160];
       describe(r, what, sizeof what);
-      fprintf(stderr, "tshare-launch: %s; stopping the other roles\n", what);
+      say(j, "%s; stopping the other roles", what);
       j->first_failure = i;
       begin_teardown(j, SIGTERM);
     }
   }
   return all_ended;
+}
+
+/* Ctrl-Z: the terminal stops only the launcher's process group, and every
+ * role runs in a group of its own; so stop the roles, then the launcher as
+ * SIGTSTP's default would, so the shell sees the job stopped. The roles
+ * continue when the launcher does (fg, bg: SIGCONT). Time spent stopped is
+ * not counted against --timeout: the roles did not run. */
+static void stop_job(job *j) {
+  if (j->tearing_down) {
+    say(j, "got SIGTSTP while stopping the roles; finishing that first");
+    return;
+  }
+  signal_roles(j, SIGSTOP);
+  out_sink_flush(&j->sink[OUT_STDOUT], false);
+  out_sink_flush(&j->sink[OUT_STDERR], false);
+  double stopped_at = now_s();
+  raise(SIGSTOP); /* returns once continued */
+  j->stopped_s += now_s() - stopped_at;
+  signal_roles(j, SIGCONT);
 }
 
 static void handle_signals(job *j) {
@@ -237,12 +298,20 @@ static void handle_signals(job *j) {
   for (ssize_t k = 0; k < got; k++) {
     int sig = sigs[k];
     if (sig == SIGCHLD) continue; /* reaping happens at the top of the loop */
+    if (sig == SIGTSTP) {
+      stop_job(j);
+      continue;
+    }
+    if (sig == SIGCONT) { /* also when someone continued the launcher alone */
+      signal_roles(j, SIGCONT);
+      continue;
+    }
     if (j->interrupted) {         /* a second interrupt: no more grace */
       j->grace_deadline = now_s();
       continue;
     }
     j->interrupted = sig;
-    fprintf(stderr, "tshare-launch: got SIG%s; forwarding it to the roles\n", sigabbrev_np(sig));
+    say(j, "got SIG%s; forwarding it to the roles", sigabbrev_np(sig));
     begin_teardown(j, sig);
   }
 }
@@ -259,6 +328,11 @@ static void install_signal_handlers(void) {
   const int handled[] = {SIGCHLD, SIGINT,    SIGTERM, SIGHUP,  SIGQUIT, SIGUSR1, SIGUSR2,
                          SIGALRM, SIGVTALRM, SIGPROF, SIGXCPU, SIGXFSZ, SIGPWR};
   for (size_t i = 0; i < sizeof handled / sizeof handled[0]; i++) sigaction(handled[i], &sa, NULL);
+  /* Job control reaches the roles through us too (stop_job). SIGTTIN and
+   * SIGTTOU keep their default: caught, they would restart the terminal
+   * write that raised them over and over. */
+  sigaction(SIGTSTP, &sa, NULL);
+  sigaction(SIGCONT, &sa, NULL);
   signal(SIGPIPE, SIG_IGN);
 }
 
@@ -330,12 +404,14 @@ static int start_role(job *j, int i, int (*chan)[4], int devnull) {
   f.map[f.n++] = (tshare_fd_map){report_fd, pipes[OUT_REPORT][1]};
 
   char role_env[64], rank_env[64], consumers_env[64], channels_env[1100], report_env[64];
+  char ids_env[sizeof f.ids_env + 32];
   snprintf(role_env, sizeof role_env, TSHARE_ENV_ROLE "=%s", producer ? "producer" : "consumer");
   snprintf(rank_env, sizeof rank_env, TSHARE_ENV_RANK "=%d", rank);
   snprintf(consumers_env, sizeof consumers_env, TSHARE_ENV_NUM_CONSUMERS "=%d", plan->consumers);
   snprintf(channels_env, sizeof channels_env, TSHARE_ENV_CHANNEL_FDS "=%s", f.channel_env);
+  snprintf(ids_env, sizeof ids_env, TSHARE_ENV_CHANNEL_IDS "=%s", f.ids_env);
   snprintf(report_env, sizeof report_env, TSHARE_ENV_REPORT_FD "=%d", report_fd);
-  char *env[] = {role_env, rank_env, consumers_env, channels_env, report_env, NULL};
+  char *env[] = {role_env, rank_env, consumers_env, channels_env, ids_env, report_env, NULL};
   char **argv = producer               ? plan->producer_argv
                 : plan->consumer_argvs ? plan->consumer_argvs[rank]
                                        : plan->consumer_argv;
@@ -350,7 +426,7 @@ static int start_role(job *j, int i, int (*chan)[4], int devnull) {
   int rc = tshare_spawn(&o, &r->proc, &err);
   for (int s = 0; s < OUT_COUNT; s++) close(pipes[s][1]); /* the child has them now */
   if (rc != TSHARE_OK) {
-    fprintf(stderr, "tshare-launch: cannot start %s: %s\n", r->label, err.message);
+    say(j, "cannot start %s: %s", r->label, err.message);
     r->ended = true;
     r->end_s = r->start_s;
     return -1;
@@ -359,14 +435,19 @@ static int start_role(job *j, int i, int (*chan)[4], int devnull) {
   return 0;
 }
 
-/* Wait for output, signals or the next deadline, and handle what came. */
+/* Wait for output, signals, room for queued output or the next deadline, and
+ * handle what came. Only this poll waits: nothing else in the loop blocks. */
 static void pump(job *j, double wake) {
-  struct pollfd pfds[1 + OUT_COUNT * (TSHARE_ROLE_CHANNELS_MAX + 1)];
+  enum { SINKS = OUT_REPORT, FIRST_ROLE_FD = 1 + SINKS };
+  struct pollfd pfds[FIRST_ROLE_FD + OUT_COUNT * (TSHARE_ROLE_CHANNELS_MAX + 1)];
   struct {
     int role, stream;
-  } owner[1 + OUT_COUNT * (TSHARE_ROLE_CHANNELS_MAX + 1)];
+  } owner[FIRST_ROLE_FD + OUT_COUNT * (TSHARE_ROLE_CHANNELS_MAX + 1)];
   int np = 0;
   pfds[np++] = (struct pollfd){.fd = signal_pipe[0], .events = POLLIN, .revents = 0};
+  for (int s = 0; s < SINKS; s++) /* -1: poll ignores it */
+    pfds[np++] = (struct pollfd){
+        .fd = out_sink_pending(&j->sink[s]) ? j->sink[s].fd : -1, .events = POLLOUT, .revents = 0};
   for (int i = 0; i < j->nroles; i++)
     for (int s = 0; s < OUT_COUNT; s++)
       if (j->roles[i].out[s].fd >= 0) {
@@ -376,10 +457,10 @@ static void pump(job *j, double wake) {
       }
   int wait_ms = (int)((wake - now_s()) * 1000) + 1;
   int n = poll(pfds, (nfds_t)np, wait_ms < 0 ? 0 : wait_ms);
-  if (n <= 0) return; /* timeout or EINTR: the caller re-checks everything */
-  if (pfds[0].revents & POLLIN) handle_signals(j);
-  for (int k = 1; k < np; k++)
+  if (n > 0 && (pfds[0].revents & POLLIN)) handle_signals(j);
+  for (int k = FIRST_ROLE_FD; n > 0 && k < np; k++)
     if (pfds[k].revents) read_output(&j->roles[owner[k].role], owner[k].stream);
+  for (int s = 0; s < SINKS; s++) out_sink_flush(&j->sink[s], false);
 }
 
 static bool outputs_open(const job *j) {
@@ -391,10 +472,10 @@ static bool outputs_open(const job *j) {
 
 static void run_until_done(job *j) {
   double drain_deadline = 0;
-  double timeout_at = j->plan->timeout_s > 0 ? j->t0 + j->plan->timeout_s : 0;
   for (;;) {
     bool all_ended = reap_roles(j);
     double now = now_s();
+    double timeout_at = j->plan->timeout_s > 0 ? j->t0 + j->stopped_s + j->plan->timeout_s : 0;
     if (all_ended) {
       if (!outputs_open(j)) return;
       if (drain_deadline == 0)
@@ -404,7 +485,7 @@ static void run_until_done(job *j) {
     }
     if (timeout_at > 0 && now >= timeout_at && !j->tearing_down) {
       j->timed_out = true;
-      fprintf(stderr, "tshare-launch: timeout after %.1f s; stopping the roles\n", j->plan->timeout_s);
+      say(j, "timeout after %.1f s; stopping the roles", j->plan->timeout_s);
       begin_teardown(j, SIGTERM);
     }
     if (j->grace_deadline > 0 && now >= j->grace_deadline) kill_stragglers(j);
@@ -509,7 +590,7 @@ static void stop_leftovers(job *j) {
         fclose(f);
       }
       if (stopped++ < 8)
-        fprintf(stderr, "tshare-launch: stopping pid %d (%s), left behind by the roles\n", (int)pids[k], comm);
+        say(j, "stopping pid %d (%s), left behind by the roles", (int)pids[k], comm);
       kill(pids[k], round == 0 ? SIGTERM : SIGKILL);
     }
     /* Reap them; the first round gives them the grace period to exit. */
@@ -519,7 +600,7 @@ static void stop_leftovers(job *j) {
       while (waitpid(pids[k], &st, WNOHANG) == 0 && now_s() < until) usleep(5000);
     }
   }
-  if (stopped > 8) fprintf(stderr, "tshare-launch: ... %d processes left behind were stopped in all\n", stopped);
+  if (stopped > 8) say(j, "... %d processes left behind were stopped in all", stopped);
 }
 
 /* --log-dir: DIR/producer.log, DIR/consumer-N.log. */
@@ -549,6 +630,38 @@ static void write_summary_file(const char *dir, const role_run *roles, int n, do
   fclose(f);
 }
 
+static void setup_output(job *j) {
+  out_sink_init(&j->sink[OUT_STDOUT], STDOUT_FILENO);
+  out_sink_init(&j->sink[OUT_STDERR], STDERR_FILENO);
+  for (int i = 0; i < j->nroles; i++)
+    for (int s = 0; s < OUT_REPORT; s++) out_sink_add(&j->sink[s], &j->roles[i].pending[s]);
+  out_sink_add(&j->sink[OUT_STDERR], &j->own);
+}
+
+static void report_dropped(const out_queue *q, const char *whose, const char *stream) {
+  if (q->dropped_lines)
+    fprintf(stderr,
+            "tshare-launch: %lld lines (%lld bytes) of %s %s were dropped: the launcher's %s was not read fast "
+            "enough\n",
+            q->dropped_lines, q->dropped_bytes, whose, stream, stream);
+}
+
+/* The roles are stopped: now the rest of their output may wait for the
+ * reader as long as it takes. Then what a stalled reader cost, by role. */
+static void finish_output(job *j) {
+  static const char *const names[OUT_REPORT] = {"stdout", "stderr"};
+  for (int s = 0; s < OUT_REPORT; s++) out_sink_flush(&j->sink[s], true);
+  for (int i = 0; i < j->nroles; i++)
+    for (int s = 0; s < OUT_REPORT; s++) {
+      char whose[48];
+      snprintf(whose, sizeof whose, "%s's", j->roles[i].label);
+      report_dropped(&j->roles[i].pending[s], whose, names[s]);
+      out_queue_free(&j->roles[i].pending[s]);
+    }
+  report_dropped(&j->own, "the launcher's own", names[OUT_STDERR]);
+  out_queue_free(&j->own);
+}
+
 int launch_run(const launch_plan *plan) {
   job j = {.plan = plan, .nroles = plan->consumers + 1, .t0 = now_s(), .first_failure = -1, .not_started = -1};
   j.roles = calloc((size_t)j.nroles, sizeof *j.roles);
@@ -567,6 +680,7 @@ int launch_run(const launch_plan *plan) {
     j.roles[i].prefixed = !plan->no_prefix && !j.roles[i].log;
     for (int s = 0; s < OUT_COUNT; s++) j.roles[i].out[s].fd = -1;
   }
+  setup_output(&j);
   install_signal_handlers();
   /* Descendants whose parent ends (a role's daemon that called setsid()) come
    * to us instead of init, so stop_leftovers() can end them. */
@@ -588,6 +702,7 @@ int launch_run(const launch_plan *plan) {
   run_until_done(&j);
   double wall = now_s() - j.t0;
   stop_leftovers(&j);
+  finish_output(&j);
   print_summary(stdout, j.roles, j.nroles, wall);
   if (plan->log_dir) write_summary_file(plan->log_dir, j.roles, j.nroles, wall);
   int rc = report_outcome(&j, wall);

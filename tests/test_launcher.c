@@ -9,6 +9,7 @@
 #include <ctype.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <time.h>
 
 typedef struct run_result {
   tshare_exit_status status;
@@ -32,8 +33,13 @@ static const char *self_exe(void) {
   return path;
 }
 
-/* Run tshare-launch with args; optionally send sig after signal_after_ms. */
-static void run_launcher_sig(char *const *args, int sig, int signal_after_ms) {
+/* A launcher running, its stdout and stderr into one pipe that we read. */
+typedef struct launched {
+  tshare_process *p;
+  int out;
+} launched;
+
+static launched start_launcher(char *const *args) {
   char *argv[32];
   int n = 0;
   argv[n++] = (char *)launcher();
@@ -43,32 +49,56 @@ static void run_launcher_sig(char *const *args, int sig, int signal_after_ms) {
   CHECK(pipe2(out, O_CLOEXEC) == 0);
   tshare_fd_map map[] = {{1, out[1]}, {2, out[1]}};
   tshare_spawn_options o = {.file = argv[0], .argv = argv, .fds = map, .nfds = 2};
-  tshare_process *p;
+  launched l;
   tshare_error err;
-  CHECK_RC(tshare_spawn(&o, &p, &err), TSHARE_OK, err.message);
+  CHECK_RC(tshare_spawn(&o, &l.p, &err), TSHARE_OK, err.message);
   close(out[1]);
+  l.out = out[0];
   memset(&result, 0, sizeof result);
-  int waited = 0;
-  for (;;) {
-    struct pollfd pf = {.fd = out[0], .events = POLLIN, .revents = 0};
-    int r = poll(&pf, 1, 50);
-    if (r == 0) {
-      waited += 50;
-      if (sig && waited >= signal_after_ms) {
-        kill(tshare_process_pid(p), sig);
-        sig = 0;
-      }
-      CHECK(waited < 20000);
-      continue;
-    }
-    ssize_t got = read(out[0], result.out + result.len, sizeof result.out - 1 - result.len);
-    if (got <= 0) break;
-    result.len += (size_t)got;
+  return l;
+}
+
+enum { OUTPUT_END = -1, OUTPUT_NONE = 0, OUTPUT_READ = 1 };
+
+/* Read what comes within wait_ms into result (keeping the newest half when it
+ * fills up). */
+static int read_output(launched *l, int wait_ms) {
+  struct pollfd pf = {.fd = l->out, .events = POLLIN, .revents = 0};
+  if (poll(&pf, 1, wait_ms) == 0) return OUTPUT_NONE;
+  if (result.len == sizeof result.out - 1) {
+    size_t half = result.len / 2;
+    memmove(result.out, result.out + half, result.len - half);
+    result.len -= half;
   }
-  close(out[0]);
-  CHECK_RC(tshare_process_wait(p, 10000, &result.status), TSHARE_OK, "launcher did not exit");
-  tshare_process_destroy(p);
+  ssize_t got = read(l->out, result.out + result.len, sizeof result.out - 1 - result.len);
+  if (got <= 0) return OUTPUT_END;
+  result.len += (size_t)got;
+  result.out[result.len] = '\0';
+  return OUTPUT_READ;
+}
+
+/* Read to the end, sending sig (if any) after signal_after_ms; then reap. */
+static void finish_launcher(launched *l, int sig, int signal_after_ms) {
+  int waited = 0, got;
+  while ((got = read_output(l, 50)) != OUTPUT_END) {
+    if (got == OUTPUT_READ) continue;
+    waited += 50;
+    if (sig && waited >= signal_after_ms) {
+      kill(tshare_process_pid(l->p), sig);
+      sig = 0;
+    }
+    CHECK(waited < 20000);
+  }
+  close(l->out);
+  CHECK_RC(tshare_process_wait(l->p, 10000, &result.status), TSHARE_OK, "launcher did not exit");
+  tshare_process_destroy(l->p);
   printf("---- launcher output ----\n%s-------------------------\n", result.out);
+}
+
+/* Run tshare-launch with args; optionally send sig after signal_after_ms. */
+static void run_launcher_sig(char *const *args, int sig, int signal_after_ms) {
+  launched l = start_launcher(args);
+  finish_launcher(&l, sig, signal_after_ms);
 }
 
 static void run_launcher(char *const *args) { run_launcher_sig(args, 0, 0); }
@@ -113,6 +143,41 @@ static void expect_no_process_left(void) {
 
 /* ---- roles played by this binary ----------------------------------------------- */
 
+/* Asks for channel 0, which must be refused with a message holding want;
+ * the fd stays open as the program had it. */
+static bool channel_refused(tshare_role *role, int fd, const char *want) {
+  tshare_channel *ch = NULL;
+  tshare_error err;
+  int rc = tshare_role_open_channel(role, 0, NULL, &ch, &err);
+  printf("refused: %s\n", err.message);
+  if (rc != TSHARE_E_STATE || !strstr(err.message, want)) return false;
+  char fd_text[32];
+  snprintf(fd_text, sizeof fd_text, "fd %d ", fd);
+  return strstr(err.message, fd_text) && fcntl(fd, F_GETFD) >= 0 && role->channels[0].read_fd == fd;
+}
+
+/* A program that closed its channel's fd and got the number back for its own
+ * log file, then for a socket of its own: neither is taken or closed. */
+static int reused_fd_role(tshare_role *role) {
+  int fd = role->channels[0].read_fd;
+  close(fd);
+  char path[] = "/tmp/tshare-role-log-XXXXXX";
+  int log = mkstemp(path); /* the lowest free number: the channel's */
+  if (log != fd) return 20;
+  bool file_refused = channel_refused(role, fd, "(a regular file)");
+  bool writable = write(log, "still mine\n", 11) == 11;
+  char back[16] = {0};
+  bool kept = pread(log, back, sizeof back - 1, 0) == 11 && strcmp(back, "still mine\n") == 0;
+  unlink(path);
+  close(log);
+  int sv[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0 || sv[0] != fd) return 21;
+  bool socket_refused = channel_refused(role, fd, "a Unix stream socket of another inode");
+  printf("log file %s; its own socket %s\n", writable && kept ? "still open and writable" : "LOST",
+         socket_refused ? "refused and kept" : "TAKEN");
+  return file_refused && writable && kept && socket_refused ? 0 : 22;
+}
+
 static int role_main(int argc, char **argv) {
   (void)argc;
   setvbuf(stdout, NULL, _IOLBF, 0);
@@ -122,6 +187,12 @@ static int role_main(int argc, char **argv) {
     for (int fd = 0; fd < 256; fd++)
       if (fcntl(fd, F_GETFD) >= 0) snprintf(line + strlen(line), sizeof line - strlen(line), " %d", fd);
     printf("%s\n", line);
+    return 0;
+  }
+  if (strcmp(name, "ten-naps") == 0) { /* 2 s of work in one process (a shell's vfork would show state D) */
+    printf("started\n");
+    for (int i = 0; i < 10; i++) usleep(200000);
+    printf("finished\n");
     return 0;
   }
   tshare_role role;
@@ -137,6 +208,7 @@ static int role_main(int argc, char **argv) {
     }
     return 0;
   }
+  if (strcmp(name, "reused-fd") == 0) return reused_fd_role(&role);
   tshare_channel *ch;
   if (tshare_role_open_channel(&role, 0, NULL, &ch, &err) != TSHARE_OK) {
     fprintf(stderr, "%s\n", err.message);
@@ -346,6 +418,117 @@ TS_TEST(sigquit_and_sigusr1_are_forwarded) {
   }
 }
 
+static double seconds_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* The pid a role wrote to path, waiting up to 5 s for it to be written. */
+static pid_t pid_from_file(const char *path) {
+  for (int i = 0; i < 500; i++, usleep(10000)) {
+    FILE *f = fopen(path, "r");
+    int pid = 0;
+    bool read = f && fscanf(f, "%d", &pid) == 1;
+    if (f) fclose(f);
+    if (read && pid > 0) return (pid_t)pid;
+  }
+  TS_FAIL("no pid in %s after 5 s", path);
+}
+
+/* The launcher's stdout and stderr are a pipe nobody reads while the roles
+ * print without end: --timeout still stops them on time (2 s timeout, 0.5 s
+ * grace: gone well before 6 s, unless the launcher waits in a write), and the
+ * lines that could not wait are counted. */
+TS_TEST(timeout_holds_while_nobody_reads_the_output) {
+  char dir[] = "/tmp/tshare-stall-XXXXXX", role[4200], paths[2][300];
+  CHECK(mkdtemp(dir) != NULL);
+  snprintf(role, sizeof role, "sh -c 'echo $$ > %s/$TSHARE_ROLE.pid; exec yes a-line-of-role-output'", dir);
+  snprintf(paths[0], sizeof paths[0], "%s/producer.pid", dir);
+  snprintf(paths[1], sizeof paths[1], "%s/consumer.pid", dir);
+  char *args[] = {"--producer", role, "--consumer", role, "--timeout", "2", "--grace", "0.5", NULL};
+  double t0 = seconds_now();
+  launched l = start_launcher(args);
+  pid_t roles[2] = {pid_from_file(paths[0]), pid_from_file(paths[1])};
+  while (!(pid_gone(roles[0]) && pid_gone(roles[1])) && seconds_now() - t0 < 6.0) usleep(20000);
+  bool stopped = pid_gone(roles[0]) && pid_gone(roles[1]);
+  double at = seconds_now() - t0;
+  finish_launcher(&l, 0, 0); /* now read, so that the launcher can finish */
+  unlink(paths[0]);
+  unlink(paths[1]);
+  rmdir(dir);
+  if (!stopped) TS_FAIL("the roles still ran %.1f s after the start, with --timeout 2, while nobody read the output", at);
+  printf("roles gone %.2f s after the start\n", at);
+  expect_exit(124);
+  expect_output("timeout after 2.0 s");
+  expect_output("of producer's stdout were dropped: the launcher's stdout was not read fast enough");
+  expect_output("of consumer 0's stdout were dropped");
+}
+
+/* The state letter of a process (R, S, T, Z...), or 0 when it is gone. */
+static char proc_state(pid_t pid) {
+  char path[64], text[512] = {0};
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return 0;
+  size_t n = fread(text, 1, sizeof text - 1, f);
+  fclose(f);
+  const char *paren = n ? strrchr(text, ')') : NULL;
+  return paren && paren[1] == ' ' ? paren[2] : 0;
+}
+
+/* Up to 5 s for pid to be stopped (want true) or not; the launcher is killed
+ * when it does not happen, so that no stopped process outlives the test. */
+static void expect_stopped(launched *l, pid_t pid, const char *who, bool want) {
+  for (int i = 0; i < 500 && (proc_state(pid) == 'T') != want; i++) usleep(10000);
+  char state = proc_state(pid);
+  if ((state == 'T') == want) return;
+  kill(tshare_process_pid(l->p), SIGKILL);
+  TS_FAIL("%s (pid %d) is %s after 5 s (state %c)", who, (int)pid, want ? "not stopped" : "still stopped",
+          state ? state : '-');
+}
+
+/* The pid in the prefix of the line "[label pid N] text". */
+static pid_t pid_of_line(const char *label, const char *text) {
+  char want[64];
+  snprintf(want, sizeof want, "[%s pid ", label);
+  for (const char *p = result.out; (p = strstr(p, want)); p++) {
+    int pid;
+    char rest[64];
+    if (sscanf(p + strlen(want), "%d] %63[^\n]", &pid, rest) == 2 && strcmp(rest, text) == 0) return (pid_t)pid;
+  }
+  return 0;
+}
+
+/* Ctrl-Z (SIGTSTP to the launcher) stops the roles, which run in process
+ * groups of their own, and the launcher itself; SIGCONT continues them, and
+ * the time stopped does not count against --timeout: each role works 2 s in
+ * short sleeps, stopped 3 s in between, under --timeout 4. */
+TS_TEST(sigtstp_stops_the_roles_and_sigcont_continues_them) {
+  char *args[] = {"--producer", role_cmd("ten-naps"), "--consumer", role_cmd("ten-naps"), "--timeout", "4", NULL};
+  launched l = start_launcher(args);
+  pid_t producer = 0, consumer = 0;
+  for (int waited = 0; !(producer && consumer); waited += 50) {
+    CHECK(waited < 5000 && read_output(&l, 50) != OUTPUT_END);
+    producer = pid_of_line("producer", "started");
+    consumer = pid_of_line("consumer 0", "started");
+  }
+  pid_t self = tshare_process_pid(l.p);
+  kill(self, SIGTSTP);
+  expect_stopped(&l, producer, "the producer", true);
+  expect_stopped(&l, consumer, "the consumer", true);
+  expect_stopped(&l, self, "the launcher", true);
+  sleep(3);
+  expect_stopped(&l, producer, "the producer", true);
+  kill(self, SIGCONT);
+  expect_stopped(&l, producer, "the producer", false);
+  expect_stopped(&l, consumer, "the consumer", false);
+  finish_launcher(&l, 0, 0);
+  expect_exit(0);
+  expect_output("] finished\n");
+  expect_output("tshare-launch: OK: all 2 roles exited with status 0");
+}
+
 /* A SIGKILLed launcher cannot forward anything: its roles die with it. */
 TS_TEST(sigkill_to_the_launcher_takes_its_roles) {
   char *args[] = {"--producer", "sh -c 'echo grandchild $$; exec sleep 30'", "--consumer",
@@ -461,6 +644,17 @@ TS_TEST(roles_inherit_only_their_fds) {
   run_launcher(pipes);
   expect_exit(0);
   CHECK(strstr(result.out, "] fds: 0 1 2 3 4 5\n") != NULL); /* a pipe pair (3, 4) and the report fd */
+}
+
+/* A role that reused its channel's fd number for its own files gets a clear
+ * refusal, and keeps its files. */
+TS_TEST(role_channel_fd_reused_by_the_program_is_not_taken) {
+  char *args[] = {"--producer", "true", "--consumer", role_cmd("reused-fd"), NULL};
+  run_launcher(args);
+  expect_exit(0);
+  expect_output("refused: role: fd 3 is no longer tshare-launch's channel (a Unix stream socket) but /tmp/tshare-role-log-");
+  expect_output("refused: role: fd 3 is no longer tshare-launch's channel (a Unix stream socket of another inode) but socket:[");
+  expect_output("log file still open and writable; its own socket refused and kept");
 }
 
 TS_TEST(usage_errors) {
