@@ -972,9 +972,25 @@ static int take_held(tshare_channel *ch, const tshare_share_frame *s) {
   return TSHARE_OK;
 }
 
+/* What a share brought beside its frame (a chunk set's fds, a reference to a
+ * kept mapping) is filed under its id until it is imported or dropped: a
+ * second share with an id that waits would orphan the first's. */
+static int refuse_repeated_id(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t share_id) {
+  chunk_set_free(ch, c->gathering); /* the repeated share's own chunks */
+  c->gathering = NULL;
+  return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                 "share %llu: peer %s sent this share id again while its first share waits to be received",
+                 (unsigned long long)share_id, ch->conn.peer_label);
+}
+
+static bool share_id_waits(const struct ts_cuda_chan *c, uint64_t share_id) {
+  return ts_u64map_get(&c->chunk_sets, share_id + 1) || ts_u64map_get(&c->held_refs, share_id + 1);
+}
+
 int ts_cuda_on_share(tshare_channel *ch, const tshare_frame *f) {
-  if (f->u.share.mem_kind == TSHARE_MEM_CUDA_HELD && (!ch->cuda || !ch->cuda->gathering)) return take_held(ch, &f->u.share);
   struct ts_cuda_chan *c = ch->cuda;
+  if (c && share_id_waits(c, f->u.share.share_id)) return refuse_repeated_id(ch, c, f->u.share.share_id);
+  if (f->u.share.mem_kind == TSHARE_MEM_CUDA_HELD && (!c || !c->gathering)) return take_held(ch, &f->u.share);
   struct chunk_set *set = c ? c->gathering : NULL;
   bool chunked = f->u.share.mem_kind == TSHARE_MEM_CUDA_FD && (f->u.share.share_flags & TSHARE_SHARE_FLAG_CHUNKS);
   if (!chunked && !set) return TSHARE_OK;
