@@ -1,10 +1,13 @@
 #include "output.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 /* Room for want bytes from data[0]: what was written goes first, then the
@@ -47,10 +50,30 @@ void out_queue_free(out_queue *q) {
   q->head = q->len = q->cap = 0;
 }
 
+/* The fd's terminal or pipe opened again, O_NONBLOCK in a description of our
+ * own: the flag on fd itself would reach the shell and everything else that
+ * shares it, and would stay if we were killed. A terminal can block a write
+ * that poll called possible (one stopped by Ctrl-S); this one says EAGAIN.
+ * Not for a regular file (it would be written from offset 0) nor a socket
+ * (it cannot be opened again; poll's promise holds there). */
+static int open_nonblocking(int fd) {
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !(S_ISCHR(st.st_mode) || S_ISFIFO(st.st_mode))) return -1;
+  char path[64];
+  snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+  return open(path, O_WRONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+}
+
 void out_sink_init(out_sink *s, int fd) {
   memset(s, 0, sizeof *s);
   s->fd = fd;
+  s->nonblock_fd = open_nonblocking(fd);
   s->writer = -1;
+}
+
+void out_sink_close(out_sink *s) {
+  if (s->nonblock_fd >= 0) close(s->nonblock_fd);
+  s->nonblock_fd = -1;
 }
 
 void out_sink_add(out_sink *s, out_queue *q) {
@@ -63,10 +86,9 @@ bool out_sink_pending(const out_sink *s) {
   return false;
 }
 
-/* Once poll says the fd takes bytes, a write of at most PIPE_BUF does not
- * block: a pipe has a free page, a Unix socket a quarter of its buffer, a
- * file never waits. The fd's flags (O_NONBLOCK) are left alone: the shell
- * and whatever else writes to the same terminal or pipe share them. */
+/* Terminals and pipes are written through nonblock_fd. Elsewhere, once poll
+ * says the fd takes bytes, a write of at most PIPE_BUF does not block either:
+ * a Unix socket has a quarter of its buffer free, a file never waits. */
 static bool sink_ready(int fd, int timeout_ms) {
   struct pollfd p = {.fd = fd, .events = POLLOUT, .revents = 0};
   int r;
@@ -95,11 +117,12 @@ static bool write_chunk(out_sink *s, bool block) {
   int i = pick_queue(s);
   if (i < 0) return false;
   out_queue *q = s->queues[i];
-  if (!s->gone && !sink_ready(s->fd, block ? -1 : 0)) return false;
+  int fd = block || s->nonblock_fd < 0 ? s->fd : s->nonblock_fd;
+  if (!s->gone && !sink_ready(fd, block ? -1 : 0)) return false;
   size_t n = q->len - q->head < PIPE_BUF ? q->len - q->head : PIPE_BUF;
-  ssize_t w = s->gone ? (ssize_t)(q->len - q->head) : write(s->fd, q->data + q->head, n);
+  ssize_t w = s->gone ? (ssize_t)(q->len - q->head) : write(fd, q->data + q->head, n);
   if (w < 0 && errno == EINTR) return true;
-  if (w < 0 && errno == EAGAIN) return block; /* an O_NONBLOCK fd someone else set: wait in poll */
+  if (w < 0 && errno == EAGAIN) return block; /* full after all, or O_NONBLOCK set by someone: poll again */
   if (w <= 0) {                               /* EPIPE and the like: nobody will read this */
     s->gone = true;
     return true;

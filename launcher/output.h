@@ -24,7 +24,8 @@ typedef struct out_queue {
 #define OUT_SINK_QUEUES_MAX (TSHARE_ROLE_CHANNELS_MAX + 2)
 
 typedef struct out_sink {
-  int fd;
+  int fd;        /* stdout or stderr, as the launcher got it */
+  int nonblock_fd; /* the same terminal or pipe opened again with O_NONBLOCK, or -1 */
   out_queue *queues[OUT_SINK_QUEUES_MAX];
   int nqueues;
   int writer; /* the queue whose line is half written (lines never interleave), -1: none */
@@ -38,6 +39,7 @@ void out_queue_line(out_queue *q, const char *prefix, size_t prefix_len, const c
 void out_queue_free(out_queue *q);
 
 void out_sink_init(out_sink *s, int fd);
+void out_sink_close(out_sink *s);
 void out_sink_add(out_sink *s, out_queue *q);
 bool out_sink_pending(const out_sink *s);
 

@@ -647,7 +647,8 @@ static void report_dropped(const out_queue *q, const char *whose, const char *st
 }
 
 /* The roles are stopped: now the rest of their output may wait for the
- * reader as long as it takes. Then what a stalled reader cost, by role. */
+ * reader as long as it takes. Then what a stalled reader cost, by role (not
+ * when the reader closed its end: nothing would have been read anyway). */
 static void finish_output(job *j) {
   static const char *const names[OUT_REPORT] = {"stdout", "stderr"};
   for (int s = 0; s < OUT_REPORT; s++) out_sink_flush(&j->sink[s], true);
@@ -655,11 +656,12 @@ static void finish_output(job *j) {
     for (int s = 0; s < OUT_REPORT; s++) {
       char whose[48];
       snprintf(whose, sizeof whose, "%s's", j->roles[i].label);
-      report_dropped(&j->roles[i].pending[s], whose, names[s]);
+      if (!j->sink[s].gone) report_dropped(&j->roles[i].pending[s], whose, names[s]);
       out_queue_free(&j->roles[i].pending[s]);
     }
-  report_dropped(&j->own, "the launcher's own", names[OUT_STDERR]);
+  if (!j->sink[OUT_STDERR].gone) report_dropped(&j->own, "the launcher's own", names[OUT_STDERR]);
   out_queue_free(&j->own);
+  for (int s = 0; s < OUT_REPORT; s++) out_sink_close(&j->sink[s]);
 }
 
 int launch_run(const launch_plan *plan) {
