@@ -131,8 +131,8 @@ static int call_slice(const py_guard_slice *slice, int slice_ms) {
 }
 
 int py_guard_wait(py_guard *g, const char *what, int timeout_ms, const py_guard_slice *slice, int *status) {
+  int64_t deadline = py_guard_deadline(timeout_ms); /* the wait for the first turn counts too */
   if (py_guard_enter(g) < 0) return -1;
-  int64_t deadline = py_guard_deadline(timeout_ms);
   for (;;) {
     *status = call_slice(slice, next_slice_ms(deadline));
     if (*status != TSHARE_E_TIMEOUT || py_guard_left_ms(deadline) == 0) return 0;

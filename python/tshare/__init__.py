@@ -47,8 +47,14 @@ __all__ = [
 class Channel:
     """A connected channel to one peer. Use it as a context manager, or close()
     it: pending releases go out, the peer is told the stream ended (bye) and
-    every share it still holds is dropped as released. One thread drives a
-    channel; received tensors may die on any thread."""
+    every share it still holds is dropped as released.
+
+    Any thread may call any method: calls on one channel take turns, and one
+    that waits (recv, poll, wait_released, send waiting for room) lets the
+    others in every 20 ms. close() from another thread ends such a wait with
+    tshare.Error. Ctrl-C in the main thread raises KeyboardInterrupt from a
+    wait within ~20 ms, whatever its timeout. Received tensors may die on any
+    thread (docs/python.md, "Threads, Ctrl-C and close")."""
 
     __slots__ = ("_c",)
 
@@ -149,7 +155,9 @@ def open_socket(fd, name=None, transport=None, spin_us=None, allow_uid=None):
 
 
 class Listener:
-    """A rendezvous listener: accept() opens a channel per peer."""
+    """A rendezvous listener: accept() opens a channel per peer. As with a
+    Channel, any thread may call it, close() from another thread ends a
+    waiting accept() with tshare.Error, and Ctrl-C interrupts it."""
 
     __slots__ = ("_l",)
 

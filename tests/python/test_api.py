@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 try:
     import torch
@@ -372,6 +373,42 @@ def eight_threads_send_on_one_channel():
     p.close()
     assert isinstance(joined(waiter, "recv"), tshare.Error)
     c.close()
+
+
+@test
+def a_call_from_inside_the_channels_own_work_is_refused():
+    """Python code run from inside a call on a channel (here a finalizer of
+    the tensor a share kept, run as its release is applied) that calls the
+    same channel gets tshare.Error instead of waiting for itself forever."""
+    a, b = pair()
+    tshare.send(a, tshare.empty_shared(8), tag="to forward")
+    r = tshare.recv(b, timeout=5)
+    fwd, c = pair()
+    part = r.tensor[1:]
+    tshare.send(fwd, part, tag="part")  # the share holds part until c releases it
+    seen = []
+    weakref.finalize(part, lambda: seen.append(call_capturing(fwd.outstanding)))
+    del part
+    got = tshare.recv(c, timeout=5)
+    del got
+    c.poll(0)
+    fwd.wait_released(timeout=5)  # applies the release: part dies inside this call
+    assert len(seen) == 1, "the finalizer did not run"
+    e = seen[0]
+    assert isinstance(e, tshare.Error) and e.code == tshare.E_STATE and "already inside" in str(e), e
+    assert fwd.outstanding() == 0, "the channel works after the refusal"
+    del r
+    b.poll(0)
+    a.wait_released(timeout=5)
+    for ch in (a, b, fwd, c):
+        ch.close()
+
+
+def call_capturing(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: B902  the test looks at it
+        return e
 
 
 def interrupted_by_sigint(what, fn, *args, **kw):
