@@ -16,7 +16,7 @@
 
 typedef struct out_queue {
   char *data;
-  size_t head, len, cap; /* the bytes waiting are data[head, len) */
+  size_t head, len, cap;                  /* the bytes waiting are data[head, len) */
   long long dropped_lines, dropped_bytes; /* what did not fit while the reader stalled */
 } out_queue;
 
@@ -24,7 +24,7 @@ typedef struct out_queue {
 #define OUT_SINK_QUEUES_MAX (TSHARE_ROLE_CHANNELS_MAX + 2)
 
 typedef struct out_sink {
-  int fd;        /* stdout or stderr, as the launcher got it */
+  int fd;          /* stdout or stderr, as the launcher got it */
   int nonblock_fd; /* the same terminal or pipe opened again with O_NONBLOCK, or -1 */
   out_queue *queues[OUT_SINK_QUEUES_MAX];
   int nqueues;

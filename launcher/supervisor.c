@@ -208,8 +208,8 @@ typedef struct job {
   int first_failure;     /* index of the role whose failure stopped the job, or -1 */
   int not_started;       /* index of the role that could not be started, or -1 */
   bool timed_out;
-  double stopped_s;        /* time spent stopped by job control: not counted against --timeout */
-  out_queue own;           /* the launcher's own messages, on their way to stderr */
+  double stopped_s;          /* time spent stopped by job control: not counted against --timeout */
+  out_queue own;             /* the launcher's own messages, on their way to stderr */
   out_sink sink[OUT_REPORT]; /* the launcher's stdout and stderr */
 } job;
 
@@ -306,7 +306,7 @@ static void handle_signals(job *j) {
       signal_roles(j, SIGCONT);
       continue;
     }
-    if (j->interrupted) {         /* a second interrupt: no more grace */
+    if (j->interrupted) { /* a second interrupt: no more grace */
       j->grace_deadline = now_s();
       continue;
     }
@@ -446,8 +446,8 @@ static void pump(job *j, double wake) {
   int np = 0;
   pfds[np++] = (struct pollfd){.fd = signal_pipe[0], .events = POLLIN, .revents = 0};
   for (int s = 0; s < SINKS; s++) /* -1: poll ignores it */
-    pfds[np++] = (struct pollfd){
-        .fd = out_sink_pending(&j->sink[s]) ? j->sink[s].fd : -1, .events = POLLOUT, .revents = 0};
+    pfds[np++] =
+        (struct pollfd){.fd = out_sink_pending(&j->sink[s]) ? j->sink[s].fd : -1, .events = POLLOUT, .revents = 0};
   for (int i = 0; i < j->nroles; i++)
     for (int s = 0; s < OUT_COUNT; s++)
       if (j->roles[i].out[s].fd >= 0) {
@@ -589,8 +589,7 @@ static void stop_leftovers(job *j) {
         if (fgets(comm, sizeof comm, f)) comm[strcspn(comm, "\n")] = '\0';
         fclose(f);
       }
-      if (stopped++ < 8)
-        say(j, "stopping pid %d (%s), left behind by the roles", (int)pids[k], comm);
+      if (stopped++ < 8) say(j, "stopping pid %d (%s), left behind by the roles", (int)pids[k], comm);
       kill(pids[k], round == 0 ? SIGTERM : SIGKILL);
     }
     /* Reap them; the first round gives them the grace period to exit. */

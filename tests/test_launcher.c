@@ -9,6 +9,7 @@
 #include <ctype.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/stat.h>
 #include <time.h>
 
 typedef struct run_result {
@@ -457,7 +458,8 @@ TS_TEST(timeout_holds_while_nobody_reads_the_output) {
   unlink(paths[0]);
   unlink(paths[1]);
   rmdir(dir);
-  if (!stopped) TS_FAIL("the roles still ran %.1f s after the start, with --timeout 2, while nobody read the output", at);
+  if (!stopped)
+    TS_FAIL("the roles still ran %.1f s after the start, with --timeout 2, while nobody read the output", at);
   printf("roles gone %.2f s after the start\n", at);
   expect_exit(124);
   expect_output("timeout after 2.0 s");
@@ -652,9 +654,44 @@ TS_TEST(role_channel_fd_reused_by_the_program_is_not_taken) {
   char *args[] = {"--producer", "true", "--consumer", role_cmd("reused-fd"), NULL};
   run_launcher(args);
   expect_exit(0);
-  expect_output("refused: role: fd 3 is no longer tshare-launch's channel (a Unix stream socket) but /tmp/tshare-role-log-");
-  expect_output("refused: role: fd 3 is no longer tshare-launch's channel (a Unix stream socket of another inode) but socket:[");
+  expect_output(
+      "refused: role: fd 3 is no longer tshare-launch's channel (a Unix stream socket) but /tmp/tshare-role-log-");
+  expect_output(
+      "refused: role: fd 3 is no longer tshare-launch's channel (a Unix stream socket of another inode) but socket:[");
   expect_output("log file still open and writable; its own socket refused and kept");
+}
+
+/* TSHARE_CHANNEL_IDS must match TSHARE_CHANNEL_FDS entry for entry; a
+ * channel fd closed after it was read is refused, not handed to a channel. */
+TS_TEST(role_channel_ids_are_checked) {
+  int sv[2];
+  CHECK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
+  struct stat st;
+  CHECK(fstat(sv[0], &st) == 0);
+  char fds[32], ids[64];
+  snprintf(fds, sizeof fds, "%d", sv[0]);
+  setenv(TSHARE_ENV_ROLE, "consumer", 1);
+  setenv(TSHARE_ENV_RANK, "0", 1);
+  setenv(TSHARE_ENV_NUM_CONSUMERS, "1", 1);
+  setenv(TSHARE_ENV_CHANNEL_FDS, fds, 1);
+  const char *bad[] = {"12:13", "x", "-1", "1,2"};
+  tshare_role role;
+  tshare_error err;
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+    setenv(TSHARE_ENV_CHANNEL_IDS, bad[i], 1);
+    CHECK_RC(tshare_role_from_env(&role, &err), TSHARE_E_MALFORMED, bad[i]);
+    if (!strstr(err.message, TSHARE_ENV_CHANNEL_IDS)) TS_FAIL("%s: %s", bad[i], err.message);
+  }
+  snprintf(ids, sizeof ids, "%llu", (unsigned long long)st.st_ino);
+  setenv(TSHARE_ENV_CHANNEL_IDS, ids, 1);
+  CHECK_RC(tshare_role_from_env(&role, &err), TSHARE_OK, err.message);
+  CHECK_EQ(role.channels[0].read_ino, st.st_ino);
+  close(sv[0]);
+  tshare_channel *ch;
+  CHECK_RC(tshare_role_open_channel(&role, 0, NULL, &ch, &err), TSHARE_E_STATE, err.message);
+  printf("%s\n", err.message);
+  CHECK(strstr(err.message, "is closed") != NULL);
+  close(sv[1]);
 }
 
 TS_TEST(usage_errors) {

@@ -43,7 +43,7 @@ static bool fd_open(int fd) { return fcntl(fd, F_GETFD) >= 0; }
 /* TSHARE_CHANNEL_IDS: one entry per channel, shaped like its fds' entry. */
 static int read_channel_ids(tshare_role *role, tshare_error *err) {
   const char *list = getenv(TSHARE_ENV_CHANNEL_IDS);
-  if (!list) return TSHARE_OK; /* not from a launcher that names them: type checks only */
+  if (!list) return TSHARE_OK;                  /* not from a launcher that names them: type checks only */
   char copy[TSHARE_ROLE_CHANNELS_MAX * 42 + 1]; /* two 20-digit inodes, ":" and "," per channel */
   if (strlen(list) >= sizeof copy) return bad(err, TSHARE_ENV_CHANNEL_IDS, list, "too long");
   snprintf(copy, sizeof copy, "%s", list);
@@ -150,8 +150,8 @@ static int check_launcher_fd(int fd, tshare_channel_kind kind, unsigned long lon
   if (fstat(fd, &st) != 0) {
     ts_errf(msg, sizeof msg, TSHARE_E_STATE, "role: fd %d, given by tshare-launch as %s, is closed", fd, want);
   } else {
-    bool right_kind = kind == TSHARE_CHANNEL_SOCKET ? S_ISSOCK(st.st_mode) && is_unix_stream_socket(fd)
-                                                    : S_ISFIFO(st.st_mode);
+    bool right_kind =
+        kind == TSHARE_CHANNEL_SOCKET ? S_ISSOCK(st.st_mode) && is_unix_stream_socket(fd) : S_ISFIFO(st.st_mode);
     if (right_kind && (ino == 0 || (unsigned long long)st.st_ino == ino)) return TSHARE_OK;
     describe_fd(fd, &st, now, sizeof now);
     ts_errf(msg, sizeof msg, TSHARE_E_STATE,

@@ -41,7 +41,7 @@ extern "C" {
 
 typedef struct tshare_role_channel {
   tshare_channel_kind kind;
-  int read_fd, write_fd; /* equal for sockets; -1 once opened */
+  int read_fd, write_fd;                  /* equal for sockets; -1 once opened */
   unsigned long long read_ino, write_ino; /* from TSHARE_CHANNEL_IDS; 0: not given */
 } tshare_role_channel;
 
