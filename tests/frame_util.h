@@ -24,4 +24,13 @@ static inline tshare_frame memfd_share_frame(uint64_t alloc_size, tshare_tensor_
   return f;
 }
 
+/* A ring control frame (TSHARE_RING_NUDGE, _SOCKET_NEXT) as a peer writes it. */
+static inline tshare_frame ring_op_frame(uint8_t op) {
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_RING;
+  f.u.ring.op = op;
+  return f;
+}
+
 #endif

@@ -3,16 +3,14 @@
  * peer filling a process's fd table with shares it never receives, and a
  * process out of fds. Each ends with the channel still usable and every fd
  * accounted for. */
-#include "frame_util.h"
 #include "harness.h"
+#include "hostile_peer.h"
 #include "proc_util.h"
 #include "tshare/share.h"
 
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
-#include <sys/uio.h>
-#include <time.h>
 
 static const tshare_dtype I32 = {TSHARE_DTYPE_INT, 32, 1};
 
@@ -43,47 +41,9 @@ static void set_fd_limit(rlim_t soft) {
   CHECK(setrlimit(RLIMIT_NOFILE, &rl) == 0);
 }
 
-/* Frame bytes and an fd (or -1) written straight to the socket, as a peer
- * speaking the wire format by hand would: nothing checks that they agree. */
-static void send_raw(tshare_channel *ch, const tshare_frame *f, int fd) {
-  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
-  size_t len;
-  CHECK_RC(tshare_wire_encode(f, buf, sizeof buf, &len, NULL), TSHARE_OK, "");
-  struct iovec iov = {.iov_base = buf, .iov_len = len};
-  union {
-    char space[CMSG_SPACE(sizeof(int))];
-    struct cmsghdr align;
-  } ctl;
-  struct msghdr msg = {0};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  if (fd >= 0) {
-    memset(&ctl, 0, sizeof ctl);
-    msg.msg_control = ctl.space;
-    msg.msg_controllen = sizeof ctl.space;
-    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(c), &fd, sizeof fd);
-  }
-  CHECK(sendmsg(tshare_channel_fd(ch), &msg, MSG_NOSIGNAL) == (ssize_t)len);
-}
-
 /* ---- 1. both ends share to each other at once -------------------------------- */
 
 enum { BOTH_WAYS = 1500 };
-
-static tshare_channel *open_with_budget(int fd, const char *name, unsigned budget) {
-  tshare_channel_options o;
-  tshare_channel_options_init(&o);
-  o.name = name;
-  o.max_unclaimed_fds = budget;
-  tshare_channel *ch;
-  tshare_error err;
-  CHECK_RC(tshare_channel_open_socket(fd, &o, &ch, &err), TSHARE_OK, err.message);
-  return ch;
-}
 
 /* Share BOTH_WAYS tensors to the peer without receiving, then receive and
  * check the peer's, then wait until the peer released ours. */
@@ -464,12 +424,6 @@ TS_TEST_MAIN
 
 /* ---- 10. the ring transport: the peer owns half of the shared memory ------------ */
 
-static int64_t now_ms(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
-}
-
 /* The ring mappings of this process ("memfd:tshare-ring"): the one it
  * writes into and the one its peer writes into. */
 static int ring_mappings(uint8_t *starts[2], size_t lens[2]) {
@@ -491,12 +445,6 @@ static int ring_mappings(uint8_t *starts[2], size_t lens[2]) {
 /* A channel of a child that ends without closing it on purpose: still
  * reachable from here when it exits (no leak to report). */
 static tshare_channel *volatile dying_end;
-
-static tshare_channel *open_ring_channel(int fd, const char *name) {
-  tshare_channel *ch = open_channel_over(fd, name, NULL, NULL, TSHARE_TRANSPORT_RING);
-  CHECK_EQ(tshare_channel_transport(ch), TSHARE_TRANSPORT_RING);
-  return ch;
-}
 
 /* Moves the tail of every ring it maps far past the ring's capacity (the
  * control page starts with the writer's tail), then waits to be killed. */

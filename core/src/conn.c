@@ -71,22 +71,36 @@ static bool fdq_push(ts_conn *c, ts_fd_entry e) {
   return true;
 }
 
+/* A lost fd right behind another lost one joins its entry: the queue grows
+ * with the fds kept (the budget), not with the fds a peer sends. The frames
+ * between two losses of a run are then taken to have lost one too; that only
+ * matters to a frame that announces an fd it never sent, which is refused
+ * either way. */
+static bool join_lost_run(ts_conn *c, uint64_t at) {
+  if (c->fdq_len == 0) return false;
+  ts_fd_entry *tail = &c->fdq[c->fdq_head + c->fdq_len - 1];
+  if (tail->fd >= 0) return false;
+  tail->last = at;
+  return true;
+}
+
 /* The fds one read brought, at stream offset `at` (the read's last byte).
  * A frame carries at most one fd: the first is kept (if the channel may hold
  * another), the others closed. None delivered though the kernel cut the
  * control data means this process could not install it. */
 static void take_fds(ts_conn *c, const int *fds, size_t n, bool cut, uint64_t at) {
-  ts_fd_entry e = {.fd = -1, .lost = 0, .at = at};
+  ts_fd_entry e = {.fd = -1, .lost = 0, .at = at, .last = at};
   if (n == 0 && !cut) return;
   for (size_t i = 1; i < n; i++) close(fds[i]);
   if (n == 0) {
     e.lost = fd_shortage_errno();
   } else if (c->held_fds >= c->fd_budget) {
-    close(fds[0]);
+    close(fds[0]); /* at once: nothing of it is kept but the entry's offsets */
     e.lost = TS_FD_OVER_BUDGET;
   } else {
     e.fd = fds[0];
   }
+  if (e.fd < 0 && join_lost_run(c, at)) return;
   if (!fdq_push(c, e)) {
     if (e.fd >= 0) close(e.fd);
     if (!c->broken) c->broken = ts_errf(c->err, c->err_cap, TSHARE_E_NOMEM, "receive: out of memory");
@@ -99,11 +113,16 @@ static void take_fds(ts_conn *c, const int *fds, size_t n, bool cut, uint64_t at
  * came with its bytes is taken off the queue, the first returned (or why it
  * was lost), the rest closed. *found is false when none came. */
 static ts_fd_entry fds_of_frame(ts_conn *c, uint64_t end, bool *found) {
-  ts_fd_entry first = {.fd = -1, .lost = 0, .at = 0};
+  ts_fd_entry first = {.fd = -1, .lost = 0, .at = 0, .last = 0};
   *found = false;
   while (c->fdq_len && c->fdq[c->fdq_head].at < end) {
-    ts_fd_entry e = c->fdq[c->fdq_head++];
-    c->fdq_len--;
+    ts_fd_entry e = c->fdq[c->fdq_head];
+    if (e.last >= end) {
+      c->fdq[c->fdq_head].at = end; /* a run of losses going on into the next frames */
+    } else {
+      c->fdq_head++;
+      c->fdq_len--;
+    }
     if (e.fd >= 0) c->held_fds--;
     if (!*found) {
       first = e;
@@ -186,9 +205,17 @@ static size_t take_spilled(const uint8_t *spill, size_t *off, size_t len, uint8_
   return n;
 }
 
+/* Room left for reading ahead: bytes stay in the spill buffer until a
+ * receive takes them, SPILL_MAX at most. */
+static size_t spill_room(const ts_conn *c) {
+  return c->spill_off == c->spill_len ? SPILL_MAX : SPILL_MAX - c->spill_len;
+}
+
 /* Read what the peer has sent into the spill buffer (a send is waiting for
- * room). Errors are left for the next receive to find. */
+ * room). Errors are left for the next receive to find. A full buffer reads
+ * nothing: a read into no room returns 0, which is not the peer's end. */
 static void spill_read(ts_conn *c) {
+  if (spill_room(c) == 0) return;
   if (!c->spill && !(c->spill = malloc(SPILL_MAX))) return;
   if (c->spill_off == c->spill_len) c->spill_off = c->spill_len = 0;
   ssize_t r = recv_into(c, c->spill + c->spill_len, SPILL_MAX - c->spill_len);
@@ -206,7 +233,7 @@ static int wait_writable(ts_conn *c, int64_t deadline) {
     /* Reading never stops for fds: past the channel's fd budget they are
      * closed on arrival and their shares refused, so two ends that share to
      * each other both keep reading (up to SPILL_MAX bytes). */
-    bool can_read = c->dec && !c->spill_eof && c->spill_len < SPILL_MAX && c->rfd >= 0;
+    bool can_read = c->dec && !c->spill_eof && spill_room(c) > 0 && c->rfd >= 0;
     struct pollfd p[2] = {{.fd = c->wfd, .events = POLLOUT, .revents = 0},
                           {.fd = c->rfd, .events = POLLIN, .revents = 0}};
     int n = poll(p, can_read ? 2 : 1, ts_remaining(deadline));
@@ -402,7 +429,9 @@ static void wait_on_socket_too(ts_conn *c) {
 /* The ring is full: the peer is not reading. Wait in poll() on the socket
  * for its nudge (it reads, or it writes to us: read that into the spill
  * buffers so two ends that both send keep going), in slices so a lost nudge
- * costs a slice, never a hang. */
+ * costs a slice, never a hang. Once the spill buffer is full the socket's
+ * bytes stay there: the wait only watches for a hang-up and sleeps its
+ * slices, however much the peer sends. */
 #define RING_ROOM_SLICE_MS 10
 static int wait_ring_room(ts_conn *c, size_t len, int64_t deadline) {
   for (;;) {
@@ -411,10 +440,11 @@ static int wait_ring_room(ts_conn *c, size_t len, int64_t deadline) {
     int room = ts_ring_room(&c->ring_out, len);
     int left = ts_remaining(deadline);
     int n = 0;
-    struct pollfd p = {.fd = c->rfd, .events = POLLIN | POLLRDHUP, .revents = 0};
+    bool can_read = spill_room(c) > 0;
+    struct pollfd p = {.fd = c->rfd, .events = (short)((can_read ? POLLIN : 0) | POLLRDHUP), .revents = 0};
     if (room == 0 && left != 0) {
       n = poll(&p, 1, left < 0 || left > RING_ROOM_SLICE_MS ? RING_ROOM_SLICE_MS : left);
-      if (n > 0 && (p.revents & POLLIN) && !(p.revents & (POLLHUP | POLLRDHUP | POLLERR))) spill_read(c);
+      if (n > 0 && can_read && (p.revents & POLLIN) && !(p.revents & (POLLHUP | POLLRDHUP | POLLERR))) spill_read(c);
     }
     ts_ring_writer_waits(&c->ring_out, TS_RING_AWAKE);
     ts_ring_reader_waits(&c->ring_in, TS_RING_AWAKE);
@@ -592,13 +622,28 @@ static int wait_readable(ts_conn *c, int64_t deadline) {
   }
 }
 
-/* Read what is available into the decoder. TSHARE_OK when bytes came. */
+/* The bytes that complete the frame whose first `have` bytes end at `end`
+ * (the decoder keeps a frame's start at the front of its buffer): the header,
+ * then the payload its length field announces. */
+static size_t rest_of_frame(const uint8_t *end, size_t have) {
+  if (have < TSHARE_WIRE_HEADER_SIZE) return TSHARE_WIRE_HEADER_SIZE - have;
+  const uint8_t *len = end - have + 8;
+  uint64_t payload = (uint64_t)len[0] | (uint64_t)len[1] << 8 | (uint64_t)len[2] << 16 | (uint64_t)len[3] << 24;
+  return (size_t)(TSHARE_WIRE_HEADER_SIZE + payload - have);
+}
+
+/* Read what is available into the decoder (during the hello, no further than
+ * its frame). TSHARE_OK when bytes came. */
 static int read_some(ts_conn *c, int64_t deadline) {
   for (;;) {
     uint8_t *space;
     size_t avail;
     int rc = tshare_decoder_space(c->dec, &space, &avail);
     if (rc != TSHARE_OK) return ts_errf(c->err, c->err_cap, rc, "receive: %s", tshare_decoder_last_error(c->dec));
+    if (c->frame_at_a_time) {
+      size_t rest = rest_of_frame(space, tshare_decoder_pending(c->dec));
+      if (rest > 0 && rest < avail) avail = rest;
+    }
     ssize_t r;
     if (c->spill_off < c->spill_len) { /* read ahead while a send waited */
       r = (ssize_t)take_spilled(c->spill, &c->spill_off, c->spill_len, space, avail);
@@ -701,16 +746,47 @@ static void ring_spill_read(ts_conn *c) {
   if (n > 0 && ts_ring_wake_writer(&c->ring_in) == TS_RING_SOCKET) nudge_peer(c, true);
 }
 
+/* Whether the ring may still hold the SOCKET_NEXT entry of the frame read
+ * early: ring bytes not yet decoded (a partial frame in its decoder does not
+ * count: the ring's writer publishes whole frames). */
+static bool ring_may_hold_entry(ts_conn *c) {
+  return c->ring_spill_off < c->ring_spill_len || ts_ring_available(&c->ring_in) != 0;
+}
+
+/* A frame read from the socket before its SOCKET_NEXT entry came: it waits
+ * in `early`. A peer puts that entry into the ring before it sends anything
+ * else but nudges on the socket, so a second one there while the ring holds
+ * nothing that could be the first one's entry is the peer's fault. */
+static void keep_early(ts_conn *c, const tshare_frame *f, ts_fd_entry e, bool found) {
+  if (!c->has_early) {
+    c->early = *f;
+    c->early_fd = e;
+    c->early_found = found;
+    c->has_early = true;
+    return;
+  }
+  if (e.fd >= 0) close(e.fd);
+  c->broken = ts_errf(c->err, c->err_cap, TSHARE_E_PROTOCOL,
+                      "receive: peer %s sent a %s frame on the socket before the ring entry of the %s frame it sent "
+                      "there first",
+                      c->peer_label, tshare_frame_type_name(f->type), tshare_frame_type_name(c->early.type));
+}
+
 /* Take the socket bytes already there, so that nudges stop making the fd
  * readable (a poll loop would spin on them). A real frame read early waits
- * for its SOCKET_NEXT entry. A hang-up is left for the caller to see, after
- * the ring is empty. */
+ * for its SOCKET_NEXT entry; while it waits, the socket is still read (a
+ * nudge behind it would keep the fd readable forever), unless the ring may
+ * hold that entry: the caller takes the ring first. A hang-up is left for the
+ * caller to see, after the ring is empty. */
 static void drain_nudges(ts_conn *c) {
-  while (!c->has_early && !c->broken) {
-    int rc = socket_frame(c, &c->early, &c->early_fd, &c->early_found, 0, false);
+  while (!c->broken && !(c->has_early && ring_may_hold_entry(c))) {
+    tshare_frame f;
+    ts_fd_entry e;
+    bool found;
+    int rc = socket_frame(c, &f, &e, &found, 0, false);
     if (rc == TSHARE_OK) {
-      c->has_early = true;
-      return;
+      keep_early(c, &f, e, found);
+      continue;
     }
     if (rc != TSHARE_AGAIN) return;
     if (c->spill_off == c->spill_len) {
@@ -743,6 +819,7 @@ static int wait_ring(ts_conn *c, int64_t deadline) {
     if (left == 0) {
       if (atomic_load(&c->pollable)) { /* ask for a nudge, then look once more: no wake-up falls between */
         drain_nudges(c);
+        if (c->broken) return c->broken;
         ts_ring_reader_waits(&c->ring_in, TS_RING_SOCKET);
         if ((avail = ts_ring_available(&c->ring_in)) != 0) {
           ts_ring_reader_waits(&c->ring_in, TS_RING_AWAKE);
@@ -956,8 +1033,12 @@ static int exchange_hellos(ts_conn *c, int64_t deadline) {
   f.u.hello = c->self;
   int rc = ts_conn_send(c, &f, -1, ts_remaining(deadline));
   int fd = -1, fd_lost;
+  /* The peer may send its first frames right behind its hello: they stay on
+   * the socket, where a poll loop started once the channel is open sees them. */
+  c->frame_at_a_time = true;
   while (rc == TSHARE_OK && (rc = ts_conn_recv(c, &f, &fd, &fd_lost, ts_remaining(deadline))) == TS_CONN_WOKEN) {
   }
+  c->frame_at_a_time = false;
   if (rc != TSHARE_OK) {
     char why[TSHARE_ERROR_MSG_MAX];
     snprintf(why, sizeof why, "%s", c->err);
@@ -996,7 +1077,7 @@ static int ring_setup(ts_conn *c, uint32_t cap, int64_t deadline) {
     ts_conn_send_error(c, rc, c->err);
     return rc;
   }
-  ts_fd_entry e = {.fd = -1, .lost = 0, .at = 0};
+  ts_fd_entry e = {.fd = -1, .lost = 0, .at = 0, .last = 0};
   bool found = false;
   c->in_setup = true;
   while ((rc = socket_frame(c, &f, &e, &found, deadline, true)) == TS_CONN_WOKEN) {

@@ -29,11 +29,15 @@
 
 /* An fd that came with the bytes of a read, waiting for the frame it rides on.
  * The kernel ends a read at the end of the one message whose fds it returns,
- * so those fds belong to the frame holding the read's last byte, `at`. */
+ * so those fds belong to the frame holding the read's last byte, `at`.
+ * Consecutive fds that could not be kept share one entry, from `at` to
+ * `last`: a peer sending a byte with an fd at a time past the budget costs
+ * no memory per fd. */
 typedef struct ts_fd_entry {
-  int fd;      /* -1 when it could not be kept */
-  int lost;    /* why not: an errno (EMFILE, ENFILE) or TS_FD_OVER_BUDGET; 0 when kept */
-  uint64_t at; /* stream offset of the last byte of the read that brought it */
+  int fd;        /* -1 when it could not be kept */
+  int lost;      /* why not: an errno (EMFILE, ENFILE) or TS_FD_OVER_BUDGET; 0 when kept */
+  uint64_t at;   /* stream offset of the last byte of the read that brought it */
+  uint64_t last; /* the same for the last fd of a run of lost ones; `at` otherwise */
 } ts_fd_entry;
 
 typedef struct ts_conn {
@@ -70,6 +74,7 @@ typedef struct ts_conn {
   size_t spill_len, spill_off;
   bool spill_eof;
   int broken; /* sticky receive-side failure, 0 if none */
+  bool frame_at_a_time; /* reads stop at the end of the frame they begin (the hello) */
 
   tshare_decoder *dec;
   tshare_wire_limits limits;

@@ -48,6 +48,10 @@ int ts_ring_create(ts_ring *r, uint32_t cap, int *memfd, char *err, size_t err_c
     close(fd);
     return rc;
   }
+  /* The reader has not said how it waits yet: until it does, every frame
+   * also nudges the socket, so that a poll loop started on the reader's side
+   * as its channel opens wakes for frames written before it could ask. */
+  atomic_store_explicit(&r->ctl->reader_waits, TS_RING_SOCKET, memory_order_relaxed);
   *memfd = fd;
   return TSHARE_OK;
 }

@@ -39,7 +39,7 @@ typedef struct ts_ring_ctl {
   _Alignas(64) _Atomic uint64_t tail;     /* bytes ever written (the writer's) */
   _Atomic uint32_t writer_waits;          /* TS_RING_AWAKE or TS_RING_SOCKET (the writer's) */
   _Alignas(64) _Atomic uint64_t head;     /* bytes ever consumed (the reader's) */
-  _Atomic uint32_t reader_waits;          /* TS_RING_* (the reader's) */
+  _Atomic uint32_t reader_waits;          /* TS_RING_* (the reader's; TS_RING_SOCKET from creation) */
   _Alignas(64) _Atomic uint32_t bell;     /* the reader's futex word: bumped by whoever wakes it */
 } ts_ring_ctl;
 

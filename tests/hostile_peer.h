@@ -1,0 +1,64 @@
+/* What a hostile or hand-rolled peer uses: frames written straight to the
+ * socket beside the channel's own, a clock, and ring channels. */
+#ifndef TSHARE_TEST_HOSTILE_PEER_H
+#define TSHARE_TEST_HOSTILE_PEER_H
+
+#include "frame_util.h"
+#include "proc_util.h"
+
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+
+/* Frame bytes and an fd (or -1) written straight to the socket, as a peer
+ * speaking the wire format by hand would: nothing checks that they agree. */
+static inline void send_raw(tshare_channel *ch, const tshare_frame *f, int fd) {
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len;
+  CHECK_RC(tshare_wire_encode(f, buf, sizeof buf, &len, NULL), TSHARE_OK, "");
+  struct iovec iov = {.iov_base = buf, .iov_len = len};
+  union {
+    char space[CMSG_SPACE(sizeof(int))];
+    struct cmsghdr align;
+  } ctl;
+  struct msghdr msg = {0};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  if (fd >= 0) {
+    memset(&ctl, 0, sizeof ctl);
+    msg.msg_control = ctl.space;
+    msg.msg_controllen = sizeof ctl.space;
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &fd, sizeof fd);
+  }
+  CHECK(sendmsg(tshare_channel_fd(ch), &msg, MSG_NOSIGNAL) == (ssize_t)len);
+}
+
+static inline int64_t now_ms(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+static inline tshare_channel *open_ring_channel(int fd, const char *name) {
+  tshare_channel *ch = open_channel_over(fd, name, NULL, NULL, TSHARE_TRANSPORT_RING);
+  CHECK_EQ(tshare_channel_transport(ch), TSHARE_TRANSPORT_RING);
+  return ch;
+}
+
+/* A channel that holds at most `budget` of the peer's fds (max_unclaimed_fds). */
+static inline tshare_channel *open_with_budget(int fd, const char *name, unsigned budget) {
+  tshare_channel_options o;
+  tshare_channel_options_init(&o);
+  o.name = name;
+  o.max_unclaimed_fds = budget;
+  tshare_channel *ch;
+  tshare_error err;
+  CHECK_RC(tshare_channel_open_socket(fd, &o, &ch, &err), TSHARE_OK, err.message);
+  return ch;
+}
+
+#endif
