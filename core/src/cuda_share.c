@@ -15,9 +15,11 @@
 #include "log.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #define POOL_MAX 256 /* events a producer keeps per channel; beyond that a share syncs its stream */
@@ -67,6 +69,7 @@ static bool id_list_push(id_list *l, uint64_t id) {
 
 /* The first n ids went out: only the rest wait. */
 static void id_list_drop_front(id_list *l, size_t n) {
+  if (n == 0) return; /* ids may be NULL */
   memmove(l->ids, l->ids + n, (l->n - n) * sizeof *l->ids);
   l->n -= n;
 }
@@ -117,27 +120,92 @@ struct ts_cuda_chan {
 #define VMM_RUNS_MAX 256 /* runs watched per channel; past it shares go without a retire notice */
 #define WATCH_CHECK_US 1000 /* how often a driven channel looks at its runs and anchors */
 
-/* A watched run keeps the fds it was exported as: the next share of it
- * sends them again without the driver's export (they pin its memory until
- * the run is retired, within a millisecond of driving the channel once its
- * owner's allocator unmapped it). */
+/* A watched run keeps the fds it was exported as, while the process-wide
+ * budget allows: the next share of it sends them again without the
+ * driver's export. Once the peer keeps the run mapped they are closed (its
+ * shares go without fds). A run past the budget is watched all the same and
+ * exported again for each share that carries fds. */
 struct vmm_run {
   int n;
   bool peer_holds; /* the peer keeps it mapped until retired: shares of it go without fds */
-  int *fd;        /* n */
-  uint64_t v[];   /* n chunk bases, then their n buffer ids */
+  int *fd;         /* n, all -1 when the run keeps none */
+  uint64_t v[];    /* n chunk bases, then their n buffer ids */
 };
 
+/* Fds kept by watched runs of every channel of this process: the fd table
+ * is the process's, and a producer feeding several consumers watches each
+ * run once per channel (four consumers of 200 tensors of expandable
+ * segments would keep over 2000). */
+#define RUN_FDS_MAX 256
+static atomic_long run_fds_kept;
+
+/* The budget: RUN_FDS_MAX, or a quarter of the fd limit where that is less. */
+static long run_fds_budget(void) {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur / 4 < RUN_FDS_MAX)
+    return (long)(rl.rlim_cur / 4);
+  return RUN_FDS_MAX;
+}
+
+/* r keeps the fresh fds of chunks if the budget has room for them. */
+static bool run_keep_fds(struct vmm_run *r, const ts_vmm_chunks *chunks) {
+  long n = r->n;
+  if (atomic_fetch_add(&run_fds_kept, n) + n > run_fds_budget()) {
+    atomic_fetch_sub(&run_fds_kept, n);
+    return false;
+  }
+  for (int i = 0; i < r->n; i++) r->fd[i] = chunks->fd[i];
+  return true;
+}
+
+static void run_close_fds(struct vmm_run *r) {
+  if (r->n == 0 || r->fd[0] < 0) return;
+  for (int i = 0; i < r->n; i++) {
+    close(r->fd[i]);
+    r->fd[i] = -1;
+  }
+  atomic_fetch_sub(&run_fds_kept, r->n);
+}
+
 static void vmm_run_free(struct vmm_run *r) {
-  for (int i = 0; r && i < r->n; i++)
-    if (r->fd[i] >= 0) close(r->fd[i]);
+  if (r) run_close_fds(r);
   free(r);
 }
 
-/* The chunks' fds: those of the watched run when there is one, else new
- * ones, which a newly watched run keeps (*owned false) or the caller closes
- * after sending (*owned true: the channel watches as many runs as it may).
- * *watched: the share may promise a retire notice. */
+/* A newly watched run of chunks, keeping no fds yet. */
+static struct vmm_run *vmm_run_new(const ts_vmm_chunks *chunks) {
+  size_t n = (size_t)chunks->n;
+  struct vmm_run *r = malloc(sizeof *r + 2 * n * sizeof(uint64_t) + n * sizeof(int));
+  if (!r) return NULL;
+  r->n = chunks->n;
+  r->peer_holds = false;
+  r->fd = (int *)(r->v + 2 * n);
+  for (size_t i = 0; i < n; i++) {
+    r->v[i] = chunks->base[i];
+    r->v[n + i] = chunks->id[i];
+    r->fd[i] = -1;
+  }
+  return r;
+}
+
+/* Start watching the run of chunks (fds fresh from the export): true if it
+ * kept the fds, which the caller then must not close. */
+static bool vmm_run_watch(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t run_id, const ts_vmm_chunks *chunks,
+                          bool *watched) {
+  if (c->vmm_runs.count >= VMM_RUNS_MAX || ch->conn.minor < 1) return false;
+  struct vmm_run *r = vmm_run_new(chunks);
+  if (!r || ts_u64map_put(&c->vmm_runs, run_id + 1, r) != 0) {
+    free(r);
+    return false;
+  }
+  *watched = true;
+  return run_keep_fds(r, chunks);
+}
+
+/* The chunks' fds: those the watched run keeps when it keeps them, else new
+ * ones, which a newly watched run keeps where the budget allows (*owned
+ * false) or the caller closes after sending (*owned true). *watched: the
+ * share may promise a retire notice. */
 static int vmm_fds(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t run_id, ts_vmm_chunks *chunks, bool *owned,
                    bool *watched, bool *held) {
   struct vmm_run *r = ts_u64map_get(&c->vmm_runs, run_id + 1);
@@ -145,31 +213,13 @@ static int vmm_fds(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t run_id, 
   *watched = r != NULL;
   *held = r && r->peer_holds;
   if (*held) return TSHARE_OK; /* the peer has it mapped: no fds travel */
-  if (r) {
+  if (r && r->fd[0] >= 0) {
     for (int i = 0; i < chunks->n; i++) chunks->fd[i] = r->fd[i];
     return TSHARE_OK;
   }
   int rc = ts_cuda_vmm_export_fds(chunks, ch->err, sizeof ch->err);
   if (rc != TSHARE_OK) return rc;
-  *owned = true;
-  if (c->vmm_runs.count >= VMM_RUNS_MAX || ch->conn.minor < 1) return TSHARE_OK;
-  size_t n = (size_t)chunks->n;
-  r = malloc(sizeof *r + 2 * n * sizeof(uint64_t) + n * sizeof(int));
-  if (!r) return TSHARE_OK;
-  r->n = chunks->n;
-  r->peer_holds = false;
-  r->fd = (int *)(r->v + 2 * n);
-  for (size_t i = 0; i < n; i++) {
-    r->v[i] = chunks->base[i];
-    r->v[n + i] = chunks->id[i];
-    r->fd[i] = chunks->fd[i];
-  }
-  if (ts_u64map_put(&c->vmm_runs, run_id + 1, r) != 0) {
-    free(r);
-    return TSHARE_OK;
-  }
-  *owned = false;
-  *watched = true;
+  *owned = r || !vmm_run_watch(ch, c, run_id, chunks, watched);
   return TSHARE_OK;
 }
 
@@ -913,7 +963,10 @@ int ts_cuda_on_frame(tshare_channel *ch, const tshare_frame *f) {
       }
     } else if (r->closed == 2) { /* our peer keeps this run mapped: its next shares go without fds */
       struct vmm_run *run = ts_u64map_get(&c->vmm_runs, r->alloc_ids[i] + 1);
-      if (run) run->peer_holds = true; /* else retired meanwhile: the peer hears of it */
+      if (run) { /* else retired meanwhile: the peer hears of it */
+        run->peer_holds = true;
+        run_close_fds(run); /* its mapping holds the memory: no share of it needs them now */
+      }
     } else { /* the owner frees it: close it (now if idle) and say so */
       unpin(c, r->alloc_ids[i]);
       TS_LOG(TS_LOG_DEBUG, "peer %s retires allocation %llu", ch->conn.peer_label, (unsigned long long)r->alloc_ids[i]);

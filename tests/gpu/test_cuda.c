@@ -241,13 +241,18 @@ static int role_import_error(tshare_channel *ch, FILE *out) {
 }
 
 /* Receive a view on stream s; the bad elements against its tag's pattern. */
+/* Elements of v that differ from what its tag ("BASE STEP N") says, read on s. */
+static unsigned long long count_bad_in(const tshare_view *v, CUstream s) {
+  int base, step, n;
+  if (sscanf(tshare_view_tag(v), "%d %d %d", &base, &step, &n) != 3) TS_FAIL("tag '%s'", tshare_view_tag(v));
+  unsigned long long bad = 0;
+  CHECK(ck_count_bad((CUdeviceptr)(uintptr_t)tshare_view_data(v), (size_t)n, base, step, s, &bad) == CUDA_SUCCESS);
+  return bad;
+}
+
 static unsigned long long recv_checked(tshare_channel *ch, CUstream s, tshare_view **out) {
   CHECK_RC(tshare_view_recv_stream(ch, s, TIMEOUT, out), TSHARE_OK, tshare_channel_last_error(ch));
-  int base, step, n;
-  if (sscanf(tshare_view_tag(*out), "%d %d %d", &base, &step, &n) != 3) TS_FAIL("tag '%s'", tshare_view_tag(*out));
-  unsigned long long bad = 0;
-  CHECK(ck_count_bad((CUdeviceptr)(uintptr_t)tshare_view_data(*out), (size_t)n, base, step, s, &bad) == CUDA_SUCCESS);
-  return bad;
+  return count_bad_in(*out, s);
 }
 
 /* Receive count views, check them, and hand them to a worker thread that
@@ -323,6 +328,40 @@ static int role_ns_producer(tshare_channel *ch, FILE *out, int base) {
   return 0;
 }
 
+/* Receives one share of VMM memory this end then keeps mapped, queues all
+ * that follows (shares of that memory without fds, one id twice, its retire,
+ * bye) before importing any, as a busy consumer finds them, then imports
+ * them. Reports the views, the refusals and the mappings it closed. */
+static int role_held_repeat(tshare_channel *ch, FILE *out) {
+  CUstream s;
+  CHECK(cu->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+  char refusal[TSHARE_ERROR_MSG_MAX] = "none";
+  int views = 0;
+  unsigned long long bad = 0;
+  tshare_view *v;
+  CHECK_EQ(recv_checked(ch, s, &v), 0);
+  views++;
+  tshare_view_release(v);
+  int rc = TSHARE_OK;
+  for (int i = 0; i < 100 && (rc = tshare_channel_poll(ch, TIMEOUT)) != TSHARE_END; i++)
+    if (rc != TSHARE_OK && rc != TSHARE_E_TIMEOUT) snprintf(refusal, sizeof refusal, "%s", tshare_channel_last_error(ch));
+  while ((rc = tshare_view_recv_stream(ch, s, 0, &v)) != TSHARE_END && rc != TSHARE_E_TIMEOUT) {
+    if (rc != TSHARE_OK) {
+      snprintf(refusal, sizeof refusal, "%s", tshare_channel_last_error(ch));
+      continue;
+    }
+    bad += count_bad_in(v, s);
+    views++;
+    tshare_view_release(v);
+  }
+  tshare_cuda_export_stats st;
+  tshare_cuda_stats(&st);
+  fprintf(out, "views=%d bad=%llu closes=%llu refusal=%s\n", views, bad, (unsigned long long)st.import_closes,
+          refusal);
+  fflush(out);
+  return 0;
+}
+
 static int role_main(int argc, char **argv) {
   if (argc < 4) return 2;
   const char *role = argv[2], *arg = argv[3];
@@ -346,6 +385,7 @@ static int role_main(int argc, char **argv) {
   if (strcmp(role, "busy_releaser") == 0) rc = role_busy_releaser(ch, out, atoi(arg));
   if (strcmp(role, "cache_bounds") == 0) rc = role_cache_bounds(ch, out, atoi(arg));
   if (strcmp(role, "ns_producer") == 0) rc = role_ns_producer(ch, out, atoi(arg));
+  if (strcmp(role, "held_repeat") == 0) rc = role_held_repeat(ch, out);
   tshare_channel_close(ch);
   fclose(out);
   return rc;
@@ -979,6 +1019,101 @@ TS_TEST(producers_in_two_pid_namespaces) {
     }
     cu->cuStreamDestroy(s);
   }
+}
+
+/* VMM memory as another allocator maps it (PyTorch's expandable segments):
+ * one chunk, exportable as a POSIX fd. */
+typedef struct vmm_block {
+  CUdeviceptr ptr;
+  size_t size;
+  CUmemGenericAllocationHandle handle;
+} vmm_block;
+
+static vmm_block vmm_block_create(void) {
+  CUmemAllocationProp prop;
+  memset(&prop, 0, sizeof prop);
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = 0;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  vmm_block b = {0, 0, 0};
+  CHECK(cu->cuMemGetAllocationGranularity(&b.size, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) == CUDA_SUCCESS);
+  CHECK(cu->cuMemCreate(&b.handle, b.size, &prop, 0) == CUDA_SUCCESS);
+  CHECK(cu->cuMemAddressReserve(&b.ptr, b.size, 0, 0, 0) == CUDA_SUCCESS);
+  CHECK(cu->cuMemMap(b.ptr, b.size, 0, b.handle, 0) == CUDA_SUCCESS);
+  CUmemAccessDesc access = {{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+  CHECK(cu->cuMemSetAccess(b.ptr, b.size, &access, 1) == CUDA_SUCCESS);
+  return b;
+}
+
+static void vmm_block_free(vmm_block *b) {
+  CHECK(cu->cuMemUnmap(b->ptr, b->size) == CUDA_SUCCESS);
+  CHECK(cu->cuMemRelease(b->handle) == CUDA_SUCCESS);
+  CHECK(cu->cuMemAddressFree(b->ptr, b->size) == CUDA_SUCCESS);
+}
+
+/* A share of b, which the consumer keeps mapped, named by its id alone (as
+ * the producer sends it once the consumer said it keeps it). */
+static tshare_frame held_share_frame(const vmm_block *b, uint64_t share_id, const char *tag) {
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_SHARE;
+  tshare_share_frame *s = &f.u.share;
+  unsigned long long buffer_id = 0; /* a run of one chunk goes by its buffer id */
+  CHECK(cu->cuPointerGetAttribute(&buffer_id, CU_POINTER_ATTRIBUTE_BUFFER_ID, b->ptr) == CUDA_SUCCESS);
+  s->share_id = share_id;
+  s->alloc_id = buffer_id;
+  s->mem_kind = TSHARE_MEM_CUDA_HELD;
+  s->device_type = TSHARE_DEVICE_CUDA;
+  CHECK_EQ(tshare_cuda_device_uuid(0, s->device_uuid), TSHARE_OK);
+  s->alloc_size = b->size;
+  s->tensor = vec_i32((int64_t)(b->size / 4));
+  s->tag_len = (uint8_t)strlen(tag);
+  memcpy(s->tag, tag, s->tag_len);
+  return f;
+}
+
+/* A producer repeats the id of a share of memory the consumer keeps mapped
+ * while the first waits to be received: the repeat is refused, and once the
+ * memory is retired the consumer closes its mapping (the repeat took no
+ * reference that nothing gives back). */
+TS_TEST(a_repeated_id_of_a_kept_mapping_share_leaks_no_mapping) {
+  need_gpu(1);
+  if (tshare_cuda_fd_handles_supported(0) != 1) TS_SKIP("device 0 cannot export VMM memory as POSIX fds");
+  vmm_block b = vmm_block_create();
+  size_t n = b.size / 4;
+  CHECK(ck_fill(b.ptr, n, 7, 1, NULL) == CUDA_SUCCESS && cu->cuCtxSynchronize() == CUDA_SUCCESS);
+  char tag[64];
+  snprintf(tag, sizeof tag, "7 1 %zu", n);
+  peer c = start_role("held_repeat", "", NULL, -1, -1);
+  tshare_channel *ch = open_ch(c.channel_fd, "producer");
+  tshare_tensor_desc d = vec_i32((int64_t)n);
+  uint64_t id;
+  CHECK_RC(tshare_share_cuda(ch, (void *)(uintptr_t)b.ptr, &d, NULL, tag, NULL, TIMEOUT, &id), TSHARE_OK,
+           tshare_channel_last_error(ch));
+  CHECK_RC(tshare_channel_wait_released(ch, id, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_frame held = held_share_frame(&b, 1000, tag);
+  for (int i = 0; i < 2; i++)
+    CHECK_RC(tshare_channel_send_frame(ch, &held, -1, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  vmm_block_free(&b); /* its chunk is gone: the producer retires it at its next look */
+  for (long long until = now_ms() + 200; now_ms() < until;) {
+    tshare_frame f; /* the releases of the hand-made shares are this test's to ignore */
+    int fd = -1;
+    (void)tshare_channel_recv_frame(ch, &f, &fd, 5);
+    if (fd >= 0) close(fd);
+  }
+  CHECK_RC(tshare_channel_send_bye(ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  char *line = result_line(&c);
+  printf("consumer: %s\n", line);
+  int views = 0;
+  unsigned long long bad = 1, closes = 0;
+  CHECK(sscanf(line, "views=%d bad=%llu closes=%llu", &views, &bad, &closes) == 3);
+  CHECK_EQ(views, 2);
+  CHECK_EQ(bad, 0);
+  CHECK(strstr(line, "share 1000") && strstr(line, "again"));
+  CHECK_EQ(closes, 1);
+  CHECK_EQ(finish(&c), 0);
+  tshare_channel_close(ch);
 }
 
 TS_TEST_MAIN
