@@ -138,9 +138,13 @@ const char *tshare_channel_last_error(const tshare_channel *ch) {
   return ch->err[0] ? ch->err : "no error";
 }
 int tshare_channel_fd(const tshare_channel *ch) {
-  /* Asking for the fd is what makes a ring channel nudge it, a write into
-   * the ring's control page: a call like the others, logically const. */
+  /* The first time, asking for the fd is what makes a ring channel nudge it,
+   * a write into the ring's control page: a call like the others, logically
+   * const. Once asked, and on other channels, it is a read any thread may
+   * make. */
   tshare_channel *c = (tshare_channel *)ch;
+  bool asks = ts_conn_uses_ring(&c->conn) && !atomic_load(&c->conn.pollable);
+  if (!asks && !ts_channel_foreign(c)) return c->conn.rfd;
   if (ts_channel_enter(c, "fd") != TSHARE_OK) return -1;
   return ts_channel_leave(c, ts_conn_poll_fd(&c->conn));
 }

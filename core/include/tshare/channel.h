@@ -14,8 +14,23 @@
  * forever, 0 never waits), retry on EINTR, and never raise SIGPIPE: a dead
  * peer is TSHARE_E_PEER_CLOSED. The lifetime protocol (share.h) runs on top.
  *
- * Threads: one thread drives a channel (send, receive, poll). Releasing a view
- * (share.h) is the exception: it is safe from any thread and never blocks.
+ * Threads: one thread at a time calls a channel (send, receive, poll, share,
+ * bye); which thread may change from call to call. A call made while another
+ * thread is inside one on the same channel does nothing and returns
+ * TSHARE_E_BUSY (its detail: tshare_channel_last_error() on the refused
+ * thread). A callback run inside a call (on_release, a drop function) may
+ * call the channel again. Releasing a view (share.h) is the exception: it is
+ * safe from any thread at any time and never blocks. The accessors
+ * (kind_of, peer, transport, last_error, tshare_channel_outstanding,
+ * tshare_share_is_released) are never refused; they read what a call
+ * changes, so they belong to the calling thread too.
+ *
+ * fork(): a channel and its views belong to the process that opened it. In a
+ * child forked while it was open, tshare_view_release() and
+ * tshare_channel_close() send nothing and change nothing the parent uses
+ * (they drop the child's own copies of mappings and fds); every other call
+ * returns TSHARE_E_STATE naming the owning process. A child opens its own
+ * channels.
  */
 #ifndef TSHARE_CHANNEL_H
 #define TSHARE_CHANNEL_H
@@ -102,7 +117,12 @@ TSHARE_API int tshare_socketpair(int fds[2], tshare_error *err);
  * one, a bye (briefly, best effort: the peer sees a clean end, TSHARE_END,
  * where a process that dies without closing is TSHARE_E_PEER_CLOSED); every
  * share the peer still holds is dropped as if released, and the fds are
- * closed. Views received on it stay valid until released. NULL is a no-op. */
+ * closed. Views received on it stay valid until released. NULL is a no-op.
+ * From any thread: while another thread is inside a call, close returns at
+ * once, a receive that call waits in returns TSHARE_E_STATE, and the close
+ * happens as that call returns (a send waiting for room waits out its own
+ * timeout first). From then on the handle is gone for every thread, the
+ * one whose call was cut short included. */
 TSHARE_API void tshare_channel_close(tshare_channel *ch);
 
 TSHARE_API tshare_channel_kind tshare_channel_kind_of(const tshare_channel *ch);

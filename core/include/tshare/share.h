@@ -10,7 +10,8 @@
  * allocation is mapped once per channel however many shares point into it
  * (keyed by the producer's allocation id and checked against the fd's inode);
  * it is unmapped when its last view is released. tshare_view_release() is
- * safe from any thread and never blocks. From a thread other than the one
+ * safe from any thread and never blocks (in a forked child, on a view its
+ * parent received, it only drops the child's copy). From a thread other than the one
  * driving the channel, the release goes out at once whenever the socket has
  * room: the driving thread may be busy elsewhere. The driving thread's own
  * releases, and those whose GPU work is still queued, go out when the channel
