@@ -326,7 +326,9 @@ TS_TEST(fds_past_the_budget_cost_no_memory_while_a_send_reads_ahead) {
   long grown = kib[1] - kib[0];
   printf("%d one-byte messages with an fd each, past a budget of %d: resident memory grew by %ld KiB\n", FD_MESSAGES,
          FD_BUDGET, grown);
-  CHECK(grown * 1024 < FD_MESSAGES * 4L); /* the bytes read ahead, not 16 bytes more for each fd */
+  /* The bytes read ahead (about 100 KiB, four times that in a sanitizer's
+   * shadow), not 16 bytes more for each fd. */
+  CHECK(grown * 1024 < FD_MESSAGES * 8L);
   tshare_channel_close(ch);
   CHECK_CHILD_OK(pid);
   CHECK_EQ(count_open_fds(), fds_before); /* the fds kept within the budget went with the channel */
