@@ -210,9 +210,11 @@ static PyObject *channel_get_peer_pid(PyChannel *self, void *unused) {
 
 static PyObject *channel_get_last_error(PyChannel *self, void *unused) {
   (void)unused;
-  if (!self->ch) return PyUnicode_FromString("");
-  tshare_channel *ch = py_channel_enter(self);
-  if (!ch) return NULL;
+  tshare_channel *ch = self->ch ? py_channel_enter(self) : NULL;
+  if (!ch) { /* closed, also meanwhile */
+    PyErr_Clear();
+    return PyUnicode_FromString("");
+  }
   PyObject *detail = PyUnicode_FromString(tshare_channel_last_error(ch));
   py_channel_leave(self);
   return detail;
