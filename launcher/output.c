@@ -44,6 +44,8 @@ void out_queue_line(out_queue *q, const char *prefix, size_t prefix_len, const c
   q->len += need;
 }
 
+bool out_queue_half_full(const out_queue *q) { return q->len - q->head >= OUT_PENDING_MAX / 2; }
+
 void out_queue_free(out_queue *q) {
   free(q->data);
   q->data = NULL;
@@ -84,6 +86,10 @@ bool out_sink_pending(const out_sink *s) {
   for (int i = 0; i < s->nqueues; i++)
     if (s->queues[i]->len > s->queues[i]->head) return true;
   return false;
+}
+
+bool out_sink_stalled(const out_sink *s, double now_s) {
+  return out_sink_pending(s) && now_s - s->last_progress_s >= OUT_STALL_S;
 }
 
 /* Terminals and pipes are written through nonblock_fd. Elsewhere, once poll
@@ -133,7 +139,8 @@ static bool write_chunk(out_sink *s, bool block) {
   return true;
 }
 
-void out_sink_flush(out_sink *s, bool block) {
-  while (write_chunk(s, block)) {
-  }
+void out_sink_flush(out_sink *s, bool block, double now_s) {
+  bool wrote = false;
+  while (write_chunk(s, block)) wrote = true;
+  if (wrote || !out_sink_pending(s)) s->last_progress_s = now_s;
 }

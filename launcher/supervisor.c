@@ -284,8 +284,8 @@ static void stop_job(job *j) {
     return;
   }
   signal_roles(j, SIGSTOP);
-  out_sink_flush(&j->sink[OUT_STDOUT], false);
-  out_sink_flush(&j->sink[OUT_STDERR], false);
+  out_sink_flush(&j->sink[OUT_STDOUT], false, now_s());
+  out_sink_flush(&j->sink[OUT_STDERR], false, now_s());
   double stopped_at = now_s();
   raise(SIGSTOP); /* returns once continued */
   j->stopped_s += now_s() - stopped_at;
@@ -435,6 +435,21 @@ static int start_role(job *j, int i, int (*chan)[4], int devnull) {
   return 0;
 }
 
+/* Whether to read role i's stream now: not while its queue is half full and
+ * the reader is taking output (the role waits instead; nothing is lost). */
+static bool takes_output(const job *j, int i, int stream, double now) {
+  const role_run *r = &j->roles[i];
+  return stream == OUT_REPORT || r->log || !out_queue_half_full(&r->pending[stream]) ||
+         out_sink_stalled(&j->sink[stream], now);
+}
+
+/* Output still moving to a reader that takes it: worth waiting for. */
+static bool output_moving(const job *j, double now) {
+  for (int s = 0; s < OUT_REPORT; s++)
+    if (out_sink_pending(&j->sink[s]) && !out_sink_stalled(&j->sink[s], now)) return true;
+  return false;
+}
+
 /* Wait for output, signals, room for queued output or the next deadline, and
  * handle what came. Only this poll waits: nothing else in the loop blocks. */
 static void pump(job *j, double wake) {
@@ -448,9 +463,10 @@ static void pump(job *j, double wake) {
   for (int s = 0; s < SINKS; s++) /* -1: poll ignores it */
     pfds[np++] =
         (struct pollfd){.fd = out_sink_pending(&j->sink[s]) ? j->sink[s].fd : -1, .events = POLLOUT, .revents = 0};
+  double now = now_s();
   for (int i = 0; i < j->nroles; i++)
     for (int s = 0; s < OUT_COUNT; s++)
-      if (j->roles[i].out[s].fd >= 0) {
+      if (j->roles[i].out[s].fd >= 0 && takes_output(j, i, s, now)) {
         owner[np].role = i;
         owner[np].stream = s;
         pfds[np++] = (struct pollfd){.fd = j->roles[i].out[s].fd, .events = POLLIN, .revents = 0};
@@ -460,7 +476,7 @@ static void pump(job *j, double wake) {
   if (n > 0 && (pfds[0].revents & POLLIN)) handle_signals(j);
   for (int k = FIRST_ROLE_FD; n > 0 && k < np; k++)
     if (pfds[k].revents) read_output(&j->roles[owner[k].role], owner[k].stream);
-  for (int s = 0; s < SINKS; s++) out_sink_flush(&j->sink[s], false);
+  for (int s = 0; s < SINKS; s++) out_sink_flush(&j->sink[s], false, now_s());
 }
 
 static bool outputs_open(const job *j) {
@@ -478,7 +494,9 @@ static void run_until_done(job *j) {
     double timeout_at = j->plan->timeout_s > 0 ? j->t0 + j->stopped_s + j->plan->timeout_s : 0;
     if (all_ended) {
       if (!outputs_open(j)) return;
-      if (drain_deadline == 0)
+      if (output_moving(j, now))
+        drain_deadline = 0; /* what is left in the roles' pipes comes after it */
+      else if (drain_deadline == 0)
         drain_deadline = now + 0.5;
       else if (now >= drain_deadline)
         return; /* something outside the roles holds a pipe */
@@ -650,7 +668,7 @@ static void report_dropped(const out_queue *q, const char *whose, const char *st
  * when the reader closed its end: nothing would have been read anyway). */
 static void finish_output(job *j) {
   static const char *const names[OUT_REPORT] = {"stdout", "stderr"};
-  for (int s = 0; s < OUT_REPORT; s++) out_sink_flush(&j->sink[s], true);
+  for (int s = 0; s < OUT_REPORT; s++) out_sink_flush(&j->sink[s], true, now_s());
   for (int i = 0; i < j->nroles; i++)
     for (int s = 0; s < OUT_REPORT; s++) {
       char whose[48];

@@ -38,6 +38,8 @@ static const char *self_exe(void) {
 typedef struct launched {
   tshare_process *p;
   int out;
+  int pause_us;       /* after each read: a slow reader */
+  long long newlines; /* in everything read */
 } launched;
 
 static launched start_launcher(char *const *args) {
@@ -50,7 +52,7 @@ static launched start_launcher(char *const *args) {
   CHECK(pipe2(out, O_CLOEXEC) == 0);
   tshare_fd_map map[] = {{1, out[1]}, {2, out[1]}};
   tshare_spawn_options o = {.file = argv[0], .argv = argv, .fds = map, .nfds = 2};
-  launched l;
+  launched l = {0};
   tshare_error err;
   CHECK_RC(tshare_spawn(&o, &l.p, &err), TSHARE_OK, err.message);
   close(out[1]);
@@ -73,6 +75,8 @@ static int read_output(launched *l, int wait_ms) {
   }
   ssize_t got = read(l->out, result.out + result.len, sizeof result.out - 1 - result.len);
   if (got <= 0) return OUTPUT_END;
+  for (ssize_t i = 0; i < got; i++) l->newlines += result.out[result.len + (size_t)i] == '\n';
+  if (l->pause_us) usleep((useconds_t)l->pause_us);
   result.len += (size_t)got;
   result.out[result.len] = '\0';
   return OUTPUT_READ;
@@ -529,6 +533,18 @@ TS_TEST(sigtstp_stops_the_roles_and_sigcont_continues_them) {
   expect_exit(0);
   expect_output("] finished\n");
   expect_output("tshare-launch: OK: all 2 roles exited with status 0");
+}
+
+/* A reader slower than the roles but never stalled loses nothing: the roles
+ * wait for it instead. */
+TS_TEST(slow_reader_gets_every_line) {
+  char *args[] = {"--producer", "seq 100000", "--consumer", "seq 100000", NULL};
+  launched l = start_launcher(args);
+  l.pause_us = 2000; /* 2 ms after every read of at most 64 KiB */
+  finish_launcher(&l, 0, 0);
+  expect_exit(0);
+  CHECK(strstr(result.out, "dropped") == NULL);
+  CHECK_EQ(l.newlines, 200000 + 5); /* and the summary: a blank line, the header, 2 roles, OK */
 }
 
 /* A SIGKILLed launcher cannot forward anything: its roles die with it. */
