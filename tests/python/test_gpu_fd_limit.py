@@ -65,6 +65,8 @@ def produce(consumers, tensors, mib):
             tshare.send(ch, t, tag=str(i), timeout=60)
         most = max(most, open_fds())
     for ch in chans:
+        ch.send_bye(timeout=60)  # each consumer holds all it got until the stream ends
+    for ch in chans:
         ch.wait_released(timeout=120)
     for ch in chans:
         ch.close()
