@@ -4,43 +4,14 @@
  * peer, its fds are closed, and the first share's stay filed for it. After
  * both are dealt with, the whole budget of unclaimed fds is free again and
  * closing the channel leaves none of the peer's fds open. */
-#include "frame_util.h"
 #include "harness.h"
-#include "proc_util.h"
+#include "hostile_peer.h"
 #include "tshare/share.h"
-
-#include <sys/socket.h>
-#include <sys/uio.h>
 
 static const tshare_dtype I32 = {TSHARE_DTYPE_INT, 32, 1};
 enum { BUDGET = 12, CHUNKS = 4, CHUNK_BYTES = 4096, REPEATED_ID = 7, HOST_ID = 8 };
 
 static tshare_tensor_desc ints(int64_t n) { return tshare_tensor_contiguous(I32, 1, &n, 0); }
-
-/* Frame bytes and an fd written straight to the socket, as a hand-rolled
- * peer would. */
-static void send_raw(tshare_channel *ch, const tshare_frame *f, int fd) {
-  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
-  size_t len;
-  CHECK_RC(tshare_wire_encode(f, buf, sizeof buf, &len, NULL), TSHARE_OK, "");
-  struct iovec iov = {.iov_base = buf, .iov_len = len};
-  union {
-    char space[CMSG_SPACE(sizeof(int))];
-    struct cmsghdr align;
-  } ctl;
-  memset(&ctl, 0, sizeof ctl);
-  struct msghdr msg = {0};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = ctl.space;
-  msg.msg_controllen = sizeof ctl.space;
-  struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int));
-  memcpy(CMSG_DATA(c), &fd, sizeof fd);
-  CHECK(sendmsg(tshare_channel_fd(ch), &msg, MSG_NOSIGNAL) == (ssize_t)len);
-}
 
 /* Chunks 1..CHUNKS-1 of allocation 9, each with fd, then the share of id
  * REPEATED_ID that carries chunk 0. */
