@@ -344,7 +344,8 @@ static int role_held_repeat(tshare_channel *ch, FILE *out) {
   tshare_view_release(v);
   int rc = TSHARE_OK;
   for (int i = 0; i < 100 && (rc = tshare_channel_poll(ch, TIMEOUT)) != TSHARE_END; i++)
-    if (rc != TSHARE_OK && rc != TSHARE_E_TIMEOUT) snprintf(refusal, sizeof refusal, "%s", tshare_channel_last_error(ch));
+    if (rc != TSHARE_OK && rc != TSHARE_E_TIMEOUT)
+      snprintf(refusal, sizeof refusal, "%s", tshare_channel_last_error(ch));
   while ((rc = tshare_view_recv_stream(ch, s, 0, &v)) != TSHARE_END && rc != TSHARE_E_TIMEOUT) {
     if (rc != TSHARE_OK) {
       snprintf(refusal, sizeof refusal, "%s", tshare_channel_last_error(ch));
@@ -356,8 +357,7 @@ static int role_held_repeat(tshare_channel *ch, FILE *out) {
   }
   tshare_cuda_export_stats st;
   tshare_cuda_stats(&st);
-  fprintf(out, "views=%d bad=%llu closes=%llu refusal=%s\n", views, bad, (unsigned long long)st.import_closes,
-          refusal);
+  fprintf(out, "views=%d bad=%llu closes=%llu refusal=%s\n", views, bad, (unsigned long long)st.import_closes, refusal);
   fflush(out);
   return 0;
 }

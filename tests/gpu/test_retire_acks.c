@@ -59,7 +59,7 @@ TS_TEST(acks_that_went_before_a_retire_frame_timed_out_do_not_go_again) {
   CHECK(pipe(go) == 0 && pipe(done) == 0);
   int sock;
   pid_t pid = fork_with_socket(reads_acks_late, &sock);
-  close(done[1]); /* a child that failed is seen as an end of file */
+  close(done[1]);   /* a child that failed is seen as an end of file */
   int small = 4096; /* room for a few frames of acks, not for all of them */
   CHECK(setsockopt(sock, SOL_SOCKET, SO_SNDBUF, &small, sizeof small) == 0);
   tshare_channel *ch = open_socket_only_channel(sock, "consumer");
