@@ -120,13 +120,7 @@ TS_TEST(a_repeated_share_id_with_chunk_frames_leaks_no_fd_and_no_budget) {
   CHECK(pipe(go) == 0 && pipe(sent) == 0);
   int sock;
   pid_t pid = fork_with_socket(repeats_a_share_id, &sock);
-  tshare_channel_options o;
-  tshare_channel_options_init(&o);
-  o.name = "consumer";
-  o.max_unclaimed_fds = BUDGET;
-  tshare_channel *ch;
-  tshare_error err;
-  CHECK_RC(tshare_channel_open_socket(sock, &o, &ch, &err), TSHARE_OK, err.message);
+  tshare_channel *ch = open_with_budget(sock, "consumer", BUDGET);
 
   wait_byte(sent[0]);
   int rc = tshare_channel_poll(ch, 5000); /* queues the first share, refuses the repeat */

@@ -89,6 +89,8 @@ static int layout(const char *name, tshare_dtype dtype, tshare_tensor_desc *d) {
 static const char *layouts[] = {"contiguous", "transposed", "sliced", "strided",
                                 "expanded",   "scalar",     "empty",  "permuted3d"};
 
+#define HELLO_TIMEOUT_MS 60000 /* well within the test's 100 s launcher timeout */
+
 static tshare_role role;
 static tshare_channel **channels;
 
@@ -112,8 +114,13 @@ int main(int argc, char **argv) {
     fprintf(stderr, "c_peer: %s\n", err.message);
     return 2;
   }
+  /* The Python consumers import torch before they answer the hello: on a
+   * loaded machine that takes longer than the default 10 s. */
+  tshare_channel_options opts;
+  tshare_channel_options_init(&opts);
+  opts.handshake_timeout_ms = HELLO_TIMEOUT_MS;
   for (int c = 0; c < role.nchannels; c++) {
-    if (tshare_role_open_channel(&role, c, NULL, &chs[c], &err) != TSHARE_OK) {
+    if (tshare_role_open_channel(&role, c, &opts, &chs[c], &err) != TSHARE_OK) {
       fprintf(stderr, "c_peer: %s\n", err.message);
       return 2;
     }
