@@ -55,14 +55,20 @@ typedef struct id_list {
   size_t n, cap;
 } id_list;
 
+/* Room for `more` ids past the last. */
+static bool id_list_reserve(id_list *l, size_t more) {
+  if (l->cap - l->n >= more) return true;
+  size_t cap = l->cap ? l->cap : 16;
+  while (cap - l->n < more) cap *= 2;
+  uint64_t *ids = realloc(l->ids, cap * sizeof *ids);
+  if (!ids) return false;
+  l->ids = ids;
+  l->cap = cap;
+  return true;
+}
+
 static bool id_list_push(id_list *l, uint64_t id) {
-  if (l->n == l->cap) {
-    size_t cap = l->cap ? l->cap * 2 : 16;
-    uint64_t *ids = realloc(l->ids, cap * sizeof *ids);
-    if (!ids) return false;
-    l->ids = ids;
-    l->cap = cap;
-  }
+  if (!id_list_reserve(l, 1)) return false;
   l->ids[l->n++] = id;
   return true;
 }
@@ -76,7 +82,7 @@ static void id_list_drop_front(id_list *l, size_t n) {
 
 typedef struct peer_mapped {
   ts_cuda_alloc *alloc;
-  bool retire_sent;
+  bool retire_queued; /* its retire notice went, or waits in the channel's retires */
 } peer_mapped;
 
 struct ts_cuda_chan {
@@ -94,6 +100,10 @@ struct ts_cuda_chan {
   spare_event spares[SPARES_MAX]; /* under ch->lock */
   size_t nspares;
   id_list acks; /* retire acks to send */
+  /* producer: retire notices (closed = 0) decided and not sent yet. What
+   * they name is already marked as asked (or no longer watched), so a notice
+   * a timeout held back goes with a later flush, never from the marks. */
+  id_list retires;
   /* Chunk frames of VMM memory, gathered until their share comes (then
    * filed under its share id until it is imported or dropped). */
   struct chunk_set *gathering;
@@ -1099,6 +1109,40 @@ static int send_ids(tshare_channel *ch, uint8_t closed, id_list *l, int timeout_
   return rc;
 }
 
+/* Runs whose chunks were unmapped and segments idle long enough: their
+ * retire notices queued (up to one frame's worth a look; room is made
+ * first, so that nothing is marked that the queue could not take). */
+static bool queue_watched_retires(struct ts_cuda_chan *c, const ts_cuda_api *cu, int64_t now) {
+  if (!id_list_reserve(&c->retires, TSHARE_RELEASE_MAX)) return false;
+  uint64_t *ids = c->retires.ids + c->retires.n;
+  size_t n = cu && c->vmm_runs.count ? vmm_runs_gone(c, cu, ids, TSHARE_RELEASE_MAX) : 0;
+  n += ts_anchors_idle(&c->anchors, now, ids + n, TSHARE_RELEASE_MAX - n);
+  c->retires.n += n;
+  return true;
+}
+
+/* Owned allocations nobody holds any more: the peer is told, closes them
+ * and answers; the memory is freed after the answer. Their notices queued
+ * (up to one frame's worth a flush). */
+static bool queue_unused_allocs(struct ts_cuda_chan *c) {
+  if (!c->mapped.count) return true;
+  if (!id_list_reserve(&c->retires, TSHARE_RELEASE_MAX)) return false;
+  uint64_t key;
+  void *value;
+  for (size_t pos = 0, n = 0; n < TSHARE_RELEASE_MAX && ts_u64map_next(&c->mapped, &pos, &key, &value);) {
+    peer_mapped *pm = value;
+    if (pm->retire_queued || !ts_cuda_alloc_unused(pm->alloc)) continue;
+    pm->retire_queued = true;
+    c->retires.ids[c->retires.n++] = key - 1;
+    n++;
+  }
+  return true;
+}
+
+static int retire_nomem(tshare_channel *ch) {
+  return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "retire: out of memory");
+}
+
 int ts_cuda_flush(tshare_channel *ch, int timeout_ms, ts_gpu_wait *busy) {
   *busy = TS_GPU_IDLE;
   struct ts_cuda_chan *c = ch->cuda;
@@ -1125,40 +1169,28 @@ int ts_cuda_flush(tshare_channel *ch, int timeout_ms, ts_gpu_wait *busy) {
   int64_t deadline = ts_deadline(timeout_ms);
   int64_t now = ts_now_us();
   if ((c->vmm_runs.count || ts_anchors_count(&c->anchors)) && now - c->watched_checked_us >= WATCH_CHECK_US) {
-    /* Runs whose chunks were unmapped, segments idle long enough: retired. */
     c->watched_checked_us = now;
-    uint64_t gone[TSHARE_RELEASE_MAX];
-    size_t n = cu && c->vmm_runs.count ? vmm_runs_gone(c, cu, gone, TSHARE_RELEASE_MAX) : 0;
-    n += ts_anchors_idle(&c->anchors, now, gone + n, TSHARE_RELEASE_MAX - n);
-    int rc = n ? send_retire(ch, 0, gone, n, ts_remaining(deadline), NULL) : TSHARE_OK;
-    if (rc != TSHARE_OK) return rc;
+    if (!queue_watched_retires(c, cu, now)) return retire_nomem(ch);
   }
-  int rc = send_ids(ch, 2, &c->holds, ts_remaining(deadline));
+  if (!queue_unused_allocs(c)) return retire_nomem(ch);
+  int rc = send_ids(ch, 0, &c->retires, ts_remaining(deadline));
+  if (rc == TSHARE_OK) rc = send_ids(ch, 2, &c->holds, ts_remaining(deadline));
   if (rc == TSHARE_OK) rc = send_ids(ch, 1, &c->acks, ts_remaining(deadline));
-  if (rc != TSHARE_OK) return rc;
-  /* Owned allocations nobody holds any more: tell the peer, which closes
-   * them and answers; the memory is freed after the answer. */
-  uint64_t ids[TSHARE_RELEASE_MAX];
-  size_t n = 0;
-  uint64_t key;
-  void *value;
-  for (size_t pos = 0; n < TSHARE_RELEASE_MAX && ts_u64map_next(&c->mapped, &pos, &key, &value);) {
-    peer_mapped *pm = value;
-    if (!pm->retire_sent && ts_cuda_alloc_unused(pm->alloc)) {
-      pm->retire_sent = true;
-      ids[n++] = key - 1;
-    }
-  }
-  return n ? send_retire(ch, 0, ids, n, ts_remaining(deadline), NULL) : TSHARE_OK;
+  return rc;
 }
 
 void ts_cuda_before_close(tshare_channel *ch, int timeout_ms) {
   struct ts_cuda_chan *c = ch->cuda;
   if (!c || !ts_anchors_count(&c->anchors)) return;
   int64_t deadline = ts_deadline(timeout_ms);
-  uint64_t ids[TSHARE_RELEASE_MAX];
-  for (size_t n; (n = ts_anchors_retire_all(&c->anchors, ids, TSHARE_RELEASE_MAX)) > 0;)
-    if (send_retire(ch, 0, ids, n, ts_remaining(deadline), NULL) != TSHARE_OK) return;
+  /* Notices queued earlier go too: the wait below is for their answers as well. */
+  size_t n;
+  do {
+    if (!id_list_reserve(&c->retires, TSHARE_RELEASE_MAX)) return;
+    n = ts_anchors_retire_all(&c->anchors, c->retires.ids + c->retires.n, TSHARE_RELEASE_MAX);
+    c->retires.n += n;
+  } while (n > 0);
+  if (send_ids(ch, 0, &c->retires, ts_remaining(deadline)) != TSHARE_OK) return;
   /* A peer that hangs up has closed its idle mappings first (its close, or
    * its exit, does that before the socket goes). */
   while (ts_anchors_pending(&c->anchors) && ts_remaining(deadline) != 0) {
@@ -1183,6 +1215,7 @@ static void cuda_peer_gone(tshare_channel *ch) {
   for (size_t pos = 0; ts_u64map_next(&c->pins, &pos, &key, &value);) ts_cuda_import_put(value);
   ts_u64map_free(&c->pins);
   c->holds.n = 0;
+  c->retires.n = 0;
   if (ch->conn.peer_key) ts_cuda_import_origin_gone(ch->conn.peer_key);
 }
 
@@ -1216,6 +1249,7 @@ static void cuda_chan_free(tshare_channel *ch) {
   free(c->events);
   free(c->drains);
   free(c->acks.ids);
+  free(c->retires.ids);
   free(c);
   ch->cuda = NULL;
 }
