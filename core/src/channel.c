@@ -37,7 +37,7 @@ static bool wants_ring(const tshare_channel_options *o) {
   return true;
 }
 
-#define SPIN_US_DEFAULT 50
+#define SPIN_US_ADAPTIVE (-1) /* the default: spin only while it can pay (spin_policy.h) */
 #define SPIN_US_MAX 1000000
 
 static long spin_budget_us(const tshare_channel_options *o) {
@@ -47,9 +47,9 @@ static long spin_budget_us(const tshare_channel_options *o) {
     char *end;
     long v = strtol(env, &end, 10);
     if (*end == '\0' && v >= 0) return v > SPIN_US_MAX ? SPIN_US_MAX : v;
-    TS_LOG(TS_LOG_WARN, "TSHARE_SPIN_US=%s is not a number of microseconds: %d", env, SPIN_US_DEFAULT);
+    TS_LOG(TS_LOG_WARN, "TSHARE_SPIN_US=%s is not a number of microseconds: the adaptive default", env);
   }
-  return SPIN_US_DEFAULT;
+  return SPIN_US_ADAPTIVE;
 }
 
 int tshare_socketpair(int fds[2], tshare_error *err) {

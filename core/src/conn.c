@@ -799,21 +799,51 @@ static void drain_nudges(ts_conn *c) {
 
 #define RING_SLEEP_SLICE_US 100000 /* a sleeping receive looks for a hang-up this often */
 
-/* Wait for bytes in the ring: spin up to spin_us, then sleep on the bell
- * (in slices, asking the socket for a hang-up after each), or return
- * TS_CONN_WOKEN. With no time left, a poll loop's end asks for a nudge. */
+#define SPIN_LOOK_EVERY 16 /* pauses between looks at the clock and at the peer (~1-3 us) */
+#define SPIN_GAVE_UP 1     /* spin_on_ring: nothing came; sleep */
+
+/* Spin on the ring for up to budget_ns (the policy says how long and when to
+ * give up early), then tell the policy how it went. TSHARE_OK once bytes
+ * came, TS_CONN_WOKEN, an error, or SPIN_GAVE_UP. */
+static int spin_on_ring(ts_conn *c, uint32_t budget_ns) {
+  uint64_t start = ts_spin_clock_ns(), last = start;
+  for (unsigned i = 1;; i++) {
+    if (take_woken(c)) return TS_CONN_WOKEN;
+    long avail = ts_ring_available(&c->ring_in);
+    if (avail < 0) return ring_corrupt(c, "tail");
+    if (avail > 0) {
+      ts_spin_learn(&c->spin, TS_SPIN_CAUGHT);
+      return TSHARE_OK;
+    }
+    ts_cpu_relax();
+    if (i % SPIN_LOOK_EVERY != 0) continue;
+    uint64_t now = ts_spin_clock_ns();
+    int why = ts_spin_should_stop(&c->spin, now - start, now - last, budget_ns, ts_ring_reader_asleep(&c->ring_out));
+    if (why != TS_SPIN_GOING) {
+      ts_spin_learn(&c->spin, why);
+      return SPIN_GAVE_UP;
+    }
+    last = now;
+  }
+}
+
+/* Wait for bytes in the ring: spin while the policy says it can pay, then
+ * sleep on the bell (in slices, asking the socket for a hang-up after each),
+ * or return TS_CONN_WOKEN. With no time left, a poll loop's end asks for a
+ * nudge. */
 static int wait_ring(ts_conn *c, int64_t deadline) {
-  int64_t spin_end = c->spin_us > 0 && ts_remaining(deadline) != 0 ? ts_now_us() + c->spin_us : 0; /* 0: not at all */
-  for (unsigned i = 0;; i++) {
+  uint32_t budget = ts_remaining(deadline) != 0
+                        ? ts_spin_plan(&c->spin, ts_spin_cpus_milli(), ts_ring_reader_asleep(&c->ring_out))
+                        : 0;
+  if (budget > 0) {
+    int rc = spin_on_ring(c, budget);
+    if (rc != SPIN_GAVE_UP) return rc;
+  }
+  for (;;) {
     if (take_woken(c)) return TS_CONN_WOKEN;
     long avail = ts_ring_available(&c->ring_in);
     if (avail < 0) return ring_corrupt(c, "tail");
     if (avail > 0) return TSHARE_OK;
-    if (spin_end && ((i & 63) != 0 || ts_now_us() < spin_end)) {
-      ts_cpu_relax();
-      continue;
-    }
-    spin_end = 0;
     try_flush_tail(c); /* the peer may wait for the rest of an fd frame */
     int left = ts_remaining(deadline);
     if (left == 0) {
@@ -1112,6 +1142,8 @@ static int ring_setup(ts_conn *c, uint32_t cap, int64_t deadline) {
     ts_conn_send_error(c, rc, c->err);
     return rc;
   }
+  ts_spin_init(&c->spin, c->spin_us);
+  ts_spin_refresh_cpus(); /* the affinity or the quota may have changed since the last channel opened */
   c->ring_op_len = ring_op_frame(c->socket_next_frame, sizeof c->socket_next_frame, TSHARE_RING_SOCKET_NEXT);
   (void)ring_op_frame(c->nudge_frame, sizeof c->nudge_frame, TSHARE_RING_NUDGE); /* the same length */
   /* Until the first receive, the peer's first frames also nudge the socket:

@@ -12,6 +12,7 @@
 
 #include "clock.h"
 #include "ring.h"
+#include "spin_policy.h"
 #include "tshare/channel.h"
 #include "tshare/wire.h"
 
@@ -105,7 +106,8 @@ typedef struct ts_conn {
   ts_fd_entry early_fd;
   bool early_found;
   atomic_bool pollable;      /* tshare_channel_fd() was asked for: sleep flags ask for a socket nudge */
-  long spin_us;              /* a ring receive spins this long before it sleeps */
+  long spin_us;              /* the override of the spin budget in us; -1: adaptive (spin_policy.h) */
+  ts_spin_policy spin;       /* when a ring receive spins before it sleeps (driving thread) */
   int64_t hup_recv_us;       /* when a receive that would not wait last asked the socket for a hang-up */
   int64_t hup_send_us;       /* when a ring send last asked (under send_lock) */
 

@@ -82,6 +82,15 @@ int ts_ring_wake_writer(ts_ring *r);
 void ts_ring_reader_waits(ts_ring *r, int how);
 void ts_ring_writer_waits(ts_ring *r, int how);
 
+/* Writer: whether the ring's reader (the peer, for the ring this end writes)
+ * said it sleeps (TS_RING_FUTEX or TS_RING_SOCKET in reader_waits): then it
+ * waits for what this end sends, and a receive here has nothing to spin
+ * for. Only a hint, like every word the peer writes; every version of the
+ * ring keeps it current, so it needs no new field. */
+static inline bool ts_ring_reader_asleep(const ts_ring *r) {
+  return atomic_load_explicit(&r->ctl->reader_waits, memory_order_relaxed) != TS_RING_AWAKE;
+}
+
 /* The bell: ring it (any thread, any process), or sleep on it while it still
  * reads `seen` (at most timeout_us; spurious returns are fine). */
 void ts_ring_ring_bell(ts_ring *r);

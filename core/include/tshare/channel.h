@@ -91,8 +91,10 @@ typedef struct tshare_channel_options {
   int transport;
   /* Ring transport: microseconds a receive spins on the ring before it
    * sleeps (a spinning receive burns its core; a sleeping one costs the
-   * sender a wake-up, ~10 us). -1 (default): TSHARE_SPIN_US from the
-   * environment, else 50. */
+   * sender a wake-up, ~10 us); 0 never spins. -1 (default): TSHARE_SPIN_US
+   * from the environment, else adaptive: up to 50 us, only while this
+   * process may use two CPUs or more, the peer is awake and recent spins
+   * caught frames (docs/transport.md). */
   int spin_us;
 } tshare_channel_options;
 
