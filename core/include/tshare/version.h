@@ -16,7 +16,7 @@
 #define TSHARE_VERSION_H
 
 #define TSHARE_VERSION_MAJOR 0
-#define TSHARE_VERSION_MINOR 1
+#define TSHARE_VERSION_MINOR 2
 #define TSHARE_VERSION_PATCH 0
 /* One number that grows with every release: 10000 * major + 100 * minor + patch. */
 #define TSHARE_VERSION_NUMBER (TSHARE_VERSION_MAJOR * 10000 + TSHARE_VERSION_MINOR * 100 + TSHARE_VERSION_PATCH)

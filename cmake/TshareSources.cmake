@@ -1,0 +1,20 @@
+# tshare_sources(VAR GROUP...): in VAR, the absolute paths of the sources that
+# cmake/sources.txt lists under any of the GROUPs. The one list of sources:
+# setup.py reads the same file. Editing it re-runs CMake.
+function(tshare_sources var)
+  set(list_file ${CMAKE_CURRENT_FUNCTION_LIST_DIR}/sources.txt)
+  get_filename_component(root ${CMAKE_CURRENT_FUNCTION_LIST_DIR} DIRECTORY)
+  set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${list_file})
+  file(STRINGS ${list_file} lines REGEX "^[a-z-]+ +[^ ]+$")
+  set(sources "")
+  foreach(line IN LISTS lines)
+    string(REGEX MATCH "^([a-z-]+) +([^ ]+)$" _ "${line}")
+    if(CMAKE_MATCH_1 IN_LIST ARGN)
+      list(APPEND sources ${root}/${CMAKE_MATCH_2})
+    endif()
+  endforeach()
+  if(NOT sources)
+    message(FATAL_ERROR "tshare: ${list_file} lists no source under ${ARGN}")
+  endif()
+  set(${var} ${sources} PARENT_SCOPE)
+endfunction()
