@@ -4,6 +4,8 @@
  *                pipelined-share pump, host memory over a long stream
  * bench_cuda.c   CUDA hand-offs (new allocation, reused, slab), raw IPC,
  *                throughput, bandwidth, GPU memory over a long stream
+ * bench_contention.c  the same hand-offs with both ends on one CPU, and
+ *                with a busy loop on every CPU: ring against socket
  * bench_peer.c   baselines run as other programs (torch.multiprocessing,
  *                the LibTorch bridge) and read back as result lines
  * bench_main.c   options, the consumers, targets, output */
@@ -80,6 +82,7 @@ void bench_idle_row(bench *b, int ms);
 void bench_cuda(bench *b);
 void bench_cuda_handoffs(bench *b, int throughput); /* (b), (c), (throughput) */
 void bench_peers_external(bench *b);
+void bench_contention(bench *b); /* one CPU for both ends; a busy loop on every CPU */
 
 /* Consumer side: commands the two halves answer (0 ok, -1 error, 1 not theirs). */
 int bench_host_consumer(tshare_channel *ch, const char *cmd, char *reply, size_t cap);

@@ -316,6 +316,7 @@ int main(int argc, char **argv) {
     stop_consumers(&b);
   }
   b.rep.key_suffix[0] = b.rep.label_suffix[0] = '\0';
+  bench_contention(&b);
   if (peers) bench_peers_external(&b);
   targets(&b);
 

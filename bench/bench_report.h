@@ -39,8 +39,8 @@ typedef struct br_target {
   int met;            /* 1 met, 0 missed, -1 not measured */
 } br_target;
 
-#define BR_ROWS_MAX 128
-#define BR_TARGETS_MAX 16
+#define BR_ROWS_MAX 160
+#define BR_TARGETS_MAX 24
 
 typedef struct br_report {
   char title[320];
