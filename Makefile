@@ -24,30 +24,48 @@ CMAKE_FLAGS ?= $(if $(CI),-DTSHARE_WERROR=ON)
 # "Entering directory" chatter.
 MAKEFLAGS += --no-print-directory
 
-.PHONY: all deps build demo test bench asan tsan valgrind fuzz faults load gpu-sanitize install install-python clean
+.PHONY: all deps deps-checked configure build demo test bench asan tsan valgrind fuzz faults load gpu-sanitize install install-python clean
 
 all: build
 
+# Every build checks what it needs (scripts/install-deps.sh); with nothing
+# missing that costs no probe, its answers kept in DEPS_CACHE. That file
+# changes only where an answer changed or apt installed something, and then
+# CMake looks again. make deps tries packages it could not install before.
+DEPS_CACHE = $(BUILD_DIR)/install-deps.cache
 deps:
-	@./scripts/install-deps.sh
+	@./scripts/install-deps.sh --retry --cache $(DEPS_CACHE)
 
-$(BUILD_DIR)/CMakeCache.txt: | deps
-	cmake -S . -B $(BUILD_DIR) -DCMAKE_INSTALL_PREFIX=$(PREFIX) $(CMAKE_FLAGS)
+# (CMake leaves CMakeCache.txt's time alone when nothing in it changed: a
+# stamp of its own says when CMake last looked.)
+configure: deps-checked
+	@if [ ! -f $(BUILD_DIR)/CMakeCache.txt ] || [ $(DEPS_CACHE) -nt $(BUILD_DIR)/install-deps.configured ]; then \
+	  echo "cmake -S . -B $(BUILD_DIR) -DCMAKE_INSTALL_PREFIX=$(PREFIX) $(CMAKE_FLAGS)"; \
+	  cmake -S . -B $(BUILD_DIR) -DCMAKE_INSTALL_PREFIX=$(PREFIX) $(CMAKE_FLAGS) && touch $(BUILD_DIR)/install-deps.configured; fi
 
-build: deps $(BUILD_DIR)/CMakeCache.txt
+deps-checked:
+	@./scripts/install-deps.sh --cache $(DEPS_CACHE)
+
+build: configure
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 
-demo: build
+# Only what the demo runs (the launcher, the examples, the Python package);
+# the tests, fuzzers and bench build with make test and make bench.
+demo: configure
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target demo_programs
 	$(BUILD_DIR)/launcher/tshare-launch demo --tensors 8 --consumers 2
 	@./examples/python/run_demo.sh $(BUILD_DIR)
 
+# The run ends with what this build left out and the tests skipped, per reason.
 test: build
-	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS)
+	@rc=0; ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS) \
+	  --output-junit $(abspath $(BUILD_DIR))/Testing/junit.xml || rc=$$?; \
+	cmake -DBUILD_DIR=$(abspath $(BUILD_DIR)) -P cmake/summary.cmake; exit $$rc
 
 bench: build
 	$(BUILD_DIR)/bench/tshare-bench --out $(BUILD_DIR)/bench-results $(BENCH_ARGS)
 
-asan: deps
+asan: deps-checked
 	cmake -S . -B $(ASAN_BUILD_DIR) -DCMAKE_BUILD_TYPE=Debug -DTSHARE_SANITIZE=address,undefined $(CMAKE_FLAGS)
 	cmake --build $(ASAN_BUILD_DIR) -j $(JOBS)
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
@@ -56,7 +74,7 @@ asan: deps
 # Every test under ThreadSanitizer: views are released from any thread, so the
 # channel's locks and atomics are checked here (CI runs it). Without LibTorch:
 # it is not built with TSan, and its own thread pool would be what is reported.
-tsan: deps
+tsan: deps-checked
 	cmake -S . -B $(TSAN_BUILD_DIR) -DCMAKE_BUILD_TYPE=Debug -DTSHARE_SANITIZE=thread -DTSHARE_WITH_TORCH=OFF $(CMAKE_FLAGS)
 	cmake --build $(TSAN_BUILD_DIR) -j $(JOBS)
 	TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
@@ -74,7 +92,7 @@ VALGRIND_SKIP = sigkill_to_the_launcher|fds_land_at_their_numbers|die_with_paren
 # Valgrind's own messages go to valgrind-PID.log files in the build tree,
 # so they never mix into the output the tests check.
 VALGRIND = valgrind;--error-exitcode=99;--leak-check=full;--errors-for-leak-kinds=definite;--suppressions=$(abspath tests/valgrind.supp);--trace-children=yes;--trace-children-skip=*/sh,*/sleep,*/env,*/true,*/false,*/python3*;--log-file=$(abspath $(VALGRIND_BUILD_DIR))/valgrind-%p.log
-valgrind: deps
+valgrind: deps-checked
 	@command -v valgrind >/dev/null || { echo "make valgrind needs valgrind (Debian: apt-get install valgrind)"; exit 1; }
 	cmake -S . -B $(VALGRIND_BUILD_DIR) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTSHARE_TEST_SLOWDOWN=6 "-DCMAKE_CROSSCOMPILING_EMULATOR=$(VALGRIND)" $(CMAKE_FLAGS)
 	cmake --build $(VALGRIND_BUILD_DIR) -j $(JOBS)
