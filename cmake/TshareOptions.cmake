@@ -4,7 +4,16 @@ set(TSHARE_WITH_CUDA AUTO CACHE STRING "CUDA IPC shares: AUTO, ON or OFF")
 set(TSHARE_WITH_TORCH AUTO CACHE STRING "LibTorch bridge: AUTO, ON or OFF")
 set_property(CACHE TSHARE_WITH_CUDA PROPERTY STRINGS AUTO ON OFF)
 set_property(CACHE TSHARE_WITH_TORCH PROPERTY STRINGS AUTO ON OFF)
-option(TSHARE_BUILD_TESTS "Build the tests" ON)
+# Tests (fuzz targets among them), the bench and the examples are on where
+# tshare is the top-level project, off where another project adds it with
+# add_subdirectory (which may still turn them on).
+option(TSHARE_BUILD_TESTS "Build the tests and fuzz targets" ${PROJECT_IS_TOP_LEVEL})
+option(TSHARE_BUILD_BENCH "Build tshare-bench" ${PROJECT_IS_TOP_LEVEL})
+option(TSHARE_BUILD_EXAMPLES "Build the C and LibTorch examples" ${PROJECT_IS_TOP_LEVEL})
+if(TSHARE_BUILD_TESTS AND NOT TSHARE_BUILD_EXAMPLES)
+  message(STATUS "tshare: the examples are built anyway: the tests run them")
+  set(TSHARE_BUILD_EXAMPLES ON)
+endif()
 set(TSHARE_SANITIZE "" CACHE STRING "Sanitizers to build with, e.g. address,undefined")
 option(TSHARE_WERROR "Treat warnings as errors (CI)" OFF)
 # ctest's per-test limits, and the launcher deadline of the example test that
