@@ -40,7 +40,12 @@ for key in ["cuda_new_alloc", "cuda_pipelined_1", "bw_shared"]:
 for key in ["torch_mp_cuda", "torch_mp_cpu", "torch_bridge_cuda", "torch_bridge_cpu"]:
     r = rows.get(key) or fail(f"row {key} missing")
     if not r["skipped"]: measured(key)
-if len(doc["targets"]) != 13: fail("targets missing")
+for scene in ["pinned", "busy"]:  # both ends on one CPU; a busy loop on every CPU
+    for transport in ["ring", "socket"]:
+        for row in ["floor", "floor_fd", "host_reused"]:
+            r = measured(f"{row}_{scene}_{transport}")
+            if not 0 < r["value"] <= r["p99"]: fail(f"{r['key']}: p50 {r['value']} p99 {r['p99']}")
+if len(doc["targets"]) != 15: fail("targets missing")
 with open(f"{out}/bench.csv") as f:
     lines = list(csv.DictReader(f))
 if len(lines) != len(doc["rows"]): fail("the CSV and the JSON disagree")
