@@ -7,7 +7,7 @@
 # make fuzz (libFuzzer on the decoder and share validation), make faults (fault
 # trials), make load (the load test), make gpu-sanitize (compute-sanitizer memcheck
 # and racecheck, on a GPU machine), make install PREFIX=..., make install-python
-# (the tshare Python package into its interpreter's site-packages), make clean.
+# (the tshare Python package through pip; PYTHON=v/bin/python), make clean.
 
 BUILD_DIR ?= build
 ASAN_BUILD_DIR ?= build-asan
@@ -138,12 +138,19 @@ fuzz: build
 install: build
 	cmake --install $(BUILD_DIR) --prefix $(PREFIX)
 
-# The Python package into the site-packages of the interpreter it was built
-# for (cmake's TSHARE_PYTHON; PYTHON_SITE=DIR puts it elsewhere).
-install-python: build
-	@test -f $(BUILD_DIR)/python/interpreter || { echo "install-python: the Python package is not built (see cmake's output: it needs python3 with its C headers)"; exit 1; }
-	$(if $(PYTHON_SITE),cmake -S . -B $(BUILD_DIR) -DTSHARE_PYTHON_SITE=$(PYTHON_SITE) >/dev/null && cmake --build $(BUILD_DIR) -j $(JOBS) >/dev/null &&) cmake --install $(BUILD_DIR) --component python
-	@echo "installed: import tshare with $$(cat $(BUILD_DIR)/python/interpreter)"
+# The Python package, built and installed by pip (setup.py compiles the
+# extension; the CMake build is not touched): into PYTHON's environment, by
+# default the interpreter CMake built the package for, else python3.
+# PYTHON=v/bin/python installs into a venv; PYTHON_SITE=DIR into a directory
+# (pip --target); PIP_ARGS adds to pip's arguments. Debian's own interpreter
+# refuses pip installs (externally managed): use a venv
+# (python3 -m venv --system-site-packages v) for its torch.
+PYTHON ?= $(shell cat $(BUILD_DIR)/python/interpreter 2>/dev/null || command -v python3)
+install-python:
+	@test -n "$(PYTHON)" || { echo "install-python: no python3 found; name one with PYTHON=/path/to/python3"; exit 1; }
+	$(PYTHON) -m pip install --no-build-isolation --no-deps $(if $(PYTHON_SITE),--target $(PYTHON_SITE)) $(PIP_ARGS) . || \
+	  { echo "install-python: pip could not install into $(PYTHON) (see above); a venv: python3 -m venv --system-site-packages v && make install-python PYTHON=v/bin/python"; exit 1; }
+	@echo "installed: import tshare with $(PYTHON)$(if $(PYTHON_SITE), (PYTHONPATH=$(PYTHON_SITE)))"
 
 clean:
 	rm -rf $(BUILD_DIR) $(ASAN_BUILD_DIR) $(TSAN_BUILD_DIR) $(VALGRIND_BUILD_DIR)
