@@ -249,6 +249,7 @@ static PyMethodDef channel_methods[] = {
   {"_send_bye", (PyCFunction)channel_send_bye, METH_VARARGS, NULL},
   {"_send", (PyCFunction)py_channel_send, METH_VARARGS, NULL},
   {"_recv", (PyCFunction)py_channel_recv, METH_VARARGS, NULL},
+  {"_peek", (PyCFunction)py_channel_peek, METH_NOARGS, NULL},
   {"__enter__", (PyCFunction)channel_enter, METH_NOARGS, NULL},
   {"__exit__", (PyCFunction)channel_exit, METH_VARARGS, NULL},
   {NULL, NULL, 0, NULL}};

@@ -56,5 +56,6 @@ PyObject *py_role_from_env(PyObject *module, PyObject *unused);
 /* Channel methods that move tensors (py_tensor.c). */
 PyObject *py_channel_send(PyChannel *self, PyObject *args);
 PyObject *py_channel_recv(PyChannel *self, PyObject *args);
+PyObject *py_channel_peek(PyChannel *self, PyObject *unused);
 
 #endif /* TSHARE_PY_CHANNEL_H */

@@ -168,6 +168,20 @@ static int peek_slice(void *arg, int slice_ms) {
   return tshare_channel_peek_share(p->self->ch, slice_ms, &p->info);
 }
 
+/* _peek() -> True when a share waits for recv, False when none does, None
+ * once the peer said bye: frames that came are processed, nothing waits and
+ * nothing is taken (an event loop decides with it which await to wake). */
+PyObject *py_channel_peek(PyChannel *self, PyObject *unused) {
+  (void)unused;
+  peek_call p = {.self = self};
+  int rc;
+  py_guard_slice slice = {peek_slice, NULL, &p};
+  if (py_channel_wait(self, "recv", 0, &slice, 1, &rc) < 0) return NULL;
+  if (rc == TSHARE_OK) Py_RETURN_TRUE;
+  if (rc == TSHARE_E_TIMEOUT) Py_RETURN_FALSE;
+  Py_RETURN_NONE;
+}
+
 /* The next share as a view: 0 with *view (NULL once the peer said bye), -1
  * with a Python error. The share is peeked and taken in one turn inside the
  * channel, so another thread's recv cannot take it in between. */

@@ -17,6 +17,7 @@ Timeouts are in seconds; None waits forever.
 from . import _tshare
 from ._tshare import END, OK, Error, PeerClosedError, TimeoutError, cuda_device_count, library_version, socketpair
 from ._tshare import (  # noqa: F401  statuses, for comparing with Error.code
+    E_BUSY,
     E_CUDA,
     E_INVALID_ARG,
     E_LIMIT,
@@ -33,13 +34,14 @@ from ._tshare import (  # noqa: F401  statuses, for comparing with Error.code
 )
 from ._torch import DLPACK_CAPSULE, Received, empty_shared, is_shared, recv, send, share_memory_
 from ._torch import _timeout_ms
+from ._endpoint import Endpoint, endpoint_pair
 
 __version__ = library_version()
 TAG_MAX = _tshare.TAG_MAX
 
 __all__ = [
-    "Channel", "Listener", "Role", "Received", "Error", "TimeoutError", "PeerClosedError",
-    "open_socket", "socketpair", "listen", "connect", "role", "send", "recv",
+    "Channel", "Listener", "Role", "Received", "Error", "TimeoutError", "PeerClosedError", "Endpoint",
+    "open_socket", "socketpair", "endpoint_pair", "listen", "connect", "role", "send", "recv",
     "empty_shared", "share_memory_", "is_shared", "library_version", "cuda_device_count",
 ]
 
@@ -56,18 +58,22 @@ class Channel:
     wait within ~20 ms, whatever its timeout. Received tensors may die on any
     thread (docs/python.md, "Threads, Ctrl-C and close")."""
 
-    __slots__ = ("_c",)
+    __slots__ = ("_c", "_aio")
 
     def __init__(self, c):
         self._c = c
+        self._aio = None  # the tshare.aio watcher of the loop awaiting on it
+
+    def __reduce__(self):
+        _refuse_pickling("Channel")
 
     def send(self, tensor, tag="", timeout=None, move_to_shared_memory=True):
         """tshare.send(self, ...)."""
         return send(self, tensor, tag=tag, timeout=timeout, move_to_shared_memory=move_to_shared_memory)
 
-    def recv(self, timeout=None, device=None):
+    def recv(self, timeout=None, device=None, as_parameter=False, requires_grad=None):
         """tshare.recv(self, ...)."""
-        return recv(self, timeout=timeout, device=device)
+        return recv(self, timeout=timeout, device=device, as_parameter=as_parameter, requires_grad=requires_grad)
 
     def __iter__(self):
         """Received tensors until the peer says bye: `for r in ch:`. The loop
@@ -106,6 +112,13 @@ class Channel:
 
     def close(self):
         self._c.close()
+        self._closed_under_awaits()
+
+    def _closed_under_awaits(self):
+        """Awaits on the channel (tshare.aio) raise that it is closed."""
+        w = self._aio
+        if w is not None:
+            w.loop.call_soon_threadsafe(w.closed)
 
     def fileno(self):
         return self._c.fileno()
@@ -132,11 +145,19 @@ class Channel:
         return self
 
     def __exit__(self, *exc):
-        self._c.close()
+        self.close()
         return False
 
     def __repr__(self):
         return repr(self._c)
+
+
+def _refuse_pickling(what):
+    raise _tshare._error(
+        E_UNSUPPORTED,
+        "tshare: a %s cannot be pickled (it is a live connection of this process): hand a child process a "
+        "tshare.Endpoint instead (tshare.endpoint_pair(), or Listener.endpoint()) and open it there" % what,
+    )
 
 
 def _options(name, transport, spin_us, allow_uid):
@@ -163,6 +184,13 @@ class Listener:
 
     def __init__(self, l):
         self._l = l
+
+    def __reduce__(self):
+        _refuse_pickling("Listener")
+
+    def endpoint(self):
+        """A picklable Endpoint that connects to this listener where it is opened."""
+        return Endpoint(address=self.path)
 
     def accept(self, timeout=None, name=None, transport=None, spin_us=None, allow_uid=None):
         """The next peer's channel; tshare.TimeoutError when none came in time."""

@@ -197,7 +197,7 @@ def _dtype_name(code, bits):
     return "%s%d" % (_DLPACK_CODE_NAMES.get(code, "code%d" % code), bits)
 
 
-def recv(ch, timeout=None, device=None) -> Optional[Received]:
+def recv(ch, timeout=None, device=None, as_parameter=False, requires_grad=None) -> Optional[Received]:
     """The next tensor on ch, or None once the peer said bye.
 
     Its memory is the producer's (writes are visible there); it is released
@@ -205,6 +205,11 @@ def recv(ch, timeout=None, device=None) -> Optional[Received]:
     the device holding it (or `device`, by peer access), and that device's
     current stream waits for the producer's work. A share that cannot become
     a torch tensor here is released back and raised as tshare.Error.
+
+    as_parameter=True gives a torch.nn.Parameter on the same memory (as
+    torch.multiprocessing rebuilds one). The wire carries no autograd state,
+    so the receiver says it: requires_grad (None: True for floating point and
+    complex dtypes, which alone can require gradients, else False).
     """
     c = ch._c
     r = c._recv(_timeout_ms(timeout), _stream_for, -1 if device is None else int(device))
@@ -218,11 +223,33 @@ def recv(ch, timeout=None, device=None) -> Optional[Received]:
     if device_type == _DEVICE_CUDA and not _cuda_device_count():
         del capsule
         _fail(_tshare.E_UNSUPPORTED, "share %d is GPU memory and this torch has no usable CUDA" % share_id)
+    if as_parameter:
+        try:
+            grad = _parameter_grad(dtype, share_id, requires_grad)
+        except Error:
+            del capsule
+            raise
     t = _from_dlpack(capsule)
     _tshare._bind(capsule, _storage(t)._cdata)
     if dtype is torch.bool and _BOOL_AS_UINT8:
         t = t.view(torch.bool)
+    if as_parameter:
+        t = torch.nn.Parameter(t, requires_grad=grad)
     return Received(t, tag, share_id)
+
+
+def _parameter_grad(dtype, share_id, requires_grad):
+    """What requires_grad a Parameter of dtype gets; refused when it cannot."""
+    can_require = dtype.is_floating_point or dtype.is_complex
+    if requires_grad is None:
+        return can_require
+    if requires_grad and not can_require:
+        _fail(
+            _tshare.E_INVALID_ARG,
+            "recv: share %d is %s, which cannot require gradients: pass requires_grad=False "
+            "(or None) with as_parameter=True" % (share_id, dtype),
+        )
+    return bool(requires_grad)
 
 
 def _normalize_size(size):

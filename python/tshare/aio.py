@@ -1,0 +1,297 @@
+"""tshare under asyncio: awaitable recv, send and wait_released.
+
+    import asyncio, tshare
+    from tshare import aio
+
+    async def consume(ch):
+        while (r := await aio.recv(ch)) is not None:   # or: async for r in aio.iterate(ch)
+            use(r.tensor)
+            del r                                        # released
+
+An await never blocks the loop: it watches the channel's fd with the running
+loop's add_reader and makes only non-blocking calls (timeout 0). Any number
+of channels may be awaited on one loop, and several awaits on one channel.
+
+Cancellation (task.cancel(), asyncio.wait_for timing out) leaves the channel
+usable and loses no share: a share is taken off the channel only by the await
+that returns it, with no await in between, so a cancelled recv leaves it
+queued for the next. A cancelled send sent nothing.
+
+The fd is edge-like: it says that frames came, not how many, and any call on
+the channel may take them. So each channel has one watcher per loop. After it
+starts watching it drives the channel once (frames that came before are not
+announced again), and after every wake and every call an await made it drains
+the channel until nothing more came, then wakes the awaits whose condition
+now holds: a queued share (one recv at a time), a release, the peer's bye or
+an error. A send waiting for ring room is tried again on every wake and every
+10 ms, as the C library's own blocking send does (a ring has no wake-up for
+room).
+
+A channel's awaits belong to one event loop at a time. Blocking calls from
+other threads on the same channel take their turns as usual, but their
+progress wakes no await: give a channel to one loop, or to threads.
+"""
+import asyncio
+import collections
+
+from . import _tshare
+from ._torch import recv as _recv
+from ._torch import send as _send
+
+__all__ = ["recv", "send", "wait_released", "iterate"]
+
+_WOULD_WAIT = object()
+_ROOM_RETRY_S = 0.010  # the C library's own slice for a send waiting for ring room
+_IDLE_WAKES_BEFORE_PAUSE = 3  # readable with nothing to read: stop watching for a slice
+
+
+def _timed_out(what, timeout):
+    return _tshare._error(_tshare.E_TIMEOUT, "tshare: %s: nothing within %g s" % (what, timeout))
+
+
+def _nonblocking(call, *args, **kw):
+    """call with timeout=0: its result, or _WOULD_WAIT when it would wait."""
+    try:
+        return call(*args, timeout=0, **kw)
+    except _tshare.TimeoutError:
+        return _WOULD_WAIT
+
+
+class _Await:
+    """One await on a channel: what it waits for and the future its task sleeps on."""
+
+    __slots__ = ("kind", "share_id", "future")
+
+    def __init__(self, kind, share_id, loop):
+        self.kind = kind  # "recv", "released" or "send"
+        self.share_id = share_id
+        self.future = loop.create_future()
+
+    def wake(self):
+        if not self.future.done():
+            self.future.set_result(None)
+
+    def rearm(self, loop):
+        if self.future.done():
+            self.future = loop.create_future()
+
+
+class _Watcher:
+    """A channel's fd in one loop, and the awaits on that channel there."""
+
+    def __init__(self, ch, loop):
+        self.ch = ch
+        self.loop = loop
+        self.fd = ch.fileno()  # also asks the peer for nudges on a ring channel
+        self.awaits = collections.OrderedDict()  # in arrival order
+        self.watching = False
+        self.idle_wakes = 0
+        self.room_timer = None
+
+    # ---- the fd ----
+
+    def add(self, a):
+        self.awaits[a] = None
+        self._watch()
+
+    def remove(self, a):
+        self.awaits.pop(a, None)
+        if not self.awaits:
+            self._unwatch()
+            if self.ch._aio is self:
+                self.ch._aio = None
+
+    def _watch(self):
+        if not self.watching:
+            self.loop.add_reader(self.fd, self._readable)
+            self.watching = True
+
+    def _unwatch(self):
+        if self.watching:
+            self.loop.remove_reader(self.fd)
+            self.watching = False
+        if self.room_timer is not None:
+            self.room_timer.cancel()
+            self.room_timer = None
+
+    def _readable(self):
+        if self.update(wake_senders=True):
+            self.idle_wakes = 0
+            return
+        # Readable, yet nothing came and nobody could go on: bytes the channel
+        # leaves on the socket for now. Watching again later keeps it from spinning.
+        self.idle_wakes += 1
+        if self.idle_wakes >= _IDLE_WAKES_BEFORE_PAUSE:
+            self.idle_wakes = 0
+            self._unwatch()
+            self.loop.call_later(_ROOM_RETRY_S, self._resume)
+
+    def _resume(self):
+        if self.awaits:
+            self._watch()
+            self.update(wake_senders=True)
+
+    def _room_retry(self):
+        self.room_timer = None
+        self.update(wake_senders=True)
+
+    def closed(self):
+        """The channel was closed: every await goes on to find that out."""
+        for a in list(self.awaits):
+            a.wake()
+
+    # ---- who can go on ----
+
+    def _drain(self):
+        """Process what came until nothing more did. True if something came;
+        None when the channel failed (each await's own call raises why)."""
+        came = False
+        try:
+            while self.ch._c.poll(0) is True:
+                came = True
+        except _tshare.Error:
+            return None
+        return came
+
+    def _share_waits(self):
+        """True, False, or None (the bye, or an error the recv will raise)."""
+        try:
+            return self.ch._c._peek()
+        except _tshare.Error:
+            return None
+
+    def _released(self, a):
+        try:
+            if a.share_id == 0:
+                return self.ch.outstanding() == 0
+            return self.ch.is_released(a.share_id)
+        except _tshare.Error:
+            return True  # its own call raises why
+
+    def update(self, wake_senders=False):
+        """Drain the channel, then wake every await that can go on. True if
+        something came or someone was woken."""
+        if not self.awaits:
+            return False
+        came = self._drain()
+        if came is None:
+            self.closed()
+            return True
+        woken = self._wake_receivers() | self._wake_released()
+        if wake_senders:
+            woken |= self._wake_senders()
+        return came or woken
+
+    def _wake_receivers(self):
+        receivers = [a for a in self.awaits if a.kind == "recv"]
+        if not receivers or any(a.future.done() for a in receivers):
+            return False  # a woken recv takes the share first, then updates again
+        waits = self._share_waits()
+        if waits is False:
+            return False
+        for a in receivers if waits is None else receivers[:1]:
+            a.wake()
+        return True
+
+    def _wake_released(self):
+        woken = False
+        for a in self.awaits:
+            if a.kind == "released" and not a.future.done() and self._released(a):
+                a.wake()
+                woken = True
+        return woken
+
+    def _wake_senders(self):
+        senders = [a for a in self.awaits if a.kind == "send"]
+        for a in senders:
+            a.wake()
+        return bool(senders)
+
+    def retry_room_soon(self):
+        """Wake the sends again in a slice: room in a ring is not announced."""
+        if self.room_timer is None:
+            self.room_timer = self.loop.call_later(_ROOM_RETRY_S, self._room_retry)
+
+
+def _watcher(ch, loop):
+    w = ch._aio
+    if w is not None and w.loop is not loop:
+        if w.awaits:
+            raise _tshare._error(
+                _tshare.E_STATE,
+                "tshare: the channel is awaited in another event loop: a channel's awaits belong to one loop at a time",
+            )
+        w = None
+    if w is None:
+        w = ch._aio = _Watcher(ch, loop)
+    return w
+
+
+async def _until(ch, kind, attempt, what, timeout, share_id=0):
+    """attempt() (a non-blocking call) until it gives a result, sleeping on
+    the channel's watcher in between; tshare.TimeoutError after timeout s."""
+    loop = asyncio.get_running_loop()
+    w = _watcher(ch, loop)
+    a = _Await(kind, share_id, loop)
+    w.add(a)
+    deadline = None if timeout is None else loop.time() + max(0.0, timeout)
+    timer = None if deadline is None else loop.call_at(deadline, a.wake)
+    try:
+        while True:
+            result = attempt()  # watching already: whatever comes after this try wakes us
+            if result is not _WOULD_WAIT:
+                return result
+            if deadline is not None and loop.time() >= deadline:
+                raise _timed_out(what, timeout)
+            a.rearm(loop)
+            w.update()  # this try may have taken frames others wait for
+            if kind == "send":
+                w.retry_room_soon()
+            await a.future
+    finally:
+        if timer is not None:
+            timer.cancel()
+        w.remove(a)
+        if w.awaits:
+            w.update()  # pass on what this await took or was woken for
+
+
+async def recv(ch, timeout=None, device=None, as_parameter=False, requires_grad=None):
+    """Await the next tensor on ch (tshare.recv without blocking the loop):
+    Received(tensor, tag, share_id), or None once the peer said bye."""
+
+    def attempt():
+        return _nonblocking(_recv, ch, device=device, as_parameter=as_parameter, requires_grad=requires_grad)
+
+    return await _until(ch, "recv", attempt, "recv", timeout)
+
+
+async def send(ch, tensor, tag="", timeout=None, move_to_shared_memory=True):
+    """Share tensor on ch (tshare.send), awaiting room without blocking the
+    loop; the share id. Cancelled or timed out, nothing was sent."""
+
+    def attempt():
+        return _nonblocking(_send, ch, tensor, tag=tag, move_to_shared_memory=move_to_shared_memory)
+
+    return await _until(ch, "send", attempt, "send", timeout)
+
+
+async def wait_released(ch, share_id=0, timeout=None):
+    """Await the release of share_id (0: every share sent on ch)."""
+
+    def attempt():
+        r = _nonblocking(ch.wait_released, share_id)
+        return _WOULD_WAIT if r is _WOULD_WAIT else True
+
+    await _until(ch, "released", attempt, "wait_released", timeout, share_id)
+
+
+async def iterate(ch, device=None, as_parameter=False, requires_grad=None):
+    """`async for r in aio.iterate(ch):` every tensor until the peer says bye.
+    The iterator drops its own reference to r before it waits for the next."""
+    while True:
+        r = await recv(ch, device=device, as_parameter=as_parameter, requires_grad=requires_grad)
+        if r is None:
+            return
+        yield r
+        r = None
