@@ -51,9 +51,10 @@ def read_sources(*groups):
 def cuda_include_dir():
     """The directory holding cuda.h ("" where the compiler finds it on its
     own), or None to build without CUDA shares."""
-    wanted = os.environ.get("TSHARE_WITH_CUDA", "AUTO").upper()
+    given = os.environ.get("TSHARE_WITH_CUDA", "AUTO")
+    wanted = given.upper()
     if wanted not in ("AUTO", "ON", "OFF"):
-        sys.exit("setup.py: TSHARE_WITH_CUDA=%s: use AUTO, ON or OFF" % wanted)
+        sys.exit("setup.py: TSHARE_WITH_CUDA=%s: use AUTO, ON or OFF" % given)
     if wanted == "OFF":
         return None
     roots = [os.environ[v] for v in ("CUDA_HOME", "CUDA_PATH", "CUDAToolkit_ROOT") if os.environ.get(v)]
