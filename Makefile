@@ -17,6 +17,7 @@ PREFIX ?= /usr/local
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 FUZZ_SECONDS ?= 60
 FUZZ_RING_SECONDS ?= $(FUZZ_SECONDS)
+FUZZ_CONN_SECONDS ?= $(FUZZ_SECONDS)
 # CI builds with -Werror; the exported flags never carry it.
 CMAKE_FLAGS ?= $(if $(CI),-DTSHARE_WERROR=ON)
 
@@ -116,7 +117,8 @@ load: build
 gpu-sanitize: build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -L sanitizer
 
-# libFuzzer (ASan+UBSan) on the frame decoder and share validation for
+# libFuzzer (ASan+UBSan) on the frame decoder and share validation, the
+# ring, and a ring channel against a hand-written peer, each for
 # FUZZ_SECONDS. A crash is copied into tests/fuzz/corpus as regress-*, where
 # the corpus replay (make test) runs it from then on, and the target fails.
 fuzz: build
@@ -133,7 +135,13 @@ fuzz: build
 	  tests/fuzz/corpus_ring || rc=$$?; \
 	for f in $(BUILD_DIR)/fuzz-crashes-ring/*; do [ -f "$$f" ] || continue; \
 	  cp "$$f" tests/fuzz/corpus_ring/regress-$$(sha1sum "$$f" | cut -c1-16); \
-	  echo "fuzz: $$f added to tests/fuzz/corpus_ring as a regression input"; rc=1; done; exit $$rc
+	  echo "fuzz: $$f added to tests/fuzz/corpus_ring as a regression input"; rc=1; done; \
+	mkdir -p $(BUILD_DIR)/fuzz-corpus-conn $(BUILD_DIR)/fuzz-crashes-conn; \
+	$(BUILD_DIR)/tests/fuzz/fuzz_conn -max_total_time=$(FUZZ_CONN_SECONDS) -print_final_stats=1 -max_len=600 -timeout=60 \
+	  -artifact_prefix=$(BUILD_DIR)/fuzz-crashes-conn/ $(BUILD_DIR)/fuzz-corpus-conn tests/fuzz/corpus_conn || rc=$$?; \
+	for f in $(BUILD_DIR)/fuzz-crashes-conn/*; do [ -f "$$f" ] || continue; \
+	  cp "$$f" tests/fuzz/corpus_conn/regress-$$(sha1sum "$$f" | cut -c1-16); \
+	  echo "fuzz: $$f added to tests/fuzz/corpus_conn as a regression input"; rc=1; done; exit $$rc
 
 install: build
 	cmake --install $(BUILD_DIR) --prefix $(PREFIX)

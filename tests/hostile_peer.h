@@ -3,11 +3,10 @@
 #ifndef TSHARE_TEST_HOSTILE_PEER_H
 #define TSHARE_TEST_HOSTILE_PEER_H
 
+#include "fd_util.h"
 #include "frame_util.h"
 #include "proc_util.h"
 
-#include <sys/socket.h>
-#include <sys/uio.h>
 #include <time.h>
 
 /* Frame bytes and an fd (or -1) written straight to the socket, as a peer
@@ -16,25 +15,7 @@ static inline void send_raw(tshare_channel *ch, const tshare_frame *f, int fd) {
   uint8_t buf[TSHARE_WIRE_FRAME_MAX];
   size_t len;
   CHECK_RC(tshare_wire_encode(f, buf, sizeof buf, &len, NULL), TSHARE_OK, "");
-  struct iovec iov = {.iov_base = buf, .iov_len = len};
-  union {
-    char space[CMSG_SPACE(sizeof(int))];
-    struct cmsghdr align;
-  } ctl;
-  struct msghdr msg = {0};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  if (fd >= 0) {
-    memset(&ctl, 0, sizeof ctl);
-    msg.msg_control = ctl.space;
-    msg.msg_controllen = sizeof ctl.space;
-    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(c), &fd, sizeof fd);
-  }
-  CHECK(sendmsg(tshare_channel_fd(ch), &msg, MSG_NOSIGNAL) == (ssize_t)len);
+  CHECK(send_with_fd(tshare_channel_fd(ch), buf, len, fd, 0) == (ssize_t)len);
 }
 
 static inline int64_t now_ms(void) {

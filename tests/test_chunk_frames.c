@@ -42,23 +42,6 @@ static void send_host_share(tshare_channel *ch, uint64_t share_id, int fd) {
   send_raw(ch, &s, fd);
 }
 
-/* fds of this process open on the producer's memfd (the CUDA driver, where
- * there is one, opens fds of its own as the first share is tried). */
-static int producer_memfds(void) {
-  DIR *d = opendir("/proc/self/fd");
-  CHECK(d);
-  int n = 0;
-  for (struct dirent *e; (e = readdir(d));) {
-    char path[300], target[256];
-    snprintf(path, sizeof path, "/proc/self/fd/%s", e->d_name);
-    ssize_t len = readlink(path, target, sizeof target - 1);
-    if (len > 0) target[len] = '\0';
-    if (len > 0 && strstr(target, "memfd:tshare-repeat")) n++;
-  }
-  closedir(d);
-  return n;
-}
-
 static int go[2], sent[2]; /* parent -> child: go on; child -> parent: a phase is on the socket */
 
 static void wait_byte(int fd) {
@@ -142,7 +125,7 @@ TS_TEST(a_repeated_share_id_with_chunk_frames_leaks_no_fd_and_no_budget) {
   say_byte(go[1]);
   tshare_channel_close(ch);
   CHECK_CHILD_OK(pid);
-  CHECK_EQ(producer_memfds(), 0);
+  CHECK_EQ(count_memfds_named("tshare-repeat"), 0); /* a CUDA driver opens fds of its own */
 }
 
 TS_TEST_MAIN

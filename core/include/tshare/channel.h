@@ -151,10 +151,15 @@ TSHARE_API int tshare_channel_send_bye(tshare_channel *ch, uint32_t reason, int 
 TSHARE_API int tshare_channel_send_error(tshare_channel *ch, int code, const char *message);
 
 /* The fd a poll loop should watch for readability, e.g. to drive several
- * channels from one thread (tshare_channel_poll then does the work). On a
- * ring channel it becomes readable when frames arrive while no receive runs
- * (the peer nudges the socket): drive the channel until it says nothing came
- * (tshare_channel_poll does) before polling again. */
+ * channels from one thread (tshare_channel_poll then does the work). Treat it
+ * as edge-triggered: it becomes readable when something new arrives, not
+ * while something waits. After first asking for it, and after every wake-up,
+ * drive the channel with calls that do not wait (timeout 0) until one reports
+ * TSHARE_E_TIMEOUT, and only then wait on the fd again: frames the channel
+ * already holds never make it readable (on a channel that was received on
+ * before its fd was first asked for, frames may already wait). On a ring
+ * channel it becomes readable when frames arrive while no receive runs (the
+ * peer nudges the socket). */
 TSHARE_API int tshare_channel_fd(const tshare_channel *ch);
 
 /* The transport in use: TSHARE_TRANSPORT_RING or TSHARE_TRANSPORT_SOCKET
