@@ -43,6 +43,10 @@ __all__ = ["recv", "send", "wait_released", "iterate"]
 _WOULD_WAIT = object()
 _ROOM_RETRY_S = 0.010  # the C library's own slice for a send waiting for ring room
 _IDLE_WAKES_BEFORE_PAUSE = 3  # readable with nothing to read: stop watching for a slice
+# Releases made on the loop's own thread wait for its next call on the channel
+# (the C library batches them): while every await sleeps, the watcher makes
+# one this often, as a blocking recv does between its slices.
+_RELEASE_FLUSH_S = 0.1
 
 
 def _timed_out(what, timeout):
@@ -87,6 +91,7 @@ class _Watcher:
         self.watching = False
         self.idle_wakes = 0
         self.room_timer = None
+        self.flush_timer = None
 
     # ---- the fd ----
 
@@ -105,14 +110,24 @@ class _Watcher:
         if not self.watching:
             self.loop.add_reader(self.fd, self._readable)
             self.watching = True
+        if self.flush_timer is None:
+            self.flush_timer = self.loop.call_later(_RELEASE_FLUSH_S, self._flush)
 
     def _unwatch(self):
         if self.watching:
             self.loop.remove_reader(self.fd)
             self.watching = False
-        if self.room_timer is not None:
-            self.room_timer.cancel()
-            self.room_timer = None
+        for timer in (self.room_timer, self.flush_timer):
+            if timer is not None:
+                timer.cancel()
+        self.room_timer = self.flush_timer = None
+
+    def _flush(self):
+        """Send the loop thread's releases; it also finds what the fd missed."""
+        self.flush_timer = None
+        if self.awaits:
+            self.update()
+            self.flush_timer = self.loop.call_later(_RELEASE_FLUSH_S, self._flush)
 
     def _readable(self):
         if self.update(wake_senders=True):
