@@ -8,44 +8,25 @@ the consumers' loop."""
 import asyncio
 import random
 import resource
-import sys
 import threading
 
-try:
-    import torch
-except ImportError:
-    print("SKIP: this Python has no torch (Debian: apt-get install python3-torch)")
-    sys.exit(77)
+import harness
+import torch
 
 import tshare
 from tshare import aio
+from harness import pair
 
-TESTS = {}
-
-
-def test(fn):
-    TESTS[fn.__name__] = fn
-    return fn
-
-
-def pair(**kw):
-    a, b = tshare.socketpair()
-    out = {}
-    th = threading.Thread(target=lambda: out.setdefault("c", tshare.open_socket(b, name="consumer", **kw)))
-    th.start()
-    p = tshare.open_socket(a, name="producer", **kw)
-    th.join()
-    return p, out["c"]
+test = harness.Tests("test_asyncio.py")
 
 
 async def expect_error(code, fragment, awaitable):
     try:
         await awaitable
     except tshare.Error as e:
-        assert e.code == code, "code %s (%s), want %s: %s" % (e.code, e.status, code, e)
-        assert fragment in str(e), "message %r lacks %r" % (str(e), fragment)
+        harness.check_error(e, code, fragment)
         return
-    raise AssertionError("no error; wanted %s with %r" % (code, fragment))
+    raise harness.no_error_wanted(code, fragment)
 
 
 def cpu_seconds():
@@ -245,25 +226,13 @@ def idle_awaits_use_no_cpu():
     c.close()
 
 
-def fill(ch):
-    """Send until ch has no room (its peer does not read); the count sent."""
-    t = tshare.empty_shared(16)
-    n = 0
-    while True:
-        try:
-            tshare.send(ch, t[n % 16], timeout=0)
-        except tshare.TimeoutError:
-            return n
-        n += 1
-
-
 @test
 def a_send_awaits_room_without_blocking_the_loop():
     """On a full channel an awaited send waits while the loop runs other
     tasks; a cancelled one sent nothing; once the consumer reads, the send
     completes and its share arrives after the others."""
     p, c = pair()
-    sent = fill(p)
+    sent = harness.fill(p)
 
     async def main():
         t = tshare.empty_shared(1)
@@ -358,8 +327,4 @@ def bye_ends_iteration_and_awaited_releases_return():
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1] not in TESTS:
-        print("usage: test_asyncio.py {%s}" % ",".join(TESTS))
-        sys.exit(2)
-    TESTS[sys.argv[1]]()
-    print("ok")
+    test.main()

@@ -8,34 +8,16 @@ its end as a pickled tshare.Endpoint."""
 import multiprocessing
 import os
 import pickle
-import sys
 import threading
 
-try:
-    import torch
-    import torch.multiprocessing
-except ImportError:
-    print("SKIP: this Python has no torch (Debian: apt-get install python3-torch)")
-    sys.exit(77)
+import harness
+import torch
+import torch.multiprocessing
 
 import tshare
+from harness import expect_error
 
-TESTS = {}
-
-
-def test(fn):
-    TESTS[fn.__name__] = fn
-    return fn
-
-
-def expect_error(code, fragment, fn, *args, **kw):
-    try:
-        fn(*args, **kw)
-    except tshare.Error as e:
-        assert e.code == code, "code %s (%s), want %s: %s" % (e.code, e.status, code, e)
-        assert fragment in str(e), "message %r lacks %r" % (str(e), fragment)
-        return e
-    raise AssertionError("no error; wanted %s with %r" % (code, fragment))
+test = harness.Tests("test_multiprocessing.py")
 
 
 def unique_name(what):
@@ -43,7 +25,8 @@ def unique_name(what):
     return "tshare-test-mp-%s-%d" % (what, os.getpid())
 
 
-def pair():
+def opened_endpoint_pair():
+    """Both ends of endpoint_pair() opened here, the second in a thread."""
     mine, theirs = tshare.endpoint_pair()
     out = {}
     th = threading.Thread(target=lambda: out.setdefault("c", theirs.open(name="consumer")))
@@ -139,7 +122,7 @@ def pickling_a_channel_or_listener_is_refused_naming_what_to_do():
     """A Channel and a Listener are live connections of this process: pickled
     (also as the argument of a spawned process) they raise tshare.Error that
     names tshare.Endpoint; an Endpoint that was opened cannot travel."""
-    p, c = pair()
+    p, c = opened_endpoint_pair()
     expect_error(tshare.E_UNSUPPORTED, "tshare.Endpoint", pickle.dumps, p)
     child = multiprocessing.get_context("spawn").Process(target=add_one_to_each, args=(c,))
     expect_error(tshare.E_UNSUPPORTED, "Channel cannot be pickled", child.start)
@@ -194,7 +177,7 @@ def received_tensors_as_parameters():
     requires_grad as asked (None: only floating point and complex dtypes);
     asking gradients of an integer tensor is refused and released back;
     a Parameter's share is released when it dies."""
-    p, c = pair()
+    p, c = opened_endpoint_pair()
     f = tshare.empty_shared(3)
     i = tshare.empty_shared(3, dtype=torch.int32)
     sf = tshare.send(p, f, tag="float")
@@ -226,8 +209,4 @@ def received_tensors_as_parameters():
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1] not in TESTS:
-        print("usage: test_multiprocessing.py {%s}" % ",".join(TESTS))
-        sys.exit(2)
-    TESTS[sys.argv[1]]()
-    print("ok")
+    test.main()

@@ -1,0 +1,77 @@
+"""What the Python tests share: the torch check, one test per argument,
+channel pairs in one process, and error expectations.
+
+  import harness                     # exits 77 when this Python has no torch
+  test = harness.Tests("test_x.py")  # @test on each; test.main() at the end
+"""
+import sys
+import threading
+
+try:
+    import torch  # noqa: F401  the package needs it
+except ImportError:
+    print("SKIP: this Python has no torch (Debian: apt-get install python3-torch)")
+    sys.exit(77)
+
+import tshare
+
+
+class Tests:
+    """A decorator that files tests by name, and the main that runs one."""
+
+    def __init__(self, script):
+        self.script = script
+        self.tests = {}
+
+    def __call__(self, fn):
+        self.tests[fn.__name__] = fn
+        return fn
+
+    def main(self):
+        if len(sys.argv) != 2 or sys.argv[1] not in self.tests:
+            print("usage: %s {%s}" % (self.script, ",".join(self.tests)))
+            sys.exit(2)
+        self.tests[sys.argv[1]]()
+        print("ok")
+
+
+def pair(**kw):
+    """Two connected channels of this process: each end's hello waits for
+    the other's, so the consumer's end is opened in a thread."""
+    a, b = tshare.socketpair()
+    out = {}
+    th = threading.Thread(target=lambda: out.setdefault("c", tshare.open_socket(b, name="consumer", **kw)))
+    th.start()
+    p = tshare.open_socket(a, name="producer", **kw)
+    th.join()
+    return p, out["c"]
+
+
+def check_error(e, code, fragment):
+    assert e.code == code, "code %s (%s), want %s: %s" % (e.code, e.status, code, e)
+    assert fragment in str(e), "message %r lacks %r" % (str(e), fragment)
+
+
+def expect_error(code, fragment, fn, *args, **kw):
+    try:
+        fn(*args, **kw)
+    except tshare.Error as e:
+        check_error(e, code, fragment)
+        return e
+    raise AssertionError("no error; wanted %s with %r" % (code, fragment))
+
+
+def no_error_wanted(code, fragment):
+    return AssertionError("no error; wanted %s with %r" % (code, fragment))
+
+
+def fill(ch):
+    """Send until ch has no room (its peer does not read); the count sent."""
+    t = tshare.empty_shared(16)
+    n = 0
+    while True:
+        try:
+            tshare.send(ch, t[n % 16], timeout=0)
+        except tshare.TimeoutError:
+            return n
+        n += 1
