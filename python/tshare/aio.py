@@ -33,8 +33,10 @@ progress wakes no await: give a channel to one loop, or to threads.
 """
 import asyncio
 import collections
+from typing import AsyncIterator, Optional
 
 from . import _tshare
+from ._torch import Received
 from ._torch import recv as _recv
 from ._torch import send as _send
 
@@ -92,6 +94,7 @@ class _Watcher:
         self.idle_wakes = 0
         self.room_timer = None
         self.flush_timer = None
+        self.failed = False  # the channel failed: the awaits were woken to raise why
 
     # ---- the fd ----
 
@@ -190,8 +193,13 @@ class _Watcher:
             return False
         came = self._drain()
         if came is None:
-            self.closed()
-            return True
+            # Once: an await whose own call still says "would wait" then
+            # sleeps until the fd or the next flush, not in a busy loop.
+            if not self.failed:
+                self.failed = True
+                self.closed()
+                return True
+            return False
         woken = self._wake_receivers() | self._wake_released()
         if wake_senders:
             woken |= self._wake_senders()
@@ -271,7 +279,8 @@ async def _until(ch, kind, attempt, what, timeout, share_id=0):
             w.update()  # pass on what this await took or was woken for
 
 
-async def recv(ch, timeout=None, device=None, as_parameter=False, requires_grad=None):
+async def recv(ch, timeout: Optional[float] = None, device: Optional[int] = None, as_parameter: bool = False,
+               requires_grad: Optional[bool] = None) -> Optional[Received]:
     """Await the next tensor on ch (tshare.recv without blocking the loop):
     Received(tensor, tag, share_id), or None once the peer said bye."""
 
@@ -281,7 +290,7 @@ async def recv(ch, timeout=None, device=None, as_parameter=False, requires_grad=
     return await _until(ch, "recv", attempt, "recv", timeout)
 
 
-async def send(ch, tensor, tag="", timeout=None, move_to_shared_memory=True):
+async def send(ch, tensor, tag: str = "", timeout: Optional[float] = None, move_to_shared_memory: bool = True) -> int:
     """Share tensor on ch (tshare.send), awaiting room without blocking the
     loop; the share id. Cancelled or timed out, nothing was sent."""
 
@@ -291,7 +300,7 @@ async def send(ch, tensor, tag="", timeout=None, move_to_shared_memory=True):
     return await _until(ch, "send", attempt, "send", timeout)
 
 
-async def wait_released(ch, share_id=0, timeout=None):
+async def wait_released(ch, share_id: int = 0, timeout: Optional[float] = None) -> None:
     """Await the release of share_id (0: every share sent on ch)."""
 
     def attempt():
@@ -301,7 +310,8 @@ async def wait_released(ch, share_id=0, timeout=None):
     await _until(ch, "released", attempt, "wait_released", timeout, share_id)
 
 
-async def iterate(ch, device=None, as_parameter=False, requires_grad=None):
+async def iterate(ch, device: Optional[int] = None, as_parameter: bool = False,
+                  requires_grad: Optional[bool] = None) -> AsyncIterator[Received]:
     """`async for r in aio.iterate(ch):` every tensor until the peer says bye.
     The iterator drops its own reference to r before it waits for the next."""
     while True:

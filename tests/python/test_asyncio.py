@@ -6,8 +6,10 @@ Channels are opened in pairs from two threads (the hello of each end waits
 for the other's); producers are threads with the blocking API or tasks on
 the consumers' loop."""
 import asyncio
+import os
 import random
 import resource
+import signal
 import threading
 
 import harness
@@ -291,6 +293,43 @@ def close_ends_awaits():
 
     asyncio.run(main())
     for ch in (p1, c2, p3, c3):
+        ch.close()
+
+
+@test
+def a_producer_killed_while_awaited_ends_the_awaits():
+    """A producer process SIGKILLed while the consumer's loop awaits: its
+    last share comes first, then the recv raises tshare.PeerClosedError;
+    another channel's await on the loop goes on."""
+    a, b = tshare.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        os.close(b)
+        ch = tshare.open_socket(a, name="doomed producer")
+        tshare.send(ch, tshare.empty_shared(4), tag="last words")
+        ch.poll(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.close(a)
+    c = tshare.open_socket(b, name="consumer")
+    p2, c2 = pair()
+
+    async def main():
+        other = asyncio.ensure_future(aio.recv(c2, timeout=10))
+        r = await aio.recv(c, timeout=10)
+        assert r.tag == "last words", r
+        del r
+        try:
+            await asyncio.wait_for(aio.recv(c), timeout=5)
+            raise AssertionError("a recv from a dead producer returned")
+        except tshare.PeerClosedError:
+            pass
+        tshare.send(p2, tshare.empty_shared(1), tag="still here")
+        r = await other
+        assert r.tag == "still here", r
+
+    asyncio.run(main())
+    os.waitpid(pid, 0)
+    for ch in (c, p2, c2):
         ch.close()
 
 
