@@ -8,6 +8,7 @@ its end as a pickled tshare.Endpoint."""
 import multiprocessing
 import os
 import pickle
+import sys
 import threading
 
 import harness
@@ -64,6 +65,27 @@ def check_parameters(rank, endpoint):
         ch.poll(0)
 
 
+def sum_cuda_weights_under_asyncio(endpoint):
+    """Await the CUDA weights as a Parameter and a report tensor; write the
+    weights' sum and requires_grad into the report (the parent's memory)."""
+    import asyncio
+
+    from tshare import aio
+
+    async def main(ch):
+        w = await aio.recv(ch, timeout=60, as_parameter=True)
+        report = await aio.recv(ch, timeout=60)
+        assert w.tensor.is_cuda and isinstance(w.tensor, torch.nn.Parameter), w.tensor
+        report.tensor[0] = w.tensor.sum()
+        report.tensor[1] = float(w.tensor.requires_grad)
+        del w, report
+        ch.poll(0)
+        assert await aio.recv(ch, timeout=60) is None  # the bye
+
+    with endpoint.open(name="cuda child", timeout=60) as ch:
+        asyncio.run(main(ch))
+
+
 # ---- tests ---------------------------------------------------------------
 
 
@@ -115,6 +137,30 @@ def torch_multiprocessing_spawn_children_connect_through_a_listener_endpoint():
     # w sums to 2, steps is 7, the gradient of sum(2w) sums to 8
     assert torch.equal(report, torch.full((nprocs,), 17.0)), report
     assert torch.equal(w, torch.full((4,), 0.5)), "the child's backward changed the weights: %s" % w
+
+
+@test
+def cuda_tensors_to_a_spawned_child_under_asyncio():
+    """CUDA weights to a spawned child (CUDA does not survive fork) that
+    awaits them with tshare.aio as a Parameter and writes into a CUDA tensor
+    of the parent's."""
+    if not torch.cuda.is_available() or tshare.cuda_device_count() == 0:
+        print("SKIP: no CUDA device")
+        sys.exit(77)
+    mine, theirs = tshare.endpoint_pair()
+    child = multiprocessing.get_context("spawn").Process(target=sum_cuda_weights_under_asyncio, args=(theirs,))
+    child.start()
+    theirs.close()
+    with mine.open(name="parent", timeout=120) as ch:
+        w = torch.full((1024,), 0.5, device="cuda")
+        report = torch.zeros(2, device="cuda")
+        tshare.send(ch, w, timeout=10)
+        tshare.send(ch, report, timeout=10)
+        ch.wait_released(timeout=120)
+        ch.send_bye(timeout=10)
+        assert report.tolist() == [512.0, 1.0], report
+    child.join(120)
+    assert child.exitcode == 0, "child exit code %s" % child.exitcode
 
 
 @test
