@@ -118,7 +118,10 @@ class Channel:
         """Awaits on the channel (tshare.aio) raise that it is closed."""
         w = self._aio
         if w is not None:
-            w.loop.call_soon_threadsafe(w.closed)
+            try:
+                w.loop.call_soon_threadsafe(w.closed)
+            except RuntimeError:  # that loop was closed: nothing awaits there any more
+                pass
 
     def fileno(self):
         return self._c.fileno()

@@ -292,8 +292,13 @@ def close_ends_awaits():
         assert r.tag == "goes on"
 
     asyncio.run(main())
+    loop = asyncio.new_event_loop()  # a loop closed with an await still pending on c3
+    abandoned = loop.create_task(aio.recv(c3))
+    loop.run_until_complete(asyncio.sleep(0.05))
+    loop.close()
     for ch in (p1, c2, p3, c3):
-        ch.close()
+        ch.close()  # also c3, whose await's loop is gone
+    del abandoned
 
 
 @test
