@@ -411,7 +411,11 @@ int ts_session_recv(tshare_channel *ch, tshare_frame *f, int *fd_out, int *fd_lo
                      "thread or a callback); the handle is gone once this call returns");
     ts_gpu_wait gpu = TS_GPU_IDLE;
     int rc = housekeeping(ch, deadline, woken, &gpu);
-    if (rc != TSHARE_OK) return rc;
+    /* A peer that does not make room for what this end owes (nothing of it
+     * went: it goes with a later receive) may still have sent frames: they
+     * are read now, or an event loop would find the fd readable forever and
+     * two such ends could wait on each other. */
+    if (rc != TSHARE_OK && rc != TSHARE_E_TIMEOUT) return rc;
     /* Releases waiting for the GPU are looked at again at once while they
      * are fresh, then every millisecond. */
     int wait_ms = ts_remaining(deadline);

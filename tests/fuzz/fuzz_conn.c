@@ -247,8 +247,8 @@ static int drive(harness *h) {
 }
 
 /* The drive ended because nothing came: the receive's own timeout. (A
- * drive whose releases found the peer's ring full times out in their send
- * before it receives: that one says "send".) */
+ * drive whose releases found the peer's ring full still receives after
+ * their send timed out, so its timeout is the receive's too.) */
 static bool nothing_came(const harness *h, int rc) {
   return rc == TSHARE_E_TIMEOUT && strncmp(tshare_channel_last_error(h->ch), "receive", 7) == 0;
 }
