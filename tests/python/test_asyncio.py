@@ -135,6 +135,33 @@ def a_recv_woken_for_a_share_and_then_cancelled_leaves_it_queued():
 
 
 @test
+def a_call_that_takes_frames_another_await_waits_for_wakes_it():
+    """An await's own call takes frames off the channel that another await
+    sleeps for, so the fd says nothing more (on a socket channel): the drain
+    after every call wakes that await. The watcher's periodic drive, which
+    would find the share too, is set off here so that only the drain can."""
+    aio._RELEASE_FLUSH_S = 1000.0
+    for transport in ("socket", "ring"):
+        p, c = pair(transport=transport)
+        sid = tshare.send(c, tshare.empty_shared(1), tag="to the producer")
+
+        async def main():
+            sleeper = asyncio.ensure_future(aio.recv(c, timeout=60))
+            await asyncio.sleep(0.05)  # it sleeps on c's fd
+            r = tshare.recv(p, timeout=5)
+            tshare.send(p, tshare.empty_shared(1), tag="for the sleeper")
+            del r
+            p.poll(0)  # the release of sid follows the share on c
+            await aio.wait_released(c, sid, timeout=5)  # its first call takes both, before the loop looks at the fd
+            got = await asyncio.wait_for(sleeper, timeout=5)
+            assert got.tag == "for the sleeper", "%s: %r" % (transport, got)
+
+        asyncio.run(main())
+        p.close()
+        c.close()
+
+
+@test
 def three_recvs_on_one_channel_share_the_stream():
     """Three tasks await recv on one channel: each share goes to exactly one."""
     p, c = pair()
