@@ -512,6 +512,195 @@ TS_TEST(malformed_field_values) {
   CHECK_RC(decode(buf, len, &g), TSHARE_E_MALFORMED, "");
 }
 
+/* ---- tensor set frames ---------------------------------------------------- */
+
+/* Payload offsets of a set frame (wire.c's encode order): op 0, set_id 1;
+ * begin: count 9, mem_count 13, names_bytes 17, meta_bytes 21; member: index
+ * 9, mem_index 13, name_len 17, name 19; memory: mem_kind 21. */
+#define SET_AT(off) (TSHARE_WIRE_HEADER_SIZE + (off))
+
+static tshare_frame set_frame(uint8_t op) {
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_SET;
+  f.u.set.op = op;
+  f.u.set.set_id = 99;
+  return f;
+}
+
+static tshare_frame set_begin(uint32_t count, uint32_t mem_count, uint32_t names_bytes, uint32_t meta_bytes) {
+  tshare_frame f = set_frame(TSHARE_SET_BEGIN);
+  f.u.set.u.begin = (tshare_set_begin){count, mem_count, names_bytes, meta_bytes};
+  return f;
+}
+
+static tshare_frame set_member(const char *name, size_t name_len) {
+  tshare_frame f = set_frame(TSHARE_SET_MEMBER);
+  tshare_set_member *m = &f.u.set.u.member;
+  m->index = 3;
+  m->mem_index = 1;
+  m->name_len = (uint16_t)name_len;
+  memcpy(m->name, name, name_len);
+  m->tensor.dtype = (tshare_dtype){TSHARE_DTYPE_BFLOAT, 16, 1};
+  m->tensor.ndim = 2;
+  m->tensor.shape[0] = 5;
+  m->tensor.shape[1] = 7;
+  tshare_tensor_set_contiguous(&m->tensor);
+  m->tensor.byte_offset = 1 << 20;
+  return f;
+}
+
+static tshare_frame set_mem(void) {
+  tshare_frame f = set_frame(TSHARE_SET_MEM);
+  f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+  f.u.set.u.mem = (tshare_set_mem){.index = 1, .alloc_id = 77, .mem_kind = TSHARE_MEM_HOST_MEMFD,
+                                   .device_type = TSHARE_DEVICE_CPU, .alloc_size = 8 << 20};
+  return f;
+}
+
+static void expect_encode_refused(const tshare_frame *f, int want) {
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len;
+  tshare_error terr;
+  CHECK_RC(tshare_wire_encode(f, buf, sizeof buf, &len, &terr), want, terr.message);
+  printf("  refused as expected: %s\n", terr.message);
+}
+
+TS_TEST(roundtrip_set_frames) {
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  tshare_frame f = set_begin(65536, 2, 16u << 20, 16u << 20), g;
+  CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
+  CHECK_EQ(g.type, TSHARE_FRAME_SET);
+  CHECK_EQ(g.u.set.op, TSHARE_SET_BEGIN);
+  CHECK_EQ(g.u.set.set_id, 99);
+  CHECK(memcmp(&g.u.set.u.begin, &f.u.set.u.begin, sizeof f.u.set.u.begin) == 0);
+
+  f = set_mem();
+  CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
+  CHECK_EQ(g.flags, TSHARE_FRAME_FLAG_FD_ATTACHED);
+  CHECK_EQ(g.u.set.u.mem.index, 1);
+  CHECK_EQ(g.u.set.u.mem.alloc_id, 77);
+  CHECK_EQ(g.u.set.u.mem.alloc_size, 8 << 20);
+  CHECK_EQ(g.u.set.u.mem.mem_kind, TSHARE_MEM_HOST_MEMFD);
+
+  /* The longest name with the most dimensions still fits one frame. */
+  char name[TSHARE_SET_NAME_MAX];
+  memset(name, 'w', sizeof name);
+  memcpy(name, "vision_tower.\xc3\xa9", 15); /* UTF-8 is fine */
+  f = set_member(name, sizeof name);
+  f.u.set.u.member.tensor.ndim = TSHARE_MAX_NDIM;
+  for (int i = 2; i < TSHARE_MAX_NDIM; i++) f.u.set.u.member.tensor.shape[i] = 1;
+  tshare_tensor_set_contiguous(&f.u.set.u.member.tensor);
+  CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.set.u.member.name_len, TSHARE_SET_NAME_MAX);
+  CHECK(memcmp(g.u.set.u.member.name, name, sizeof name) == 0 && g.u.set.u.member.name[sizeof name] == '\0');
+  CHECK_EQ(g.u.set.u.member.index, 3);
+  CHECK_EQ(g.u.set.u.member.mem_index, 1);
+  CHECK(memcmp(&g.u.set.u.member.tensor, &f.u.set.u.member.tensor, sizeof f.u.set.u.member.tensor) == 0);
+  f = set_member("x", 1);
+  CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
+  CHECK(strcmp(g.u.set.u.member.name, "x") == 0);
+
+  f = set_frame(TSHARE_SET_META);
+  f.u.set.u.meta.offset = 4096;
+  f.u.set.u.meta.len = TSHARE_SET_META_CHUNK_MAX;
+  for (unsigned i = 0; i < TSHARE_SET_META_CHUNK_MAX; i++) f.u.set.u.meta.bytes[i] = (uint8_t)(i * 31);
+  CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.set.u.meta.offset, 4096);
+  CHECK(memcmp(g.u.set.u.meta.bytes, f.u.set.u.meta.bytes, TSHARE_SET_META_CHUNK_MAX) == 0);
+
+  f = set_frame(TSHARE_SET_END);
+  CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.set.op, TSHARE_SET_END);
+  CHECK(strcmp(tshare_frame_type_name(TSHARE_FRAME_SET), "set") == 0);
+}
+
+TS_TEST(malformed_set_bounds) {
+  expect_encode_refused(&(tshare_frame){0}, TSHARE_E_UNKNOWN_TYPE);
+  tshare_frame f = set_begin(TSHARE_SET_MEMBERS_MAX + 1, 1, TSHARE_SET_MEMBERS_MAX + 1, 0);
+  expect_encode_refused(&f, TSHARE_E_TOO_LARGE); /* too many tensors */
+  f = set_begin(0, 0, 0, 0);
+  expect_encode_refused(&f, TSHARE_E_TOO_LARGE); /* an empty set */
+  f = set_begin(4, 5, 4, 0);
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* more memories than tensors */
+  f = set_begin(4, 1, 4 * TSHARE_SET_NAME_MAX + 1, 0);
+  expect_encode_refused(&f, TSHARE_E_TOO_LARGE); /* names longer than the members could carry */
+  f = set_begin(65536, 1, TSHARE_SET_NAMES_MAX + 1, 0);
+  expect_encode_refused(&f, TSHARE_E_TOO_LARGE); /* names over the total bound */
+  f = set_begin(1, 1, 1, TSHARE_SET_META_MAX + 1);
+  expect_encode_refused(&f, TSHARE_E_TOO_LARGE); /* metadata over the bound */
+  f = set_frame(TSHARE_SET_META);
+  f.u.set.u.meta.offset = TSHARE_SET_META_MAX - 10;
+  f.u.set.u.meta.len = 11;
+  expect_encode_refused(&f, TSHARE_E_TOO_LARGE); /* a chunk past the bound */
+  f = set_member("", 0);
+  expect_encode_refused(&f, TSHARE_E_TOO_LARGE); /* no name */
+  f = set_frame(TSHARE_SET_END);
+  f.u.set.set_id = 0;
+  expect_encode_refused(&f, TSHARE_E_MALFORMED);
+
+  /* The same bounds hold for what a peer sends: the decoder refuses them. */
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  tshare_frame g;
+  f = set_begin(1, 1, 1, 0);
+  size_t len = encode(&f, buf);
+  put_u32(buf + SET_AT(9), TSHARE_SET_MEMBERS_MAX + 1);
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_TOO_LARGE, "");
+  len = encode(&f, buf);
+  put_u32(buf + SET_AT(21), TSHARE_SET_META_MAX + 1);
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_TOO_LARGE, "");
+  len = encode(&f, buf);
+  put_u32(buf + SET_AT(17), 2); /* two bytes of names for one tensor of at least one */
+  CHECK_RC(decode(buf, len, &g), TSHARE_OK, "");
+  put_u32(buf + SET_AT(17), TSHARE_SET_NAME_MAX + 1);
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_TOO_LARGE, "");
+  f = set_member("layer", 5);
+  len = encode(&f, buf);
+  buf[SET_AT(17)] = (uint8_t)(TSHARE_SET_NAME_MAX + 1);
+  buf[SET_AT(18)] = (uint8_t)((TSHARE_SET_NAME_MAX + 1) >> 8); /* a name over 1 KiB */
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_TOO_LARGE, "");
+}
+
+TS_TEST(malformed_set_fields) {
+  tshare_frame f = set_member("bad\xff", 4);
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* not UTF-8 */
+  f = set_member("a\xc0\xaf", 3);
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* an overlong form */
+  f = set_member("a\0b", 3);
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* a NUL inside */
+  f = set_member("w", 1);
+  f.u.set.u.member.tensor.shape[0] = INT64_MAX;
+  expect_encode_refused(&f, TSHARE_E_OVERFLOW);
+  f = set_mem();
+  f.u.set.u.mem.device_type = TSHARE_DEVICE_CUDA;
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* host memory on a GPU */
+  f = set_mem();
+  f.flags = 0;
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* a memfd without its fd */
+  f = set_begin(1, 1, 1, 0);
+  f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* an fd where none belongs */
+  f = set_frame(9);
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* an unknown step */
+
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  tshare_frame g;
+  f = set_mem();
+  size_t len = encode(&f, buf);
+  buf[SET_AT(21)] = 9; /* mem_kind */
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_MALFORMED, "");
+  f = set_member("layer", 5);
+  len = encode(&f, buf);
+  buf[SET_AT(19 + 2)] = 0; /* a NUL in the name */
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_MALFORMED, "");
+  len = encode(&f, buf);
+  put_u32(buf + 8, (uint32_t)(len - TSHARE_WIRE_HEADER_SIZE - 8)); /* a payload cut inside the strides */
+  CHECK_RC(decode(buf, len - 8, &g), TSHARE_E_TRUNCATED, "");
+  len = encode(&f, buf);
+  buf[SET_AT(0)] = 0; /* op */
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_MALFORMED, "");
+}
+
 TS_TEST(decoder_error_is_sticky) {
   tshare_frame f = sample_share(), g;
   uint8_t buf[TSHARE_WIRE_FRAME_MAX];

@@ -51,12 +51,14 @@ const char *tshare_frame_type_name(int type) {
     return "ring";
   case TSHARE_FRAME_CHUNK:
     return "chunk";
+  case TSHARE_FRAME_SET:
+    return "set";
   default:
     return "unknown";
   }
 }
 
-static bool type_known(int type) { return type >= TSHARE_FRAME_HELLO && type <= TSHARE_FRAME_CHUNK; }
+static bool type_known(int type) { return type >= TSHARE_FRAME_HELLO && type <= TSHARE_FRAME_SET; }
 
 static bool kind_takes_fd(int kind) { return kind == TSHARE_MEM_HOST_MEMFD || kind == TSHARE_MEM_CUDA_FD; }
 
@@ -77,6 +79,112 @@ static int check_chunk(const tshare_chunk_frame *k, uint8_t flags, uint64_t max_
   if (!(flags & TSHARE_FRAME_FLAG_FD_ATTACHED))
     return ts_errf(err, cap, TSHARE_E_MALFORMED, "chunk: a chunk frame carries its fd");
   return TSHARE_OK;
+}
+
+/* Well-formed UTF-8 (no overlong forms, surrogates or code points past
+ * U+10FFFF) without NUL: what a member's name must be. */
+static bool utf8_name_ok(const char *s, size_t n) {
+  const unsigned char *p = (const unsigned char *)s;
+  for (size_t i = 0; i < n;) {
+    unsigned c = p[i];
+    size_t len = c < 0x80 ? 1 : (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : (c & 0xF8) == 0xF0 ? 4 : 0;
+    if (c == 0 || len == 0 || len > n - i) return false;
+    uint32_t cp = len == 1 ? c : c & (0x7Fu >> len);
+    for (size_t k = 1; k < len; k++) {
+      if ((p[i + k] & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (p[i + k] & 0x3Fu);
+    }
+    static const uint32_t min_cp[5] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < min_cp[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    i += len;
+  }
+  return true;
+}
+
+static int check_set_begin(const tshare_set_begin *b, char *err, size_t cap) {
+  if (b->count == 0 || b->count > TSHARE_SET_MEMBERS_MAX)
+    return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "set: %u tensors outside 1..%u", b->count, TSHARE_SET_MEMBERS_MAX);
+  if (b->mem_count == 0 || b->mem_count > b->count)
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: %u memories for %u tensors (1..tensors)", b->mem_count,
+                   b->count);
+  uint64_t names_most = (uint64_t)b->count * TSHARE_SET_NAME_MAX;
+  if (names_most > TSHARE_SET_NAMES_MAX) names_most = TSHARE_SET_NAMES_MAX;
+  if (b->names_bytes < b->count || b->names_bytes > names_most)
+    return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "set: %u bytes of names for %u tensors (%u..%llu)", b->names_bytes,
+                   b->count, b->count, (unsigned long long)names_most);
+  if (b->meta_bytes > TSHARE_SET_META_MAX)
+    return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "set: %u bytes of metadata over %u", b->meta_bytes,
+                   TSHARE_SET_META_MAX);
+  return TSHARE_OK;
+}
+
+static int check_set_mem(const tshare_set_mem *m, uint8_t flags, const tshare_wire_limits *limits, char *err,
+                         size_t cap) {
+  if (m->index >= TSHARE_SET_MEMBERS_MAX)
+    return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "set: memory index %u over %u", m->index, TSHARE_SET_MEMBERS_MAX);
+  if (m->mem_kind < TSHARE_MEM_HOST_MEMFD || m->mem_kind > TSHARE_MEM_CUDA_HELD)
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: memory %u of unknown mem_kind %u", m->index,
+                   (unsigned)m->mem_kind);
+  if (m->handle_len > TSHARE_HANDLE_MAX)
+    return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "set: memory %u: handle_len %u over %d", m->index,
+                   (unsigned)m->handle_len, TSHARE_HANDLE_MAX);
+  bool host = m->mem_kind == TSHARE_MEM_HOST_MEMFD;
+  if (host != (m->device_type == TSHARE_DEVICE_CPU) || (host && m->handle_len != 0))
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: memory %u: mem_kind %u with device_type %u and %u handle bytes",
+                   m->index, (unsigned)m->mem_kind, (unsigned)m->device_type, (unsigned)m->handle_len);
+  if (kind_takes_fd(m->mem_kind) != ((flags & TSHARE_FRAME_FLAG_FD_ATTACHED) != 0))
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: memory %u: mem_kind %u and the fd-attached flag disagree",
+                   m->index, (unsigned)m->mem_kind);
+  if (m->alloc_size > limits->max_alloc_size)
+    return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "set: memory %u: alloc_size %llu over max_alloc_size %llu", m->index,
+                   (unsigned long long)m->alloc_size, (unsigned long long)limits->max_alloc_size);
+  return TSHARE_OK;
+}
+
+static int check_set_member(const tshare_set_member *m, const tshare_wire_limits *limits, char *err, size_t cap) {
+  if (m->index >= TSHARE_SET_MEMBERS_MAX || m->mem_index >= TSHARE_SET_MEMBERS_MAX)
+    return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "set: tensor %u (memory %u) over %u", m->index, m->mem_index,
+                   TSHARE_SET_MEMBERS_MAX);
+  if (m->name_len == 0 || m->name_len > TSHARE_SET_NAME_MAX)
+    return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "set: tensor %u: name of %u bytes outside 1..%u", m->index,
+                   (unsigned)m->name_len, TSHARE_SET_NAME_MAX);
+  if (!utf8_name_ok(m->name, m->name_len))
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: tensor %u: name is not UTF-8 without NUL bytes", m->index);
+  if (m->tensor.ndim < 0 || (uint32_t)m->tensor.ndim > limits->max_ndim)
+    return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "set: tensor %u: ndim %d over max_ndim %u", m->index,
+                   (int)m->tensor.ndim, limits->max_ndim);
+  /* Its memory's size comes in another frame: here only the arithmetic. */
+  char why[160];
+  int rc = ts_tensor_check(&m->tensor, UINT64_MAX, NULL, NULL, why, sizeof why);
+  if (rc != TSHARE_OK) return ts_errf(err, cap, rc, "set: tensor %u: %s", m->index, why);
+  return TSHARE_OK;
+}
+
+int ts_wire_check_set(const tshare_set_frame *f, uint8_t flags, const tshare_wire_limits *limits_in, char *err,
+                      size_t cap) {
+  tshare_wire_limits limits = clamp_limits(limits_in);
+  if (f->set_id == 0) return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: set_id is 0");
+  if (f->op != TSHARE_SET_MEM && (flags & TSHARE_FRAME_FLAG_FD_ATTACHED))
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: only a memory frame carries an fd");
+  if (flags & TSHARE_FRAME_FLAG_HAS_EVENT) return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: a set frame has no event");
+  switch (f->op) {
+  case TSHARE_SET_BEGIN:
+    return check_set_begin(&f->u.begin, err, cap);
+  case TSHARE_SET_MEM:
+    return check_set_mem(&f->u.mem, flags, &limits, err, cap);
+  case TSHARE_SET_MEMBER:
+    return check_set_member(&f->u.member, &limits, err, cap);
+  case TSHARE_SET_META:
+    if (f->u.meta.len == 0 || f->u.meta.len > TSHARE_SET_META_CHUNK_MAX ||
+        (uint64_t)f->u.meta.offset + f->u.meta.len > TSHARE_SET_META_MAX)
+      return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "set: metadata chunk of %u bytes at %u (chunks 1..%u, total %u)",
+                     (unsigned)f->u.meta.len, f->u.meta.offset, TSHARE_SET_META_CHUNK_MAX, TSHARE_SET_META_MAX);
+    return TSHARE_OK;
+  case TSHARE_SET_END:
+    return TSHARE_OK;
+  default:
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: unknown op %u", (unsigned)f->op);
+  }
 }
 
 int ts_wire_check_share(const tshare_share_frame *s, const tshare_wire_limits *limits_in, char *err, size_t cap) {
@@ -130,6 +238,56 @@ int ts_wire_check_share(const tshare_share_frame *s, const tshare_wire_limits *l
 }
 
 /* ---- encoding ---------------------------------------------------------- */
+
+static void put_desc(ts_writer *w, const tshare_tensor_desc *t) {
+  ts_put_u8(w, t->dtype.code);
+  ts_put_u8(w, t->dtype.bits);
+  ts_put_u16(w, t->dtype.lanes);
+  ts_put_u8(w, (uint8_t)t->ndim);
+  ts_put_u64(w, t->byte_offset);
+  for (int i = 0; i < t->ndim; i++) ts_put_u64(w, (uint64_t)t->shape[i]);
+  for (int i = 0; i < t->ndim; i++) ts_put_u64(w, (uint64_t)t->strides[i]);
+}
+
+static int encode_set(const tshare_set_frame *f, uint8_t flags, ts_writer *w, char *err, size_t cap) {
+  int rc = ts_wire_check_set(f, flags, NULL, err, cap);
+  if (rc != TSHARE_OK) return rc;
+  ts_put_u8(w, f->op);
+  ts_put_u64(w, f->set_id);
+  switch (f->op) {
+  case TSHARE_SET_BEGIN:
+    ts_put_u32(w, f->u.begin.count);
+    ts_put_u32(w, f->u.begin.mem_count);
+    ts_put_u32(w, f->u.begin.names_bytes);
+    ts_put_u32(w, f->u.begin.meta_bytes);
+    break;
+  case TSHARE_SET_MEM: {
+    const tshare_set_mem *m = &f->u.mem;
+    ts_put_u32(w, m->index);
+    ts_put_u64(w, m->alloc_id);
+    ts_put_u8(w, m->mem_kind);
+    ts_put_u8(w, m->device_type);
+    ts_put_u8(w, m->handle_len);
+    ts_put_u64(w, m->alloc_size);
+    ts_put_bytes(w, m->device_uuid, 16);
+    ts_put_bytes(w, m->handle, m->handle_len);
+    break;
+  }
+  case TSHARE_SET_MEMBER:
+    ts_put_u32(w, f->u.member.index);
+    ts_put_u32(w, f->u.member.mem_index);
+    ts_put_u16(w, f->u.member.name_len);
+    ts_put_bytes(w, f->u.member.name, f->u.member.name_len);
+    put_desc(w, &f->u.member.tensor);
+    break;
+  case TSHARE_SET_META:
+    ts_put_u32(w, f->u.meta.offset);
+    ts_put_u16(w, f->u.meta.len);
+    ts_put_bytes(w, f->u.meta.bytes, f->u.meta.len);
+    break;
+  }
+  return TSHARE_OK;
+}
 
 static int encode_payload(const tshare_frame *f, ts_writer *w, char *err, size_t cap) {
   switch (f->type) {
@@ -212,6 +370,8 @@ static int encode_payload(const tshare_frame *f, ts_writer *w, char *err, size_t
     ts_put_u64(w, k->size);
     return TSHARE_OK;
   }
+  case TSHARE_FRAME_SET:
+    return encode_set(&f->u.set, f->flags, w, err, cap);
   case TSHARE_FRAME_RELEASE: {
     const tshare_release_frame *r = &f->u.release;
     if (r->count == 0 || r->count > TSHARE_RELEASE_MAX)
@@ -407,6 +567,67 @@ static int decode_share(tshare_decoder *d, ts_reader *r, uint8_t flags, tshare_s
   return TSHARE_OK;
 }
 
+/* Lengths are checked before they size a read; the rest by ts_wire_check_set. */
+static int decode_set(tshare_decoder *d, ts_reader *r, uint8_t flags, tshare_set_frame *f) {
+  f->op = ts_get_u8(r);
+  f->set_id = ts_get_u64(r);
+  switch (f->op) {
+  case TSHARE_SET_BEGIN:
+    f->u.begin.count = ts_get_u32(r);
+    f->u.begin.mem_count = ts_get_u32(r);
+    f->u.begin.names_bytes = ts_get_u32(r);
+    f->u.begin.meta_bytes = ts_get_u32(r);
+    break;
+  case TSHARE_SET_MEM: {
+    tshare_set_mem *m = &f->u.mem;
+    m->index = ts_get_u32(r);
+    m->alloc_id = ts_get_u64(r);
+    m->mem_kind = ts_get_u8(r);
+    m->device_type = ts_get_u8(r);
+    m->handle_len = ts_get_u8(r);
+    m->alloc_size = ts_get_u64(r);
+    ts_get_bytes(r, m->device_uuid, 16);
+    if (m->handle_len > TSHARE_HANDLE_MAX)
+      return fail(d, TSHARE_E_TOO_LARGE, "set: handle_len %u over %d", m->handle_len, TSHARE_HANDLE_MAX);
+    ts_get_bytes(r, m->handle, m->handle_len);
+    break;
+  }
+  case TSHARE_SET_MEMBER: {
+    tshare_set_member *m = &f->u.member;
+    m->index = ts_get_u32(r);
+    m->mem_index = ts_get_u32(r);
+    m->name_len = ts_get_u16(r);
+    if (m->name_len > TSHARE_SET_NAME_MAX)
+      return fail(d, TSHARE_E_TOO_LARGE, "set: tensor %u: name of %u bytes over %u", m->index, m->name_len,
+                  TSHARE_SET_NAME_MAX);
+    ts_get_bytes(r, m->name, m->name_len);
+    m->tensor.dtype.code = ts_get_u8(r);
+    m->tensor.dtype.bits = ts_get_u8(r);
+    m->tensor.dtype.lanes = ts_get_u16(r);
+    uint8_t ndim = ts_get_u8(r);
+    if (ndim > d->limits.max_ndim)
+      return fail(d, TSHARE_E_TOO_LARGE, "set: tensor %u: ndim %u over max_ndim %u", m->index, ndim,
+                  d->limits.max_ndim);
+    m->tensor.ndim = ndim;
+    m->tensor.byte_offset = ts_get_u64(r);
+    for (int i = 0; i < ndim; i++) m->tensor.shape[i] = (int64_t)ts_get_u64(r);
+    for (int i = 0; i < ndim; i++) m->tensor.strides[i] = (int64_t)ts_get_u64(r);
+    break;
+  }
+  case TSHARE_SET_META:
+    f->u.meta.offset = ts_get_u32(r);
+    f->u.meta.len = ts_get_u16(r);
+    if (f->u.meta.len > TSHARE_SET_META_CHUNK_MAX)
+      return fail(d, TSHARE_E_TOO_LARGE, "set: metadata chunk of %u bytes over %u", f->u.meta.len,
+                  TSHARE_SET_META_CHUNK_MAX);
+    ts_get_bytes(r, f->u.meta.bytes, f->u.meta.len);
+    break;
+  }
+  if (r->short_read) return TSHARE_OK; /* reported as truncation by the caller */
+  int rc = ts_wire_check_set(f, flags, &d->limits, d->err, sizeof d->err);
+  return rc == TSHARE_OK ? TSHARE_OK : (d->failed = rc);
+}
+
 int tshare_decoder_next(tshare_decoder *d, tshare_frame *out) {
   if (!d || !out) return TSHARE_E_INVALID_ARG;
   if (d->failed) return d->failed;
@@ -502,6 +723,9 @@ int tshare_decoder_next(tshare_decoder *d, tshare_frame *out) {
       return fail(d, rc, "%s", why);
     break;
   }
+  case TSHARE_FRAME_SET:
+    rc = decode_set(d, &r, flags, &out->u.set);
+    break;
   case TSHARE_FRAME_RING: {
     out->u.ring.op = ts_get_u8(&r);
     out->u.ring.capacity = ts_get_u32(&r);
@@ -524,6 +748,15 @@ int tshare_decoder_next(tshare_decoder *d, tshare_frame *out) {
 int tshare_wire_check_share(const tshare_share_frame *share, const tshare_wire_limits *limits, tshare_error *err) {
   char msg[TSHARE_ERROR_MSG_MAX] = "";
   int rc = ts_wire_check_share(share, limits, msg, sizeof msg);
+  ts_error_fill(err, rc, msg);
+  return rc;
+}
+
+int tshare_wire_check_set(const tshare_set_frame *set, uint8_t flags, const tshare_wire_limits *limits,
+                          tshare_error *err) {
+  char msg[TSHARE_ERROR_MSG_MAX] = "";
+  int rc = set ? ts_wire_check_set(set, flags, limits, msg, sizeof msg)
+               : ts_errf(msg, sizeof msg, TSHARE_E_INVALID_ARG, "set: NULL frame");
   ts_error_fill(err, rc, msg);
   return rc;
 }

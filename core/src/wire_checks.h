@@ -10,6 +10,8 @@
 
 int ts_wire_encode(const tshare_frame *frame, uint8_t *buf, size_t cap, size_t *len, char *err, size_t err_cap);
 int ts_wire_check_share(const tshare_share_frame *share, const tshare_wire_limits *limits, char *err, size_t err_cap);
+int ts_wire_check_set(const tshare_set_frame *set, uint8_t flags, const tshare_wire_limits *limits, char *err,
+                      size_t err_cap);
 int ts_tensor_check(const tshare_tensor_desc *desc, uint64_t alloc_size, uint64_t *span_begin, uint64_t *span_end,
                     char *err, size_t err_cap);
 

@@ -1,4 +1,4 @@
-/* libFuzzer target for the frame decoder and share validation.
+/* libFuzzer target for the frame decoder, share and tensor-set validation.
  *
  * The first input byte picks how the rest is cut into feeds (framing must not
  * depend on how bytes arrive). Every frame the decoder accepts must pass the
@@ -12,6 +12,33 @@
 #include <string.h>
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+/* A set frame's fields as sent are its fields as received; a member's name
+ * is NUL-terminated at its length. */
+static void check_set_round_trip(const tshare_set_frame *a, const tshare_set_frame *b) {
+  if (a->op != b->op || a->set_id != b->set_id) abort();
+  switch (a->op) {
+  case TSHARE_SET_BEGIN:
+    if (memcmp(&a->u.begin, &b->u.begin, sizeof a->u.begin) != 0) abort();
+    break;
+  case TSHARE_SET_MEM:
+    if (a->u.mem.index != b->u.mem.index || a->u.mem.alloc_id != b->u.mem.alloc_id ||
+        a->u.mem.alloc_size != b->u.mem.alloc_size || a->u.mem.mem_kind != b->u.mem.mem_kind)
+      abort();
+    break;
+  case TSHARE_SET_MEMBER:
+    if (a->u.member.name_len != b->u.member.name_len || a->u.member.mem_index != b->u.member.mem_index ||
+        strlen(b->u.member.name) != b->u.member.name_len || strcmp(a->u.member.name, b->u.member.name) != 0 ||
+        memcmp(&a->u.member.tensor, &b->u.member.tensor, sizeof a->u.member.tensor) != 0)
+      abort();
+    break;
+  case TSHARE_SET_META:
+    if (a->u.meta.offset != b->u.meta.offset || a->u.meta.len != b->u.meta.len ||
+        memcmp(a->u.meta.bytes, b->u.meta.bytes, a->u.meta.len) != 0)
+      abort();
+    break;
+  }
+}
 
 static void round_trip(const tshare_frame *f) {
   uint8_t buf[TSHARE_WIRE_FRAME_MAX];
@@ -33,6 +60,7 @@ static void round_trip(const tshare_frame *f) {
     if (tshare_tensor_check(&a->tensor, a->alloc_size, &begin, &end, NULL) != TSHARE_OK) abort();
     if (begin > end || end > a->alloc_size) abort();
   }
+  if (f->type == TSHARE_FRAME_SET) check_set_round_trip(&f->u.set, &g.u.set);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {

@@ -46,6 +46,52 @@ static void write_stride_seed(const char *dir, const char *name, const tshare_fr
   fclose(f);
 }
 
+static tshare_frame set_step(uint8_t op) {
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_SET;
+  f.u.set.op = op;
+  f.u.set.set_id = 5;
+  return f;
+}
+
+/* A whole tensor set (two tensors in one memfd, metadata), and a member with
+ * the longest name and the most dimensions. */
+static void write_set_seeds(const char *dir) {
+  tshare_frame f[6];
+  f[0] = set_step(TSHARE_SET_BEGIN);
+  f[0].u.set.u.begin = (tshare_set_begin){.count = 2, .mem_count = 1, .names_bytes = 13, .meta_bytes = 4};
+  f[1] = set_step(TSHARE_SET_MEM);
+  f[1].flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+  f[1].u.set.u.mem = (tshare_set_mem){.alloc_id = 9, .mem_kind = TSHARE_MEM_HOST_MEMFD,
+                                      .device_type = TSHARE_DEVICE_CPU, .alloc_size = 1 << 16};
+  for (int i = 0; i < 2; i++) {
+    tshare_set_member *m = &f[2 + i].u.set.u.member;
+    f[2 + i] = set_step(TSHARE_SET_MEMBER);
+    m->index = (uint32_t)i;
+    m->name_len = (uint16_t)(i ? 6 : 7);
+    memcpy(m->name, i ? "bias.0" : "weight0", m->name_len);
+    m->tensor.dtype = (tshare_dtype){TSHARE_DTYPE_BFLOAT, 16, 1};
+    m->tensor.ndim = 2;
+    m->tensor.shape[0] = 16;
+    m->tensor.shape[1] = 8;
+    tshare_tensor_set_contiguous(&m->tensor);
+    m->tensor.byte_offset = (uint64_t)i * 256;
+  }
+  f[4] = set_step(TSHARE_SET_META);
+  f[4].u.set.u.meta.len = 4;
+  memcpy(f[4].u.set.u.meta.bytes, "v=42", 4);
+  f[5] = set_step(TSHARE_SET_END);
+  write_seed(dir, "set_stream", f, 6, 9);
+  tshare_set_member *m = &f[2].u.set.u.member;
+  m->name_len = TSHARE_SET_NAME_MAX;
+  memset(m->name, 'n', TSHARE_SET_NAME_MAX);
+  m->tensor.ndim = TSHARE_MAX_NDIM;
+  for (int i = 0; i < TSHARE_MAX_NDIM; i++) m->tensor.shape[i] = i < 2 ? 2 : 1;
+  tshare_tensor_set_contiguous(&m->tensor);
+  write_seed(dir, "set_member_longest", f + 2, 1, 64);
+}
+
 int main(int argc, char **argv) {
   if (argc != 2) return 2;
   tshare_frame f[4];
@@ -110,5 +156,6 @@ int main(int argc, char **argv) {
   m->tensor.strides[0] = 1;
   m->tensor.byte_offset = 1024;
   write_stride_seed(argv[1], "stride_int64_min", &f[0], INT64_MIN);
+  write_set_seeds(argv[1]);
   return 0;
 }

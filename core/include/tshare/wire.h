@@ -41,7 +41,7 @@ extern "C" {
 #define TSHARE_WIRE_MAGIC_2 0x48 /* 'H' */
 #define TSHARE_WIRE_MAGIC_3 0x52 /* 'R' */
 #define TSHARE_WIRE_MAJOR 1
-#define TSHARE_WIRE_MINOR 2 /* 1: event and retire frames; origin_pid and share_flags appended to share; 2: ring frames */
+#define TSHARE_WIRE_MINOR 3 /* 1: event and retire frames; origin_pid and share_flags appended to share; 2: ring frames; 3: tensor sets */
 #define TSHARE_WIRE_HEADER_SIZE 12
 
 /* Hard maxima of the frame structs below; tshare_wire_limits can only lower them. */
@@ -62,7 +62,9 @@ typedef enum tshare_frame_type {
   TSHARE_FRAME_RETIRE = 7, /* minor 1: allocations going away (closed = 0), closed by the receiver (closed = 1), or
                               kept mapped by it until retired (closed = 2, TSHARE_CAP_CUDA_HELD) */
   TSHARE_FRAME_RING = 8,   /* minor 2: the ring transport's own frames (never seen above the connection) */
-  TSHARE_FRAME_CHUNK = 9   /* minor 2: one more chunk of the VMM memory of the share that follows, its fd attached */
+  TSHARE_FRAME_CHUNK = 9,  /* minor 2: one more chunk of the VMM memory of the share that follows, its fd attached */
+  TSHARE_FRAME_SET = 10    /* minor 3: one step of a tensor set (tshare_set_op), sent only to a peer with
+                              TSHARE_CAP_TENSOR_SETS */
 } tshare_frame_type;
 
 /* Header flags. */
@@ -79,6 +81,8 @@ typedef enum tshare_frame_type {
 #define TSHARE_CAP_CUDA_HELD                                                                                           \
   (1u << 5) /* keeps VMM mappings it announces with a retire frame (closed = 2) until their owner retires them, and    \
                takes TSHARE_MEM_CUDA_HELD shares of them */
+
+#define TSHARE_CAP_TENSOR_SETS (1u << 6) /* minor 3: receives tensor sets (TSHARE_FRAME_SET) */
 
 /* Share flags (share_flags, minor 1). Unknown bits are ignored. */
 #define TSHARE_SHARE_FLAG_RETIRE_NOTICE                                                                                \
@@ -167,6 +171,84 @@ typedef struct tshare_chunk_frame {
   uint64_t size;     /* bytes of this chunk */
 } tshare_chunk_frame;
 
+/* Tensor sets (TSHARE_FRAME_SET, minor 3): N named tensors and an opaque
+ * metadata blob in one hand-off, released as one unit. A set is a run of set
+ * frames with one set_id (taken from the sender's share ids, so one release
+ * frame naming it releases the whole set):
+ *
+ *   BEGIN    count, mem_count, names_bytes, meta_bytes: the totals, checked
+ *            against the bounds below before the receiver allocates anything
+ *   MEM      mem_count of them, index 0.. in order: one memory the members
+ *            point into (a memfd travels once however many members use it)
+ *   MEMBER   count of them, index 0.. in order: a name, the index of its
+ *            memory and the tensor's layout inside that memory
+ *   META     the metadata in order, chunk by chunk (none when meta_bytes is 0)
+ *   END      the set is complete
+ *
+ * The sender sends a set's frames back to back; only the peer's own release,
+ * event and retire frames may come between them. Anything else inside a set,
+ * a total that does not add up, a duplicate name or a member outside its
+ * memory makes the receiver refuse the set (released back at once). */
+#define TSHARE_SET_MEMBERS_MAX 65536u             /* tensors in one set */
+#define TSHARE_SET_NAME_MAX 1024u                 /* bytes of one member's name (UTF-8, no NUL) */
+#define TSHARE_SET_NAMES_MAX (16u * 1024u * 1024u) /* bytes of all member names of a set together */
+#define TSHARE_SET_META_MAX (16u * 1024u * 1024u)  /* bytes of a set's metadata */
+#define TSHARE_SET_META_CHUNK_MAX 2048u           /* metadata bytes in one META frame */
+
+typedef enum tshare_set_op {
+  TSHARE_SET_BEGIN = 1,
+  TSHARE_SET_MEM = 2,
+  TSHARE_SET_MEMBER = 3,
+  TSHARE_SET_META = 4,
+  TSHARE_SET_END = 5
+} tshare_set_op;
+
+typedef struct tshare_set_begin {
+  uint32_t count;       /* members: 1..TSHARE_SET_MEMBERS_MAX */
+  uint32_t mem_count;   /* memories: 1..count */
+  uint32_t names_bytes; /* sum of the members' name lengths: count..TSHARE_SET_NAMES_MAX */
+  uint32_t meta_bytes;  /* 0..TSHARE_SET_META_MAX */
+} tshare_set_begin;
+
+/* One memory of the set, described as a share frame describes its memory.
+ * Host memory only for now (TSHARE_MEM_HOST_MEMFD, its fd attached); the
+ * fields are those a CUDA memory will need. */
+typedef struct tshare_set_mem {
+  uint32_t index;    /* 0..mem_count-1, in order */
+  uint64_t alloc_id; /* identity of the allocation in the sender's process */
+  uint8_t mem_kind;  /* tshare_mem_kind */
+  uint8_t device_type;
+  uint8_t handle_len;
+  uint8_t handle[TSHARE_HANDLE_MAX];
+  uint8_t device_uuid[16];
+  uint64_t alloc_size;
+} tshare_set_mem;
+
+typedef struct tshare_set_member {
+  uint32_t index;     /* 0..count-1, in order */
+  uint32_t mem_index; /* < mem_count */
+  uint16_t name_len;  /* 1..TSHARE_SET_NAME_MAX */
+  char name[TSHARE_SET_NAME_MAX + 1]; /* NUL-terminated */
+  tshare_tensor_desc tensor; /* byte_offset is relative to the memory's start */
+} tshare_set_member;
+
+typedef struct tshare_set_meta {
+  uint32_t offset; /* of this chunk in the metadata: the chunks come in order */
+  uint16_t len;    /* 1..TSHARE_SET_META_CHUNK_MAX */
+  uint8_t bytes[TSHARE_SET_META_CHUNK_MAX];
+} tshare_set_meta;
+
+typedef struct tshare_set_frame {
+  uint8_t op;      /* tshare_set_op */
+  uint64_t set_id; /* a share id of the sender: never 0 */
+  union {
+    tshare_set_begin begin;
+    tshare_set_mem mem;
+    tshare_set_member member;
+    tshare_set_meta meta;
+  } u;
+} tshare_set_frame;
+
 typedef struct tshare_release_frame {
   uint32_t count;
   uint64_t share_ids[TSHARE_RELEASE_MAX];
@@ -195,6 +277,7 @@ typedef struct tshare_frame {
     tshare_retire_frame retire;
     tshare_ring_frame ring;
     tshare_chunk_frame chunk;
+    tshare_set_frame set;
   } u;
 } tshare_frame;
 
@@ -244,6 +327,12 @@ TSHARE_API const char *tshare_decoder_last_error(const tshare_decoder *dec); /* 
 /* Validate a share frame as the decoder does (limits may be NULL). */
 TSHARE_API int tshare_wire_check_share(const tshare_share_frame *share, const tshare_wire_limits *limits,
                                        tshare_error *err);
+
+/* Validate one set frame alone, as the decoder does (limits may be NULL):
+ * bounds, kinds, names; what needs the whole set (totals, duplicates, a
+ * member inside its memory) is the receiver's. */
+TSHARE_API int tshare_wire_check_set(const tshare_set_frame *set, uint8_t flags, const tshare_wire_limits *limits,
+                                     tshare_error *err);
 
 TSHARE_API const char *tshare_frame_type_name(int type); /* never NULL */
 
