@@ -530,13 +530,13 @@ static tshare_frame set_frame(uint8_t op) {
 
 static tshare_frame set_begin(uint32_t count, uint32_t mem_count, uint32_t names_bytes, uint32_t meta_bytes) {
   tshare_frame f = set_frame(TSHARE_SET_BEGIN);
-  f.u.set.u.begin = (tshare_set_begin){count, mem_count, names_bytes, meta_bytes};
+  f.u.set.u.begin = (tshare_set_begin_frame){count, mem_count, names_bytes, meta_bytes};
   return f;
 }
 
 static tshare_frame set_member(const char *name, size_t name_len) {
   tshare_frame f = set_frame(TSHARE_SET_MEMBER);
-  tshare_set_member *m = &f.u.set.u.member;
+  tshare_set_member_frame *m = &f.u.set.u.member;
   m->index = 3;
   m->mem_index = 1;
   m->name_len = (uint16_t)name_len;
@@ -553,7 +553,7 @@ static tshare_frame set_member(const char *name, size_t name_len) {
 static tshare_frame set_mem(void) {
   tshare_frame f = set_frame(TSHARE_SET_MEM);
   f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
-  f.u.set.u.mem = (tshare_set_mem){.index = 1, .alloc_id = 77, .mem_kind = TSHARE_MEM_HOST_MEMFD,
+  f.u.set.u.mem = (tshare_set_mem_frame){.index = 1, .alloc_id = 77, .mem_kind = TSHARE_MEM_HOST_MEMFD,
                                    .device_type = TSHARE_DEVICE_CPU, .alloc_size = 8 << 20};
   return f;
 }

@@ -87,6 +87,7 @@ struct tshare_channel {
   bool refusal_told;
 
   struct ts_cuda_chan *cuda; /* event pools, releases waiting on the GPU; NULL until used */
+  struct ts_set_rx *set_rx;  /* tensor sets being received and waiting (tensor_set.c); NULL until one comes */
 
   /* Who may call (channel.h's thread and fork rules): the process that
    * opened it, one thread of it at a time. */

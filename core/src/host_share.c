@@ -4,6 +4,7 @@
 #include "channel_internal.h"
 #include "error_detail.h"
 #include "log.h"
+#include "tensor_set.h"
 #include "tshare/share.h"
 
 #include <errno.h>
@@ -108,6 +109,8 @@ static void drop_mapping_locked(tshare_channel *ch, ts_mapping *m) {
   unmap(m);
 }
 
+void ts_host_mapping_drop_locked(tshare_channel *ch, ts_mapping *m) { drop_mapping_locked(ch, m); }
+
 void ts_host_drop_mapping_in_child(tshare_channel *ch, ts_mapping *m) {
   /* Only tried: a thread of the parent may have held the lock at fork, and
    * the child has no such thread to let it go. Then the mapping stays. */
@@ -210,7 +213,7 @@ static int host_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void
 }
 
 static uint64_t host_hello_caps(tshare_channel_kind kind) {
-  return kind == TSHARE_CHANNEL_SOCKET ? (TSHARE_CAP_FD_PASSING | TSHARE_CAP_HOST_MEMFD) : 0;
+  return kind == TSHARE_CHANNEL_SOCKET ? (TSHARE_CAP_FD_PASSING | TSHARE_CAP_HOST_MEMFD | TSHARE_CAP_TENSOR_SETS) : 0;
 }
 
 static void host_peer_gone(tshare_channel *ch) { (void)ch; /* its memfds stay mapped until their views go */ }

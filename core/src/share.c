@@ -10,6 +10,7 @@
 #include "error_detail.h"
 #include "wire_checks.h"
 #include "log.h"
+#include "tensor_set.h"
 #include "tshare/cuda.h"
 
 #include <errno.h>
@@ -180,6 +181,7 @@ int ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r) {
 void ts_share_drop_all(tshare_channel *ch, int status) {
   const ts_backend *backends[] = TS_BACKENDS;
   for (size_t i = 0; i < sizeof backends / sizeof *backends; i++) backends[i]->peer_gone(ch);
+  ts_set_peer_gone(ch);
   uint64_t key;
   void *value;
   for (size_t pos = 0; ts_u64map_next(&ch->exports, &pos, &key, &value);) finish_export(ch, value, status);
@@ -300,6 +302,7 @@ void ts_share_free_incoming(tshare_channel *ch) {
   free(ch->incoming);
   ch->incoming = NULL;
   ch->in_len = ch->in_cap = ch->in_head = 0;
+  ts_set_free_queued(ch);
 }
 
 /* Release a share back at once, unused. */
@@ -447,11 +450,15 @@ static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, i
   rc = ts_session_recv(ch, &f, &frame_fd, &fd_lost, timeout_ms);
   if (rc == TSHARE_E_PEER_CLOSED) ts_share_drop_all(ch, rc);
   if (rc != TSHARE_OK) return rc;
-  if (frame_fd >= 0 && f.type != TSHARE_FRAME_SHARE && f.type != TSHARE_FRAME_CHUNK) { /* only these carry memory */
+  if (frame_fd >= 0 && f.type != TSHARE_FRAME_SHARE && f.type != TSHARE_FRAME_CHUNK &&
+      f.type != TSHARE_FRAME_SET) { /* only these carry memory */
     close(frame_fd);
     frame_fd = -1;
   }
+  if (f.type != TSHARE_FRAME_SET) ts_set_on_other_frame(ch, f.type);
   switch (f.type) {
+  case TSHARE_FRAME_SET:
+    return ts_set_on_frame(ch, &f, frame_fd, fd_lost);
   case TSHARE_FRAME_RELEASE:
     return ts_share_apply_release(ch, &f.u.release);
   case TSHARE_FRAME_CHUNK:

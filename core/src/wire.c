@@ -101,7 +101,7 @@ static bool utf8_name_ok(const char *s, size_t n) {
   return true;
 }
 
-static int check_set_begin(const tshare_set_begin *b, char *err, size_t cap) {
+static int check_set_begin(const tshare_set_begin_frame *b, char *err, size_t cap) {
   if (b->count == 0 || b->count > TSHARE_SET_MEMBERS_MAX)
     return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "set: %u tensors outside 1..%u", b->count, TSHARE_SET_MEMBERS_MAX);
   if (b->mem_count == 0 || b->mem_count > b->count)
@@ -118,7 +118,7 @@ static int check_set_begin(const tshare_set_begin *b, char *err, size_t cap) {
   return TSHARE_OK;
 }
 
-static int check_set_mem(const tshare_set_mem *m, uint8_t flags, const tshare_wire_limits *limits, char *err,
+static int check_set_mem(const tshare_set_mem_frame *m, uint8_t flags, const tshare_wire_limits *limits, char *err,
                          size_t cap) {
   if (m->index >= TSHARE_SET_MEMBERS_MAX)
     return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "set: memory index %u over %u", m->index, TSHARE_SET_MEMBERS_MAX);
@@ -141,7 +141,7 @@ static int check_set_mem(const tshare_set_mem *m, uint8_t flags, const tshare_wi
   return TSHARE_OK;
 }
 
-static int check_set_member(const tshare_set_member *m, const tshare_wire_limits *limits, char *err, size_t cap) {
+static int check_set_member(const tshare_set_member_frame *m, const tshare_wire_limits *limits, char *err, size_t cap) {
   if (m->index >= TSHARE_SET_MEMBERS_MAX || m->mem_index >= TSHARE_SET_MEMBERS_MAX)
     return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "set: tensor %u (memory %u) over %u", m->index, m->mem_index,
                    TSHARE_SET_MEMBERS_MAX);
@@ -262,7 +262,7 @@ static int encode_set(const tshare_set_frame *f, uint8_t flags, ts_writer *w, ch
     ts_put_u32(w, f->u.begin.meta_bytes);
     break;
   case TSHARE_SET_MEM: {
-    const tshare_set_mem *m = &f->u.mem;
+    const tshare_set_mem_frame *m = &f->u.mem;
     ts_put_u32(w, m->index);
     ts_put_u64(w, m->alloc_id);
     ts_put_u8(w, m->mem_kind);
@@ -579,7 +579,7 @@ static int decode_set(tshare_decoder *d, ts_reader *r, uint8_t flags, tshare_set
     f->u.begin.meta_bytes = ts_get_u32(r);
     break;
   case TSHARE_SET_MEM: {
-    tshare_set_mem *m = &f->u.mem;
+    tshare_set_mem_frame *m = &f->u.mem;
     m->index = ts_get_u32(r);
     m->alloc_id = ts_get_u64(r);
     m->mem_kind = ts_get_u8(r);
@@ -593,7 +593,7 @@ static int decode_set(tshare_decoder *d, ts_reader *r, uint8_t flags, tshare_set
     break;
   }
   case TSHARE_SET_MEMBER: {
-    tshare_set_member *m = &f->u.member;
+    tshare_set_member_frame *m = &f->u.member;
     m->index = ts_get_u32(r);
     m->mem_index = ts_get_u32(r);
     m->name_len = ts_get_u16(r);

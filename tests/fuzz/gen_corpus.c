@@ -60,13 +60,13 @@ static tshare_frame set_step(uint8_t op) {
 static void write_set_seeds(const char *dir) {
   tshare_frame f[6];
   f[0] = set_step(TSHARE_SET_BEGIN);
-  f[0].u.set.u.begin = (tshare_set_begin){.count = 2, .mem_count = 1, .names_bytes = 13, .meta_bytes = 4};
+  f[0].u.set.u.begin = (tshare_set_begin_frame){.count = 2, .mem_count = 1, .names_bytes = 13, .meta_bytes = 4};
   f[1] = set_step(TSHARE_SET_MEM);
   f[1].flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
-  f[1].u.set.u.mem = (tshare_set_mem){.alloc_id = 9, .mem_kind = TSHARE_MEM_HOST_MEMFD,
+  f[1].u.set.u.mem = (tshare_set_mem_frame){.alloc_id = 9, .mem_kind = TSHARE_MEM_HOST_MEMFD,
                                       .device_type = TSHARE_DEVICE_CPU, .alloc_size = 1 << 16};
   for (int i = 0; i < 2; i++) {
-    tshare_set_member *m = &f[2 + i].u.set.u.member;
+    tshare_set_member_frame *m = &f[2 + i].u.set.u.member;
     f[2 + i] = set_step(TSHARE_SET_MEMBER);
     m->index = (uint32_t)i;
     m->name_len = (uint16_t)(i ? 6 : 7);
@@ -83,7 +83,7 @@ static void write_set_seeds(const char *dir) {
   memcpy(f[4].u.set.u.meta.bytes, "v=42", 4);
   f[5] = set_step(TSHARE_SET_END);
   write_seed(dir, "set_stream", f, 6, 9);
-  tshare_set_member *m = &f[2].u.set.u.member;
+  tshare_set_member_frame *m = &f[2].u.set.u.member;
   m->name_len = TSHARE_SET_NAME_MAX;
   memset(m->name, 'n', TSHARE_SET_NAME_MAX);
   m->tensor.ndim = TSHARE_MAX_NDIM;

@@ -8,6 +8,7 @@
 #include "tshare/hostmem.h"
 #include "tshare/rendezvous.h"
 #include "tshare/role.h"
+#include "tshare/set.h"
 #include "tshare/share.h"
 #include "tshare/spawn.h"
 #include "tshare/tensor.h"

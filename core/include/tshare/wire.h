@@ -203,17 +203,17 @@ typedef enum tshare_set_op {
   TSHARE_SET_END = 5
 } tshare_set_op;
 
-typedef struct tshare_set_begin {
+typedef struct tshare_set_begin_frame {
   uint32_t count;       /* members: 1..TSHARE_SET_MEMBERS_MAX */
   uint32_t mem_count;   /* memories: 1..count */
   uint32_t names_bytes; /* sum of the members' name lengths: count..TSHARE_SET_NAMES_MAX */
   uint32_t meta_bytes;  /* 0..TSHARE_SET_META_MAX */
-} tshare_set_begin;
+} tshare_set_begin_frame;
 
 /* One memory of the set, described as a share frame describes its memory.
  * Host memory only for now (TSHARE_MEM_HOST_MEMFD, its fd attached); the
  * fields are those a CUDA memory will need. */
-typedef struct tshare_set_mem {
+typedef struct tshare_set_mem_frame {
   uint32_t index;    /* 0..mem_count-1, in order */
   uint64_t alloc_id; /* identity of the allocation in the sender's process */
   uint8_t mem_kind;  /* tshare_mem_kind */
@@ -222,30 +222,30 @@ typedef struct tshare_set_mem {
   uint8_t handle[TSHARE_HANDLE_MAX];
   uint8_t device_uuid[16];
   uint64_t alloc_size;
-} tshare_set_mem;
+} tshare_set_mem_frame;
 
-typedef struct tshare_set_member {
+typedef struct tshare_set_member_frame {
   uint32_t index;     /* 0..count-1, in order */
   uint32_t mem_index; /* < mem_count */
   uint16_t name_len;  /* 1..TSHARE_SET_NAME_MAX */
   char name[TSHARE_SET_NAME_MAX + 1]; /* NUL-terminated */
   tshare_tensor_desc tensor; /* byte_offset is relative to the memory's start */
-} tshare_set_member;
+} tshare_set_member_frame;
 
-typedef struct tshare_set_meta {
+typedef struct tshare_set_meta_frame {
   uint32_t offset; /* of this chunk in the metadata: the chunks come in order */
   uint16_t len;    /* 1..TSHARE_SET_META_CHUNK_MAX */
   uint8_t bytes[TSHARE_SET_META_CHUNK_MAX];
-} tshare_set_meta;
+} tshare_set_meta_frame;
 
 typedef struct tshare_set_frame {
   uint8_t op;      /* tshare_set_op */
   uint64_t set_id; /* a share id of the sender: never 0 */
   union {
-    tshare_set_begin begin;
-    tshare_set_mem mem;
-    tshare_set_member member;
-    tshare_set_meta meta;
+    tshare_set_begin_frame begin;
+    tshare_set_mem_frame mem;
+    tshare_set_member_frame member;
+    tshare_set_meta_frame meta;
   } u;
 } tshare_set_frame;
 

@@ -1,0 +1,111 @@
+/* tshare/set.h - tensor sets: many named tensors and metadata in one hand-off.
+ *
+ * A model is hundreds of named tensors. A tensor set hands them over at once:
+ * N tensors, each with a name of 1 to TSHARE_SET_NAME_MAX bytes (UTF-8, unique
+ * in the set), plus an optional opaque metadata blob (a version, a step). Each
+ * memory the tensors live in travels once however many of them point into it,
+ * and the whole set is released as one unit: when the consumer has let go of
+ * the set handle and of every view taken from it. Bounds (tensors, names,
+ * metadata) are those of wire.h's TSHARE_SET_* and refused with a clear error.
+ *
+ * Producer: build a set (tshare_set_builder_*), send it with tshare_set_send()
+ * (the builder may be sent again, on this or other channels, and destroyed at
+ * once: a sent set keeps its own references on the buffers), and wait for its
+ * release like a share's: tshare_channel_wait_released(ch, set_id, ...),
+ * tshare_share_is_released(), the channel's on_release callback.
+ *
+ * Consumer: tshare_set_recv() takes the next complete set; sets and single
+ * shares are received by their own calls, each in the order it was sent. A
+ * set's tensors are the producer's memory: writes through them are visible to
+ * the producer.
+ *
+ * This version carries host memory (tshare host buffers, sent as memfds over a
+ * socket channel) and needs a peer of wire 1.3 or newer; CUDA members are
+ * refused with TSHARE_E_UNSUPPORTED.
+ */
+#ifndef TSHARE_SET_H
+#define TSHARE_SET_H
+
+#include "tshare/channel.h"
+#include "tshare/errors.h"
+#include "tshare/hostmem.h"
+#include "tshare/share.h"
+#include "tshare/tensor.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- producer ------------------------------------------------------------ */
+
+typedef struct tshare_set_builder tshare_set_builder;
+
+/* NULL when out of memory. */
+TSHARE_API tshare_set_builder *tshare_set_builder_create(void);
+/* Drops the builder's references on its buffers; sets already sent keep
+ * theirs. NULL is a no-op. */
+TSHARE_API void tshare_set_builder_destroy(tshare_set_builder *b);
+
+/* Add a tensor named name (1..TSHARE_SET_NAME_MAX bytes of UTF-8, NUL-ended,
+ * unique in the set) that lives in buf (desc->byte_offset relative to buf's
+ * start; the layout must lie inside it). The builder holds a reference on buf
+ * until it is destroyed. On failure nothing is added and err says why. */
+TSHARE_API int tshare_set_builder_add_host(tshare_set_builder *b, const char *name, tshare_host_buffer *buf,
+                                           const tshare_tensor_desc *desc, tshare_error *err);
+/* A CUDA tensor in a set: refused (TSHARE_E_UNSUPPORTED) in this version;
+ * share CUDA tensors one by one with tshare_share_cuda(). */
+TSHARE_API int tshare_set_builder_add_cuda(tshare_set_builder *b, const char *name, void *ptr,
+                                           const tshare_tensor_desc *desc, tshare_error *err);
+/* Set the metadata (copied; at most TSHARE_SET_META_MAX bytes; len 0 clears it). */
+TSHARE_API int tshare_set_builder_set_meta(tshare_set_builder *b, const void *meta, size_t len, tshare_error *err);
+TSHARE_API size_t tshare_set_builder_count(const tshare_set_builder *b);
+
+/* Send the set built in b on ch (a socket channel whose peer receives tensor
+ * sets: TSHARE_E_PEER_MISMATCH otherwise, naming the peer's wire version).
+ * *set_id (optional) gets its id, a share id of ch; user_data comes back in
+ * the channel's on_release callback. An empty set is refused. */
+TSHARE_API int tshare_set_send(tshare_channel *ch, const tshare_set_builder *b, void *user_data, int timeout_ms,
+                               uint64_t *set_id);
+
+/* ---- consumer ------------------------------------------------------------ */
+
+typedef struct tshare_set tshare_set;
+
+/* Receive the next complete set. TSHARE_END when the peer said bye,
+ * TSHARE_E_TIMEOUT when none came in time; a set the peer got wrong (a tensor
+ * outside its memory, a duplicate name, totals that do not add up, a set cut
+ * off by other frames) is refused: released back to the peer at once, its fds
+ * closed, and the call returns the error, naming the cause. The channel stays
+ * usable. On any non-OK return *out is NULL. */
+TSHARE_API int tshare_set_recv(tshare_channel *ch, int timeout_ms, tshare_set **out);
+
+TSHARE_API uint64_t tshare_set_id(const tshare_set *set);
+TSHARE_API size_t tshare_set_count(const tshare_set *set);
+/* Tensor i (< count, in the sender's order): its name (NULL past the end),
+ * layout and the address of its element [0,...,0]. */
+TSHARE_API const char *tshare_set_name(const tshare_set *set, size_t i);
+TSHARE_API const tshare_tensor_desc *tshare_set_desc(const tshare_set *set, size_t i);
+TSHARE_API void *tshare_set_data(const tshare_set *set, size_t i);
+/* The index of the tensor called name, or -1. */
+TSHARE_API long tshare_set_find(const tshare_set *set, const char *name);
+/* The metadata (NULL with *len 0 when the set has none); valid while the set
+ * handle lives. */
+TSHARE_API const void *tshare_set_meta(const tshare_set *set, size_t *len);
+
+/* A view of tensor i that keeps the set alive until it is released with
+ * tshare_view_release() (from any thread): what a binding hands to a tensor
+ * library's deleter. Its tag is empty; tshare_view_share_id() is the set id. */
+TSHARE_API int tshare_set_view(tshare_set *set, size_t i, tshare_view **out);
+
+/* Let go of the set handle (any thread, never blocking; NULL is a no-op). The
+ * set is released to the producer, in one release, once its views are
+ * released too. Data pointers taken from the handle are invalid afterwards. */
+TSHARE_API void tshare_set_release(tshare_set *set);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TSHARE_SET_H */

@@ -1,0 +1,418 @@
+/* Tensor sets between two real processes: sets of 1, 290 and 10,000 named
+ * tensors with metadata, each memory travelling once, writes seen by the
+ * producer, one release for the whole set, a dead consumer freeing
+ * everything; the builder's bounds; hostile sets from a hand-rolled peer
+ * (refused, released back, fds closed, the channel usable after); a peer of
+ * the previous wire minor refused. */
+#include "hostile_peer.h"
+#include "harness.h"
+#include "proc_util.h"
+#include "tshare/set.h"
+
+#include <signal.h>
+#include <sys/mman.h>
+
+static const tshare_dtype F32 = {TSHARE_DTYPE_FLOAT, 32, 1};
+#define ELEMS 4 /* floats in each tensor of the sets below */
+
+/* The sets both ends agree on: tensor i of a set lives in memory i % mems at
+ * byte offset (i / mems) * 16, holds 10i, 10i+1, ..., and is named name_of(i). */
+typedef struct set_plan {
+  size_t count, mems, meta_len;
+} set_plan;
+
+static const set_plan PLANS[] = {{1, 1, 0}, {290, 1, 100}, {10000, 3, 5000}};
+#define NPLANS (sizeof PLANS / sizeof *PLANS)
+
+/* Names of 1 byte (tensor 0), of 1024 bytes (tensor 1) and a real model's. */
+static void name_of(size_t i, char *out) {
+  if (i == 0) {
+    strcpy(out, "w");
+  } else if (i == 1) {
+    memset(out, 'n', TSHARE_SET_NAME_MAX);
+    out[TSHARE_SET_NAME_MAX] = '\0';
+  } else {
+    snprintf(out, TSHARE_SET_NAME_MAX + 1, "vision_tower.vision_model.encoder.layers.%zu.self_attn.out_proj.weight", i);
+  }
+}
+
+static uint8_t meta_byte(size_t i) { return (uint8_t)(i * 7 + 3); }
+
+static tshare_tensor_desc desc_of(const set_plan *p, size_t i) {
+  int64_t n = ELEMS;
+  return tshare_tensor_contiguous(F32, 1, &n, (uint64_t)(i / p->mems) * ELEMS * sizeof(float));
+}
+
+static tshare_set_builder *build(const set_plan *p, tshare_host_buffer **bufs) {
+  tshare_set_builder *b = tshare_set_builder_create();
+  CHECK(b);
+  char name[TSHARE_SET_NAME_MAX + 1];
+  tshare_error err;
+  for (size_t i = 0; i < p->count; i++) {
+    tshare_tensor_desc d = desc_of(p, i);
+    float *f = (float *)((char *)tshare_host_buffer_data(bufs[i % p->mems]) + d.byte_offset);
+    for (int j = 0; j < ELEMS; j++) f[j] = (float)(10 * i + (size_t)j);
+    name_of(i, name);
+    CHECK_RC(tshare_set_builder_add_host(b, name, bufs[i % p->mems], &d, &err), TSHARE_OK, err.message);
+  }
+  uint8_t *meta = malloc(p->meta_len + 1);
+  for (size_t i = 0; i < p->meta_len; i++) meta[i] = meta_byte(i);
+  CHECK_RC(tshare_set_builder_set_meta(b, meta, p->meta_len, &err), TSHARE_OK, err.message);
+  free(meta);
+  CHECK_EQ(tshare_set_builder_count(b), p->count);
+  return b;
+}
+
+/* Everything the plan says, read through the set; tensor 0 is written. */
+static void check_set(tshare_set *s, const set_plan *p) {
+  CHECK_EQ(tshare_set_count(s), p->count);
+  char name[TSHARE_SET_NAME_MAX + 1];
+  for (size_t i = 0; i < p->count; i++) {
+    name_of(i, name);
+    if (strcmp(tshare_set_name(s, i), name) != 0) TS_FAIL("name %zu is '%s'", i, tshare_set_name(s, i));
+    const float *f = tshare_set_data(s, i);
+    for (int j = 0; j < ELEMS; j++)
+      if (f[j] != (float)(10 * i + (size_t)j)) TS_FAIL("tensor %zu [%d] = %f", i, j, (double)f[j]);
+    CHECK_EQ(tshare_set_desc(s, i)->shape[0], ELEMS);
+  }
+  CHECK(tshare_set_name(s, p->count) == NULL);
+  name_of(p->count - 1, name);
+  CHECK_EQ(tshare_set_find(s, name), (long)p->count - 1);
+  CHECK_EQ(tshare_set_find(s, "no such tensor"), -1);
+  size_t len;
+  const uint8_t *meta = tshare_set_meta(s, &len);
+  CHECK_EQ(len, p->meta_len);
+  for (size_t i = 0; i < len; i++)
+    if (meta[i] != meta_byte(i)) TS_FAIL("metadata byte %zu is %u", i, meta[i]);
+  CHECK(len || meta == NULL);
+}
+
+/* Receives each plan's set; each memory came with one fd however many tensors
+ * it holds; the set stays until its last view goes. */
+static void consumer_receives_sets(int fd) {
+  tshare_channel *ch = open_socket_channel(fd, "consumer", NULL, NULL);
+  for (size_t k = 0; k < NPLANS; k++) {
+    int fds_before = count_open_fds();
+    tshare_set *s;
+    CHECK_RC(tshare_set_recv(ch, 10000, &s), TSHARE_OK, tshare_channel_last_error(ch));
+    CHECK_EQ(count_open_fds() - fds_before, (int)PLANS[k].mems); /* one memfd per memory, kept mapped */
+    CHECK_EQ(count_mappings("memfd:tshare-set"), (int)PLANS[k].mems);
+    check_set(s, &PLANS[k]);
+    tshare_view *v;
+    CHECK_RC(tshare_set_view(s, 0, &v), TSHARE_OK, "");
+    CHECK_EQ(tshare_view_share_id(v), tshare_set_id(s));
+    tshare_set_release(s); /* the view keeps it */
+    float *w = tshare_view_data(v);
+    w[0] = -1.0f - (float)k; /* the producer waits for the release, then reads it */
+    tshare_view_release(v);
+    CHECK_EQ(count_mappings("memfd:tshare-set"), 0);
+    CHECK_EQ(count_open_fds(), fds_before);
+  }
+  tshare_set *none;
+  CHECK_RC(tshare_set_recv(ch, 10000, &none), TSHARE_END, tshare_channel_last_error(ch));
+  CHECK(none == NULL);
+  tshare_channel_close(ch);
+}
+
+static tshare_host_buffer **make_buffers(size_t n, size_t size) {
+  tshare_host_buffer **bufs = calloc(n, sizeof *bufs);
+  for (size_t i = 0; i < n; i++) CHECK_RC(tshare_host_buffer_create(size, "tshare-set", &bufs[i], NULL), TSHARE_OK, "");
+  return bufs;
+}
+
+static void destroy_buffers(tshare_host_buffer **bufs, size_t n) {
+  for (size_t i = 0; i < n; i++) tshare_host_buffer_destroy(bufs[i]);
+  free(bufs);
+}
+
+TS_TEST(sets_of_1_290_and_10000_tensors_round_trip) {
+  int sock;
+  pid_t pid = fork_with_socket(consumer_receives_sets, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
+  for (size_t k = 0; k < NPLANS; k++) {
+    const set_plan *p = &PLANS[k];
+    tshare_host_buffer **bufs = make_buffers(p->mems, (p->count / p->mems + 1) * ELEMS * sizeof(float));
+    tshare_set_builder *b = build(p, bufs);
+    uint64_t id;
+    CHECK_RC(tshare_set_send(ch, b, NULL, 10000, &id), TSHARE_OK, tshare_channel_last_error(ch));
+    tshare_set_builder_destroy(b); /* the sent set keeps its own references */
+    CHECK_EQ(tshare_share_is_released(ch, id), 0);
+    CHECK_RC(tshare_channel_wait_released(ch, id, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+    CHECK_EQ(tshare_channel_outstanding(ch), 0);
+    for (size_t m = 0; m < p->mems; m++) CHECK_EQ(tshare_host_buffer_outstanding(bufs[m]), 0);
+    CHECK_EQ(((float *)tshare_host_buffer_data(bufs[0]))[0], -1.0f - (float)k); /* the consumer's write */
+    destroy_buffers(bufs, p->mems);
+  }
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 1000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_CHILD_OK(pid);
+  tshare_channel_close(ch);
+}
+
+/* Takes the 290-tensor set and a view of it, then dies holding both. */
+static void consumer_dies_holding_a_set(int fd) {
+  tshare_channel *ch = open_socket_channel(fd, "consumer", NULL, NULL);
+  tshare_set *s;
+  CHECK_RC(tshare_set_recv(ch, 10000, &s), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_view *v;
+  CHECK_RC(tshare_set_view(s, 5, &v), TSHARE_OK, "");
+  kill(getpid(), SIGKILL);
+}
+
+TS_TEST(a_consumer_killed_holding_a_set_frees_everything) {
+  int sock;
+  pid_t pid = fork_with_socket(consumer_dies_holding_a_set, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
+  tshare_host_buffer **bufs = make_buffers(1, 4096 * 4);
+  tshare_set_builder *b = build(&PLANS[1], bufs);
+  uint64_t id;
+  CHECK_RC(tshare_set_send(ch, b, NULL, 10000, &id), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_set_builder_destroy(b);
+  CHECK_EQ(tshare_host_buffer_outstanding(bufs[0]), 1);
+  CHECK_RC(tshare_channel_wait_released(ch, id, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(tshare_share_is_released(ch, id), 1);
+  CHECK_EQ(tshare_host_buffer_outstanding(bufs[0]), 0);
+  int st = wait_child(pid);
+  CHECK(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
+  tshare_channel_close(ch);
+  destroy_buffers(bufs, 1);
+}
+
+/* ---- the builder's bounds ------------------------------------------------- */
+
+TS_TEST(the_builder_refuses_what_a_peer_would) {
+  tshare_host_buffer *buf;
+  CHECK_RC(tshare_host_buffer_create(4096, "tshare-set", &buf, NULL), TSHARE_OK, "");
+  tshare_set_builder *b = tshare_set_builder_create();
+  int64_t n = 16;
+  tshare_tensor_desc d = tshare_tensor_contiguous(F32, 1, &n, 0);
+  tshare_error err;
+  CHECK_RC(tshare_set_builder_add_host(b, "a", buf, &d, &err), TSHARE_OK, err.message);
+  CHECK_RC(tshare_set_builder_add_host(b, "a", buf, &d, &err), TSHARE_E_INVALID_ARG, err.message);
+  CHECK(strstr(err.message, "'a' is already") != NULL);
+  char long_name[TSHARE_SET_NAME_MAX + 2];
+  memset(long_name, 'x', sizeof long_name - 1);
+  long_name[sizeof long_name - 1] = '\0';
+  CHECK_RC(tshare_set_builder_add_host(b, long_name, buf, &d, &err), TSHARE_E_TOO_LARGE, err.message);
+  CHECK(strstr(err.message, "1025 bytes") != NULL);
+  CHECK_RC(tshare_set_builder_add_host(b, "", buf, &d, &err), TSHARE_E_TOO_LARGE, err.message);
+  CHECK_RC(tshare_set_builder_add_host(b, "bad\xff", buf, &d, &err), TSHARE_E_MALFORMED, err.message);
+  d.byte_offset = 4096 - 8; /* 16 floats from here run past the buffer */
+  CHECK_RC(tshare_set_builder_add_host(b, "outside", buf, &d, &err), TSHARE_E_OUT_OF_BOUNDS, err.message);
+  printf("%s\n", err.message);
+  void *big = calloc(1, TSHARE_SET_META_MAX + 1);
+  CHECK_RC(tshare_set_builder_set_meta(b, big, TSHARE_SET_META_MAX + 1, &err), TSHARE_E_TOO_LARGE, err.message);
+  CHECK_RC(tshare_set_builder_set_meta(b, big, TSHARE_SET_META_MAX, &err), TSHARE_OK, err.message);
+  free(big);
+  CHECK_RC(tshare_set_builder_add_cuda(b, "gpu.weight", (void *)0x1000, &d, &err), TSHARE_E_UNSUPPORTED, err.message);
+  CHECK(strstr(err.message, "host memory only") != NULL);
+  CHECK_EQ(tshare_set_builder_count(b), 1);
+  CHECK_EQ(tshare_host_buffer_outstanding(buf), 1); /* the builder's reference */
+  tshare_set_builder_destroy(b);
+  CHECK_EQ(tshare_host_buffer_outstanding(buf), 0);
+  tshare_set_builder_destroy(NULL);
+  tshare_host_buffer_destroy(buf);
+}
+
+/* ---- hostile sets ------------------------------------------------------------ */
+
+static tshare_frame step(uint8_t op, uint64_t set_id) {
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_SET;
+  f.u.set.op = op;
+  f.u.set.set_id = set_id;
+  return f;
+}
+
+static void send_begin(tshare_channel *ch, uint64_t id, uint32_t count, uint32_t names_bytes) {
+  tshare_frame f = step(TSHARE_SET_BEGIN, id);
+  f.u.set.u.begin = (tshare_set_begin_frame){.count = count, .mem_count = 1, .names_bytes = names_bytes};
+  send_raw(ch, &f, -1);
+}
+
+static void send_mem(tshare_channel *ch, uint64_t id, int memfd, uint8_t kind) {
+  tshare_frame f = step(TSHARE_SET_MEM, id);
+  bool host = kind == TSHARE_MEM_HOST_MEMFD;
+  f.flags = host ? TSHARE_FRAME_FLAG_FD_ATTACHED : 0;
+  f.u.set.u.mem = (tshare_set_mem_frame){.alloc_id = id, .mem_kind = kind, .alloc_size = 4096,
+                                         .device_type = host ? TSHARE_DEVICE_CPU : TSHARE_DEVICE_CUDA,
+                                         .handle_len = host ? 0 : TSHARE_HANDLE_MAX};
+  send_raw(ch, &f, host ? memfd : -1);
+}
+
+static void send_member(tshare_channel *ch, uint64_t id, uint32_t index, const char *name, uint64_t offset) {
+  tshare_frame f = step(TSHARE_SET_MEMBER, id);
+  tshare_set_member_frame *m = &f.u.set.u.member;
+  m->index = index;
+  m->name_len = (uint16_t)strlen(name);
+  memcpy(m->name, name, m->name_len);
+  int64_t n = 16;
+  m->tensor = tshare_tensor_contiguous(F32, 1, &n, offset);
+  send_raw(ch, &f, -1);
+}
+
+static void send_end(tshare_channel *ch, uint64_t id) {
+  tshare_frame f = step(TSHARE_SET_END, id);
+  send_raw(ch, &f, -1);
+}
+
+static int sealed_memfd(void) {
+  int fd = memfd_create("tshare-evil", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  CHECK(fd >= 0 && ftruncate(fd, 4096) == 0 && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) == 0);
+  return fd;
+}
+
+/* Waits until the consumer released id back: a release of an id this end
+ * never registered comes back as a protocol error naming it. */
+static void wait_released_back(tshare_channel *ch, int id) {
+  char want[64];
+  snprintf(want, sizeof want, "released share %d,", id);
+  int64_t until = now_ms() + 10000;
+  while (now_ms() < until)
+    if (tshare_channel_poll(ch, 1000) == TSHARE_E_PROTOCOL && strstr(tshare_channel_last_error(ch), want)) return;
+  TS_FAIL("share %d was not released back", id);
+}
+
+/* Sets 11..15 are each wrong in one way, each sent once the one before came
+ * back; 16 is right; then 17 is cut off by this process's end. */
+static void hostile_producer(int fd) {
+  tshare_channel *ch = open_socket_only_channel(fd, "hostile");
+  int memfd = sealed_memfd();
+  send_begin(ch, 11, 1, 1); /* a tensor past its memory's end */
+  send_mem(ch, 11, memfd, TSHARE_MEM_HOST_MEMFD);
+  send_member(ch, 11, 0, "a", 4096 - 32);
+  send_end(ch, 11);
+  wait_released_back(ch, 11);
+  send_begin(ch, 12, 2, 2); /* two tensors of one name */
+  send_mem(ch, 12, memfd, TSHARE_MEM_HOST_MEMFD);
+  send_member(ch, 12, 0, "a", 0);
+  send_member(ch, 12, 1, "a", 64);
+  send_end(ch, 12);
+  wait_released_back(ch, 12);
+  send_begin(ch, 13, 2, 2); /* cut off by a share */
+  send_mem(ch, 13, memfd, TSHARE_MEM_HOST_MEMFD);
+  int64_t n = 4;
+  tshare_frame share = memfd_share_frame(4096, tshare_tensor_contiguous(F32, 1, &n, 0));
+  share.u.share.share_id = 100;
+  share.u.share.alloc_id = 100;
+  send_raw(ch, &share, memfd);
+  wait_released_back(ch, 13);
+  send_begin(ch, 14, 1, 1); /* CUDA memory */
+  send_mem(ch, 14, -1, TSHARE_MEM_CUDA_IPC);
+  send_member(ch, 14, 0, "a", 0);
+  send_end(ch, 14);
+  wait_released_back(ch, 14);
+  send_begin(ch, 15, 2, 2); /* ends before its tensors do */
+  send_mem(ch, 15, memfd, TSHARE_MEM_HOST_MEMFD);
+  send_member(ch, 15, 0, "a", 0);
+  send_end(ch, 15);
+  wait_released_back(ch, 15);
+  send_begin(ch, 16, 2, 2); /* right */
+  send_mem(ch, 16, memfd, TSHARE_MEM_HOST_MEMFD);
+  send_member(ch, 16, 0, "a", 0);
+  send_member(ch, 16, 1, "b", 64);
+  send_end(ch, 16);
+  wait_released_back(ch, 16);
+  wait_released_back(ch, 100);
+  send_begin(ch, 17, 1, 1); /* cut off: this process ends */
+  send_mem(ch, 17, memfd, TSHARE_MEM_HOST_MEMFD);
+  close(memfd);
+  _exit(0);
+}
+
+static void expect_refused(tshare_channel *ch, int want, const char *cause) {
+  tshare_set *s = (tshare_set *)1;
+  CHECK_RC(tshare_set_recv(ch, 5000, &s), want, tshare_channel_last_error(ch));
+  CHECK(s == NULL);
+  const char *msg = tshare_channel_last_error(ch);
+  printf("%s\n", msg);
+  if (!strstr(msg, cause)) TS_FAIL("'%s' does not say '%s'", msg, cause);
+}
+
+TS_TEST(hostile_sets_are_refused_released_back_and_the_channel_goes_on) {
+  int sock;
+  pid_t pid = fork_with_socket(hostile_producer, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "consumer", NULL, NULL);
+  int fds_before = count_open_fds();
+  expect_refused(ch, TSHARE_E_OUT_OF_BOUNDS, "tensor set 11");
+  expect_refused(ch, TSHARE_E_PROTOCOL, "two tensors are named 'a'");
+  expect_refused(ch, TSHARE_E_PROTOCOL, "cut off by a share frame");
+  expect_refused(ch, TSHARE_E_UNSUPPORTED, "host memory only");
+  expect_refused(ch, TSHARE_E_PROTOCOL, "ended with 1 of 2 tensors");
+  CHECK_EQ(count_mappings("memfd:tshare-evil"), 0);
+  tshare_set *s;
+  CHECK_RC(tshare_set_recv(ch, 5000, &s), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(tshare_set_id(s), 16);
+  CHECK(strcmp(tshare_set_name(s, 1), "b") == 0);
+  CHECK_EQ(count_mappings("memfd:tshare-evil"), 1);
+  tshare_set_release(s);
+  CHECK_RC(tshare_channel_poll(ch, 0), TSHARE_E_TIMEOUT, tshare_channel_last_error(ch)); /* its release goes */
+  /* The share that cut set 13 off still came; released here. */
+  tshare_view *v;
+  CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(tshare_view_share_id(v), 100);
+  tshare_view_release(v);
+  expect_refused(ch, TSHARE_E_PEER_CLOSED, "in the middle of it");
+  CHECK_EQ(count_mappings("memfd:tshare-evil"), 0);
+  CHECK_EQ(count_open_fds(), fds_before);
+  CHECK_CHILD_OK(pid);
+  tshare_channel_close(ch);
+  close(sock);
+}
+
+/* ---- a peer of the previous minor ------------------------------------------- */
+
+/* A hello of wire 1.2, as a peer built before tensor sets sends it; then it
+ * waits for the other end to close. */
+static void minor_2_peer(int fd) {
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_HELLO;
+  f.u.hello.pid = (uint32_t)getpid();
+  f.u.hello.uid = (uint32_t)getuid();
+  f.u.hello.capabilities = TSHARE_CAP_FD_PASSING | TSHARE_CAP_HOST_MEMFD;
+  snprintf(f.u.hello.name, sizeof f.u.hello.name, "old");
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len;
+  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, NULL), TSHARE_OK, "");
+  buf[5] = 2; /* the header's minor */
+  CHECK(write(fd, buf, len) == (ssize_t)len);
+  /* Reads the other end's frames until its bye: nothing else may come. */
+  tshare_decoder *d = tshare_decoder_create(NULL);
+  for (bool bye = false; !bye;) {
+    uint8_t *space;
+    size_t avail;
+    CHECK_RC(tshare_decoder_space(d, &space, &avail), TSHARE_OK, "");
+    ssize_t n = read(fd, space, avail);
+    CHECK(n > 0);
+    tshare_decoder_commit(d, (size_t)n);
+    while (!bye && tshare_decoder_next(d, &f) == TSHARE_OK) {
+      CHECK(f.type == TSHARE_FRAME_HELLO || f.type == TSHARE_FRAME_BYE);
+      bye = f.type == TSHARE_FRAME_BYE;
+    }
+  }
+  tshare_decoder_destroy(d);
+}
+
+TS_TEST(a_peer_of_the_previous_minor_is_refused_a_set) {
+  int sock;
+  pid_t pid = fork_with_socket(minor_2_peer, &sock);
+  tshare_channel *ch = open_socket_only_channel(sock, "producer");
+  CHECK_EQ(tshare_channel_peer(ch)->minor, 2);
+  tshare_host_buffer **bufs = make_buffers(1, 4096);
+  tshare_set_builder *b = build(&PLANS[0], bufs);
+  uint64_t id = 5;
+  CHECK_RC(tshare_set_send(ch, b, NULL, 1000, &id), TSHARE_E_PEER_MISMATCH, tshare_channel_last_error(ch));
+  printf("%s\n", tshare_channel_last_error(ch));
+  CHECK(strstr(tshare_channel_last_error(ch), "wire 1.2") != NULL);
+  CHECK_EQ(id, 0);
+  CHECK_EQ(tshare_channel_outstanding(ch), 0);
+  tshare_set_builder_destroy(b);
+  CHECK_EQ(tshare_host_buffer_outstanding(bufs[0]), 0);
+  destroy_buffers(bufs, 1);
+  tshare_channel_close(ch);
+  close(sock); /* the old peer reads until it ends */
+  CHECK_CHILD_OK(pid);
+}
+
+TS_TEST_MAIN
