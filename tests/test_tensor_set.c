@@ -9,6 +9,7 @@
 #include "proc_util.h"
 #include "tshare/set.h"
 
+#include <pthread.h>
 #include <signal.h>
 #include <sys/mman.h>
 
@@ -173,6 +174,61 @@ TS_TEST(a_consumer_killed_holding_a_set_frees_everything) {
   CHECK_EQ(tshare_host_buffer_outstanding(bufs[0]), 0);
   int st = wait_child(pid);
   CHECK(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
+  tshare_channel_close(ch);
+  destroy_buffers(bufs, 1);
+}
+
+/* ---- views released from other threads ------------------------------------ */
+
+typedef struct view_batch {
+  tshare_view **views;
+  size_t count;
+} view_batch;
+
+static void *release_views(void *arg) {
+  view_batch *b = arg;
+  for (size_t i = 0; i < b->count; i++) tshare_view_release(b->views[i]);
+  return NULL;
+}
+
+/* Every tensor of the 290-tensor set as a view, released by four threads
+ * while this one lets go of the handle and drives the channel: one release
+ * goes out when the last view went, whichever thread that was. */
+static void consumer_releases_from_threads(int fd) {
+  tshare_channel *ch = open_socket_channel(fd, "consumer", NULL, NULL);
+  tshare_set *s;
+  CHECK_RC(tshare_set_recv(ch, 10000, &s), TSHARE_OK, tshare_channel_last_error(ch));
+  size_t n = tshare_set_count(s);
+  tshare_view **views = calloc(n, sizeof *views);
+  for (size_t i = 0; i < n; i++) CHECK_RC(tshare_set_view(s, i, &views[i]), TSHARE_OK, "");
+  tshare_set_release(s);
+  pthread_t threads[4];
+  view_batch batches[4];
+  for (size_t t = 0; t < 4; t++) {
+    batches[t] = (view_batch){views + t * n / 4, (t + 1) * n / 4 - t * n / 4};
+    CHECK(pthread_create(&threads[t], NULL, release_views, &batches[t]) == 0);
+  }
+  for (size_t t = 0; t < 4; t++) pthread_join(threads[t], NULL);
+  free(views);
+  CHECK_EQ(count_mappings("memfd:tshare-set"), 0);
+  tshare_set *none;
+  CHECK_RC(tshare_set_recv(ch, 10000, &none), TSHARE_END, tshare_channel_last_error(ch));
+  tshare_channel_close(ch);
+}
+
+TS_TEST(views_released_from_threads_release_the_set_once) {
+  int sock;
+  pid_t pid = fork_with_socket(consumer_releases_from_threads, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
+  tshare_host_buffer **bufs = make_buffers(1, 4096 * 4);
+  tshare_set_builder *b = build(&PLANS[1], bufs);
+  uint64_t id;
+  CHECK_RC(tshare_set_send(ch, b, NULL, 10000, &id), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_set_builder_destroy(b);
+  CHECK_RC(tshare_channel_wait_released(ch, id, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(tshare_host_buffer_outstanding(bufs[0]), 0);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 1000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_CHILD_OK(pid);
   tshare_channel_close(ch);
   destroy_buffers(bufs, 1);
 }
