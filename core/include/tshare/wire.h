@@ -193,7 +193,7 @@ typedef struct tshare_chunk_frame {
 #define TSHARE_SET_NAME_MAX 1024u                 /* bytes of one member's name (UTF-8, no NUL) */
 #define TSHARE_SET_NAMES_MAX (16u * 1024u * 1024u) /* bytes of all member names of a set together */
 #define TSHARE_SET_META_MAX (16u * 1024u * 1024u)  /* bytes of a set's metadata */
-#define TSHARE_SET_META_CHUNK_MAX 2048u           /* metadata bytes in one META frame */
+#define TSHARE_SET_META_CHUNK_MAX 2032u /* metadata bytes in one META frame: tshare_frame keeps its size */
 
 typedef enum tshare_set_op {
   TSHARE_SET_BEGIN = 1,
