@@ -11,6 +11,7 @@
 
 #include <pthread.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/mman.h>
 
 static const tshare_dtype F32 = {TSHARE_DTYPE_FLOAT, 32, 1};
@@ -114,6 +115,8 @@ static void consumer_receives_sets(int fd) {
   CHECK(none == NULL);
   tshare_channel_close(ch);
 }
+
+static void expect_refused(tshare_channel *ch, int want, const char *cause);
 
 static tshare_host_buffer **make_buffers(size_t n, size_t size) {
   tshare_host_buffer **bufs = calloc(n, sizeof *bufs);
@@ -231,6 +234,54 @@ TS_TEST(views_released_from_threads_release_the_set_once) {
   CHECK_CHILD_OK(pid);
   tshare_channel_close(ch);
   destroy_buffers(bufs, 1);
+}
+
+/* ---- a process out of fds ---------------------------------------------------- */
+
+enum { MANY_MEMS = 80, LOW_FD_LIMIT = 48 };
+
+/* Under an fd limit of 48 a set of 80 memories cannot be held: it is refused
+ * naming EMFILE, what it had mapped goes, and the next set comes. */
+static void consumer_out_of_fds(int fd) {
+  struct rlimit rl;
+  CHECK(getrlimit(RLIMIT_NOFILE, &rl) == 0);
+  if (rl.rlim_max != RLIM_INFINITY && rl.rlim_max < LOW_FD_LIMIT) TS_SKIP("hard fd limit %lu", rl.rlim_max);
+  rl.rlim_cur = LOW_FD_LIMIT;
+  CHECK(setrlimit(RLIMIT_NOFILE, &rl) == 0);
+  tshare_channel *ch = open_socket_channel(fd, "consumer", NULL, NULL);
+  int fds_before = count_open_fds();
+  expect_refused(ch, TSHARE_E_LIMIT, "EMFILE");
+  CHECK_EQ(count_mappings("memfd:tshare-set"), 0);
+  tshare_set *s;
+  CHECK_RC(tshare_set_recv(ch, 10000, &s), TSHARE_OK, tshare_channel_last_error(ch));
+  check_set(s, &PLANS[0]);
+  tshare_set_release(s);
+  CHECK_EQ(count_open_fds(), fds_before);
+  CHECK_RC(tshare_set_recv(ch, 10000, &s), TSHARE_END, tshare_channel_last_error(ch));
+  tshare_channel_close(ch);
+}
+
+TS_TEST(a_set_over_the_fd_limit_is_refused_and_the_next_one_comes) {
+  int sock;
+  pid_t pid = fork_with_socket(consumer_out_of_fds, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
+  const set_plan many = {MANY_MEMS, MANY_MEMS, 0};
+  tshare_host_buffer **bufs = make_buffers(MANY_MEMS, 4096);
+  tshare_set_builder *b = build(&many, bufs);
+  uint64_t ids[2];
+  CHECK_RC(tshare_set_send(ch, b, NULL, 10000, &ids[0]), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_set_builder_destroy(b);
+  tshare_host_buffer **one = make_buffers(1, 4096);
+  b = build(&PLANS[0], one);
+  CHECK_RC(tshare_set_send(ch, b, NULL, 10000, &ids[1]), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_set_builder_destroy(b);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 1000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_channel_wait_released(ch, 0, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+  for (size_t m = 0; m < MANY_MEMS; m++) CHECK_EQ(tshare_host_buffer_outstanding(bufs[m]), 0);
+  CHECK_CHILD_OK(pid);
+  tshare_channel_close(ch);
+  destroy_buffers(bufs, MANY_MEMS);
+  destroy_buffers(one, 1);
 }
 
 /* ---- the builder's bounds ------------------------------------------------- */
