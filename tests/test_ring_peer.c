@@ -3,8 +3,9 @@
  * senders watch it: a poll loop on tshare_channel_fd() must wake for what the
  * peer sent right after the channel opened, must not spin on socket bytes it
  * cannot use yet, a send waiting for ring room must sleep and keep its
- * read-ahead within bounds, and fds past the channel's budget must cost no
- * memory. */
+ * read-ahead within bounds, releases owed to a peer whose ring is full must
+ * not keep a drive from reading what it sent, and fds past the channel's
+ * budget must cost no memory. */
 #include "harness.h"
 #include "hostile_peer.h"
 #include "proc_util.h"
@@ -239,6 +240,66 @@ TS_TEST(a_send_waiting_for_ring_room_sleeps_and_never_blames_a_live_peer) {
   CHECK_EQ(((const uint8_t *)tshare_view_data(v))[63], 7);
   tshare_view_release(v);
   CHECK_RC(tshare_view_recv(ch, 10000, &v), TSHARE_END, tshare_channel_last_error(ch));
+  tshare_channel_close(ch);
+  CHECK_CHILD_OK(pid);
+}
+
+/* ---- 4. releases owed to a peer that never reads its ring -------------------- */
+
+enum { OWED = 20 }; /* past the 16 owed releases that go even while frames wait to be read */
+
+/* Shares a buffer OWED times; on the first byte on `go` once more; on the
+ * second byte goes. Never reads its ring: what the other end owes stays owed. */
+static void shares_and_never_reads(int fd) {
+  close(go[1]); /* a parent that failed ends it too (EOF) */
+  tshare_channel *ch = open_ring_channel(fd, "deaf peer");
+  tshare_host_buffer *b;
+  CHECK_RC(tshare_host_buffer_create(64, "tshare-deaf-peer", &b, NULL), TSHARE_OK, "");
+  tshare_tensor_desc d = ints(16);
+  char byte;
+  for (int i = 0; i <= OWED; i++) {
+    if (i == OWED && read(go[0], &byte, 1) != 1) _exit(0);
+    memset(tshare_host_buffer_data(b), i == OWED ? 2 : 1, 64);
+    CHECK_RC(tshare_share_host(ch, b, &d, NULL, NULL, 10000, NULL), TSHARE_OK, tshare_channel_last_error(ch));
+  }
+  if (read(go[0], &byte, 1) != 1) _exit(0);
+  tshare_channel_close(ch);
+  tshare_host_buffer_destroy(b);
+}
+
+/* A drive whose owed release times out on the full ring still reads what the
+ * peer sent: returning at the release's "send: timed out" left the frame
+ * unread and the fd readable, so an event loop spun. */
+TS_TEST(a_release_owed_to_a_full_ring_does_not_keep_a_poll_loop_from_the_peers_frames) {
+  CHECK(pipe2(go, O_CLOEXEC) == 0);
+  int sock;
+  pid_t pid = fork_with_socket(shares_and_never_reads, &sock);
+  tshare_channel *ch = open_ring_channel(sock, "owing end");
+  tshare_view *held[OWED], *v = NULL;
+  for (int i = 0; i < OWED; i++)
+    CHECK_RC(tshare_view_recv(ch, 10000, &held[i]), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_frame f = release_frame(1000);
+  int rc;
+  while ((rc = tshare_channel_send_frame(ch, &f, -1, 0)) == TSHARE_OK) {
+  }
+  CHECK_RC(rc, TSHARE_E_TIMEOUT, tshare_channel_last_error(ch)); /* the peer's ring is full */
+  for (int i = 0; i < OWED; i++) tshare_view_release(held[i]); /* owed, due at the next drive, and cannot go */
+  CHECK(write(go[1], "g", 1) == 1); /* the second share comes */
+  struct pollfd p = {.fd = tshare_channel_fd(ch), .events = POLLIN, .revents = 0};
+  for (int wakeups = 0; !v; wakeups++) { /* the event loop's rule, bounded */
+    if (wakeups == 100) TS_FAIL("woke 100 times, the share never came: it spins (%s)", tshare_channel_last_error(ch));
+    CHECK(poll(&p, 1, 5000) == 1);
+    rc = tshare_view_recv(ch, 0, &v); /* the share, or nothing yet */
+    if (rc != TSHARE_OK) CHECK_RC(rc, TSHARE_E_TIMEOUT, tshare_channel_last_error(ch));
+  }
+  CHECK_EQ(((const uint8_t *)tshare_view_data(v))[63], 2);
+  /* Drained: the fd sleeps again (a wake or two for bytes left behind at most). */
+  int wakeups = 0;
+  while (poll(&p, 1, 100) == 1 && wakeups++ < 10)
+    CHECK_RC(drive_until_quiet(ch), TSHARE_E_TIMEOUT, tshare_channel_last_error(ch));
+  CHECK(wakeups <= 2);
+  tshare_view_release(v);
+  CHECK(write(go[1], "d", 1) == 1);
   tshare_channel_close(ch);
   CHECK_CHILD_OK(pid);
 }

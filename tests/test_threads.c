@@ -109,7 +109,8 @@ typedef struct waiter {
 static void *wait_for_a_share(void *arg) {
   waiter *w = arg;
   tshare_view *v = NULL;
-  w->rc = tshare_view_recv(w->ch, w->timeout_ms, &v);
+  /* until_busy's polls may be inside when this thread first calls: again */
+  while ((w->rc = tshare_view_recv(w->ch, w->timeout_ms, &v)) == TSHARE_E_BUSY) usleep(1000);
   if (v) tshare_view_release(v);
   return NULL;
 }
@@ -183,6 +184,48 @@ TS_TEST(close_while_another_thread_waits_wakes_it_and_closes_after_it) {
   join_within(w.thread, 5);
   CHECK_RC(w.rc, TSHARE_E_STATE, "the receive cut short by the close");
   CHECK_CHILD_OK(consumer); /* it saw the bye of a clean close */
+}
+
+/* A producer that shares one buffer OWED times, then reads nothing until
+ * told: the consumer's releases find no room. (More than a handful: a few
+ * releases wait to go out together, and would not be sent at all.) */
+#define OWED 20
+static int go[2];
+static void producer_that_stops_reading(int fd) {
+  tshare_channel *ch = open_socket_channel(fd, "producer", NULL, NULL);
+  tshare_host_buffer *buf;
+  CHECK_RC(tshare_host_buffer_create(4096, "tshare-threads", &buf, NULL), TSHARE_OK, "");
+  tshare_tensor_desc d = one_float();
+  uint64_t id;
+  for (int i = 0; i < OWED; i++)
+    CHECK_RC(tshare_share_host(ch, buf, &d, NULL, NULL, 5000, &id), TSHARE_OK, tshare_channel_last_error(ch));
+  char b;
+  CHECK(read(go[0], &b, 1) == 1);
+  tshare_channel_close(ch);
+  tshare_host_buffer_destroy(buf);
+}
+
+TS_TEST(close_wakes_a_receive_whose_releases_find_no_room) {
+  CHECK(pipe(go) == 0);
+  int sock;
+  pid_t producer = fork_with_socket(producer_that_stops_reading, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "consumer", NULL, NULL);
+  tshare_view *v[OWED];
+  for (int i = 0; i < OWED; i++) CHECK_RC(tshare_view_recv(ch, 5000, &v[i]), TSHARE_OK, tshare_channel_last_error(ch));
+  /* Fill the producer's side (ring or socket) until a frame finds no room. */
+  int frames = 0;
+  while (tshare_channel_send_error(ch, TSHARE_E_INVALID_ARG, "filler: the producer reads none of these") ==
+         TSHARE_OK)
+    CHECK(++frames < 1000000);
+  for (int i = 0; i < OWED; i++) tshare_view_release(v[i]); /* owed now, with no room for them */
+  waiter w;
+  start_waiter(&w, ch, -1);
+  until_busy(ch);
+  tshare_channel_close(ch);
+  join_within(w.thread, 5);
+  CHECK_RC(w.rc, TSHARE_E_STATE, "the receive cut short by the close");
+  CHECK(write(go[1], "x", 1) == 1);
+  CHECK_CHILD_OK(producer);
 }
 
 TS_TEST_MAIN

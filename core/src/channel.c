@@ -146,7 +146,12 @@ int tshare_channel_fd(const tshare_channel *ch) {
   bool asks = ts_conn_uses_ring(&c->conn) && !atomic_load(&c->conn.pollable);
   if (!asks && !ts_channel_foreign(c)) return c->conn.rfd;
   if (ts_channel_enter(c, "fd") != TSHARE_OK) return -1;
-  return ts_channel_leave(c, ts_conn_poll_fd(&c->conn));
+  int fd = ts_conn_poll_fd(&c->conn);
+  /* A close asked for meanwhile closes the fd as this call leaves: its
+   * number, handed out, could name another file by the time it is used. */
+  bool closing = ts_channel_close_waits(c);
+  ts_channel_leave(c, TSHARE_OK);
+  return closing ? -1 : fd;
 }
 tshare_transport tshare_channel_transport(const tshare_channel *ch) {
   return ts_conn_uses_ring(&ch->conn) ? TSHARE_TRANSPORT_RING : TSHARE_TRANSPORT_SOCKET;
@@ -320,7 +325,10 @@ static void close_in_child(tshare_channel *ch) {
     if (locks_free) pthread_mutex_unlock(&ch->conn.send_lock);
     pthread_mutex_unlock(&ch->conn.wake_lock);
   }
-  if (locks_free) ts_conn_close(&ch->conn); /* closes and unmaps, writes nothing */
+  if (locks_free)
+    ts_conn_close(&ch->conn); /* closes and unmaps, writes nothing */
+  else
+    ts_conn_close_fork_copy(&ch->conn); /* the socket must not outlive the parent through this child */
   ch->closed = true;
   ts_channel_unref(ch);
 }

@@ -1297,6 +1297,19 @@ void ts_conn_close(ts_conn *c) {
   c->ring_spill = NULL;
 }
 
+void ts_conn_close_fork_copy(ts_conn *c) {
+  /* The parent's thread that held a lock at fork does not run here; what it
+   * was changing in this process's heap (spill buffers, decoders, the fd
+   * queue) is left as it is, and goes when the child exits or execs. */
+  if (c->rfd >= 0) close(c->rfd);
+  if (c->wfd >= 0 && c->wfd != c->rfd) close(c->wfd);
+  c->rfd = c->wfd = -1;
+  if (c->wake_fd >= 0) close(c->wake_fd);
+  c->wake_fd = -1;
+  ts_ring_unmap(&c->ring_in);
+  ts_ring_unmap(&c->ring_out);
+}
+
 void ts_conn_destroy(ts_conn *c) {
   pthread_mutex_destroy(&c->send_lock);
   pthread_mutex_destroy(&c->wake_lock);

@@ -183,6 +183,10 @@ uint64_t ts_conn_origin_key(const ts_conn *c, uint32_t claimed_pid);
 /* Close the fds and free the buffers (a ts_conn_send_now racing with it sends
  * nothing); ts_conn_destroy frees the locks once no other thread can call. */
 void ts_conn_close(ts_conn *c);
+/* A forked child's copy: its fds closed and its ring mappings dropped
+ * without taking the locks (a thread of the parent may have held them at
+ * fork); nothing is written. */
+void ts_conn_close_fork_copy(ts_conn *c);
 void ts_conn_destroy(ts_conn *c);
 
 #endif

@@ -218,9 +218,15 @@ static void send_refusal_notice(tshare_channel *ch) {
 }
 
 /* A release frame that did not go out: its ids are queued again. */
-static void put_back(tshare_channel *ch, const tshare_frame *f) {
+static bool push_pending_locked(tshare_channel *ch, uint64_t share_id);
+
+/* Releases that found no room, back on the list. The driving thread that
+ * put them back wakes nobody: a wake would end its own next wait at once, a
+ * spin while the peer makes no room. Another thread tells it (tell_driver). */
+static void put_back(tshare_channel *ch, const tshare_frame *f, bool tell_driver) {
   pthread_mutex_lock(&ch->lock);
-  for (uint32_t i = 0; i < f->u.release.count; i++) ts_share_queue_release_locked(ch, f->u.release.share_ids[i]);
+  for (uint32_t i = 0; i < f->u.release.count; i++) (void)push_pending_locked(ch, f->u.release.share_ids[i]);
+  if (tell_driver) ts_conn_wake(&ch->conn);
   pthread_mutex_unlock(&ch->lock);
 }
 
@@ -234,7 +240,7 @@ int ts_share_flush_pending(tshare_channel *ch, int timeout_ms) {
     pthread_mutex_unlock(&ch->lock);
     if (f.u.release.count == 0) return TSHARE_OK;
     int rc = ts_channel_send(ch, &f, -1, ts_remaining(deadline));
-    if (rc == TSHARE_E_TIMEOUT) put_back(ch, &f); /* nothing went: they go with a later flush */
+    if (rc == TSHARE_E_TIMEOUT) put_back(ch, &f, false); /* nothing went: they go with a later flush */
     if (rc != TSHARE_OK) return rc;               /* a dead peer no longer needs the releases */
   }
 }
@@ -253,24 +259,29 @@ void ts_share_send_releases_now(tshare_channel *ch) {
   take_pending_locked(ch, &f);
   pthread_mutex_unlock(&ch->lock);
   if (ts_conn_send_now(&ch->conn, &f)) return;
-  put_back(ch, &f); /* nothing went: back to the driving thread, which is told */
+  put_back(ch, &f, true); /* nothing went: back to the driving thread, which is told */
 }
 
-/* Queue a release for the driving thread and wake it if it is blocked in a
- * receive. Called with ch->lock held, which also keeps wake_fd open. */
-void ts_share_queue_release_locked(tshare_channel *ch, uint64_t share_id) {
-  if (ch->closed) return; /* closing dropped everything the peer gave us */
+/* A release on the pending list, with ch->lock held. False: not queued. */
+static bool push_pending_locked(tshare_channel *ch, uint64_t share_id) {
+  if (ch->closed) return false; /* closing dropped everything the peer gave us */
   if (ch->npending == ch->pending_cap) {
     size_t cap = ch->pending_cap ? ch->pending_cap * 2 : 64;
     uint64_t *p = realloc(ch->pending, cap * sizeof *p);
     /* Out of memory: the share stays outstanding at the producer until the
      * channel closes, which frees it. Degraded, never lost data. */
-    if (!p) return;
+    if (!p) return false;
     ch->pending = p;
     ch->pending_cap = cap;
   }
   ch->pending[ch->npending++] = share_id;
-  ts_conn_wake(&ch->conn);
+  return true;
+}
+
+/* Queue a release for the driving thread and wake it if it is blocked in a
+ * receive. Called with ch->lock held, which also keeps wake_fd open. */
+void ts_share_queue_release_locked(tshare_channel *ch, uint64_t share_id) {
+  if (push_pending_locked(ch, share_id)) ts_conn_wake(&ch->conn);
 }
 
 /* A view a forked child inherited: its channel is its parent's, so nothing
@@ -404,6 +415,16 @@ static int housekeeping(tshare_channel *ch, int64_t deadline, bool all_releases,
   return rc;
 }
 
+/* How long a receive waits at a time for room for what it owes, and then for
+ * the peer's frames, while the peer does not make room: a close from another
+ * thread is seen between turns. */
+#define TS_OWED_SLICE_MS 10
+
+static int64_t slice_of(int64_t deadline, int slice_ms) {
+  int left = ts_remaining(deadline);
+  return left >= 0 && left <= slice_ms ? deadline : ts_deadline(slice_ms);
+}
+
 int ts_session_recv(tshare_channel *ch, tshare_frame *f, int *fd_out, int *fd_lost, int timeout_ms) {
   int64_t deadline = ts_deadline(timeout_ms);
   bool woken = false;
@@ -413,20 +434,21 @@ int ts_session_recv(tshare_channel *ch, tshare_frame *f, int *fd_out, int *fd_lo
                      "receive: the channel was closed while this call waited (tshare_channel_close from another "
                      "thread or a callback); the handle is gone once this call returns");
     ts_gpu_wait gpu = TS_GPU_IDLE;
-    int rc = housekeeping(ch, deadline, woken, &gpu);
+    int rc = housekeeping(ch, slice_of(deadline, TS_OWED_SLICE_MS), woken, &gpu);
     /* A peer that does not make room for what this end owes (nothing of it
-     * went: it goes with a later receive) may still have sent frames: they
-     * are read now, or an event loop would find the fd readable forever and
-     * two such ends could wait on each other. */
+     * went: it goes with a later turn) may still have sent frames: they are
+     * read now, or an event loop would find the fd readable forever and two
+     * such ends could wait on each other. */
     if (rc != TSHARE_OK && rc != TSHARE_E_TIMEOUT) return rc;
+    bool owed = rc == TSHARE_E_TIMEOUT;
     /* Releases waiting for the GPU are looked at again at once while they
      * are fresh, then every millisecond. */
     int wait_ms = ts_remaining(deadline);
-    int cap = gpu == TS_GPU_SOON ? 0 : 1;
-    if (gpu != TS_GPU_IDLE && (wait_ms < 0 || wait_ms > cap)) wait_ms = cap;
+    int cap = gpu == TS_GPU_SOON ? 0 : gpu != TS_GPU_IDLE ? 1 : TS_OWED_SLICE_MS;
+    if ((gpu != TS_GPU_IDLE || owed) && (wait_ms < 0 || wait_ms > cap)) wait_ms = cap;
     rc = ts_conn_recv(&ch->conn, f, fd_out, fd_lost, wait_ms);
     woken = rc == TS_CONN_WOKEN; /* releases were queued: out with them before waiting on */
-    if (woken || (rc == TSHARE_E_TIMEOUT && gpu != TS_GPU_IDLE && ts_remaining(deadline) != 0)) continue;
+    if (woken || (rc == TSHARE_E_TIMEOUT && (gpu != TS_GPU_IDLE || owed) && ts_remaining(deadline) != 0)) continue;
     return rc;
   }
 }
