@@ -155,6 +155,9 @@ endfunction()
 function(tshare_print_test_counts junit)
   file(READ "${junit}" xml)
   string(REPLACE ";" "," xml "${xml}") # the list separator, out of the way
+  # Square brackets in test output would keep CMake from splitting the list there.
+  string(REPLACE "[" "(" xml "${xml}")
+  string(REPLACE "]" ")" xml "${xml}")
   string(REPLACE "<testcase " ";<testcase " cases "${xml}")
   list(POP_FRONT cases)
   set(failed 0)
