@@ -111,8 +111,26 @@ class Channel:
         self._c._send_bye(_timeout_ms(timeout))
 
     def close(self):
+        self._unwatched_before_close()
         self._c.close()
         self._closed_under_awaits()
+
+    def _unwatched_before_close(self):
+        """On the thread of the loop awaiting the channel (tshare.aio), or
+        once that loop is closed, its watcher lets go of the fd now; else it
+        does when its awaits end (it watches a dup, so the number the channel
+        frees cannot be reused under it meanwhile)."""
+        w = self._aio
+        if w is None:
+            return
+        import asyncio  # imported already: tshare.aio made the watcher
+
+        try:
+            here = asyncio.get_running_loop() is w.loop
+        except RuntimeError:
+            here = False
+        if here or w.loop.is_closed():
+            w.retire(loop_closed=not here)
 
     def _closed_under_awaits(self):
         """Awaits on the channel (tshare.aio) raise that it is closed."""

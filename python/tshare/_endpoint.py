@@ -46,16 +46,23 @@ class Endpoint:
         second may live in a process that is still starting; the second
         opens at once and then waits for the first's hello (at most the
         handshake timeout, 10 s)."""
-        from . import connect, open_socket
+        from . import Channel, connect
 
         if self._address is not None:
             return connect(self._address, timeout=timeout, channel_name=name, transport=transport, spin_us=spin_us,
                            allow_uid=allow_uid)
         fd = self._take_fd()
-        if self._waits_for_peer and not _readable(fd, timeout):
-            self._fd = fd  # still ours: open() may be tried again
-            _fail(_tshare.E_TIMEOUT, "Endpoint.open: the other end was not opened within %g s" % timeout)
-        return open_socket(fd, name=name, transport=transport, spin_us=spin_us, allow_uid=allow_uid)
+        try:
+            # Until the C open takes fd it is still ours: whatever raises before
+            # (bad options, the timeout, Ctrl-C in the wait) gives it back, so
+            # open() may be tried again and close() closes it.
+            opts = _checked_options(name, transport, spin_us, allow_uid)
+            if self._waits_for_peer and not _readable(fd, timeout):
+                _fail(_tshare.E_TIMEOUT, "Endpoint.open: the other end was not opened within %g s" % timeout)
+        except BaseException:
+            self._fd = fd
+            raise
+        return Channel(_tshare._open_socket(fd, **opts))  # owns fd from here on, also on failure
 
     def _take_fd(self):
         fd = self._fd
@@ -105,6 +112,27 @@ class Endpoint:
 
 def _rebuild_fd_endpoint(dup, waits_for_peer):
     return Endpoint(fd=dup.detach(), waits_for_peer=waits_for_peer)
+
+
+def _checked_options(name, transport, spin_us, allow_uid):
+    """The options of open_socket, with every check the C open makes before
+    it takes the fd made here, so that a refusal leaves the fd with us."""
+    from . import _options
+
+    if name is not None and not isinstance(name, str):
+        raise TypeError("tshare: Endpoint.open: name must be a str or None, not %s" % type(name).__name__)
+    if name is not None:
+        name.encode("utf-8")  # UnicodeEncodeError, as the C open would raise
+    if transport is not None and not isinstance(transport, str):
+        raise TypeError("tshare: Endpoint.open: transport must be a str or None, not %s" % type(transport).__name__)
+    if transport not in (None, "ring", "socket"):
+        _fail(_tshare.E_INVALID_ARG, "transport '%s': use 'ring', 'socket' or None" % transport)
+    opts = _options(name, transport, spin_us, allow_uid)
+    if not -(1 << 31) <= opts["spin_us"] < (1 << 31):
+        raise OverflowError("tshare: Endpoint.open: spin_us %d does not fit a C int" % opts["spin_us"])
+    if not -(1 << 63) <= opts["allow_uid"] < (1 << 63):
+        raise OverflowError("tshare: Endpoint.open: allow_uid %d does not fit a C long" % opts["allow_uid"])
+    return opts
 
 
 def _readable(fd, timeout):

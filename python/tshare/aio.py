@@ -33,6 +33,7 @@ progress wakes no await: give a channel to one loop, or to threads.
 """
 import asyncio
 import collections
+import os
 from typing import AsyncIterator, Optional
 
 from . import _tshare
@@ -88,7 +89,11 @@ class _Watcher:
     def __init__(self, ch, loop):
         self.ch = ch
         self.loop = loop
-        self.fd = ch.fileno()  # also asks the peer for nudges on a ring channel
+        # fileno() also asks the peer for nudges on a ring channel. The loop
+        # watches a dup of it: the channel may be closed from another thread
+        # while the loop still has it registered, and its number may not be
+        # reused (by a new channel) before this watcher lets go of it.
+        self.fd = os.dup(ch.fileno())
         self.awaits = collections.OrderedDict()  # in arrival order
         self.watching = False
         self.idle_wakes = 0
@@ -105,11 +110,24 @@ class _Watcher:
     def remove(self, a):
         self.awaits.pop(a, None)
         if not self.awaits:
-            self._unwatch()
+            self.retire()
             if self.ch._aio is self:
                 self.ch._aio = None
 
+    def retire(self, loop_closed=False):
+        """Stop watching for good and close the dup (the channel closes, or
+        nothing awaits it any more). Only on the loop's thread, or once the
+        loop is closed (loop_closed: nothing is registered any more)."""
+        if not loop_closed:
+            self._unwatch()
+        self.watching = False
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
     def _watch(self):
+        if self.fd < 0:
+            return  # retired: the awaits left find the channel closed
         if not self.watching:
             self.loop.add_reader(self.fd, self._readable)
             self.watching = True

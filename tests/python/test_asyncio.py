@@ -11,6 +11,7 @@ import random
 import resource
 import signal
 import threading
+import time
 
 import harness
 import torch
@@ -326,6 +327,65 @@ def close_ends_awaits():
     for ch in (p1, c2, p3, c3):
         ch.close()  # also c3, whose await's loop is gone
     del abandoned
+
+
+@test
+def a_new_channel_on_a_closed_channels_fd_number_wakes_its_awaits():
+    """A channel closed with an await pending (from a task on the loop, or
+    from another thread) lets go of its fd in the loop: a new channel that
+    gets the same fd number wakes its awaits through the fd, not only on the
+    100 ms flush timer."""
+
+    async def closed_under_an_await(close):
+        """Close a channel an await waits on; then pairs until one end has
+        the closed channel's fd number: (that end, its peer, all the pairs)."""
+        p, c = pair()
+        pending = asyncio.ensure_future(aio.wait_released(p, tshare.send(p, tshare.empty_shared(1))))
+        await asyncio.sleep(0.05)
+        number = p.fileno()
+        close(p)
+        pairs = []
+        for _ in range(10):  # the old channel may have freed lower numbers too
+            pairs.append(pair())
+            for a, b in (pairs[-1], pairs[-1][::-1]):
+                if b.fileno() == number:
+                    return b, a, pairs, pending, c
+        raise AssertionError("no new channel got fd %d back" % number)
+
+    async def first_recv_time(consumer, producer, pending):
+        """A recv on consumer begins while the closed channel's await is
+        still pending, which then ends: the fd stays watched for the recv."""
+        got = asyncio.ensure_future(aio.recv(consumer, timeout=5))
+        await asyncio.sleep(0.01)  # the recv sleeps on the fd by now
+        await expect_error(tshare.E_STATE, "closed", asyncio.wait_for(pending, timeout=5))
+        selector = asyncio.get_running_loop()._selector
+        assert consumer._aio.fd in selector.get_map(), "the new channel's fd is no longer watched"
+        t0 = time.monotonic()
+        tshare.send(producer, tshare.empty_shared(1), tag="woken", timeout=5)
+        r = await got
+        assert r.tag == "woken", r
+        return time.monotonic() - t0
+
+    def close_in_a_thread(ch):
+        th = threading.Thread(target=ch.close)
+        th.start()
+        th.join()
+
+    for how, close in (("on the loop", lambda ch: ch.close()), ("from another thread", close_in_a_thread)):
+
+        async def main():
+            times = []
+            for _ in range(10):
+                consumer, producer, pairs, pending, old_peer = await closed_under_an_await(close)
+                times.append(await first_recv_time(consumer, producer, pending))
+                for a, b in pairs + [(old_peer, old_peer)]:
+                    a.close()
+                    b.close()
+            return times
+
+        times = sorted(asyncio.run(asyncio.wait_for(main(), timeout=60)))
+        assert times[7] < 0.05, "closed %s: recvs on the reused fd took %s s" % (
+            how, ", ".join("%.3f" % t for t in times))
 
 
 @test

@@ -8,6 +8,7 @@ its end as a pickled tshare.Endpoint."""
 import multiprocessing
 import os
 import pickle
+import signal
 import sys
 import threading
 
@@ -215,6 +216,62 @@ def the_first_end_waits_for_the_other_to_open():
     expect_error(tshare.E_TIMEOUT, "not opened within", mine.open, timeout=0.2)
     theirs.close()  # as a child dying before it opened its end
     expect_error(tshare.E_PEER_CLOSED, "", mine.open, timeout=10)
+
+
+def open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+@test
+def a_refused_open_leaves_the_fd_with_the_endpoint():
+    """An open() refused before the channel took the fd (bad options) leaves
+    the fd with the endpoint: close() closes it, or a later open() uses it."""
+    before = open_fds()
+    for _ in range(50):
+        mine, theirs = tshare.endpoint_pair()
+        for end in (mine, theirs):
+            expect_error(tshare.E_INVALID_ARG, "transport 'bogus'", end.open, transport="bogus", timeout=5)
+            assert "fd" in repr(end), "a refused open used the end up: %r" % end
+        mine.close()
+        theirs.close()
+    assert open_fds() == before, "%d fds leaked by refused opens" % (open_fds() - before)
+    mine, theirs = tshare.endpoint_pair()
+    expect_error(tshare.E_INVALID_ARG, "transport", theirs.open, transport="bogus")
+    out = {}
+    th = threading.Thread(target=lambda: out.setdefault("c", theirs.open(name="consumer")))
+    th.start()
+    p = mine.open(name="producer", timeout=10)
+    th.join()
+    p.close()
+    out["c"].close()
+    assert open_fds() == before, "%d fds leaked" % (open_fds() - before)
+
+
+@test
+def ctrl_c_while_the_first_end_waits_keeps_its_fd():
+    """Ctrl-C (KeyboardInterrupt) while the first end waits for the other
+    leaves the fd with the endpoint: close() closes it."""
+    before = open_fds()
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        mine, theirs = tshare.endpoint_pair()
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        try:
+            mine.open(timeout=5)
+            raise AssertionError("open() returned with no peer")
+        except KeyboardInterrupt:
+            pass
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert "fd" in repr(mine), "Ctrl-C used the end up: %r" % mine
+    mine.close()
+    theirs.close()
+    assert open_fds() == before, "%d fds leaked by Ctrl-C in open()" % (open_fds() - before)
 
 
 @test
