@@ -40,6 +40,13 @@ echo "built $(basename "$sdist") and $(basename "$wheel")"
 
 venv=$scratch/venv
 step "venv" "$py" -m venv --system-site-packages "$venv"
+# An interpreter that is itself a venv lends the new one its base's
+# site-packages, not its own: point the new venv at where its torch lives.
+if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+  torch_site=$("$py" -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))") ||
+    fail "$py imports torch, but its location could not be read"
+  echo "$torch_site" >"$(echo "$venv"/lib/python3*/site-packages)/tshare-test-torch.pth"
+fi
 step "install" "$venv/bin/pip" install --no-deps --no-index "$wheel"
 cd "$scratch" || exit 1
 
