@@ -45,7 +45,7 @@ step "venv" "$py" -m venv --system-site-packages "$venv"
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
   torch_site=$("$py" -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))") ||
     fail "$py imports torch, but its location could not be read"
-  echo "$torch_site" >"$(echo "$venv"/lib/python3*/site-packages)/tshare-test-torch.pth"
+  echo "$torch_site" >"$(echo "$venv"/lib/python3*/site-packages)/_test-torch-site.pth"
 fi
 step "install" "$venv/bin/pip" install --no-deps --no-index "$wheel"
 cd "$scratch" || exit 1
