@@ -295,6 +295,23 @@ PyObject *py_open_socket(PyObject *module, PyObject *args, PyObject *kwargs) {
   return py_channel_wrap(ch);
 }
 
+static char *option_keywords[] = {"name", "transport", "spin_us", "allow_uid", NULL};
+
+/* _open_socket's checks of its options alone: a caller that must keep its fd
+ * when they fail (the fd goes to the library only once they passed) asks
+ * first. */
+PyObject *py_check_options(PyObject *module, PyObject *args, PyObject *kwargs) {
+  (void)module;
+  int spin_us = -1;
+  long allow_uid = -1;
+  PyObject *name = NULL, *transport = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OOil", option_keywords, &name, &transport, &spin_us, &allow_uid))
+    return NULL;
+  tshare_channel_options opts;
+  if (py_channel_options(name, transport, spin_us, allow_uid, &opts) < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
 PyObject *py_socketpair(PyObject *module, PyObject *unused) {
   (void)module;
   (void)unused;

@@ -48,6 +48,7 @@ int py_channel_options(PyObject *name, PyObject *transport, int spin_us, long al
 
 /* Module-level functions (tshare_module.c lists them). */
 PyObject *py_open_socket(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *py_check_options(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_socketpair(PyObject *module, PyObject *unused);
 PyObject *py_listen(PyObject *module, PyObject *args);
 PyObject *py_connect(PyObject *module, PyObject *args, PyObject *kwargs);

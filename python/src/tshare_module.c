@@ -68,6 +68,7 @@ static PyMethodDef module_methods[] = {
   {"_memory_kind", memory_kind, METH_VARARGS, NULL},
   {"_error", make_error, METH_VARARGS, NULL},
   {"_open_socket", (PyCFunction)(void (*)(void))py_open_socket, METH_VARARGS | METH_KEYWORDS, NULL},
+  {"_check_options", (PyCFunction)(void (*)(void))py_check_options, METH_VARARGS | METH_KEYWORDS, NULL},
   {"_connect", (PyCFunction)(void (*)(void))py_connect, METH_VARARGS | METH_KEYWORDS, NULL},
   {"_listen", py_listen, METH_VARARGS, NULL},
   {"socketpair", py_socketpair, METH_NOARGS, "Two connected socket fds for the two ends of a channel."},

@@ -14,6 +14,8 @@ Errors are tshare.Error (tshare.TimeoutError, tshare.PeerClosedError) with
 .code (a tshare status, e.g. tshare.E_TIMEOUT) and .status (its name).
 Timeouts are in seconds; None waits forever.
 """
+import os
+
 from . import _tshare
 from ._tshare import END, OK, Error, PeerClosedError, TimeoutError, cuda_device_count, library_version, socketpair
 from ._tshare import (  # noqa: F401  statuses, for comparing with Error.code
@@ -193,7 +195,13 @@ def _options(name, transport, spin_us, allow_uid):
 def open_socket(fd, name=None, transport=None, spin_us=None, allow_uid=None):
     """A channel on one end of a connected Unix stream socket (e.g. from
     socketpair()); the channel owns fd from here on, also on failure."""
-    return Channel(_tshare._open_socket(fd, **_options(name, transport, spin_us, allow_uid)))
+    opts = _options(name, transport, spin_us, allow_uid)
+    try:
+        _tshare._check_options(**opts)  # refused options: the fd is closed too, as promised
+    except BaseException:
+        os.close(fd)
+        raise
+    return Channel(_tshare._open_socket(fd, **opts))
 
 
 class Listener:

@@ -115,23 +115,12 @@ def _rebuild_fd_endpoint(dup, waits_for_peer):
 
 
 def _checked_options(name, transport, spin_us, allow_uid):
-    """The options of open_socket, with every check the C open makes before
-    it takes the fd made here, so that a refusal leaves the fd with us."""
+    """The options of open_socket, checked by the C open's own checks before
+    the fd is handed over, so that a refusal leaves the fd with us."""
     from . import _options
 
-    if name is not None and not isinstance(name, str):
-        raise TypeError("tshare: Endpoint.open: name must be a str or None, not %s" % type(name).__name__)
-    if name is not None:
-        name.encode("utf-8")  # UnicodeEncodeError, as the C open would raise
-    if transport is not None and not isinstance(transport, str):
-        raise TypeError("tshare: Endpoint.open: transport must be a str or None, not %s" % type(transport).__name__)
-    if transport not in (None, "ring", "socket"):
-        _fail(_tshare.E_INVALID_ARG, "transport '%s': use 'ring', 'socket' or None" % transport)
     opts = _options(name, transport, spin_us, allow_uid)
-    if not -(1 << 31) <= opts["spin_us"] < (1 << 31):
-        raise OverflowError("tshare: Endpoint.open: spin_us %d does not fit a C int" % opts["spin_us"])
-    if not -(1 << 63) <= opts["allow_uid"] < (1 << 63):
-        raise OverflowError("tshare: Endpoint.open: allow_uid %d does not fit a C long" % opts["allow_uid"])
+    _tshare._check_options(**opts)
     return opts
 
 

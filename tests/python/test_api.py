@@ -469,6 +469,23 @@ def fill(ch):
 
 
 @test
+def open_socket_with_refused_options_closes_its_fd():
+    # open_socket owns its fd also on failure: a refusal of its options leaks nothing.
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        a, b = tshare.socketpair()
+        os.close(b)
+        try:
+            tshare.open_socket(a, transport="bogus")
+            raise AssertionError("transport 'bogus' was taken")
+        except tshare.Error as e:
+            assert e.code == tshare.E_INVALID_ARG, e
+    left = len(os.listdir("/proc/self/fd")) - before
+    assert left == 0, "%d fds left open by refused opens" % left
+    print("open_socket_with_refused_options_closes_its_fd: ok")
+
+
+@test
 def a_send_that_times_out_keeps_nothing():
     """A send waits for room in slices, each a try of its own: when it times
     out, nothing was sent and the tensor it was given is not held."""
