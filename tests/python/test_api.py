@@ -21,6 +21,7 @@ except ImportError:
     sys.exit(77)
 
 import tshare
+from harness import expect_error, fill, pair  # noqa: E402  after the torch check
 
 TESTS = {}
 
@@ -28,26 +29,6 @@ TESTS = {}
 def test(fn):
     TESTS[fn.__name__] = fn
     return fn
-
-
-def pair(**kw):
-    a, b = tshare.socketpair()
-    out = {}
-    th = threading.Thread(target=lambda: out.setdefault("c", tshare.open_socket(b, name="consumer", **kw)))
-    th.start()
-    p = tshare.open_socket(a, name="producer", **kw)
-    th.join()
-    return p, out["c"]
-
-
-def expect_error(code, fragment, fn, *args, **kw):
-    try:
-        fn(*args, **kw)
-    except tshare.Error as e:
-        assert e.code == code, "code %s (%s), want %s: %s" % (e.code, e.status, code, e)
-        assert fragment in str(e), "message %r lacks %r" % (str(e), fragment)
-        return e
-    raise AssertionError("no error; wanted %s with %r" % (code, fragment))
 
 
 def memfds():
@@ -454,18 +435,6 @@ def ctrl_c_interrupts_waits():
     assert p.outstanding() == sent, "the interrupted send left a share behind"
     p.close()
     c.close()
-
-
-def fill(ch):
-    """Send until ch has no room (its peer does not read); the count sent."""
-    t = tshare.empty_shared(16)
-    n = 0
-    while True:
-        try:
-            tshare.send(ch, t[n % 16], timeout=0)
-        except tshare.TimeoutError:
-            return n
-        n += 1
 
 
 @test
