@@ -352,6 +352,13 @@ unsigned long ts_thread_tag(void) {
   return tag;
 }
 
+uint32_t ts_conn_caps(const ts_conn *c) {
+  uint32_t caps = TS_TRANSPORT_SAME_HOST;
+  if (c->kind == TSHARE_CHANNEL_SOCKET) caps |= TS_TRANSPORT_PASSES_FDS | TS_TRANSPORT_PEER_CREDENTIALS;
+  if (ts_conn_uses_ring(c)) caps |= TS_TRANSPORT_SHARED_MEMORY;
+  return caps;
+}
+
 static void mark_driver(ts_conn *c) {
   unsigned long me = ts_thread_tag();
   if (atomic_load_explicit(&c->driver, memory_order_relaxed) != me)

@@ -122,6 +122,17 @@ typedef struct ts_conn {
   size_t held_fds, fd_budget;
 } ts_conn;
 
+/* What a connection's transport can do. The session and the backends ask
+ * these (ts_conn_caps) instead of reading which transport it is. */
+#define TS_TRANSPORT_PASSES_FDS (1u << 0)       /* a frame can carry an fd (SCM_RIGHTS or a dup) */
+#define TS_TRANSPORT_PEER_CREDENTIALS (1u << 1) /* the kernel names the peer's uid and pid */
+#define TS_TRANSPORT_SAME_HOST (1u << 2)        /* the peer runs on this machine, in this boot */
+#define TS_TRANSPORT_SHARED_MEMORY (1u << 3)    /* frames travel through memory both ends map */
+
+/* The TS_TRANSPORT_* bits of c's transport. SHARED_MEMORY is known once the
+ * hello has agreed on it; the others from ts_conn_init on. */
+uint32_t ts_conn_caps(const ts_conn *c);
+
 unsigned long ts_thread_tag(void); /* a nonzero number per thread */
 
 /* Set up c on fds it owns from now on, also when this fails (ts_conn_close
