@@ -213,11 +213,13 @@ lock_held() { grep -q "Could not get lock\|Unable to acquire the dpkg frontend l
 # apt-get ARGS as root, waiting for the lock up to $lock_timeout seconds: dpkg
 # waits on its own lock (DPkg::Lock::Timeout), and `apt-get update` fails at
 # once on the lists lock, so a held lock is retried here until the deadline.
+# LC_ALL=C: the messages grepped below (lock held, unknown package) are apt's
+# English ones, whatever the user's locale.
 apt_run() {
   deadline=$(($(date +%s) + lock_timeout))
   told=""
   while :; do
-    $sudo env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout="$lock_timeout" "$@" >"$apt_log" 2>&1 &&
+    $sudo env LC_ALL=C DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout="$lock_timeout" "$@" >"$apt_log" 2>&1 &&
       return 0
     lock_held && [ "$(date +%s)" -lt "$deadline" ] || return 1
     if [ -z "$told" ]; then
