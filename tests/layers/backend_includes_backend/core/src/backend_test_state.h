@@ -1,0 +1,1 @@
+/* backend_test_state.h */

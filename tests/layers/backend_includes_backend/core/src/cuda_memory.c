@@ -1,0 +1,3 @@
+#include "cuda_internal.h"
+#include "backend_cuda_hooks.h"
+#include "backend_host_mapping.h"

@@ -1,0 +1,1 @@
+int ts_host_map(void);

@@ -1,0 +1,2 @@
+#include "tshare/errors.h"
+int ts_conn_open(void);

@@ -1,0 +1,1 @@
+void ts_log(const char *what);

@@ -1,0 +1,1 @@
+int ts_ring_size(void);

@@ -1,0 +1,1 @@
+void launcher_log(void);

@@ -1,0 +1,2 @@
+#include "conn.h"
+#include "ring.h"

@@ -1,0 +1,3 @@
+#include "ring.h"
+#include "log.h"
+#include "harness.h"

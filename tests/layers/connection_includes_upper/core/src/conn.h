@@ -1,0 +1,2 @@
+#include "tshare/channel.h"
+#include "tshare/wire.h"

@@ -1,0 +1,1 @@
+#include <tshare/cuda.h>

@@ -1,0 +1,2 @@
+/* the pipe transport */
+#include "backend.h"

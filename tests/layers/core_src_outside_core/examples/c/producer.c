@@ -1,0 +1,2 @@
+#include "tshare/share.h"
+#include "log.h"

@@ -1,0 +1,3 @@
+#include "tshare/tshare.h"
+
+#include "../../core/src/conn.h"

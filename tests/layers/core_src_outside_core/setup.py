@@ -1,0 +1,1 @@
+include_dirs = ["core/include", "core/src"]

@@ -1,0 +1,1 @@
+#include <core/src/ring.h>

@@ -1,0 +1,1 @@
+void ts_cuda_push(void);

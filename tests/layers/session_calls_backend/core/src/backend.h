@@ -1,0 +1,1 @@
+typedef struct ts_channel ts_channel;

@@ -1,0 +1,1 @@
+/* backend_host_mapping.h */

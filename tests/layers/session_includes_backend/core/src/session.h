@@ -1,0 +1,2 @@
+#include "conn.h"
+#include "cuda_internal.h"

@@ -1,0 +1,5 @@
+#include "backend.h"
+#include "session.h"
+#include "cuda_hooks.h"
+#include "u64map.h"
+#include "backend_host_mapping.h"

@@ -1,0 +1,2 @@
+#include "backend.h"
+#include "backend_cuda_hooks.h"

@@ -1,0 +1,2 @@
+#include "ring.h"
+#include "clock.h"

@@ -1,0 +1,3 @@
+#include "conn.h"
+#include "ring.h"
+#include "backend_cuda_hooks.h"

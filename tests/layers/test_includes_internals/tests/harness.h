@@ -1,0 +1,1 @@
+#include "u64map.h"

@@ -1,0 +1,2 @@
+#include "harness.h"
+#include "conn.h"

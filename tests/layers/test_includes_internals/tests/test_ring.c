@@ -1,0 +1,5 @@
+#include "ring.h"
+#include "clock.h"
+#include "u64map.h"
+#include "session.h"
+#include "conn.h"
