@@ -3,7 +3,7 @@
  * spins ended), and real ring channels whose receives must not spin where
  * spinning cannot pay (one CPU, a peer asleep in its own receive) and must
  * cost next to nothing while nothing comes. */
-#include "channel_internal.h"
+#include "session.h"
 #include "harness.h"
 #include "proc_util.h"
 #include "spin_policy.h"

@@ -1,7 +1,7 @@
 /* The session's memory backends: how one kind of memory is imported into a
- * view, let go of, and shared on. host_share.c (sealed memfds) and
- * cuda_share.c (CUDA IPC handles and VMM fds; cuda_none.c without the
- * toolkit) are peers behind this table: share.c picks one by a share's
+ * view, let go of, and shared on. backend_host.c (sealed memfds) and
+ * backend_cuda.c (CUDA IPC handles and VMM fds; backend_cuda_none.c without the
+ * toolkit) are peers behind this table: session_share.c picks one by a share's
  * mem_kind and looks inside neither. CUDA's own frames (events, retire
  * notices) and its housekeeping stay behind cuda_hooks.h. */
 #ifndef TSHARE_BACKEND_H
@@ -36,8 +36,8 @@ typedef struct ts_backend {
   void (*chan_free)(tshare_channel *ch);
 } ts_backend;
 
-extern const ts_backend ts_host_backend; /* host_share.c */
-extern const ts_backend ts_cuda_backend; /* cuda_share.c, or cuda_none.c */
+extern const ts_backend ts_host_backend; /* backend_host.c */
+extern const ts_backend ts_cuda_backend; /* backend_cuda.c, or backend_cuda_none.c */
 
 /* Every backend, for what concerns them all (hello, peer gone, free). */
 #define TS_BACKENDS                                                                                                    \

@@ -1,7 +1,7 @@
 /* The connection layer: frames and their fds over one transport (a Unix
  * stream socket, or a pair of pipes), the hello, and waking the thread that
- * drives it. It knows nothing of shares: the session layer above (share.c,
- * host_share.c, cuda_share.c) calls it, never the other way round. Where the
+ * drives it. It knows nothing of shares: the session layer above (session_share.c,
+ * backend_host.c, backend_cuda.c) calls it, never the other way round. Where the
  * session has work to do while this layer waits (releases queued from other
  * threads), the wait returns TS_CONN_WOKEN and the session decides.
  *
@@ -163,7 +163,7 @@ int ts_conn_send_error(ts_conn *c, int code, const char *message);
 /* Finish a frame a timeout cut short, waiting up to timeout_ms. */
 void ts_conn_flush_tail(ts_conn *c, int timeout_ms);
 
-/* The next frame, see channel_internal.h's ts_channel_recv_raw; or
+/* The next frame, see session.h's ts_channel_recv_raw; or
  * TS_CONN_WOKEN when ts_conn_wake() was called before one came. */
 int ts_conn_recv(ts_conn *c, tshare_frame *f, int *fd_out, int *fd_lost, int timeout_ms);
 /* Bytes received that do not form a frame yet, or wait in the ring (0: a

@@ -1,6 +1,6 @@
 /* What the lifetime protocol asks of the CUDA side beyond its backend table
  * (backend.h): its frames, its GPU-side housekeeping, its event slots. Built
- * from cuda_share.c with CUDA, from cuda_none.c without: the callers need no
+ * from backend_cuda.c with CUDA, from backend_cuda_none.c without: the callers need no
  * #if. */
 #ifndef TSHARE_CUDA_HOOKS_H
 #define TSHARE_CUDA_HOOKS_H

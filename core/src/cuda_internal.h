@@ -1,6 +1,6 @@
 /* Shared by the CUDA modules: cuda_device.c (driver, devices, guard policy),
  * cuda_memory.c (owned buffers, slabs, export cache, guarded export),
- * cuda_import.c (the process-wide import cache) and cuda_share.c (channels:
+ * cuda_import.c (the process-wide import cache) and backend_cuda.c (channels:
  * event pools, shares, views, releases, retirement). */
 #ifndef TSHARE_CUDA_INTERNAL_H
 #define TSHARE_CUDA_INTERNAL_H

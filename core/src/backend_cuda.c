@@ -6,7 +6,7 @@
  * thread. */
 #include "backend.h"
 #include "cuda_anchor.h"
-#include "channel_internal.h"
+#include "session.h"
 #include "clock.h"
 #include "cuda_hooks.h"
 #include "cuda_internal.h"

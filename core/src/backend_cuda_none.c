@@ -1,7 +1,7 @@
 /* A build without the CUDA toolkit: every CUDA call says so, and the channel
  * hooks do nothing (the hello does not offer CUDA, so no peer sends any). */
 #include "backend.h"
-#include "channel_internal.h"
+#include "session.h"
 #include "cuda_hooks.h"
 #include "error_detail.h"
 #include "tshare/cuda.h"

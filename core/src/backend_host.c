@@ -1,10 +1,10 @@
 /* The host-memory backend: buffers in sealed memfds travel as fds, and a
  * consumer maps each allocation once per channel. */
 #include "backend.h"
-#include "channel_internal.h"
+#include "session.h"
 #include "error_detail.h"
 #include "log.h"
-#include "tensor_set.h"
+#include "session_set.h"
 #include "tshare/share.h"
 
 #include <errno.h>

@@ -7,10 +7,10 @@
 #include "tshare/set.h"
 
 #include "backend.h"
-#include "channel_internal.h"
+#include "session.h"
 #include "error_detail.h"
 #include "log.h"
-#include "tensor_set.h"
+#include "session_set.h"
 #include "wire_checks.h"
 
 #include <errno.h>

@@ -1,8 +1,8 @@
 /* Internal layout of a channel: the connection (conn.h: frames, fds, the
- * hello) and the session above it (the lifetime protocol: share.c with its
- * backends host_share.c and cuda_share.c; channel.c for channel.h's calls). */
-#ifndef TSHARE_CHANNEL_INTERNAL_H
-#define TSHARE_CHANNEL_INTERNAL_H
+ * hello) and the session above it (the lifetime protocol: session_share.c with its
+ * backends backend_host.c and backend_cuda.c; session_channel.c for channel.h's calls). */
+#ifndef TSHARE_SESSION_H
+#define TSHARE_SESSION_H
 
 #include "clock.h"
 #include "conn.h"
@@ -87,7 +87,7 @@ struct tshare_channel {
   bool refusal_told;
 
   struct ts_cuda_chan *cuda; /* event pools, releases waiting on the GPU; NULL until used */
-  struct ts_set_rx *set_rx;  /* tensor sets being received and waiting (tensor_set.c); NULL until one comes */
+  struct ts_set_rx *set_rx;  /* tensor sets being received and waiting (session_set.c); NULL until one comes */
 
   /* Who may call (channel.h's thread and fork rules): the process that
    * opened it, one thread of it at a time. */
@@ -104,7 +104,7 @@ static inline int ts_channel_send(tshare_channel *ch, const tshare_frame *f, int
   return ts_conn_send(&ch->conn, f, fd, timeout_ms);
 }
 
-/* channel.c */
+/* session_channel.c */
 void ts_channel_unref(tshare_channel *ch);
 
 /* Whether ch was opened by another process: this one is a child forked
@@ -131,7 +131,7 @@ static inline bool ts_channel_close_waits(tshare_channel *ch) {
     return ts_entered_ != TSHARE_OK ? ts_entered_ : ts_channel_leave((ch), (expr));                                    \
   } while (0)
 
-/* share.c */
+/* session_share.c */
 /* The next frame from the peer, the session's housekeeping done while it
  * waits: releases queued here or on other threads go out (the peer may wait
  * for them before it sends), GPU releases are looked after. A frame
@@ -160,12 +160,12 @@ int ts_share_drive(tshare_channel *ch, int timeout_ms);
 void ts_export_drop(ts_export *e); /* a share that never went out: release what it held, free it */
 void ts_share_free_incoming(tshare_channel *ch);
 
-/* hostmem.c: references held by shares */
+/* backend_host_buffer.c: references held by shares */
 struct tshare_host_buffer;
 uint64_t ts_host_next_alloc_id(void); /* host allocation ids, unique in the process */
 void ts_host_buffer_retain(struct tshare_host_buffer *buf);
 void ts_host_buffer_release(void *buf);
-/* host_share.c: a forked child lets go of one view of its copy of mapping m
+/* backend_host.c: a forked child lets go of one view of its copy of mapping m
  * (the last one unmaps it), touching nothing its parent uses. */
 void ts_host_drop_mapping_in_child(tshare_channel *ch, ts_mapping *m);
 

@@ -1,7 +1,7 @@
 /* channel.h's calls: opening a channel (the connection's hello, with what
  * the session's backends can import), low-level frame I/O, bye, close. */
 #include "backend.h"
-#include "channel_internal.h"
+#include "session.h"
 #include "cuda_hooks.h"
 
 #include "error_detail.h"

@@ -1,11 +1,11 @@
 /* Tensor sets inside the library: the hooks through which the session
- * (share.c) hands set frames to tensor_set.c and tells it what else happens
+ * (session_share.c) hands set frames to session_set.c and tells it what else happens
  * on the channel, and the host backend's call a set uses to let go of its
  * mappings. */
 #ifndef TSHARE_TENSOR_SET_INTERNAL_H
 #define TSHARE_TENSOR_SET_INTERNAL_H
 
-#include "channel_internal.h"
+#include "session.h"
 #include "tshare/wire.h"
 
 /* A set frame from the peer, with the fd that came with it (or -1 and
@@ -23,7 +23,7 @@ void ts_set_peer_gone(tshare_channel *ch);
  * mappings go with the channel's). */
 void ts_set_free_queued(tshare_channel *ch);
 
-/* host_share.c: one reference on mapping m goes (ch->lock held); the last
+/* backend_host.c: one reference on mapping m goes (ch->lock held); the last
  * one unmaps it. */
 void ts_host_mapping_drop_locked(tshare_channel *ch, ts_mapping *m);
 

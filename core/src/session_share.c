@@ -1,16 +1,16 @@
 /* The session layer: the lifetime protocol. Shares sent and the references
- * they hold, views received (their memory mapped by a backend: host_share.c,
- * cuda_share.c), the releases between them, and what the session does while
+ * they hold, views received (their memory mapped by a backend: backend_host.c,
+ * backend_cuda.c), the releases between them, and what the session does while
  * the connection (conn.h) waits. */
 #include "tshare/share.h"
 
 #include "backend.h"
-#include "channel_internal.h"
+#include "session.h"
 #include "cuda_hooks.h"
 #include "error_detail.h"
 #include "wire_checks.h"
 #include "log.h"
-#include "tensor_set.h"
+#include "session_set.h"
 #include "tshare/cuda.h"
 
 #include <errno.h>
