@@ -41,6 +41,7 @@ PyObject *py_channel_wrap(tshare_channel *ch) {
     return NULL;
   }
   self->ch = ch;
+  memset(&self->next, 0, sizeof self->next);
   py_guard_init(&self->guard, "channel");
   return (PyObject *)self;
 }
@@ -76,6 +77,7 @@ static int close_channel(PyChannel *self) {
   if (r <= 0) return r;
   tshare_channel *ch = self->ch;
   self->ch = NULL;
+  py_set_drop_waiting(self);
   Py_BEGIN_ALLOW_THREADS tshare_channel_close(ch);
   Py_END_ALLOW_THREADS
   py_guard_leave(&self->guard);
@@ -85,6 +87,7 @@ static int close_channel(PyChannel *self) {
 /* Nothing can be inside: every call holds a reference to self. */
 static void channel_dealloc(PyChannel *self) {
   tshare_channel *ch = self->ch;
+  py_set_drop_waiting(self);
   Py_BEGIN_ALLOW_THREADS tshare_channel_close(ch);
   Py_END_ALLOW_THREADS
   py_guard_destroy(&self->guard);
@@ -248,6 +251,7 @@ static PyMethodDef channel_methods[] = {
   {"outstanding", (PyCFunction)channel_outstanding, METH_NOARGS, "Shares sent that the peer still holds."},
   {"_send_bye", (PyCFunction)channel_send_bye, METH_VARARGS, NULL},
   {"_send", (PyCFunction)py_channel_send, METH_VARARGS, NULL},
+  {"_send_set", (PyCFunction)py_channel_send_set, METH_VARARGS, NULL},
   {"_recv", (PyCFunction)py_channel_recv, METH_VARARGS, NULL},
   {"_peek", (PyCFunction)py_channel_peek, METH_NOARGS, NULL},
   {"__enter__", (PyCFunction)channel_enter, METH_NOARGS, NULL},

@@ -9,9 +9,20 @@
 #include <Python.h>
 #include <tshare/tshare.h>
 
+/* A tensor set the channel's recv found: taken from the C library (which
+ * queues sets apart from single shares) and kept here until recv hands it
+ * out in the sender's order; or the refusal of a set the peer got wrong,
+ * kept for the recv that comes to it. Read and written inside the guard. */
+typedef struct py_next_set {
+  tshare_set *set;
+  int refusal;          /* a tshare status, TSHARE_OK when none */
+  char refusal_msg[256];
+} py_next_set;
+
 typedef struct {
   PyObject_HEAD tshare_channel *ch; /* NULL once closed */
   py_guard guard;                   /* one thread at a time inside ch's calls */
+  py_next_set next;
 } PyChannel;
 
 extern PyTypeObject PyChannel_Type;
@@ -53,6 +64,18 @@ PyObject *py_socketpair(PyObject *module, PyObject *unused);
 PyObject *py_listen(PyObject *module, PyObject *args);
 PyObject *py_connect(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_role_from_env(PyObject *module, PyObject *unused);
+
+/* Tensor sets (py_set.c). Inside the guard, no GIL needed: whether a set
+ * (or a set's refusal) waits for recv, taking it from the C library first. */
+int py_set_waiting(PyChannel *self);
+/* The id of the set waiting, 0 when a refusal waits. */
+uint64_t py_set_waiting_id(const PyChannel *self);
+/* Inside the guard, with the GIL: the waiting set as recv's result, or its
+ * refusal raised; the set is no longer waiting either way. */
+PyObject *py_set_take(PyChannel *self);
+/* The channel closes: a set never handed out goes back. */
+void py_set_drop_waiting(PyChannel *self);
+PyObject *py_channel_send_set(PyChannel *self, PyObject *args);
 
 /* Channel methods that move tensors (py_tensor.c). */
 PyObject *py_channel_send(PyChannel *self, PyObject *args);

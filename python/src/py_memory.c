@@ -76,13 +76,80 @@ py_mem_kind py_memory_lookup(uintptr_t storage_key, void **memory) {
   return kind;
 }
 
+/* ---- host buffers by address ---------------------------------------------- */
+
+/* Every live host buffer made here, sorted by address: a tensor set finds the
+ * buffer under a tensor from its data pointer alone, without asking torch
+ * for the tensor's storage (the costliest part of reading a tensor). Sound
+ * because each buffer is its own mapping, unmapped only when it leaves this
+ * table: an address inside one is that buffer's memory, whatever storage
+ * torch wraps it in. */
+static py_mem **by_address;
+static size_t by_address_len, by_address_cap;
+
+/* The index of the first buffer starting above addr (table_lock held). */
+static size_t address_upper_bound(uintptr_t addr) {
+  size_t lo = 0, hi = by_address_len;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if ((uintptr_t)tshare_host_buffer_data(by_address[mid]->buffer) <= addr) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+static int address_insert(py_mem *m) {
+  int rc = 0;
+  pthread_mutex_lock(&table_lock);
+  if (by_address_len == by_address_cap) {
+    size_t cap = by_address_cap ? by_address_cap * 2 : 64;
+    py_mem **grown = realloc(by_address, cap * sizeof *grown);
+    if (grown) by_address = grown, by_address_cap = cap;
+    else rc = -1;
+  }
+  if (rc == 0) {
+    size_t at = address_upper_bound((uintptr_t)tshare_host_buffer_data(m->buffer));
+    memmove(by_address + at + 1, by_address + at, (by_address_len - at) * sizeof *by_address);
+    by_address[at] = m;
+    by_address_len++;
+  }
+  pthread_mutex_unlock(&table_lock);
+  return rc;
+}
+
+static void address_remove(py_mem *m) {
+  pthread_mutex_lock(&table_lock);
+  size_t at = address_upper_bound((uintptr_t)tshare_host_buffer_data(m->buffer));
+  if (at > 0 && by_address[at - 1] == m) {
+    memmove(by_address + at - 1, by_address + at, (by_address_len - at) * sizeof *by_address);
+    by_address_len--;
+  }
+  pthread_mutex_unlock(&table_lock);
+}
+
+tshare_host_buffer *py_memory_host_buffer_at(uintptr_t addr) {
+  tshare_host_buffer *found = NULL;
+  pthread_mutex_lock(&table_lock);
+  size_t at = address_upper_bound(addr);
+  if (at > 0) {
+    tshare_host_buffer *b = by_address[at - 1]->buffer;
+    if (addr - (uintptr_t)tshare_host_buffer_data(b) < tshare_host_buffer_size(b)) found = b;
+  }
+  pthread_mutex_unlock(&table_lock);
+  return found;
+}
+
 /* ---- giving the memory back ----------------------------------------------- */
 
 /* The one place memory goes back, whichever way the capsule ended. */
 static void mem_free(py_mem *m) {
   table_remove(m);
-  if (m->kind == PY_MEM_VIEW) tshare_view_release(m->view);
-  else tshare_host_buffer_destroy(m->buffer);
+  if (m->kind == PY_MEM_VIEW) {
+    tshare_view_release(m->view);
+  } else {
+    address_remove(m);
+    tshare_host_buffer_destroy(m->buffer);
+  }
   free(m);
 }
 
@@ -166,6 +233,11 @@ PyObject *py_memory_host_capsule(size_t nbytes) {
   }
   m->kind = PY_MEM_HOST_BUFFER;
   m->buffer = buffer;
+  if (address_insert(m) < 0) {
+    tshare_host_buffer_destroy(buffer);
+    free(m);
+    return PyErr_NoMemory();
+  }
   int64_t n = (int64_t)nbytes;
   tshare_tensor_desc d = tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_UINT, 8, 1}, 1, &n, 0);
   return capsule_of(m, tshare_host_buffer_data(buffer), &d, TSHARE_DEVICE_CPU, 0);

@@ -39,4 +39,9 @@ int py_memory_bind(PyObject *capsule, uintptr_t storage_key);
  * while the caller holds a tensor on that storage. */
 py_mem_kind py_memory_lookup(uintptr_t storage_key, void **memory);
 
+/* The live host buffer (empty_shared, share_memory_, share_model_) whose
+ * memory holds addr, or NULL. The buffer stays valid while the caller holds
+ * a tensor on that memory. */
+tshare_host_buffer *py_memory_host_buffer_at(uintptr_t addr);
+
 #endif /* TSHARE_PY_MEMORY_H */

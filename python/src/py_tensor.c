@@ -157,20 +157,46 @@ static int receive_stream(PyObject *stream_for, const tshare_share_info *info, i
   return 0;
 }
 
+/* What recv finds next: a single share (peeked, not taken) and, apart from
+ * it, a set or a set's refusal (py_set.c). */
 typedef struct peek_call {
   PyChannel *self;
   tshare_share_info info;
+  int share_waits, set_waits;
 } peek_call;
 
-/* One slice of recv's wait for the next share. */
-static int peek_slice(void *arg, int slice_ms) {
-  peek_call *p = arg;
-  return tshare_channel_peek_share(p->self->ch, slice_ms, &p->info);
+/* Without waiting: OK when a share or a set waits, TSHARE_END once the peer
+ * said bye and nothing does, TSHARE_E_TIMEOUT when nothing came yet. */
+static int look(peek_call *p) {
+  int rc = tshare_channel_peek_share(p->self->ch, 0, &p->info);
+  p->share_waits = rc == TSHARE_OK;
+  if (rc != TSHARE_OK && rc != TSHARE_E_TIMEOUT && rc != TSHARE_END) return rc;
+  p->set_waits = py_set_waiting(p->self);
+  return p->share_waits || p->set_waits ? TSHARE_OK : rc;
 }
 
-/* _peek() -> True when a share waits for recv, False when none does, None
- * once the peer said bye: frames that came are processed, nothing waits and
- * nothing is taken (an event loop decides with it which await to wake). */
+/* One slice of recv's wait for the next share or set. */
+static int peek_slice(void *arg, int slice_ms) {
+  peek_call *p = arg;
+  int rc = look(p);
+  if (rc != TSHARE_E_TIMEOUT || slice_ms == 0) return rc;
+  rc = tshare_channel_poll(p->self->ch, slice_ms);
+  if (rc != TSHARE_OK && rc != TSHARE_E_TIMEOUT && rc != TSHARE_END) return rc;
+  return look(p);
+}
+
+/* A set goes first when it was sent first: its id is lower than the share's.
+ * A refused set (no id) is reported once no share waits. */
+static int set_is_next(const peek_call *p) {
+  if (!p->set_waits) return 0;
+  uint64_t set_id = py_set_waiting_id(p->self);
+  return !p->share_waits || (set_id != 0 && set_id < p->info.share_id);
+}
+
+/* _peek() -> True when a share or a set waits for recv, False when none
+ * does, None once the peer said bye: frames that came are processed, nothing
+ * waits and nothing is handed out (an event loop decides with it which await
+ * to wake). */
 PyObject *py_channel_peek(PyChannel *self, PyObject *unused) {
   (void)unused;
   peek_call p = {.self = self};
@@ -182,18 +208,24 @@ PyObject *py_channel_peek(PyChannel *self, PyObject *unused) {
   Py_RETURN_NONE;
 }
 
-/* The next share as a view: 0 with *view (NULL once the peer said bye), -1
- * with a Python error. The share is peeked and taken in one turn inside the
- * channel, so another thread's recv cannot take it in between. */
-static int take_view(PyChannel *self, int timeout_ms, PyObject *stream_for, int device, tshare_view **view) {
+/* The next share as a view, or the next set as recv's result: 0 with *view
+ * or *set_result (both NULL once the peer said bye), -1 with a Python error.
+ * What comes next is found and taken in one turn inside the channel, so
+ * another thread's recv cannot take it in between. */
+static int take_next(PyChannel *self, int timeout_ms, PyObject *stream_for, int device, tshare_view **view,
+                     PyObject **set_result) {
   peek_call p = {.self = self};
   int rc, failed = 0;
   *view = NULL;
+  *set_result = NULL;
   if (!py_channel_get(self)) return -1;
   py_guard_slice slice = {peek_slice, NULL, &p};
   if (py_guard_wait(&self->guard, "recv", timeout_ms, &slice, &rc) < 0) return -1;
   void *stream;
-  if (rc == TSHARE_OK && receive_stream(stream_for, &p.info, device, &stream) < 0) {
+  if (rc == TSHARE_OK && set_is_next(&p)) {
+    *set_result = py_set_take(self);
+    failed = *set_result == NULL;
+  } else if (rc == TSHARE_OK && receive_stream(stream_for, &p.info, device, &stream) < 0) {
     failed = 1;
   } else if (rc == TSHARE_OK) {
     tshare_channel *ch = self->ch;
@@ -208,14 +240,16 @@ static int take_view(PyChannel *self, int timeout_ms, PyObject *stream_for, int 
   return failed ? -1 : 0;
 }
 
-/* _recv(timeout_ms, stream_for, device) -> None once the peer said bye, else
- * (capsule, tag, share_id, dtype_code, dtype_bits, device_type, device). */
+/* _recv(timeout_ms, stream_for, device) -> None once the peer said bye; a
+ * set as ("set", set_id, meta, [(name, capsule, dtype_code, dtype_bits)]);
+ * else (capsule, tag, share_id, dtype_code, dtype_bits, device_type, device). */
 PyObject *py_channel_recv(PyChannel *self, PyObject *args) {
   int timeout_ms, device;
-  PyObject *stream_for;
+  PyObject *stream_for, *set_result;
   if (!PyArg_ParseTuple(args, "iOi", &timeout_ms, &stream_for, &device)) return NULL;
   tshare_view *view;
-  if (take_view(self, timeout_ms, stream_for, device, &view) < 0) return NULL;
+  if (take_next(self, timeout_ms, stream_for, device, &view, &set_result) < 0) return NULL;
+  if (set_result) return set_result;
   if (!view) Py_RETURN_NONE;
   const tshare_tensor_desc *d = tshare_view_desc(view);
   uint64_t share_id = tshare_view_share_id(view);

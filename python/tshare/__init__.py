@@ -34,7 +34,7 @@ from ._tshare import (  # noqa: F401  statuses, for comparing with Error.code
     E_TOO_LARGE,
     E_UNSUPPORTED,
 )
-from ._torch import DLPACK_CAPSULE, Received, empty_shared, is_shared, recv, send, share_memory_
+from ._torch import DLPACK_CAPSULE, Received, empty_shared, is_shared, recv, send, share_memory_, share_model_
 from ._torch import _timeout_ms
 from ._endpoint import Endpoint, endpoint_pair
 
@@ -44,7 +44,7 @@ TAG_MAX = _tshare.TAG_MAX
 __all__ = [
     "Channel", "Listener", "Role", "Received", "Error", "TimeoutError", "PeerClosedError", "Endpoint",
     "open_socket", "socketpair", "endpoint_pair", "listen", "connect", "role", "send", "recv",
-    "empty_shared", "share_memory_", "is_shared", "library_version", "cuda_device_count",
+    "empty_shared", "share_memory_", "share_model_", "is_shared", "library_version", "cuda_device_count",
 ]
 
 
@@ -69,9 +69,10 @@ class Channel:
     def __reduce__(self):
         _refuse_pickling("Channel")
 
-    def send(self, tensor, tag="", timeout=None, move_to_shared_memory=True):
+    def send(self, tensor, tag="", timeout=None, move_to_shared_memory=True, meta=None, copy=False):
         """tshare.send(self, ...)."""
-        return send(self, tensor, tag=tag, timeout=timeout, move_to_shared_memory=move_to_shared_memory)
+        return send(self, tensor, tag=tag, timeout=timeout, move_to_shared_memory=move_to_shared_memory, meta=meta,
+                    copy=copy)
 
     def recv(self, timeout=None, device=None, as_parameter=False, requires_grad=None):
         """tshare.recv(self, ...)."""

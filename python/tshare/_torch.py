@@ -10,11 +10,12 @@ of the original producer's memory. Received tensors are built through DLPack
 one); their deleter releases the share exactly once, from any thread.
 """
 import functools
-from typing import NamedTuple, Optional
+import sys
+from typing import Dict, NamedTuple, Optional
 
 import torch
 
-from . import _tshare
+from . import _sets, _tshare
 from ._tshare import Error
 
 _DTYPE_INT, _DTYPE_UINT, _DTYPE_FLOAT, _DTYPE_BFLOAT, _DTYPE_COMPLEX, _DTYPE_BOOL = 0, 1, 2, 4, 5, 6
@@ -138,14 +139,26 @@ def _storage_of(t):
         _fail(_tshare.E_UNSUPPORTED, "cannot send a tensor without storage (a functional or fake tensor)")
 
 
-def send(ch, tensor, tag="", timeout=None, move_to_shared_memory=True):
+def send(ch, tensor, tag="", timeout=None, move_to_shared_memory=True, meta=None, copy=False):
     """Share tensor on ch without copying it and return the share id.
 
     The tensor's memory stays alive until the peer releases the share, however
     long the tensor itself lives. A CPU tensor outside shared memory is moved
     there first, once (share_memory_), unless move_to_shared_memory is False.
+
+    A Mapping[str, Tensor] (a state_dict) goes as one tensor set, in its
+    order, with meta (bytes-like, or str sent as UTF-8; at most 16 MiB) and
+    one release for the whole set; the id returned is the set's. Its CPU
+    tensors must be in tshare's shared memory already (share_model_(model)
+    before model.state_dict()): a set never moves them, since a state_dict's
+    tensors are aliases of the model's. copy=True sends a one-off copy of
+    those that are not. CUDA tensors do not go in sets in this version.
     """
     c = ch._c
+    if _sets.is_set(tensor):
+        return _sets.send_set(ch, tensor, meta, _timeout_ms(timeout), copy)
+    if meta is not None:
+        _fail(_tshare.E_INVALID_ARG, "send: metadata travels with tensor sets: send {name: tensor} with meta=")
     _check_shareable(tensor)
     code, bits = _TO_DLPACK[tensor.dtype]
     ms = _timeout_ms(timeout)
@@ -168,12 +181,43 @@ def send(ch, tensor, tag="", timeout=None, move_to_shared_memory=True):
     return share_id
 
 
-class Received(NamedTuple):
-    """A received tensor, its tag and its share id (the producer's number)."""
-
-    tensor: torch.Tensor
+class _ReceivedFields(NamedTuple):
+    tensor: Optional[torch.Tensor]
     tag: str
     share_id: int
+
+
+class Received(_ReceivedFields):
+    """A received tensor, its tag and its share id (the producer's number);
+    or a received tensor set: tensor None, tag "", share_id the set's id.
+
+    .tensors: {name: tensor} in the sender's order; for a single share
+    {tag: tensor}. .meta: a set's metadata as bytes (b"" when it has none);
+    None for a single share, which carries none. Each tensor of a set keeps
+    the whole set alive: it is released once every one of them is gone.
+    """
+
+    def __new__(cls, tensor, tag, share_id, tensors=None, meta=None):
+        self = super().__new__(cls, tensor, tag, share_id)
+        if tensors is not None:
+            self.__dict__["_set"] = (tensors, meta)
+        return self
+
+    @property
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        s = self.__dict__.get("_set")
+        return s[0] if s is not None else {self.tag: self.tensor}
+
+    @property
+    def meta(self) -> Optional[bytes]:
+        s = self.__dict__.get("_set")
+        return s[1] if s is not None else None
+
+    def __repr__(self):
+        s = self.__dict__.get("_set")
+        if s is None:
+            return super().__repr__()
+        return "Received(set %d: %d tensors, %d bytes of metadata)" % (self.share_id, len(s[0]), len(s[1]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -215,6 +259,14 @@ def recv(ch, timeout=None, device=None, as_parameter=False, requires_grad=None) 
     r = c._recv(_timeout_ms(timeout), _stream_for, -1 if device is None else int(device))
     if r is None:
         return None
+    if r[0] == "set":
+        box = [r]
+        del r  # box alone holds the capsules: a refused set goes back at once
+        set_id, meta, tensors = _sets.received_set(box)
+        if as_parameter:
+            tensors = {k: torch.nn.Parameter(t, requires_grad=_parameter_grad(t.dtype, set_id, requires_grad))
+                       for k, t in tensors.items()}
+        return Received(None, "", set_id, tensors, meta)
     capsule, tag, share_id, code, bits, device_type, _ = r
     dtype = _FROM_DLPACK.get((code, bits))
     if dtype is None:
@@ -285,6 +337,14 @@ def _shared_bytes(nbytes):
     return raw
 
 
+def _memory_kind_of(tensor):
+    """"view", "host" or None: how the memory under a tensor travels."""
+    try:
+        return _tshare._memory_kind(_storage(tensor)._cdata)
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def is_shared(tensor):
     """True when tensor can be sent without a copy: CUDA memory, a received
     tensor, or CPU memory from empty_shared()/share_memory_()."""
@@ -319,3 +379,8 @@ def share_memory_(tensor):
     with torch.no_grad():
         tensor.set_(_storage(shared), tensor.storage_offset(), tensor.size(), tensor.stride())
     return tensor
+
+
+_sets._torch = sys.modules[__name__]
+_sets._TO_DLPACK, _sets._FROM_DLPACK = _TO_DLPACK, _FROM_DLPACK
+share_model_ = _sets.share_model_

@@ -33,10 +33,12 @@ progress wakes no await: give a channel to one loop, or to threads.
 """
 import asyncio
 import collections
+import functools
 import os
 from typing import AsyncIterator, Optional
 
 from . import _tshare
+from ._sets import is_set as _is_set
 from ._torch import Received
 from ._torch import recv as _recv
 from ._torch import send as _send
@@ -299,8 +301,9 @@ async def _until(ch, kind, attempt, what, timeout, share_id=0):
 
 async def recv(ch, timeout: Optional[float] = None, device: Optional[int] = None, as_parameter: bool = False,
                requires_grad: Optional[bool] = None) -> Optional[Received]:
-    """Await the next tensor on ch (tshare.recv without blocking the loop):
-    Received(tensor, tag, share_id), or None once the peer said bye."""
+    """Await the next tensor or tensor set on ch (tshare.recv without
+    blocking the loop): Received(tensor, tag, share_id) with .tensors and
+    .meta, or None once the peer said bye."""
 
     def attempt():
         return _nonblocking(_recv, ch, device=device, as_parameter=as_parameter, requires_grad=requires_grad)
@@ -308,9 +311,19 @@ async def recv(ch, timeout: Optional[float] = None, device: Optional[int] = None
     return await _until(ch, "recv", attempt, "recv", timeout)
 
 
-async def send(ch, tensor, tag: str = "", timeout: Optional[float] = None, move_to_shared_memory: bool = True) -> int:
+async def send(ch, tensor, tag: str = "", timeout: Optional[float] = None, move_to_shared_memory: bool = True,
+               meta=None, copy: bool = False) -> int:
     """Share tensor on ch (tshare.send), awaiting room without blocking the
-    loop; the share id. Cancelled or timed out, nothing was sent."""
+    loop; the share id. Cancelled or timed out, nothing was sent.
+
+    A Mapping (a tensor set) goes from a worker thread: its frames cannot
+    wait for room one try at a time as a single share's do (a set cut off
+    halfway is lost), so the thread makes the blocking send while the loop
+    runs on. Cancelled, the set still goes; timed out, the peer releases the
+    part that went."""
+    if _is_set(tensor):
+        call = functools.partial(_send, ch, tensor, timeout=timeout, meta=meta, copy=copy)
+        return await asyncio.get_running_loop().run_in_executor(None, call)
 
     def attempt():
         return _nonblocking(_send, ch, tensor, tag=tag, move_to_shared_memory=move_to_shared_memory)

@@ -4,6 +4,7 @@ channel pairs in one process, and error expectations.
   import harness                     # exits 77 when this Python has no torch
   test = harness.Tests("test_x.py")  # @test on each; test.main() at the end
 """
+import os
 import sys
 import threading
 
@@ -75,3 +76,15 @@ def fill(ch):
         except tshare.TimeoutError:
             return n
         n += 1
+
+
+def memfds():
+    """tshare memfds this process has open."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "memfd:tshare" in os.readlink("/proc/self/fd/" + fd):
+                n += 1
+        except OSError:
+            pass
+    return n

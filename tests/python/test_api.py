@@ -21,7 +21,7 @@ except ImportError:
     sys.exit(77)
 
 import tshare
-from harness import expect_error, fill, pair  # noqa: E402  after the torch check
+from harness import expect_error, fill, memfds, pair  # noqa: E402  after the torch check
 
 TESTS = {}
 
@@ -29,17 +29,6 @@ TESTS = {}
 def test(fn):
     TESTS[fn.__name__] = fn
     return fn
-
-
-def memfds():
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if "memfd:tshare" in os.readlink("/proc/self/fd/" + fd):
-                n += 1
-        except OSError:
-            pass
-    return n
 
 
 @test

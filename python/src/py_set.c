@@ -1,0 +1,221 @@
+/* py_set.c - tensor sets for the Python package: Channel._send_set hands
+ * many named host tensors and metadata over in one set (tshare/set.h), and
+ * recv takes sets as well as single shares, in the order they were sent.
+ *
+ * The C library queues received sets apart from single shares. Both kinds
+ * take their ids from one counter of the sender's channel, so when a set and
+ * a share both wait, the lower id went first: recv takes a set off the
+ * library's queue into the channel (PyChannel.next) and hands it out once no
+ * share with a lower id waits before it. */
+#include "py_channel.h"
+#include "py_errors.h"
+#include "py_memory.h"
+
+#include <string.h>
+
+/* ---- sending --------------------------------------------------------------- */
+
+/* The host buffer a member lives in and its offset there. An empty tensor
+ * has no memory of its own: when its address lies in no buffer, it rides in
+ * the set's spare buffer (made on first need) at offset 0. */
+static tshare_host_buffer *member_buffer(uintptr_t data, int empty, tshare_host_buffer **spare, uint64_t *offset) {
+  tshare_host_buffer *buf = py_memory_host_buffer_at(data);
+  if (buf) {
+    *offset = data - (uintptr_t)tshare_host_buffer_data(buf);
+    return buf;
+  }
+  if (!empty) return NULL;
+  tshare_error err;
+  if (!*spare && tshare_host_buffer_create(1, "tshare-python", spare, &err) != TSHARE_OK) return NULL;
+  *offset = 0;
+  return *spare;
+}
+
+static int fill_member_desc(PyObject *shape, PyObject *strides, int code, int bits, tshare_tensor_desc *d) {
+  memset(d, 0, sizeof *d);
+  d->dtype = (tshare_dtype){(uint8_t)code, (uint8_t)bits, 1};
+  Py_ssize_t n = PyTuple_GET_SIZE(shape);
+  if (n > TSHARE_MAX_NDIM || PyTuple_GET_SIZE(strides) != n) {
+    py_raise_fmt(TSHARE_E_TOO_LARGE, "tshare: cannot send a tensor of %zd dimensions (at most %d)", n,
+                 TSHARE_MAX_NDIM);
+    return -1;
+  }
+  d->ndim = (int32_t)n;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    d->shape[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+    d->strides[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(strides, i));
+  }
+  return PyErr_Occurred() ? -1 : 0;
+}
+
+/* Add item (name, data_ptr, code, bits, shape, strides): 1 added, 0 its
+ * memory is no host buffer, -1 with a Python error. */
+static int add_member(tshare_set_builder *b, PyObject *item, tshare_host_buffer **spare) {
+  const char *name;
+  unsigned long long data;
+  int code, bits;
+  PyObject *shape, *strides;
+  if (!PyArg_ParseTuple(item, "yKiiO!O!", &name, &data, &code, &bits, &PyTuple_Type, &shape, &PyTuple_Type,
+                        &strides))
+    return -1;
+  tshare_tensor_desc d;
+  if (fill_member_desc(shape, strides, code, bits, &d) < 0) return -1;
+  tshare_host_buffer *buf = member_buffer((uintptr_t)data, tshare_tensor_numel(&d) == 0, spare, &d.byte_offset);
+  if (!buf) return 0;
+  tshare_error err;
+  int rc = tshare_set_builder_add_host(b, name, buf, &d, &err);
+  if (rc != TSHARE_OK) {
+    py_raise_fmt(rc, "tshare: send: tensor '%.200s': %s", name, err.message);
+    return -1;
+  }
+  return 1;
+}
+
+/* The set of items and meta in a builder: 0, or the index + 1 of the first
+ * item whose memory is no host buffer, or -1 with a Python error. */
+static Py_ssize_t build_set(tshare_set_builder *b, PyObject *items, Py_buffer *meta, tshare_host_buffer **spare) {
+  Py_ssize_t n = PyList_GET_SIZE(items);
+  for (Py_ssize_t i = 0; i < n; i++) {
+    int r = add_member(b, PyList_GET_ITEM(items, i), spare);
+    if (r <= 0) return r < 0 ? -1 : i + 1;
+  }
+  tshare_error err;
+  int rc = tshare_set_builder_set_meta(b, meta->buf, (size_t)meta->len, &err);
+  if (rc != TSHARE_OK) {
+    py_raise_fmt(rc, "tshare: send: metadata: %s", err.message);
+    return -1;
+  }
+  return 0;
+}
+
+/* The send itself, in one call: a set that timed out partway has gone in
+ * part (the peer releases it), so it cannot be tried again in slices as a
+ * single share is. */
+static PyObject *send_built(PyChannel *self, tshare_set_builder *b, int timeout_ms) {
+  tshare_channel *ch = py_channel_enter(self);
+  if (!ch) return NULL;
+  uint64_t id = 0;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS rc = tshare_set_send(ch, b, NULL, timeout_ms, &id);
+  Py_END_ALLOW_THREADS
+  if (rc != TSHARE_OK) py_raise_channel(ch, rc, "send (tensor set)");
+  py_channel_leave(self);
+  return rc == TSHARE_OK ? PyLong_FromUnsignedLongLong(id) : NULL;
+}
+
+/* _send_set(items, meta, timeout_ms) -> (set_id, None), or (None, index)
+ * when items[index]'s memory is no tshare host buffer (nothing was sent).
+ * items: a list of (name as UTF-8 bytes, data_ptr, dtype code, dtype bits,
+ * shape, strides); meta: bytes-like. */
+PyObject *py_channel_send_set(PyChannel *self, PyObject *args) {
+  PyObject *items;
+  Py_buffer meta;
+  int timeout_ms;
+  if (!PyArg_ParseTuple(args, "O!y*i", &PyList_Type, &items, &meta, &timeout_ms)) return NULL;
+  PyObject *result = NULL;
+  tshare_host_buffer *spare = NULL;
+  tshare_set_builder *b = tshare_set_builder_create();
+  if (!b) {
+    PyErr_NoMemory();
+  } else if (py_channel_get(self)) {
+    Py_ssize_t missing = build_set(b, items, &meta, &spare);
+    if (missing > 0) result = Py_BuildValue("(On)", Py_None, missing - 1);
+    else if (missing == 0) result = send_built(self, b, timeout_ms);
+    if (missing == 0 && result) result = Py_BuildValue("(NO)", result, Py_None);
+  }
+  tshare_set_builder_destroy(b); /* a sent set keeps its own references */
+  tshare_host_buffer_destroy(spare);
+  PyBuffer_Release(&meta);
+  return result;
+}
+
+/* ---- receiving ------------------------------------------------------------- */
+
+int py_set_waiting(PyChannel *self) {
+  py_next_set *n = &self->next;
+  if (n->set || n->refusal != TSHARE_OK) return 1;
+  int rc = tshare_set_recv(self->ch, 0, &n->set);
+  /* The peer's end: the shares it sent before come first, then recv's own
+   * look at the channel reports it. */
+  if (rc == TSHARE_OK || rc == TSHARE_E_TIMEOUT || rc == TSHARE_END || rc == TSHARE_E_PEER_CLOSED)
+    return n->set != NULL;
+  n->refusal = rc; /* a set the peer got wrong (already released back) */
+  snprintf(n->refusal_msg, sizeof n->refusal_msg, "%s", tshare_channel_last_error(self->ch));
+  return 1;
+}
+
+uint64_t py_set_waiting_id(const PyChannel *self) { return self->next.set ? tshare_set_id(self->next.set) : 0; }
+
+void py_set_drop_waiting(PyChannel *self) {
+  tshare_set_release(self->next.set);
+  self->next.set = NULL;
+  self->next.refusal = TSHARE_OK;
+}
+
+/* Why member i cannot become a torch tensor, or NULL. */
+static const char *member_refusal(const tshare_tensor_desc *d, char *why, size_t cap) {
+  if (d->dtype.lanes != 1) {
+    char name[32];
+    snprintf(why, cap, "a dtype %s, which has no PyTorch equivalent", tshare_dtype_name(d->dtype, name, sizeof name));
+    return why;
+  }
+  for (int32_t k = 0; k < d->ndim; k++) {
+    if (d->strides[k] < 0) {
+      snprintf(why, cap, "a negative stride (%lld in dimension %d), which PyTorch tensors cannot have",
+               (long long)d->strides[k], (int)k);
+      return why;
+    }
+  }
+  return NULL;
+}
+
+/* (name, capsule, dtype code, dtype bits) of member i; the capsule holds a
+ * view of the set. */
+static PyObject *member_entry(tshare_set *s, size_t i) {
+  const tshare_tensor_desc *d = tshare_set_desc(s, i);
+  char why[160];
+  if (member_refusal(d, why, sizeof why))
+    return py_raise_fmt(TSHARE_E_UNSUPPORTED, "tshare: recv: set %llu: tensor '%.200s' has %s",
+                        (unsigned long long)tshare_set_id(s), tshare_set_name(s, i), why);
+  tshare_view *view = NULL;
+  int rc = tshare_set_view(s, i, &view);
+  if (rc != TSHARE_OK) return py_raise_fmt(rc, "tshare: recv: set %llu: no view of tensor %zu", tshare_set_id(s), i);
+  PyObject *capsule = py_memory_view_capsule(view); /* owns the view from here */
+  if (!capsule) return NULL;
+  const char *name = tshare_set_name(s, i);
+  return Py_BuildValue("(s#Nii)", name, (Py_ssize_t)strlen(name), capsule, d->dtype.code, d->dtype.bits);
+}
+
+/* ("set", set_id, meta, [member entries]) for a set; the set handle goes
+ * once every member holds it through its view. */
+static PyObject *set_result(tshare_set *s) {
+  size_t n = tshare_set_count(s), meta_len = 0;
+  const void *meta = tshare_set_meta(s, &meta_len);
+  PyObject *members = PyList_New((Py_ssize_t)n);
+  PyObject *meta_bytes = PyBytes_FromStringAndSize(meta, (Py_ssize_t)meta_len);
+  PyObject *result = NULL;
+  for (size_t i = 0; members && meta_bytes && i < n; i++) {
+    PyObject *entry = member_entry(s, i);
+    if (!entry) goto done; /* the members made so far go with the list: the set goes back */
+    PyList_SET_ITEM(members, (Py_ssize_t)i, entry);
+  }
+  if (members && meta_bytes)
+    result = Py_BuildValue("(sKOO)", "set", (unsigned long long)tshare_set_id(s), meta_bytes, members);
+done:
+  Py_XDECREF(members);
+  Py_XDECREF(meta_bytes);
+  tshare_set_release(s);
+  return result;
+}
+
+PyObject *py_set_take(PyChannel *self) {
+  py_next_set *n = &self->next;
+  if (n->refusal != TSHARE_OK) {
+    int rc = n->refusal;
+    n->refusal = TSHARE_OK;
+    return py_raise_fmt(rc, "tshare: recv (tensor set): %s", n->refusal_msg);
+  }
+  tshare_set *s = n->set;
+  n->set = NULL;
+  return set_result(s);
+}

@@ -1,0 +1,241 @@
+"""Tensor sets: a Mapping[str, Tensor] (a state_dict) in one hand-off, with
+metadata; share_model_, which puts a module's CPU tensors in shared memory in
+place.
+
+A set carries host memory in this version. Every CPU tensor of a set must
+already live in tshare's shared memory (share_model_, empty_shared,
+share_memory_): send never moves a state_dict's tensors behind the caller's
+back, since a state_dict holds aliases of the model's parameters and moving
+an alias would leave the model on its private memory. copy=True makes a
+one-off copy instead. Tensors on one storage (views, tied weights) travel
+with their memory once: the C library sends each buffer once per set.
+"""
+from collections.abc import Mapping
+
+import torch
+
+from . import _tshare
+
+# Filled by _torch (which imports this module): its dtype map and helpers.
+_TO_DLPACK = _FROM_DLPACK = None
+_torch = None
+
+META_MAX = 16 * 1024 * 1024  # the wire's bound on a set's metadata (TSHARE_SET_META_MAX)
+NAME_MAX = 1024  # bytes of one name (TSHARE_SET_NAME_MAX)
+_ALIGN = 64  # where share_model_ places each storage in its buffer: any dtype's alignment
+
+
+def _fail(code, message):
+    raise _tshare._error(code, "tshare: " + message)
+
+
+def is_set(obj):
+    return isinstance(obj, Mapping) and not isinstance(obj, torch.Tensor)
+
+
+def _meta_bytes(meta):
+    """meta as bytes: bytes-like as is, str as UTF-8, None as no metadata."""
+    if meta is None:
+        return b""
+    if isinstance(meta, str):
+        meta = meta.encode("utf-8")
+    try:
+        view = memoryview(meta)
+    except TypeError:
+        _fail(_tshare.E_INVALID_ARG, "send: meta must be bytes-like or str, not %s" % type(meta).__name__)
+    if view.nbytes > META_MAX:
+        _fail(_tshare.E_TOO_LARGE, "send: metadata of %d bytes (at most %d)" % (view.nbytes, META_MAX))
+    return view.cast("B") if view.ndim != 1 or view.format != "B" else view
+
+
+def _name_bytes(name):
+    if not isinstance(name, str):
+        _fail(_tshare.E_INVALID_ARG, "send: tensor set names must be str, got %s %r" % (type(name).__name__, name))
+    try:
+        b = name.encode("utf-8")
+    except UnicodeEncodeError as e:
+        _fail(_tshare.E_INVALID_ARG, "send: name %r is not valid UTF-8 text: %s" % (name, e))
+    if not b or len(b) > NAME_MAX or b"\0" in b:
+        _fail(
+            _tshare.E_INVALID_ARG,
+            "send: name %.80r%s: names are 1 to %d bytes of UTF-8 without NUL"
+            % (name, "..." if len(name) > 80 else "", NAME_MAX),
+        )
+    return b
+
+
+def _member(name, t):
+    """(name, data_ptr, code, bits, shape, strides) of a CPU tensor; the
+    common case costs a few attribute reads, anything odd the full check."""
+    code_bits = _TO_DLPACK.get(t.dtype) if type(t) in _PLAIN else None
+    # CUDA and other memory outside tshare's host buffers is found by the
+    # C side (by address); sparse and nested tensors have no data_ptr().
+    if code_bits is None or code_bits[0] == _COMPLEX or t.is_neg():
+        _check_member(name, t)
+        code_bits = _TO_DLPACK[t.dtype]
+    return (_name_bytes(name), t.data_ptr(), code_bits[0], code_bits[1], tuple(t.shape), t.stride())
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_COMPLEX = 5  # a complex tensor may be a lazily conjugated view
+
+
+def _check_member(name, t):
+    if not isinstance(t, torch.Tensor):
+        _fail(_tshare.E_INVALID_ARG, "send: %r is a %s, not a torch.Tensor" % (name, type(t).__name__))
+    try:
+        _torch._check_shareable(t)
+    except _tshare.Error as e:
+        raise _tshare._error(e.code, "%s (tensor %r)" % (e, name)) from None
+    if t.is_cuda:
+        _fail(
+            _tshare.E_UNSUPPORTED,
+            "send: tensor %r is CUDA memory, which tensor sets do not carry in this version: send CUDA "
+            "tensors one by one with tshare.send(ch, tensor, tag=name)" % name,
+        )
+
+
+def _not_shared(name, t):
+    """The error for a member that is not in tshare's shared memory."""
+    _check_member(name, t)
+    if _torch._memory_kind_of(t) == "view":
+        _fail(
+            _tshare.E_UNSUPPORTED,
+            "send: tensor %r is a received tensor, which a tensor set cannot share on in this version: pass "
+            "copy=True for a one-off copy, or send it alone with tshare.send()" % name,
+        )
+    _fail(
+        _tshare.E_UNSUPPORTED,
+        "send: tensor %r is not in tshare's shared memory, and a set never moves it (a state_dict holds aliases "
+        "of the model's tensors: moving them would leave the model on its private memory): call "
+        "tshare.share_model_(model) once before model.state_dict(), or pass copy=True for a one-off copy" % name,
+    )
+
+
+def send_set(ch, tensors, meta, timeout_ms, copy):
+    """Send the Mapping tensors as one set; its id."""
+    if copy:
+        tensors = _copied(tensors)
+    items = []
+    for name, t in tensors.items():
+        try:
+            items.append(_member(name, t))
+        except (RuntimeError, AttributeError, TypeError, KeyError):  # sparse, nested, meta, not a tensor...
+            _check_member(name, t)
+            raise
+    if not items:
+        _fail(_tshare.E_INVALID_ARG, "send: the tensor set is empty (a set carries 1 to 65536 tensors)")
+    set_id, missing = ch._c._send_set(items, _meta_bytes(meta), timeout_ms)
+    if set_id is None:
+        name = list(tensors)[missing]
+        _not_shared(name, tensors[name])
+    return set_id
+
+
+def _copied(tensors):
+    """tensors with those outside tshare's shared memory copied into it."""
+    out = dict(tensors)
+    private = []
+    for name, t in out.items():
+        if not isinstance(t, torch.Tensor):
+            _check_member(name, t)
+        if t.is_cpu and _torch._memory_kind_of(t) != "host":
+            private.append(name)
+    for name, copy in zip(private, _packed([out[n] for n in private])):
+        out[name] = copy
+    return out
+
+
+def _storage_groups(tensors):
+    """tensors grouped by storage: [(storage, [index, ...])], in first-seen order."""
+    groups = {}
+    for i, t in enumerate(tensors):
+        storage = _torch._storage_of(t)
+        groups.setdefault(storage._cdata, (storage, []))[1].append(i)
+    return list(groups.values())
+
+
+def _packed(tensors):
+    """Copies of CPU tensors in one new shared buffer, as views that keep
+    their layout: tensors of one storage stay on one (copied) storage."""
+    with torch.no_grad():
+        return _packed_copies(tensors)
+
+
+def _packed_copies(tensors):
+    groups = _storage_groups(tensors)
+    offsets, total = [], 0
+    for storage, _ in groups:
+        offsets.append(total)
+        total += (storage.nbytes() + _ALIGN - 1) // _ALIGN * _ALIGN
+    raw = _torch._shared_bytes(total)
+    out = [None] * len(tensors)
+    for (storage, members), offset in zip(groups, offsets):
+        nbytes = storage.nbytes()
+        first = tensors[members[0]]
+        if nbytes:
+            item = first.element_size()
+            raw[offset:offset + nbytes].view(first.dtype).copy_(first.as_strided((nbytes // item,), (1,), 0))
+        for i in members:
+            t = tensors[i]
+            item = t.element_size()
+            out[i] = raw.view(t.dtype).as_strided(t.size(), t.stride(), offset // item + t.storage_offset())
+    return out
+
+
+def share_model_(module):
+    """Move module's CPU parameters and buffers into tshare's shared memory,
+    in place, and return module.
+
+    Every parameter and buffer keeps its identity (optimizers and hooks that
+    hold them go on working); its memory becomes a view of one shared buffer
+    for the whole module, values copied once. From then on the module itself
+    owns the shared memory: model.state_dict() sends as a set without a copy,
+    the producer's in-place updates (optimizer steps, p.add_()) are what
+    consumers see, and a consumer's writes are seen by the module. Tied
+    weights and other tensors on one storage stay on one storage. CUDA
+    tensors and tensors already in tshare's shared memory are left as they
+    are. Tensors made later (module.to(), a new parameter, a reassigned
+    .data) are private again: call share_model_ again after such changes.
+    """
+    if not isinstance(module, torch.nn.Module):
+        _fail(_tshare.E_INVALID_ARG, "share_model_: expected a torch.nn.Module, got %s" % type(module).__name__)
+    seen, tensors = set(), []
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen and t.is_cpu and _torch._memory_kind_of(t) != "host":
+            seen.add(id(t))
+            tensors.append(t)
+    if not tensors:
+        return module
+    with torch.no_grad():
+        for t, shared in zip(tensors, _packed(tensors)):
+            t.set_(_torch._storage(shared), shared.storage_offset(), shared.size(), shared.stride())
+    return module
+
+
+def received_set(box):
+    """The torch tensors of the set recv got, {name: tensor} in the sender's
+    order, with its id and metadata. box holds recv's result alone, so that a
+    refusal here drops every capsule, and with them the set, at once."""
+    _, set_id, meta, members = box.pop()
+    for name, _, code, bits in members:
+        if (code, bits) not in _FROM_DLPACK:
+            members.clear()  # the set goes back to the producer
+            _fail(
+                _tshare.E_UNSUPPORTED,
+                "recv: set %d: tensor %r has dtype %s, which has no PyTorch equivalent"
+                % (set_id, name, _torch._dtype_name(code, bits)),
+            )
+    tensors = {}
+    from_dlpack, bind, storage = _torch._from_dlpack, _tshare._bind, _torch._storage
+    as_bool = _torch._BOOL_AS_UINT8
+    for name, capsule, code, bits in members:
+        t = from_dlpack(capsule)
+        bind(capsule, storage(t)._cdata)
+        if as_bool and code == _BOOL:
+            t = t.view(torch.bool)
+        tensors[name] = t
+    return set_id, meta, tensors
+
+
+_BOOL = 6

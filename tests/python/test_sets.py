@@ -1,0 +1,356 @@
+"""Tensor sets from Python: a Mapping[str, Tensor] in one hand-off with
+metadata, share_model_, and what a set refuses. One test per argument:
+
+    test_sets.py NAME
+"""
+import asyncio
+import gc
+import os
+import signal
+import threading
+import time
+
+import harness
+from harness import expect_error, memfds, pair
+
+import cases
+import torch
+import tshare
+from tshare import aio
+
+test = harness.Tests("test_sets.py")
+
+
+def shared_copy(t):
+    """t's values in tshare's shared memory, with t's layout."""
+    return tshare.share_memory_(t.clone())
+
+
+def recv_in_thread(c, timeout=30):
+    """Receive on c from a thread (a large set fills the socket before the
+    sender returns); join() gives the Received."""
+    out = {}
+
+    def run():
+        try:
+            out["r"] = tshare.recv(c, timeout=timeout)
+        except BaseException as e:  # reported by join
+            out["e"] = e
+
+    th = threading.Thread(target=run)
+    th.start()
+
+    def join():
+        th.join()
+        if "e" in out:
+            raise out["e"]
+        return out.pop("r")
+
+    return join
+
+
+def release(p, c, set_id):
+    c.poll(0)  # the consumer's releases go out when it drives the channel
+    p.wait_released(set_id, timeout=10)
+    assert p.is_released(set_id) and p.outstanding() == 0
+
+
+def numbered_set(n, name_of=lambda i: "t%d" % i):
+    """n tensors of 3 float32 each, tensor i holding i, i+1, i+2, all in one buffer."""
+    base = tshare.empty_shared(n, 3, dtype=torch.float32)
+    base += torch.arange(n, dtype=torch.float32).view(n, 1) + torch.arange(3.0)
+    return {name_of(i): base[i] for i in range(n)}
+
+
+@test
+def sets_of_1_290_and_10000_tensors_arrive_in_order_and_go_back_as_one():
+    p, c = pair()
+    for n in (1, 290, 10000):
+        sent = numbered_set(n)
+        join = recv_in_thread(c)
+        set_id = tshare.send(p, sent, meta=b"n=%d" % n, timeout=30)
+        r = join()
+        assert r.tensor is None and r.tag == "" and r.share_id == set_id, r
+        assert r.meta == b"n=%d" % n
+        assert list(r.tensors) == list(sent), "names or order differ"
+        for name, t in sent.items():
+            assert torch.equal(r.tensors[name], t), name
+        # One memory for all n: the consumer maps it once.
+        assert r.tensors["t0"].data_ptr() + 12 * (n - 1) == r.tensors["t%d" % (n - 1)].data_ptr()
+        keep = r.tensors["t0"]  # one tensor keeps the whole set
+        del r
+        gc.collect()
+        c.poll(0)
+        p.poll(0.05)
+        assert p.outstanding() == 1, "released while a tensor of it lives"
+        del keep
+        release(p, c, set_id)
+    p.close()
+    c.close()
+
+
+@test
+def names_of_1_and_1024_bytes_and_metadata_intact():
+    p, c = pair()
+    long_name = "é" * 511 + "xy"  # 1024 bytes of UTF-8
+    meta = bytes(range(256)) * 9000  # 2.3 MB: many metadata frames
+    t = tshare.empty_shared(4)
+    t += torch.arange(4.0)
+    sent = {"a": t[0], long_name: t, "z": t[1:3]}
+    join = recv_in_thread(c)
+    set_id = tshare.send(p, sent, meta=meta, timeout=30)
+    r = join()
+    assert list(r.tensors) == ["a", long_name, "z"] and r.meta == meta
+    assert torch.equal(r.tensors[long_name], t) and torch.equal(r.tensors["z"], t[1:3])
+    del r
+    release(p, c, set_id)
+    # str metadata goes as UTF-8; no metadata arrives as b"".
+    tshare.send(p, {"x": t}, meta="version ü")
+    r = tshare.recv(c, timeout=5)
+    assert r.meta == "version ü".encode()
+    del r
+    sid = tshare.send(p, {"x": t})
+    r = tshare.recv(c, timeout=5)
+    assert r.meta == b"" and r.share_id == sid
+    del r
+    release(p, c, sid)
+
+
+@test
+def every_dtype_and_layout_in_one_set():
+    p, c = pair()
+    bases = {d: shared_copy(cases.base(dtype)) for d, dtype in cases.DTYPES.items()}
+    tags = cases.all_tags()
+    sent = {}
+    for tag in tags:
+        dtype_name, layout = tag.split("/")
+        sent[tag] = cases.LAYOUTS[layout](bases[dtype_name])
+    join = recv_in_thread(c)
+    set_id = tshare.send(p, sent, timeout=30)
+    r = join()
+    assert list(r.tensors) == tags
+    for tag in tags:
+        why = cases.check(tag, r.tensors[tag])
+        assert why is None, why
+    # The views of one base came with one memory: their addresses keep their distance.
+    got, want = r.tensors["float64/sliced"], sent["float64/sliced"]
+    assert got.data_ptr() - r.tensors["float64/contiguous"].data_ptr() == want.data_ptr() - bases["float64"].data_ptr()
+    del r, got
+    release(p, c, set_id)
+
+
+class Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied: one Parameter
+        self.norm = torch.nn.BatchNorm1d(4)
+        self.proj = torch.nn.Linear(4, 4)
+        self.alias = torch.nn.Parameter(self.proj.weight.detach()[0])  # another Parameter on proj.weight's storage
+
+
+@test
+def share_model_makes_the_module_own_shared_memory_seen_both_ways():
+    torch.manual_seed(0)
+    m = Tied()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    params = list(m.parameters())
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    assert tshare.share_model_(m) is m
+    assert list(m.parameters()) == params, "parameters were replaced, not moved in place"
+    assert all(tshare.is_shared(t) for t in m.state_dict().values())
+    assert m.alias.data_ptr() == m.proj.weight.data_ptr(), "tensors of one storage were separated"
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    p, c = pair()
+    set_id = tshare.send(p, m.state_dict(), meta=b"step 0")
+    r = tshare.recv(c, timeout=5)
+    got = r.tensors
+    # A consumer's write lands in the producer's module.
+    got["norm.running_mean"].fill_(7)
+    got["proj.bias"][1] = -3
+    assert torch.equal(m.norm.running_mean, torch.full((4,), 7.0)) and m.proj.bias[1].item() == -3
+    # The producer's optimizer step and in-place updates reach the consumer without another send.
+    m.proj(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    with torch.no_grad():
+        m.embed.weight.add_(1)
+    for k, v in m.state_dict().items():
+        assert torch.equal(got[k], v), k
+    assert got["embed.weight"].data_ptr() != got["proj.weight"].data_ptr()
+    del r, got
+    release(p, c, set_id)
+    # Sharing again is a no-op: the memory is shared already.
+    ptr = m.proj.weight.data_ptr()
+    tshare.share_model_(m)
+    assert m.proj.weight.data_ptr() == ptr
+    expect_error(tshare.E_INVALID_ARG, "torch.nn.Module", tshare.share_model_, {"w": torch.zeros(1)})
+
+
+@test
+def update_in_place_and_send_again_with_a_new_version():
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    tshare.share_model_(m)
+    p, c = pair()
+    for version in range(1, 6):
+        with torch.no_grad():
+            for t in m.parameters():
+                t.fill_(version)
+        set_id = tshare.send(p, m.state_dict(), meta=b"version %d" % version)
+        r = tshare.recv(c, timeout=5)
+        assert r.meta == b"version %d" % version
+        assert all(bool((t == version).all()) for t in r.tensors.values()), "stale values in version %d" % version
+        del r
+        release(p, c, set_id)
+
+
+@test
+def private_cpu_tensors_are_refused_with_advice_or_copied_on_request():
+    p, c = pair()
+    m = torch.nn.Linear(3, 2)
+    e = expect_error(tshare.E_UNSUPPORTED, "tshare.share_model_(model)", tshare.send, p, m.state_dict())
+    assert "copy=True" in str(e) and "'weight'" in str(e)
+    assert not tshare.is_shared(m.weight), "the refused send moved the model's memory"
+    # copy=True: a one-off copy; the consumer's writes do not reach the model.
+    sid = tshare.send(p, m.state_dict(), copy=True, meta=b"copy")
+    r = tshare.recv(c, timeout=5)
+    assert torch.equal(r.tensors["weight"], m.weight.detach()) and r.meta == b"copy"
+    r.tensors["weight"].fill_(5)
+    assert not bool((m.weight == 5).any())
+    # A received tensor cannot go in a set (it is not a host buffer of this process) unless copied.
+    e = expect_error(tshare.E_UNSUPPORTED, "received tensor", tshare.send, p, {"w": r.tensors["weight"]})
+    assert "copy=True" in str(e)
+    sid2 = tshare.send(p, {"w": r.tensors["weight"]}, copy=True)
+    r2 = tshare.recv(c, timeout=5)
+    assert torch.equal(r2.tensors["w"], torch.full((2, 3), 5.0))
+    del r, r2, e  # the error's traceback holds the refused tensors too
+    c.poll(0)
+    p.wait_released(timeout=5)
+    assert p.is_released(sid) and p.is_released(sid2)
+
+
+@test
+def bad_sets_get_clear_errors_and_the_channel_stays_usable():
+    p, c = pair()
+    t = tshare.empty_shared(4)
+    E = tshare
+    expect_error(E.E_INVALID_ARG, "names must be str", tshare.send, p, {1: t})
+    expect_error(E.E_INVALID_ARG, "1 to 1024 bytes", tshare.send, p, {"": t})
+    expect_error(E.E_INVALID_ARG, "1 to 1024 bytes", tshare.send, p, {"x" * 1025: t})
+    expect_error(E.E_INVALID_ARG, "1 to 1024 bytes", tshare.send, p, {"a\0b": t})
+    expect_error(E.E_INVALID_ARG, "not valid UTF-8", tshare.send, p, {"\udc80": t})
+    expect_error(E.E_INVALID_ARG, "is empty", tshare.send, p, {})
+    expect_error(E.E_INVALID_ARG, "not a torch.Tensor", tshare.send, p, {"x": [1, 2]})
+    expect_error(E.E_TOO_LARGE, "metadata of 16777217 bytes", tshare.send, p, {"x": t}, meta=bytes(16 * 1024 * 1024 + 1))
+    expect_error(E.E_INVALID_ARG, "meta must be bytes-like", tshare.send, p, {"x": t}, meta=3)
+    expect_error(E.E_INVALID_ARG, "metadata travels with tensor sets", tshare.send, p, t, meta=b"x")
+    expect_error(E.E_UNSUPPORTED, "sparse", tshare.send, p, {"s": torch.eye(2).to_sparse()})
+    expect_error(E.E_UNSUPPORTED, "resolve_conj", tshare.send, p, {"z": shared_copy(torch.ones(2, dtype=torch.complex64)).conj()})
+    expect_error(E.E_UNSUPPORTED, "meta tensor", tshare.send, p, {"m": torch.empty(2, device="meta")})
+    expect_error(E.E_UNSUPPORTED, "quantized", tshare.send, p,
+                 {"q": torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)})
+    if torch.cuda.is_available():
+        expect_error(E.E_UNSUPPORTED, "CUDA memory, which tensor sets do not carry", tshare.send, p,
+                     {"g": torch.ones(2, device="cuda")})
+    assert p.outstanding() == 0, "a refused set left a share behind"
+    # The largest metadata goes, and the channel carries on.
+    join = recv_in_thread(c)
+    sid = tshare.send(p, {"x": t}, meta=bytes(16 * 1024 * 1024), timeout=60)
+    r = join()
+    assert len(r.meta) == 16 * 1024 * 1024 and torch.equal(r.tensors["x"], t)
+    del r
+    release(p, c, sid)
+
+
+@test
+def sets_and_single_shares_arrive_in_the_order_sent():
+    p, c = pair()
+    t = tshare.empty_shared(3)
+    t += torch.arange(3.0)
+    ids = [tshare.send(p, t[0], tag="a"), tshare.send(p, {"s1": t}), tshare.send(p, {"s2": t}),
+           tshare.send(p, t[1], tag="b"), tshare.send(p, {"s3": t})]
+    p.send_bye()
+    got = []
+    for r in c:
+        got.append((r.share_id, r.tag if r.tensor is not None else list(r.tensors)[0]))
+        assert r.meta is None if r.tensor is not None else r.meta == b""
+        if r.tensor is not None:
+            assert r.tensors == {r.tag: r.tensor}
+        del r
+    assert got == list(zip(ids, ["a", "s1", "s2", "b", "s3"])), got
+    c.poll(0)
+    p.wait_released(timeout=5)
+
+
+@test
+def a_consumer_killed_while_holding_a_set_frees_everything():
+    base_fds = memfds()
+    a, b = tshare.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        os.close(a)
+        ch = tshare.open_socket(b, name="doomed consumer")
+        held = [tshare.recv(ch, timeout=10) for _ in range(3)]
+        assert all(len(r.tensors) == 290 for r in held)
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.close(b)
+    p = tshare.open_socket(a, name="producer")
+    for i in range(3):
+        sent = {"t%d" % k: tshare.empty_shared(8) for k in range(290)}  # 290 memories each
+        tshare.send(p, sent, meta=b"%d" % i, timeout=10)
+        del sent  # only the set holds the memfds now
+    os.waitpid(pid, 0)
+    deadline = time.monotonic() + 5
+    while p.outstanding() and time.monotonic() < deadline:
+        try:
+            p.poll(0.05)
+        except tshare.PeerClosedError:
+            pass
+    assert p.outstanding() == 0, "%d sets still held by a dead consumer" % p.outstanding()
+    gc.collect()
+    assert memfds() == base_fds, "memfds open: %d, before %d" % (memfds(), base_fds)
+    p.close()
+
+
+@test
+def asyncio_sends_and_awaits_sets():
+    async def main():
+        p, c = pair()
+        sent = numbered_set(1000)
+        send = asyncio.ensure_future(aio.send(p, sent, meta=b"aio", timeout=30))
+        r = await aio.recv(c, timeout=30)
+        set_id = await send
+        assert r.share_id == set_id and r.meta == b"aio" and list(r.tensors) == list(sent)
+        assert torch.equal(r.tensors["t999"], sent["t999"])
+        released = asyncio.ensure_future(aio.wait_released(p, set_id, timeout=10))
+        await asyncio.sleep(0.05)
+        assert not released.done(), "released while the consumer holds the set"
+        del r
+        gc.collect()
+        c.poll(0)
+        await released
+        assert p.outstanding() == 0
+        p.close()
+        c.close()
+
+    asyncio.run(main())
+
+
+@test
+def received_sets_as_parameters():
+    p, c = pair()
+    t = tshare.empty_shared(2, 2)
+    i = tshare.empty_shared(2, dtype=torch.int64)
+    tshare.send(p, {"w": t, "n": i})
+    r = tshare.recv(c, timeout=5, as_parameter=True)
+    w, n = r.tensors["w"], r.tensors["n"]
+    assert isinstance(w, torch.nn.Parameter) and w.requires_grad
+    assert isinstance(n, torch.nn.Parameter) and not n.requires_grad
+    del r, w, n
+    c.poll(0)
+    p.wait_released(timeout=5)
+
+
+if __name__ == "__main__":
+    test.main()
