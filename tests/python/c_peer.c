@@ -6,6 +6,11 @@
  *   c_peer produce            every dtype x layout, tag "dtype/layout"
  *   c_peer produce-negative   a float32 view with a negative stride (tag
  *                             "negative"), then float32/contiguous
+ *   c_peer produce-set        every dtype x layout in one tensor set (names
+ *                             "dtype/layout", metadata "cases"), the views of
+ *                             one dtype in one buffer
+ *   c_peer produce-set-negative  a set of float32/contiguous and a view with
+ *                             a negative stride ("negative"), then produce-set
  */
 #include <tshare/tshare.h>
 
@@ -89,6 +94,8 @@ static int layout(const char *name, tshare_dtype dtype, tshare_tensor_desc *d) {
 static const char *layouts[] = {"contiguous", "transposed", "sliced", "strided",
                                 "expanded",   "scalar",     "empty",  "permuted3d"};
 
+#define SET_META "cases" /* what peer.py's consumer expects of a set */
+
 #define HELLO_TIMEOUT_MS 60000 /* well within the test's 100 s launcher timeout */
 
 static tshare_role role;
@@ -106,8 +113,98 @@ static int share(tshare_host_buffer *buf, const tshare_tensor_desc *d, const cha
   return TSHARE_OK;
 }
 
+static tshare_host_buffer *filled_buffer(const char *dtype_name) {
+  tshare_host_buffer *buf = NULL;
+  tshare_error err;
+  if (tshare_host_buffer_create(24 * 16, "c_peer", &buf, &err) != TSHARE_OK) {
+    fprintf(stderr, "c_peer: %s\n", err.message);
+    return NULL;
+  }
+  fill(tshare_host_buffer_data(buf), dtype_name);
+  return buf;
+}
+
+static int send_to_all(const tshare_set_builder *b) {
+  int rc = TSHARE_OK;
+  for (int c = 0; c < role.nchannels && rc == TSHARE_OK; c++) {
+    rc = tshare_set_send(channels[c], b, NULL, 30000, NULL);
+    if (rc != TSHARE_OK) fprintf(stderr, "c_peer: send set: %s\n", tshare_channel_last_error(channels[c]));
+  }
+  return rc;
+}
+
+/* A set no PyTorch consumer can take: float32/contiguous and its rows upside down. */
+static int share_negative_set(void) {
+  tshare_set_builder *b = tshare_set_builder_create();
+  tshare_host_buffer *buf = filled_buffer("float32");
+  tshare_error err = {0};
+  tshare_tensor_desc d;
+  layout("contiguous", (tshare_dtype){TSHARE_DTYPE_FLOAT, 32, 1}, &d);
+  int rc = b && buf ? tshare_set_builder_add_host(b, "float32/contiguous", buf, &d, &err) : TSHARE_E_NOMEM;
+  d.strides[0] = -6, d.byte_offset = 3 * 6 * 4;
+  if (rc == TSHARE_OK) rc = tshare_set_builder_add_host(b, "negative", buf, &d, &err);
+  if (rc != TSHARE_OK) fprintf(stderr, "c_peer: build set: %s\n", err.message);
+  else rc = send_to_all(b);
+  tshare_host_buffer_destroy(buf);
+  tshare_set_builder_destroy(b);
+  return rc;
+}
+
+/* Every case in one set, sent to every consumer: the count of tensors, or -1. */
+static int share_one_set(int negative) {
+  if (negative && share_negative_set() != TSHARE_OK) return -1;
+  tshare_set_builder *b = tshare_set_builder_create();
+  tshare_error err = {0};
+  int count = 0, rc = b ? TSHARE_OK : TSHARE_E_NOMEM;
+  for (size_t i = 0; i < sizeof dtypes / sizeof dtypes[0] && rc == TSHARE_OK; i++) {
+    tshare_host_buffer *buf = filled_buffer(dtypes[i].name);
+    if (!buf) rc = TSHARE_E_NOMEM;
+    for (size_t l = 0; buf && l < sizeof layouts / sizeof layouts[0] && rc == TSHARE_OK; l++, count++) {
+      char name[64];
+      tshare_tensor_desc d;
+      snprintf(name, sizeof name, "%s/%s", dtypes[i].name, layouts[l]);
+      layout(layouts[l], dtypes[i].dtype, &d);
+      rc = tshare_set_builder_add_host(b, name, buf, &d, &err);
+    }
+    tshare_host_buffer_destroy(buf); /* the builder holds it */
+  }
+  if (rc == TSHARE_OK) rc = tshare_set_builder_set_meta(b, SET_META, strlen(SET_META), &err);
+  if (rc != TSHARE_OK) fprintf(stderr, "c_peer: build set: %s\n", err.message);
+  else rc = send_to_all(b);
+  tshare_set_builder_destroy(b);
+  return rc == TSHARE_OK ? count : -1;
+}
+
+/* Every case one share at a time: the count, or -1. */
+static int share_each(int negative) {
+  int shared = 0;
+  for (size_t i = 0; i < sizeof dtypes / sizeof dtypes[0]; i++) {
+    if (negative && strcmp(dtypes[i].name, "float32") != 0) continue;
+    tshare_host_buffer *buf = filled_buffer(dtypes[i].name);
+    if (!buf) return -1;
+    if (negative) {
+      tshare_tensor_desc d;
+      layout("contiguous", dtypes[i].dtype, &d);
+      d.strides[0] = -6, d.byte_offset = 3 * 6 * 4; /* the rows upside down */
+      if (share(buf, &d, "negative") != TSHARE_OK) return -1;
+    }
+    for (size_t l = 0; l < sizeof layouts / sizeof layouts[0]; l++) {
+      if (negative && l > 0) break;
+      char tag[64];
+      tshare_tensor_desc d;
+      snprintf(tag, sizeof tag, "%s/%s", dtypes[i].name, layouts[l]);
+      layout(layouts[l], dtypes[i].dtype, &d);
+      if (share(buf, &d, tag) != TSHARE_OK) return -1;
+      shared++;
+    }
+    tshare_host_buffer_destroy(buf); /* the shares hold it now */
+  }
+  return shared;
+}
+
 int main(int argc, char **argv) {
-  int negative = argc > 1 && !strcmp(argv[1], "produce-negative");
+  const char *mode = argc > 1 ? argv[1] : "produce";
+  int negative = strstr(mode, "-negative") != NULL;
   tshare_error err;
   tshare_channel *chs[TSHARE_ROLE_CHANNELS_MAX];
   if (tshare_role_from_env(&role, &err) != TSHARE_OK) {
@@ -126,32 +223,8 @@ int main(int argc, char **argv) {
     }
   }
   channels = chs;
-  int shared = 0;
-  for (size_t i = 0; i < sizeof dtypes / sizeof dtypes[0]; i++) {
-    if (negative && strcmp(dtypes[i].name, "float32") != 0) continue;
-    tshare_host_buffer *buf = NULL;
-    if (tshare_host_buffer_create(24 * 16, "c_peer", &buf, &err) != TSHARE_OK) {
-      fprintf(stderr, "c_peer: %s\n", err.message);
-      return 1;
-    }
-    fill(tshare_host_buffer_data(buf), dtypes[i].name);
-    if (negative) {
-      tshare_tensor_desc d;
-      layout("contiguous", dtypes[i].dtype, &d);
-      d.strides[0] = -6, d.byte_offset = 3 * 6 * 4; /* the rows upside down */
-      if (share(buf, &d, "negative") != TSHARE_OK) return 1;
-    }
-    for (size_t l = 0; l < sizeof layouts / sizeof layouts[0]; l++) {
-      if (negative && l > 0) break;
-      char tag[64];
-      tshare_tensor_desc d;
-      snprintf(tag, sizeof tag, "%s/%s", dtypes[i].name, layouts[l]);
-      layout(layouts[l], dtypes[i].dtype, &d);
-      if (share(buf, &d, tag) != TSHARE_OK) return 1;
-      shared++;
-    }
-    tshare_host_buffer_destroy(buf); /* the shares hold it now */
-  }
+  int shared = strncmp(mode, "produce-set", 11) == 0 ? share_one_set(negative) : share_each(negative);
+  if (shared < 0) return 1;
   for (int c = 0; c < role.nchannels; c++) {
     if (tshare_channel_wait_released(chs[c], 0, 60000) != TSHARE_OK) {
       fprintf(stderr, "c_peer: %s\n", tshare_channel_last_error(chs[c]));
