@@ -27,6 +27,7 @@ if(TARGET tshare_torch)
     ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
     LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
   install(FILES ${PROJECT_SOURCE_DIR}/torch_bridge/include/tshare/torch.h
+    ${PROJECT_SOURCE_DIR}/torch_bridge/include/tshare/torch_set.h
     DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/tshare)
   install(EXPORT tshareTorchTargets NAMESPACE tshare:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/tshare)
   set(TSHARE_TORCH_DIR_HINT "${Torch_DIR}")

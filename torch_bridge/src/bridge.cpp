@@ -5,7 +5,7 @@
 // or anything else (the caching allocator, plain CPU memory). That decides
 // how it travels: a host buffer share, a forward of the received view, or a
 // CUDA IPC export of the allocation around the pointer.
-#include "tshare/torch.h"
+#include "bridge_internal.h"
 
 #include <ATen/ops/from_blob.h>
 #include <c10/core/Storage.h>
@@ -22,60 +22,27 @@
 
 namespace tshare {
 namespace torch {
-namespace {
+namespace detail {
 
-[[noreturn]] void fail(int code, const std::string &message) { throw Error(code, "tshare: " + message); }
+void fail(int code, const std::string &message) { throw Error(code, "tshare: " + message); }
 
-[[noreturn]] void fail_channel(tshare_channel *ch, int code, const char *what) {
+void fail_channel(tshare_channel *ch, int code, const char *what) {
   throw Error(code, std::string("tshare: ") + what + ": " + tshare_channel_last_error(ch));
 }
+
+} // namespace detail
+
+namespace {
+
+using detail::describe;
+using detail::fail;
+using detail::fail_channel;
 
 // The deleters that mark tshare memory. Their addresses are the identity.
 void free_host_buffer(void *buffer) { tshare_host_buffer_destroy(static_cast<tshare_host_buffer *>(buffer)); }
 void release_view(void *view) { tshare_view_release(static_cast<tshare_view *>(view)); }
 // What a share of foreign or received memory keeps alive: the storage.
 void drop_storage(void *storage) { delete static_cast<c10::Storage *>(storage); }
-
-std::string device_name(const at::Tensor &t) { return t.device().str(); }
-
-// Everything send() refuses, each with what to do instead.
-void check_shareable(const at::Tensor &t) {
-  if (!t.defined()) fail(TSHARE_E_INVALID_ARG, "cannot send an undefined tensor");
-  if (t.is_sparse() || t.layout() == at::kSparseCsr)
-    fail(TSHARE_E_UNSUPPORTED, "cannot send a sparse tensor: send its indices and values, or .to_dense()");
-  if (t.is_quantized())
-    fail(TSHARE_E_UNSUPPORTED, "cannot send a quantized tensor: send int_repr() with its scale and zero point");
-  if (t.is_nested()) fail(TSHARE_E_UNSUPPORTED, "cannot send a nested tensor: send its components");
-  if (t.is_meta()) fail(TSHARE_E_UNSUPPORTED, "cannot send a meta tensor: it has no memory to share");
-  if (t.layout() != at::kStrided)
-    fail(TSHARE_E_UNSUPPORTED, "cannot send a tensor with a non-strided layout; convert it with .to_dense()");
-  if (!t.is_cpu() && !t.is_cuda())
-    fail(TSHARE_E_UNSUPPORTED, "cannot send a tensor on " + device_name(t) + ": tshare shares CPU and CUDA memory");
-  if (t.is_conj())
-    fail(TSHARE_E_UNSUPPORTED, "cannot send a lazily conjugated view: call .resolve_conj() first");
-  if (t.is_neg()) fail(TSHARE_E_UNSUPPORTED, "cannot send a lazily negated view: call .resolve_neg() first");
-  if (!t.unsafeGetTensorImpl()->has_storage())
-    fail(TSHARE_E_UNSUPPORTED, "cannot send a tensor without storage (a functional or fake tensor)");
-  if (t.dim() > TSHARE_MAX_NDIM)
-    fail(TSHARE_E_TOO_LARGE, "cannot send a tensor of " + std::to_string(t.dim()) + " dimensions (at most " +
-                                 std::to_string(TSHARE_MAX_NDIM) + ")");
-  (void)to_tshare_dtype(t.scalar_type());
-}
-
-// t's layout with byte_offset measured from base (empty tensors: 0).
-tshare_tensor_desc describe(const at::Tensor &t, const void *base) {
-  tshare_tensor_desc d;
-  std::memset(&d, 0, sizeof d);
-  d.dtype = to_tshare_dtype(t.scalar_type());
-  d.ndim = static_cast<int32_t>(t.dim());
-  for (int64_t i = 0; i < t.dim(); i++) {
-    d.shape[i] = t.size(i);
-    d.strides[i] = t.stride(i);
-  }
-  if (t.numel() > 0)
-    d.byte_offset = static_cast<uint64_t>(static_cast<const char *>(t.data_ptr()) - static_cast<const char *>(base));
-  return d;
-}
 
 c10::DeleterFnPtr deleter_of(const at::Tensor &t) { return t.storage().data_ptr().get_deleter(); }
 void *context_of(const at::Tensor &t) { return t.storage().data_ptr().get_context(); }
@@ -157,9 +124,61 @@ void *receive_stream(const tshare_share_info &info, const RecvOptions &o) {
 
 } // namespace
 
+namespace detail {
+
+static std::string device_name(const at::Tensor &t) { return t.device().str(); }
+
+void check_shareable(const at::Tensor &t) {
+  if (!t.defined()) fail(TSHARE_E_INVALID_ARG, "cannot send an undefined tensor");
+  if (t.is_sparse() || t.layout() == at::kSparseCsr)
+    fail(TSHARE_E_UNSUPPORTED, "cannot send a sparse tensor: send its indices and values, or .to_dense()");
+  if (t.is_quantized())
+    fail(TSHARE_E_UNSUPPORTED, "cannot send a quantized tensor: send int_repr() with its scale and zero point");
+  if (t.is_nested()) fail(TSHARE_E_UNSUPPORTED, "cannot send a nested tensor: send its components");
+  if (t.is_meta()) fail(TSHARE_E_UNSUPPORTED, "cannot send a meta tensor: it has no memory to share");
+  if (t.layout() != at::kStrided)
+    fail(TSHARE_E_UNSUPPORTED, "cannot send a tensor with a non-strided layout; convert it with .to_dense()");
+  if (!t.is_cpu() && !t.is_cuda())
+    fail(TSHARE_E_UNSUPPORTED, "cannot send a tensor on " + device_name(t) + ": tshare shares CPU and CUDA memory");
+  if (t.is_conj())
+    fail(TSHARE_E_UNSUPPORTED, "cannot send a lazily conjugated view: call .resolve_conj() first");
+  if (t.is_neg()) fail(TSHARE_E_UNSUPPORTED, "cannot send a lazily negated view: call .resolve_neg() first");
+  if (!t.unsafeGetTensorImpl()->has_storage())
+    fail(TSHARE_E_UNSUPPORTED, "cannot send a tensor without storage (a functional or fake tensor)");
+  if (t.dim() > TSHARE_MAX_NDIM)
+    fail(TSHARE_E_TOO_LARGE, "cannot send a tensor of " + std::to_string(t.dim()) + " dimensions (at most " +
+                                 std::to_string(TSHARE_MAX_NDIM) + ")");
+  (void)to_tshare_dtype(t.scalar_type());
+}
+
+tshare_tensor_desc describe(const at::Tensor &t, const void *base) {
+  tshare_tensor_desc d;
+  std::memset(&d, 0, sizeof d);
+  d.dtype = to_tshare_dtype(t.scalar_type());
+  d.ndim = static_cast<int32_t>(t.dim());
+  for (int64_t i = 0; i < t.dim(); i++) {
+    d.shape[i] = t.size(i);
+    d.strides[i] = t.stride(i);
+  }
+  if (t.numel() > 0)
+    d.byte_offset = static_cast<uint64_t>(static_cast<const char *>(t.data_ptr()) - static_cast<const char *>(base));
+  return d;
+}
+
+tshare_host_buffer *host_buffer_of(const at::Tensor &t) {
+  if (!t.defined() || !t.unsafeGetTensorImpl()->has_storage() || !t.is_cpu()) return nullptr;
+  return deleter_of(t) == &free_host_buffer ? static_cast<tshare_host_buffer *>(context_of(t)) : nullptr;
+}
+
+bool is_received(const at::Tensor &t) {
+  return t.defined() && t.unsafeGetTensorImpl()->has_storage() && deleter_of(t) == &release_view;
+}
+
+} // namespace detail
+
 uint64_t send(tshare_channel *ch, const at::Tensor &t, const SendOptions &options) {
   if (!ch) fail(TSHARE_E_INVALID_ARG, "send: no channel");
-  check_shareable(t);
+  detail::check_shareable(t);
   if (options.tag.size() > TSHARE_TAG_MAX)
     fail(TSHARE_E_TOO_LARGE,
          "send: tag of " + std::to_string(options.tag.size()) + " bytes (at most " + std::to_string(TSHARE_TAG_MAX) + ")");

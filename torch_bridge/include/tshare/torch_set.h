@@ -1,0 +1,120 @@
+// tshare/torch_set.h - a model's named tensors in one hand-off (target tshare::torch).
+//
+// Producer: send_set(ch, module->named_parameters(), {meta}) hands every
+// tensor of a state_dict (an OrderedDict, or a vector of name/tensor pairs)
+// to the peer at once, with opaque metadata (a version, a step). Each memory
+// travels once however many tensors point into it, and the whole set comes
+// back in one release. The builder's bounds are the C API's (tshare/set.h):
+// names of 1 to TSHARE_SET_NAME_MAX bytes, unique in the set; at most
+// TSHARE_SET_MEMBERS_MAX tensors and TSHARE_SET_META_MAX bytes of metadata.
+//
+// Whose storage is shared (CPU): a set carries memory that is already in
+// tshare's shared memory, the producer's own storage. Call share_module_()
+// once on the model (or share_memory_() on each tensor, or allocate with
+// empty_shared()): its parameters and buffers then live in memfds, in place,
+// and every later in-place update (an optimizer step, copy_ under no_grad)
+// is what consumers see. A set with a CPU tensor outside shared memory is
+// refused saying so, unless SetOptions::move_to_shared_memory moves it there
+// first (in place, as share_memory_()). Nothing is ever copied behind the
+// producer's back.
+//
+// The update pattern: keep the storages, update them in place, send the set
+// again with a new version in the metadata.
+//
+// Consumer: recv_set(ch) returns the next set: its tensors in the sender's
+// order (looked up by name too) and the metadata. Each tensor keeps the set
+// alive; the set is released to the producer, once, when the last of them is
+// gone. Writes through them are the producer's memory.
+//
+// This version carries CPU tensors; a CUDA tensor in a set is refused with
+// the core's TSHARE_E_UNSUPPORTED (send CUDA tensors one by one with send()).
+#ifndef TSHARE_TORCH_SET_H
+#define TSHARE_TORCH_SET_H
+
+#include <tshare/set.h>
+#include <tshare/torch.h>
+
+#include <torch/ordered_dict.h>
+
+#include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace torch {
+namespace nn {
+class Module;
+} // namespace nn
+} // namespace torch
+
+namespace tshare {
+namespace torch {
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+using TensorDict = ::torch::OrderedDict<std::string, at::Tensor>;
+
+struct SetOptions {
+  std::string meta;                   // opaque bytes (a version, a step); at most TSHARE_SET_META_MAX
+  int timeout_ms = -1;                // for the send itself; < 0 waits forever
+  bool move_to_shared_memory = false; // CPU tensors outside shared memory: move them in place (else: Error)
+};
+
+// Send the tensors as one set on ch and return its id (a share id of ch: see
+// tshare_channel_wait_released). Everything is checked before anything is
+// sent or moved: a refused set leaves the tensors and the channel as they were.
+TSHARE_TORCH_API uint64_t send_set(tshare_channel *ch, const NamedTensors &tensors, const SetOptions &options = {});
+TSHARE_TORCH_API uint64_t send_set(tshare_channel *ch, const TensorDict &tensors, const SetOptions &options = {});
+// send_set(ch, {{"w", w}, {"b", b}}, {"version=1"}): a list in place.
+inline uint64_t send_set(tshare_channel *ch, std::initializer_list<std::pair<std::string, at::Tensor>> tensors,
+                         const SetOptions &options = {}) {
+  return send_set(ch, NamedTensors(tensors), options);
+}
+
+// One consumer's outcome of send_set_all.
+struct SendResult {
+  int code = TSHARE_OK;  // a tshare_status value
+  std::string error;     // what went wrong, empty when code is TSHARE_OK
+  uint64_t set_id = 0;   // 0 when the set was not sent on this channel
+  bool released = false; // the consumer released the set within the wait
+  bool ok() const noexcept { return code == TSHARE_OK; }
+};
+
+// Fan-out: hand the same set to every channel, then wait until each consumer
+// released it (release_timeout_ms for all of them together: < 0 forever, 0
+// returns at once). One consumer's failure (gone, slow, refusing) is reported
+// in its own result and does not stop the others. A set that cannot be built
+// (a bad name, a tensor outside shared memory) throws, sending nothing.
+TSHARE_TORCH_API std::vector<SendResult> send_set_all(const std::vector<tshare_channel *> &channels,
+                                                      const NamedTensors &tensors, const SetOptions &options = {},
+                                                      int release_timeout_ms = -1);
+TSHARE_TORCH_API std::vector<SendResult> send_set_all(const std::vector<tshare_channel *> &channels,
+                                                      const TensorDict &tensors, const SetOptions &options = {},
+                                                      int release_timeout_ms = -1);
+inline std::vector<SendResult> send_set_all(const std::vector<tshare_channel *> &channels,
+                                            std::initializer_list<std::pair<std::string, at::Tensor>> tensors,
+                                            const SetOptions &options = {}, int release_timeout_ms = -1) {
+  return send_set_all(channels, NamedTensors(tensors), options, release_timeout_ms);
+}
+
+struct ReceivedSet {
+  TensorDict tensors;  // in the sender's order; tensors["name"], tensors.find("name")
+  std::string meta;    // the metadata, as sent
+  uint64_t set_id = 0; // the producer's share id of the whole set
+};
+
+// The next set on ch, or std::nullopt once the peer said bye. A set the
+// bridge cannot turn into tensors (e.g. a dtype LibTorch lacks, from a C
+// producer) is released back and reported as an Error; the channel stays usable.
+TSHARE_TORCH_API std::optional<ReceivedSet> recv_set(tshare_channel *ch, const RecvOptions &options = {});
+
+// The C++ counterpart of Python's share_model_: move the module's CPU
+// parameters and buffers (its submodules' too) into shared memory in place,
+// so the module itself owns the memory sets carry. CUDA ones are left as
+// they are (shared as they are). Idempotent. Not while another thread uses
+// the module: data pointers change. Returns the module.
+TSHARE_TORCH_API ::torch::nn::Module &share_module_(::torch::nn::Module &module);
+
+} // namespace torch
+} // namespace tshare
+
+#endif // TSHARE_TORCH_SET_H

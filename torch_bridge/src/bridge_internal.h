@@ -1,0 +1,34 @@
+// What the bridge's modules share inside the library (hidden: not exported):
+// errors with the "tshare: " prefix, the checks every sent tensor passes, a
+// tensor's layout on the wire, and which memory a CPU tensor lives in.
+#ifndef TSHARE_TORCH_BRIDGE_INTERNAL_H
+#define TSHARE_TORCH_BRIDGE_INTERNAL_H
+
+#include "tshare/torch.h"
+
+#include <string>
+
+namespace tshare {
+namespace torch {
+namespace detail {
+
+[[noreturn]] void fail(int code, const std::string &message);
+[[noreturn]] void fail_channel(tshare_channel *ch, int code, const char *what);
+
+// Everything a send refuses (undefined, sparse, quantized, ...), each with
+// what to do instead.
+void check_shareable(const at::Tensor &t);
+
+// t's layout with byte_offset measured from base (empty tensors: 0).
+tshare_tensor_desc describe(const at::Tensor &t, const void *base);
+
+// The tshare host buffer (memfd) t's storage lives in, or nullptr.
+tshare_host_buffer *host_buffer_of(const at::Tensor &t);
+// True when t's storage is a tensor received from a peer.
+bool is_received(const at::Tensor &t);
+
+} // namespace detail
+} // namespace torch
+} // namespace tshare
+
+#endif

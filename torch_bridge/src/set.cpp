@@ -1,0 +1,221 @@
+// Tensor sets through the bridge: named tensors in, one tensor set out (a C
+// builder filled with each tensor's host buffer and layout); a received set
+// in, one tensor per member, each holding a view of the set.
+//
+// Every tensor is checked before anything moves or goes out, so a refused
+// set names the tensor at fault and leaves the channel as it was.
+#include "tshare/torch_set.h"
+
+#include "bridge_internal.h"
+
+#include <torch/nn/module.h>
+
+#include <chrono>
+#include <memory>
+
+namespace tshare {
+namespace torch {
+namespace {
+
+using detail::fail;
+using detail::fail_channel;
+
+struct BuilderDeleter {
+  void operator()(tshare_set_builder *b) const noexcept { tshare_set_builder_destroy(b); }
+};
+using BuilderPtr = std::unique_ptr<tshare_set_builder, BuilderDeleter>;
+
+// A set's members by reference, whichever container the caller holds them in.
+using MemberRefs = std::vector<std::pair<const std::string *, const at::Tensor *>>;
+
+MemberRefs refs_of(const NamedTensors &tensors) {
+  MemberRefs refs;
+  refs.reserve(tensors.size());
+  for (const auto &e : tensors) refs.emplace_back(&e.first, &e.second);
+  return refs;
+}
+
+MemberRefs refs_of(const TensorDict &tensors) {
+  MemberRefs refs;
+  refs.reserve(tensors.size());
+  for (const auto &item : tensors) refs.emplace_back(&item.key(), &item.value());
+  return refs;
+}
+
+// "tensor 3 ('fc.weight')": names up to 1 KiB are cut short in messages.
+std::string member_label(size_t i, const std::string &name) {
+  constexpr size_t shown = 80;
+  std::string label = "tensor " + std::to_string(i) + " ('";
+  for (char c : name.substr(0, shown)) label += c ? std::string(1, c) : std::string("\\0"); // a message is a C string
+  if (name.size() > shown) label += "...' of " + std::to_string(name.size()) + " bytes";
+  else label += "'";
+  return label + ")";
+}
+
+// What the bridge refuses in a member; names, bounds and duplicates are the
+// core's to check (tshare_set_builder_add_*).
+void check_member(size_t i, const std::string &name, const at::Tensor &t, bool move) {
+  try {
+    detail::check_shareable(t);
+  } catch (const Error &e) {
+    throw Error(e.code(), "tshare: set: " + member_label(i, name) + ": " + (e.what() + 8)); // past "tshare: "
+  }
+  if (name.find('\0') != std::string::npos)
+    fail(TSHARE_E_INVALID_ARG, "set: " + member_label(i, name) + ": a name cannot hold a NUL byte");
+  if (!t.is_cpu()) return; // CUDA: the core decides (refused in this version)
+  if (detail::is_received(t))
+    fail(TSHARE_E_UNSUPPORTED, "set: " + member_label(i, name) +
+                                   " was received from a peer: a set carries this process's own shared memory; "
+                                   "send it on alone with send(), or copy it into empty_shared() first");
+  if (!detail::host_buffer_of(t) && !move)
+    fail(TSHARE_E_UNSUPPORTED, "set: " + member_label(i, name) +
+                                   " is not in shared memory: call tshare::torch::share_module_(module) once (the "
+                                   "module's parameters and buffers move there in place), share_memory_() the "
+                                   "tensor, or set SetOptions::move_to_shared_memory");
+}
+
+void add_member(tshare_set_builder *b, size_t i, const std::string &name, const at::Tensor &t, bool move) {
+  tshare_error err;
+  int rc;
+  if (t.is_cpu()) {
+    if (move) share_memory_(t); // a no-op where it is shared already
+    tshare_host_buffer *buffer = detail::host_buffer_of(t);
+    tshare_tensor_desc d = detail::describe(t, tshare_host_buffer_data(buffer));
+    rc = tshare_set_builder_add_host(b, name.c_str(), buffer, &d, &err);
+  } else {
+    const void *base = t.storage().data();
+    tshare_tensor_desc d = detail::describe(t, base);
+    rc = tshare_set_builder_add_cuda(b, name.c_str(), const_cast<void *>(base), &d, &err);
+  }
+  if (rc != TSHARE_OK) {
+    std::string why = err.message;
+    if (why.rfind("set: ", 0) == 0) why.erase(0, 5);
+    fail(rc, "set: " + member_label(i, name) + ": " + why);
+  }
+}
+
+BuilderPtr build(const MemberRefs &members, const SetOptions &o) {
+  if (members.empty()) fail(TSHARE_E_INVALID_ARG, "set: no tensors to send");
+  for (size_t i = 0; i < members.size(); i++)
+    check_member(i, *members[i].first, *members[i].second, o.move_to_shared_memory);
+  BuilderPtr b(tshare_set_builder_create());
+  if (!b) fail(TSHARE_E_NOMEM, "set: out of memory");
+  tshare_error err;
+  int rc = tshare_set_builder_set_meta(b.get(), o.meta.data(), o.meta.size(), &err);
+  if (rc != TSHARE_OK) fail(rc, err.message);
+  for (size_t i = 0; i < members.size(); i++)
+    add_member(b.get(), i, *members[i].first, *members[i].second, o.move_to_shared_memory);
+  return b;
+}
+
+uint64_t send_built(tshare_channel *ch, const MemberRefs &members, const SetOptions &o) {
+  if (!ch) fail(TSHARE_E_INVALID_ARG, "send_set: no channel");
+  BuilderPtr b = build(members, o);
+  uint64_t id = 0;
+  int rc = tshare_set_send(ch, b.get(), nullptr, o.timeout_ms, &id);
+  if (rc != TSHARE_OK) fail_channel(ch, rc, "send_set");
+  return id;
+}
+
+// Waits for each sent set's release within one deadline for all of them.
+void wait_all_released(const std::vector<tshare_channel *> &channels, std::vector<SendResult> &results,
+                       int timeout_ms) {
+  using clock = std::chrono::steady_clock;
+  const auto deadline = clock::now() + std::chrono::milliseconds(timeout_ms < 0 ? 0 : timeout_ms);
+  for (size_t i = 0; i < channels.size(); i++) {
+    SendResult &r = results[i];
+    if (!r.ok()) continue;
+    int left = -1;
+    if (timeout_ms >= 0) {
+      auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock::now()).count();
+      left = static_cast<int>(ms > 0 ? ms : 0);
+    }
+    int rc = tshare_channel_wait_released(channels[i], r.set_id, left);
+    if (rc == TSHARE_OK) {
+      r.released = true;
+    } else {
+      r.code = rc;
+      r.error = std::string("tshare: send_set_all: consumer ") + std::to_string(i) +
+                " did not release set " + std::to_string(r.set_id) + ": " + tshare_channel_last_error(channels[i]);
+    }
+  }
+}
+
+std::vector<SendResult> send_all_built(const std::vector<tshare_channel *> &channels, const MemberRefs &members,
+                                       const SetOptions &options, int release_timeout_ms) {
+  BuilderPtr b = build(members, options);
+  std::vector<SendResult> results(channels.size());
+  for (size_t i = 0; i < channels.size(); i++) {
+    SendResult &r = results[i];
+    if (!channels[i]) {
+      r.code = TSHARE_E_INVALID_ARG;
+      r.error = "tshare: send_set_all: channel " + std::to_string(i) + " is null";
+      continue;
+    }
+    r.code = tshare_set_send(channels[i], b.get(), nullptr, options.timeout_ms, &r.set_id);
+    if (!r.ok())
+      r.error = "tshare: send_set_all: consumer " + std::to_string(i) + ": " + tshare_channel_last_error(channels[i]);
+  }
+  if (release_timeout_ms != 0) wait_all_released(channels, results, release_timeout_ms);
+  return results;
+}
+
+} // namespace
+
+uint64_t send_set(tshare_channel *ch, const NamedTensors &tensors, const SetOptions &options) {
+  return send_built(ch, refs_of(tensors), options);
+}
+
+uint64_t send_set(tshare_channel *ch, const TensorDict &tensors, const SetOptions &options) {
+  return send_built(ch, refs_of(tensors), options);
+}
+
+std::vector<SendResult> send_set_all(const std::vector<tshare_channel *> &channels, const NamedTensors &tensors,
+                                     const SetOptions &options, int release_timeout_ms) {
+  return send_all_built(channels, refs_of(tensors), options, release_timeout_ms);
+}
+
+std::vector<SendResult> send_set_all(const std::vector<tshare_channel *> &channels, const TensorDict &tensors,
+                                     const SetOptions &options, int release_timeout_ms) {
+  return send_all_built(channels, refs_of(tensors), options, release_timeout_ms);
+}
+
+std::optional<ReceivedSet> recv_set(tshare_channel *ch, const RecvOptions &options) {
+  if (!ch) fail(TSHARE_E_INVALID_ARG, "recv_set: no channel");
+  tshare_set *set = nullptr;
+  int rc = tshare_set_recv(ch, options.timeout_ms, &set);
+  if (rc == TSHARE_END) return std::nullopt;
+  if (rc != TSHARE_OK) fail_channel(ch, rc, "recv_set");
+  ReceivedSet r;
+  r.set_id = tshare_set_id(set);
+  size_t meta_len = 0;
+  const void *meta = tshare_set_meta(set, &meta_len);
+  if (meta_len) r.meta.assign(static_cast<const char *>(meta), meta_len);
+  size_t count = tshare_set_count(set);
+  r.tensors.reserve(count);
+  try {
+    for (size_t i = 0; i < count; i++) {
+      tshare_view *view = nullptr;
+      rc = tshare_set_view(set, i, &view);
+      if (rc != TSHARE_OK) fail(rc, "recv_set: a view of tensor " + std::to_string(i) + " of set " +
+                                        std::to_string(r.set_id) + ": out of memory");
+      r.tensors.insert(tshare_set_name(set, i), tensor_from_view(view));
+    }
+  } catch (...) {
+    tshare_set_release(set); // r's tensors go with the exception: the set is released back
+    throw;
+  }
+  tshare_set_release(set); // the tensors hold the set from here
+  return r;
+}
+
+::torch::nn::Module &share_module_(::torch::nn::Module &module) {
+  for (const at::Tensor &p : module.parameters(/*recurse=*/true))
+    if (p.defined() && p.is_cpu()) share_memory_(p);
+  for (const at::Tensor &b : module.buffers(/*recurse=*/true))
+    if (b.defined() && b.is_cpu()) share_memory_(b);
+  return module;
+}
+
+} // namespace torch
+} // namespace tshare
