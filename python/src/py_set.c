@@ -31,35 +31,49 @@ static tshare_host_buffer *member_buffer(uintptr_t data, int empty, tshare_host_
   return *spare;
 }
 
-static int fill_member_desc(PyObject *shape, PyObject *strides, int code, int bits, tshare_tensor_desc *d) {
+static int fill_member_desc(PyObject *dtype_codes, PyObject *dtype, PyObject *shape, PyObject *strides,
+                            tshare_tensor_desc *d) {
   memset(d, 0, sizeof *d);
-  d->dtype = (tshare_dtype){(uint8_t)code, (uint8_t)bits, 1};
+  PyObject *code_bits = PyDict_GetItemWithError(dtype_codes, dtype); /* borrowed */
   Py_ssize_t n = PyTuple_GET_SIZE(shape);
-  if (n > TSHARE_MAX_NDIM || PyTuple_GET_SIZE(strides) != n) {
-    py_raise_fmt(TSHARE_E_TOO_LARGE, "tshare: cannot send a tensor of %zd dimensions (at most %d)", n,
-                 TSHARE_MAX_NDIM);
-    return -1;
-  }
+  if (!code_bits || n > TSHARE_MAX_NDIM || PyTuple_GET_SIZE(strides) != n) return 0;
+  d->dtype = (tshare_dtype){(uint8_t)PyLong_AsLong(PyTuple_GET_ITEM(code_bits, 0)),
+                            (uint8_t)PyLong_AsLong(PyTuple_GET_ITEM(code_bits, 1)), 1};
   d->ndim = (int32_t)n;
   for (Py_ssize_t i = 0; i < n; i++) {
     d->shape[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
     d->strides[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(strides, i));
   }
-  return PyErr_Occurred() ? -1 : 0;
+  return PyErr_Occurred() ? -1 : 1;
 }
 
-/* Add item (name, data_ptr, code, bits, shape, strides): 1 added, 0 its
- * memory is no host buffer, -1 with a Python error. */
-static int add_member(tshare_set_builder *b, PyObject *item, tshare_host_buffer **spare) {
-  const char *name;
+/* A name the set takes as is (1..TSHARE_SET_NAME_MAX bytes of UTF-8, no
+ * NUL), or NULL: the Python side says what is wrong with it. */
+static const char *member_name(PyObject *name) {
+  Py_ssize_t len;
+  const char *utf8 = PyUnicode_Check(name) ? PyUnicode_AsUTF8AndSize(name, &len) : NULL;
+  if (!utf8) {
+    PyErr_Clear(); /* a lone surrogate */
+    return NULL;
+  }
+  return len >= 1 && len <= TSHARE_SET_NAME_MAX && strlen(utf8) == (size_t)len ? utf8 : NULL;
+}
+
+/* Add item (name, data_ptr, dtype, shape, strides, lazy): 1 added; 0 the
+ * Python side must look at it (an odd name, dtype or layout, a lazily
+ * negated or conjugated view, memory that is no host buffer); -1 with a
+ * Python error. */
+static int add_member(tshare_set_builder *b, PyObject *dtype_codes, PyObject *item, tshare_host_buffer **spare) {
+  PyObject *name_obj, *dtype, *shape, *strides;
   unsigned long long data;
-  int code, bits;
-  PyObject *shape, *strides;
-  if (!PyArg_ParseTuple(item, "yKiiO!O!", &name, &data, &code, &bits, &PyTuple_Type, &shape, &PyTuple_Type,
-                        &strides))
+  int lazy;
+  if (!PyArg_ParseTuple(item, "OKOO!O!p", &name_obj, &data, &dtype, &PyTuple_Type, &shape, &PyTuple_Type, &strides,
+                        &lazy))
     return -1;
+  const char *name = member_name(name_obj);
   tshare_tensor_desc d;
-  if (fill_member_desc(shape, strides, code, bits, &d) < 0) return -1;
+  int r = name && !lazy ? fill_member_desc(dtype_codes, dtype, shape, strides, &d) : 0;
+  if (r <= 0) return r;
   tshare_host_buffer *buf = member_buffer((uintptr_t)data, tshare_tensor_numel(&d) == 0, spare, &d.byte_offset);
   if (!buf) return 0;
   tshare_error err;
@@ -72,11 +86,12 @@ static int add_member(tshare_set_builder *b, PyObject *item, tshare_host_buffer 
 }
 
 /* The set of items and meta in a builder: 0, or the index + 1 of the first
- * item whose memory is no host buffer, or -1 with a Python error. */
-static Py_ssize_t build_set(tshare_set_builder *b, PyObject *items, Py_buffer *meta, tshare_host_buffer **spare) {
+ * item the Python side must look at, or -1 with a Python error. */
+static Py_ssize_t build_set(tshare_set_builder *b, PyObject *dtype_codes, PyObject *items, Py_buffer *meta,
+                            tshare_host_buffer **spare) {
   Py_ssize_t n = PyList_GET_SIZE(items);
   for (Py_ssize_t i = 0; i < n; i++) {
-    int r = add_member(b, PyList_GET_ITEM(items, i), spare);
+    int r = add_member(b, dtype_codes, PyList_GET_ITEM(items, i), spare);
     if (r <= 0) return r < 0 ? -1 : i + 1;
   }
   tshare_error err;
@@ -103,22 +118,24 @@ static PyObject *send_built(PyChannel *self, tshare_set_builder *b, int timeout_
   return rc == TSHARE_OK ? PyLong_FromUnsignedLongLong(id) : NULL;
 }
 
-/* _send_set(items, meta, timeout_ms) -> (set_id, None), or (None, index)
- * when items[index]'s memory is no tshare host buffer (nothing was sent).
- * items: a list of (name as UTF-8 bytes, data_ptr, dtype code, dtype bits,
- * shape, strides); meta: bytes-like. */
+/* _send_set(items, dtype_codes, meta, timeout_ms) -> (set_id, None), or
+ * (None, index) when the Python side must look at items[index] (nothing was
+ * sent). items: a list of (name, data_ptr, dtype, shape, strides, lazy: a
+ * lazily negated or conjugated view), read straight off the tensors;
+ * dtype_codes: {torch dtype: (DLPack code, bits)}; meta: bytes-like. */
 PyObject *py_channel_send_set(PyChannel *self, PyObject *args) {
-  PyObject *items;
+  PyObject *items, *dtype_codes;
   Py_buffer meta;
   int timeout_ms;
-  if (!PyArg_ParseTuple(args, "O!y*i", &PyList_Type, &items, &meta, &timeout_ms)) return NULL;
+  if (!PyArg_ParseTuple(args, "O!O!y*i", &PyList_Type, &items, &PyDict_Type, &dtype_codes, &meta, &timeout_ms))
+    return NULL;
   PyObject *result = NULL;
   tshare_host_buffer *spare = NULL;
   tshare_set_builder *b = tshare_set_builder_create();
   if (!b) {
     PyErr_NoMemory();
   } else if (py_channel_get(self)) {
-    Py_ssize_t missing = build_set(b, items, &meta, &spare);
+    Py_ssize_t missing = build_set(b, dtype_codes, items, &meta, &spare);
     if (missing > 0) result = Py_BuildValue("(On)", Py_None, missing - 1);
     else if (missing == 0) result = send_built(self, b, timeout_ms);
     if (missing == 0 && result) result = Py_BuildValue("(NO)", result, Py_None);

@@ -64,20 +64,25 @@ def _name_bytes(name):
     return b
 
 
-def _member(name, t):
-    """(name, data_ptr, code, bits, shape, strides) of a CPU tensor; the
-    common case costs a few attribute reads, anything odd the full check."""
-    code_bits = _TO_DLPACK.get(t.dtype) if type(t) in _PLAIN else None
-    # CUDA and other memory outside tshare's host buffers is found by the
-    # C side (by address); sparse and nested tensors have no data_ptr().
-    if code_bits is None or code_bits[0] == _COMPLEX or t.is_neg():
-        _check_member(name, t)
-        code_bits = _TO_DLPACK[t.dtype]
-    return (_name_bytes(name), t.data_ptr(), code_bits[0], code_bits[1], tuple(t.shape), t.stride())
+_COMPLEX = (torch.complex64, torch.complex128)  # may be lazily conjugated views
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-_COMPLEX = 5  # a complex tensor may be a lazily conjugated view
+def _items(tensors):
+    """What the C side reads of each member, straight off the tensor: the
+    fewest attribute reads (the cost of a set is mostly these); it checks
+    the rest and hands back what it cannot take."""
+    cx = _COMPLEX
+    return [
+        (name, t.data_ptr(), (dt := t.dtype), t.shape, t.stride(), t.is_neg() or (dt in cx and t.is_conj()))
+        for name, t in tensors.items()
+    ]
+
+
+def _refuse(name, t):
+    """Raise why member (name, t) cannot go in a set."""
+    _name_bytes(name)
+    _check_member(name, t)
+    _not_shared(name, t)
 
 
 def _check_member(name, t):
@@ -116,19 +121,18 @@ def send_set(ch, tensors, meta, timeout_ms, copy):
     """Send the Mapping tensors as one set; its id."""
     if copy:
         tensors = _copied(tensors)
-    items = []
-    for name, t in tensors.items():
-        try:
-            items.append(_member(name, t))
-        except (RuntimeError, AttributeError, TypeError, KeyError):  # sparse, nested, meta, not a tensor...
+    try:
+        items = _items(tensors)
+    except (RuntimeError, AttributeError, TypeError):  # not a tensor; sparse, nested...
+        for name, t in tensors.items():
             _check_member(name, t)
-            raise
+        raise
     if not items:
         _fail(_tshare.E_INVALID_ARG, "send: the tensor set is empty (a set carries 1 to 65536 tensors)")
-    set_id, missing = ch._c._send_set(items, _meta_bytes(meta), timeout_ms)
+    set_id, look_at = ch._c._send_set(items, _TO_DLPACK, _meta_bytes(meta), timeout_ms)
     if set_id is None:
-        name = list(tensors)[missing]
-        _not_shared(name, tensors[name])
+        name, t = list(tensors.items())[look_at]
+        _refuse(name, t)
     return set_id
 
 
