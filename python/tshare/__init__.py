@@ -10,6 +10,12 @@ program: they all speak the same wire format.
         print(r.tag, r.tensor.sum())
         del r                        # the producer's memory is released
 
+A whole model goes as one tensor set (r.tensors is then the state_dict, in
+the sender's order, and r.meta the metadata):
+
+    tshare.share_model_(model)       # once: the model's CPU storage becomes shared memory
+    tshare.send(ch, model.state_dict(), meta=b"step 1")
+
 Errors are tshare.Error (tshare.TimeoutError, tshare.PeerClosedError) with
 .code (a tshare status, e.g. tshare.E_TIMEOUT) and .status (its name).
 Timeouts are in seconds; None waits forever.
