@@ -1,6 +1,7 @@
 """A 24-layer transformer's CPU state_dict (290 tensors, fp32, small sizes)
 from one process to another: one tensor set per hand-off against one
-tshare.send per tensor, in one run.
+tshare.send per tensor and torch.multiprocessing's q.put(state_dict), in one
+run.
 
     PYTHONPATH=build/python python3 tests/python/bench_sets.py [--rounds N] [--dim D]
 
@@ -74,6 +75,37 @@ def run(p, sd, rounds, as_set, model):
     return statistics.median(sends) * 1e6, statistics.median(trips) * 1e6
 
 
+def _mp_consumer(q, done):
+    while True:
+        sd = q.get()
+        if sd is None:
+            return
+        del sd
+        done.put(1)
+
+
+def torch_mp_trip(model, rounds):
+    """torch.multiprocessing's q.put(state_dict) to a child that takes it
+    and answers: the median round trip."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    q, done = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_mp_consumer, args=(q, done))
+    child.start()
+    model.share_memory()
+    trips = []
+    for i in range(rounds + 3):
+        t0 = time.perf_counter()
+        q.put(model.state_dict())
+        done.get()
+        if i >= 3:
+            trips.append(time.perf_counter() - t0)
+    q.put(None)
+    child.join()
+    return statistics.median(trips) * 1e6
+
+
 def state_dict_time(model, rounds=20):
     """What model.state_dict() costs by itself (a sender calls it per hand-off)."""
     times = []
@@ -107,10 +139,13 @@ def main():
     sd_time = state_dict_time(model)
     p.close()
     os.waitpid(pid, 0)
+    mp_trip = torch_mp_trip(transformer(a.dim), max(10, a.rounds // 10))
     mib = sum(t.numel() * t.element_size() for t in sd.values()) / 2**20
     print("CPU state_dict: %d tensors, %.1f MiB fp32, median of %d hand-offs" % (len(sd), mib, a.rounds))
     print("  one set:            send %8.1f us   round trip %8.1f us" % (set_send, set_trip))
     print("  one send per tensor: send %8.1f us   round trip %8.1f us" % (loop_send, loop_trip))
+    print("  torch.mp q.put(state_dict):               round trip %8.1f us" % mp_trip)
+    print("  set vs torch.mp: %.1fx (round trip)" % (mp_trip / set_trip))
     print("  set vs loop: %.1fx (send), %.1fx (round trip); model.state_dict() itself: %.1f us"
           % (loop_send / set_send, loop_trip / set_trip, sd_time * 1e6))
     target = 1000.0
