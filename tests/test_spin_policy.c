@@ -7,6 +7,7 @@
 #include "harness.h"
 #include "proc_util.h"
 #include "spin_policy.h"
+#include "transport_ring.h"
 
 #include <sched.h>
 #include <sys/resource.h>
@@ -191,7 +192,7 @@ TS_TEST(a_receive_pinned_to_one_cpu_never_spins) {
     send_bye_frame(ch);
     recv_one(ch, 5000);
   }
-  CHECK_EQ(ch->conn.spin.spins, 0u);
+  CHECK_EQ(ts_ring_link_of(&ch->conn)->spin.spins, 0u);
   tshare_channel_close(ch);
   CHECK_CHILD_OK(pid);
 }
@@ -212,14 +213,14 @@ TS_TEST(a_receive_does_not_spin_while_the_peer_sleeps_in_its_own) {
     TS_SKIP("this process may use fewer than two CPUs: no receive spins here anyway");
   recv_one(ch, 5000);
   /* The peer says it sleeps on its ring's bell (the word it keeps in the ring this end writes). */
-  ts_ring_ctl *out = ch->conn.ring_out.ctl;
+  ts_ring_ctl *out = ts_ring_link_of(&ch->conn)->out.ctl;
   for (int i = 0; i < 5000 && atomic_load(&out->reader_waits) != TS_RING_FUTEX; i++) usleep(1000);
   CHECK_EQ(atomic_load(&out->reader_waits), (uint32_t)TS_RING_FUTEX);
-  uint64_t spins = ch->conn.spin.spins;
+  uint64_t spins = ts_ring_link_of(&ch->conn)->spin.spins;
   tshare_frame f;
   int got = -1;
   CHECK_RC(tshare_channel_recv_frame(ch, &f, &got, 50), TSHARE_E_TIMEOUT, tshare_channel_last_error(ch));
-  CHECK_EQ(ch->conn.spin.spins, spins);
+  CHECK_EQ(ts_ring_link_of(&ch->conn)->spin.spins, spins);
   send_bye_frame(ch);
   tshare_channel_close(ch);
   CHECK_CHILD_OK(pid);

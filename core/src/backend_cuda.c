@@ -389,7 +389,7 @@ static int check_can_share(tshare_channel *ch, const char *tag) {
 
 /* Whether GPU memory that travels as fds can reach the peer. */
 static bool fds_travel(const tshare_channel *ch) {
-  return ch->conn.kind == TSHARE_CHANNEL_SOCKET && (ch->conn.peer.capabilities & TSHARE_CAP_CUDA_FD);
+  return (ts_conn_caps(&ch->conn) & TS_TRANSPORT_PASSES_FDS) && (ch->conn.peer.capabilities & TSHARE_CAP_CUDA_FD);
 }
 
 /* Chunks 1..n-1 of VMM memory, each with its fd, before the share that
@@ -423,7 +423,7 @@ static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, const ts
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED, "share: this GPU memory travels as %s, and %s; %s",
                    chunks ? "fds (VMM memory another allocator mapped: PyTorch's expandable segments)"
                           : "an fd capability (CUDA VMM)",
-                   ch->conn.kind != TSHARE_CHANNEL_SOCKET ? "a pipe channel cannot carry fds"
+                   !(ts_conn_caps(&ch->conn) & TS_TRANSPORT_PASSES_FDS) ? "a pipe channel cannot carry fds"
                                                       : "the peer cannot import fd handles",
                    chunks ? "open a socket channel, or turn expandable segments off in the producer "
                             "(PYTORCH_CUDA_ALLOC_CONF)"

@@ -23,7 +23,7 @@
 static int send_memfd_share(tshare_channel *ch, uint64_t alloc_id, uint64_t alloc_size, int fd,
                             const tshare_tensor_desc *desc, const char *tag, ts_export *e, int timeout_ms,
                             uint64_t *share_id) {
-  if (ch->conn.kind != TSHARE_CHANNEL_SOCKET) {
+  if (!(ts_conn_caps(&ch->conn) & TS_TRANSPORT_PASSES_FDS)) {
     ts_export_drop(e);
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
                    "share: host memory travels as an fd, which a pipe channel cannot carry: open a socket channel "

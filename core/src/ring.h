@@ -1,5 +1,5 @@
 /* A single-producer/single-consumer byte ring in memory two processes map:
- * the ring transport's fast path (conn.c). Each end creates the ring it
+ * the ring transport's fast path (transport_ring.c). Each end creates the ring it
  * writes into (a sealed memfd, passed over the socket during the hello) and
  * maps the one its peer writes into.
  *
@@ -8,13 +8,15 @@
  * owns and only publishes it; the peer's index is read once per call and
  * must lie between what was last seen and the ring's capacity, else the call
  * fails with TS_RING_CORRUPT. Bytes are copied out before anyone decodes
- * them (conn.c feeds them to the same decoder that checks socket frames).
+ * them (transport_ring.c feeds them to the same decoder that checks socket frames).
  *
  * Waiting: the reader of a ring sleeps on that ring's bell (a shared futex
  * word) after saying so in reader_waits; the writer rings the bell only when
  * it was told to, so a busy reader costs the writer no system call. */
 #ifndef TSHARE_RING_H
 #define TSHARE_RING_H
+
+#include "conn_status.h" /* TS_RING_CORRUPT */
 
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -30,8 +32,6 @@
 #define TS_RING_AWAKE 0  /* nothing: it looks again on its own */
 #define TS_RING_FUTEX 1  /* it sleeps on the bell: bump it and FUTEX_WAKE */
 #define TS_RING_SOCKET 2 /* it sleeps in poll() on the socket: send a nudge frame there */
-
-#define TS_RING_CORRUPT (-1)
 
 /* The control page. Each line is written by one end only (by rule: a
  * hostile peer may write all of them). */

@@ -130,7 +130,9 @@ int ts_channel_leave(tshare_channel *ch, int rc) {
   return rc;
 }
 
-tshare_channel_kind tshare_channel_kind_of(const tshare_channel *ch) { return ch->conn.kind; }
+tshare_channel_kind tshare_channel_kind_of(const tshare_channel *ch) {
+  return (tshare_channel_kind)ch->conn.kind; /* the values agree (transport.h) */
+}
 const tshare_hello *tshare_channel_peer(const tshare_channel *ch) { return &ch->conn.peer; }
 const char *tshare_channel_last_error(const tshare_channel *ch) {
   if (!ch) return "channel is NULL";
@@ -178,7 +180,8 @@ static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare
     tshare_channel_options_init(&ch->opts);
   snprintf(ch->name, sizeof ch->name, "%s", ch->opts.name ? ch->opts.name : "tshare");
   int rc =
-      ts_conn_init(&ch->conn, kind, rfd, wfd, ch->opts.limits, ch->opts.max_unclaimed_fds, ch->err, sizeof ch->err);
+      ts_conn_init(&ch->conn, (ts_conn_kind)kind, rfd, wfd, ch->opts.limits, ch->opts.max_unclaimed_fds, ch->err,
+                   sizeof ch->err);
   ch->opts.limits = NULL; /* the caller's struct need not outlive this call */
   if (rc == TSHARE_OK) {
     /* What this end can import: the backends' capabilities. */

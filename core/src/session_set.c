@@ -238,7 +238,7 @@ static ts_export *set_export(const tshare_set_builder *b, void *user_data) {
 static int check_can_send(tshare_channel *ch, const tshare_set_builder *b) {
   if (ch->closed || ch->conn.wfd < 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "set: channel is closed");
   if (b->count == 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "set: the set has no tensors");
-  if (ch->conn.kind != TSHARE_CHANNEL_SOCKET)
+  if (!(ts_conn_caps(&ch->conn) & TS_TRANSPORT_PASSES_FDS))
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
                    "set: host memory travels as fds, which a pipe channel cannot carry: open a socket channel");
   if (ch->conn.minor < 3 || !(ch->conn.peer.capabilities & TSHARE_CAP_TENSOR_SETS))

@@ -213,7 +213,7 @@ static void send_refusal_notice(tshare_channel *ch) {
   snprintf(msg, sizeof msg,
            "refused share %llu, and refuses more while %zu fds of shares wait here for tshare_view_recv() "
            "(max_unclaimed_fds); each is released back",
-           (unsigned long long)ch->refused_first, ch->conn.fd_budget);
+           (unsigned long long)ch->refused_first, ch->conn.fdq.budget);
   ts_conn_send_error(&ch->conn, TSHARE_E_LIMIT, msg);
 }
 
@@ -341,7 +341,7 @@ int ts_share_fd_lost(tshare_channel *ch, const tshare_frame *f, int lost) {
   if (lost == TS_FD_OVER_BUDGET) {
     char why[128];
     snprintf(why, sizeof why, "%zu shares with fds already wait for tshare_view_recv() (max_unclaimed_fds)",
-             ch->conn.fd_budget);
+             ch->conn.fdq.budget);
     refuse_share(ch, s, why);
     return TSHARE_OK;
   }
