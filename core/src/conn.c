@@ -188,8 +188,8 @@ int ts_conn_send(ts_conn *c, const tshare_frame *f, int fd, int timeout_ms) {
   mark_driver(c);
   if (c->wfd < 0) return ts_errf(c->err, c->err_cap, TSHARE_E_STATE, "send: channel is closed");
   if (fd >= 0 && !(ts_conn_caps(c) & TS_TRANSPORT_PASSES_FDS))
-    return ts_errf(c->err, c->err_cap, TSHARE_E_UNSUPPORTED, "send: a %s channel cannot carry fds: open a socket channel",
-                   c->t->name);
+    return ts_errf(c->err, c->err_cap, TSHARE_E_UNSUPPORTED,
+                   "send: a %s channel cannot carry fds: open a socket channel", c->t->name);
   if ((fd >= 0) != ((f->flags & TSHARE_FRAME_FLAG_FD_ATTACHED) != 0))
     return ts_errf(c->err, c->err_cap, TSHARE_E_INVALID_ARG, "send: the fd-attached flag and the fd argument disagree");
   uint8_t buf[TSHARE_WIRE_FRAME_MAX];
@@ -383,8 +383,8 @@ int ts_stream_fill(ts_conn *c, int64_t deadline) {
  * may be a version skew). */
 static int decode_failed(ts_conn *c, int rc, tshare_decoder *dec, const char *where) {
   if (c->peer.pid)
-    c->broken = ts_errf(c->err, c->err_cap, rc, "frame from %s%s: %s", c->peer_label, where,
-                        tshare_decoder_last_error(dec));
+    c->broken =
+        ts_errf(c->err, c->err_cap, rc, "frame from %s%s: %s", c->peer_label, where, tshare_decoder_last_error(dec));
   else
     c->broken = ts_errf(c->err, c->err_cap, rc, "first frame from the peer: %s", tshare_decoder_last_error(dec));
   ts_conn_send_error(c, rc, c->err);

@@ -47,8 +47,8 @@ typedef struct ts_conn {
    * it has begun), so the timed-out send counts as done. */
   uint8_t tail[TSHARE_WIRE_FRAME_MAX];
   size_t tail_len;
-  atomic_bool tail_pending;  /* tail_len > 0, readable without the lock */
-  atomic_bool owed_pending;  /* the frame transport owes bytes before new frames (flush_owed) */
+  atomic_bool tail_pending; /* tail_len > 0, readable without the lock */
+  atomic_bool owed_pending; /* the frame transport owes bytes before new frames (flush_owed) */
 
   pthread_mutex_t wake_lock; /* woken, waiting, wake_fd, and the transport's mappings against close */
   atomic_bool wake_hint;     /* woken was set: read by a spinning receive without the lock */
@@ -65,7 +65,7 @@ typedef struct ts_conn {
   uint8_t *spill;
   size_t spill_len, spill_off;
   bool spill_eof;
-  int broken; /* sticky receive-side failure, 0 if none */
+  int broken;           /* sticky receive-side failure, 0 if none */
   bool frame_at_a_time; /* reads stop at the end of the frame they begin (the hello) */
   bool in_setup;        /* the hello waits for the peer's ring: its setup frame is taken */
   atomic_bool pollable; /* tshare_channel_fd() was asked for: a ring's sleep asks for a socket nudge */

@@ -107,6 +107,11 @@ static inline int ts_channel_send(tshare_channel *ch, const tshare_frame *f, int
 /* session_channel.c */
 void ts_channel_unref(tshare_channel *ch);
 
+/* A channel over the connection's transport `kind` (transport.h), which
+ * takes rfd and wfd as tshare_channel_open_pipes does: the public opens for
+ * the public kinds, and in-process transports for tests. */
+int ts_channel_open_on(ts_conn_kind kind, int rfd, int wfd, const tshare_channel_options *opts, tshare_channel **out,
+                       tshare_error *err);
 /* Whether ch was opened by another process: this one is a child forked
  * after it opened, and may only drop its own copies of what it holds. */
 bool ts_channel_foreign(const tshare_channel *ch);

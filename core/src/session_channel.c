@@ -220,6 +220,11 @@ int tshare_channel_open_pipes(int read_fd, int write_fd, const tshare_channel_op
   return open_channel(TSHARE_CHANNEL_PIPES, read_fd, write_fd, opts, out, err);
 }
 
+int ts_channel_open_on(ts_conn_kind kind, int rfd, int wfd, const tshare_channel_options *opts, tshare_channel **out,
+                       tshare_error *err) {
+  return open_channel((tshare_channel_kind)kind, rfd, wfd, opts, out, err);
+}
+
 int tshare_channel_send_frame(tshare_channel *ch, const tshare_frame *f, int fd, int timeout_ms) {
   if (!ch || !f) return TSHARE_E_INVALID_ARG;
   TS_CHANNEL_CALL(ch, "send", ts_conn_send(&ch->conn, f, fd, timeout_ms));

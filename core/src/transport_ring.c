@@ -103,14 +103,14 @@ static int wait_ring_room(ts_conn *c, size_t len, int64_t deadline) {
     struct pollfd p = {.fd = c->rfd, .events = (short)((can_read ? POLLIN : 0) | POLLRDHUP), .revents = 0};
     if (room == 0 && left != 0) {
       n = poll(&p, 1, left < 0 || left > RING_ROOM_SLICE_MS ? RING_ROOM_SLICE_MS : left);
-      if (n > 0 && can_read && (p.revents & POLLIN) && !(p.revents & (POLLHUP | POLLRDHUP | POLLERR))) ts_conn_spill_read(c);
+      if (n > 0 && can_read && (p.revents & POLLIN) && !(p.revents & (POLLHUP | POLLRDHUP | POLLERR)))
+        ts_conn_spill_read(c);
     }
     ts_ring_writer_waits(&L->out, TS_RING_AWAKE);
     ts_ring_reader_waits(&L->in, TS_RING_AWAKE);
     if (room < 0) return ring_corrupt(c, "head");
     if (room > 0) return TSHARE_OK;
-    if (n > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR)))
-      return ts_conn_peer_closed(c, "send");
+    if (n > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR))) return ts_conn_peer_closed(c, "send");
     if (n < 0 && errno != EINTR) return ts_errsys(c->err, c->err_cap, TSHARE_E_SYSTEM, errno, "poll (send)");
     if (ts_remaining(deadline) == 0)
       return ts_errf(c->err, c->err_cap, TSHARE_E_TIMEOUT, "send: timed out (peer %s does not empty its ring)",
@@ -270,9 +270,8 @@ static int spin_on_ring(ts_conn *c, uint32_t budget_ns) {
  * nudge. */
 static int wait_ring(ts_conn *c, int64_t deadline) {
   ts_ring_link *L = c->frame_data;
-  uint32_t budget = ts_remaining(deadline) != 0
-                        ? ts_spin_plan(&L->spin, ts_spin_cpus_milli(), ts_ring_reader_asleep(&L->out))
-                        : 0;
+  uint32_t budget =
+      ts_remaining(deadline) != 0 ? ts_spin_plan(&L->spin, ts_spin_cpus_milli(), ts_ring_reader_asleep(&L->out)) : 0;
   if (budget > 0) {
     int rc = spin_on_ring(c, budget);
     if (rc != SPIN_GAVE_UP) return rc;
@@ -297,8 +296,7 @@ static int wait_ring(ts_conn *c, int64_t deadline) {
       }
       /* Poll loops ask each time (their poll said POLLHUP), others at most once a millisecond. */
       bool hung_up = atomic_load(&c->pollable) ? socket_hung_up(c) : socket_hung_up_lately(c, &L->hup_recv_us);
-      if (hung_up && ts_ring_available(&L->in) == 0)
-        return c->broken = ts_conn_peer_closed(c, "receive");
+      if (hung_up && ts_ring_available(&L->in) == 0) return c->broken = ts_conn_peer_closed(c, "receive");
       return ts_errf(c->err, c->err_cap, TSHARE_E_TIMEOUT, "receive: timed out");
     }
     uint32_t seen = atomic_load_explicit(&L->in.ctl->bell, memory_order_acquire);
@@ -447,7 +445,6 @@ static int setup_link(ts_conn *c, uint32_t cap, int64_t deadline) {
   return TSHARE_OK;
 }
 
-
 /* ---- the table ------------------------------------------------------------ */
 
 static bool ring_send_now(ts_conn *c, const uint8_t *buf, size_t len) {
@@ -494,7 +491,7 @@ static void ring_close(ts_conn *c, bool fork_copy) {
   if (!L) return;
   ts_ring_unmap(&L->in);
   ts_ring_unmap(&L->out);
-  c->t = c->stream; /* the socket alone, as before the hello set the ring up */
+  c->t = c->stream;      /* the socket alone, as before the hello set the ring up */
   if (fork_copy) return; /* a parent's thread may have been using L: it stays, as the child's heap does */
   if (L->has_early && L->early_fd.fd >= 0) close(L->early_fd.fd);
   tshare_decoder_destroy(L->dec);
@@ -505,8 +502,8 @@ static void ring_close(ts_conn *c, bool fork_copy) {
 
 const ts_transport ts_transport_ring = {
     .name = "ring",
-    .caps = TS_TRANSPORT_PASSES_FDS | TS_TRANSPORT_PEER_CREDENTIALS | TS_TRANSPORT_SAME_HOST |
-            TS_TRANSPORT_SHARED_MEMORY,
+    .caps =
+        TS_TRANSPORT_PASSES_FDS | TS_TRANSPORT_PEER_CREDENTIALS | TS_TRANSPORT_SAME_HOST | TS_TRANSPORT_SHARED_MEMORY,
     .send = ring_send_locked,
     .send_now = ring_send_now,
     .flush_owed = pay_markers_locked,

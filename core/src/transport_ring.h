@@ -16,11 +16,11 @@
 
 /* The ring transport's state, c->frame_data. */
 typedef struct ts_ring_link {
-  ts_ring out, in;       /* the ring this end writes, and the peer's */
-  tshare_decoder *dec;   /* the bytes of `in`, checked like the socket's */
-  uint8_t *spill;        /* ring bytes read while a send waited (driving thread) */
+  ts_ring out, in;     /* the ring this end writes, and the peer's */
+  tshare_decoder *dec; /* the bytes of `in`, checked like the socket's */
+  uint8_t *spill;      /* ring bytes read while a send waited (driving thread) */
   size_t spill_len, spill_off;
-  bool socket_next;      /* the ring said: the next frame is on the socket */
+  bool socket_next; /* the ring said: the next frame is on the socket */
   /* The two ring frames this end sends, encoded once at setup. */
   uint8_t socket_next_frame[32], nudge_frame[32];
   size_t op_len;
@@ -29,9 +29,9 @@ typedef struct ts_ring_link {
   tshare_frame early;
   ts_fd_entry early_fd;
   bool early_found;
-  ts_spin_policy spin;   /* when a receive spins before it sleeps (driving thread) */
-  int64_t hup_recv_us;   /* when a receive that would not wait last asked the socket for a hang-up */
-  int64_t hup_send_us;   /* when a send last asked (under send_lock) */
+  ts_spin_policy spin; /* when a receive spins before it sleeps (driving thread) */
+  int64_t hup_recv_us; /* when a receive that would not wait last asked the socket for a hang-up */
+  int64_t hup_send_us; /* when a send last asked (under send_lock) */
 } ts_ring_link;
 
 /* After both hellos, on a socket: send the ring this end writes into (cap
