@@ -85,12 +85,17 @@ typedef struct ts_transport {
 /* The byte streams a connection is opened on. The first two have the
  * values of the public tshare_channel_kind's SOCKET and PIPES. */
 typedef enum ts_conn_kind {
-  TS_CONN_SOCKET = 1, /* a Unix stream socket (transport_socket.c) */
-  TS_CONN_PIPES = 2,  /* a read pipe and a write pipe (transport_pipe.c) */
+  TS_CONN_SOCKET = 1,   /* a Unix stream socket (transport_socket.c) */
+  TS_CONN_PIPES = 2,    /* a read pipe and a write pipe (transport_pipe.c) */
+  TS_CONN_LOOPBACK = 3, /* two ends in one process (transport_loopback.c) */
 } ts_conn_kind;
 
-extern const ts_transport ts_transport_socket, ts_transport_pipes;
+extern const ts_transport ts_transport_socket, ts_transport_pipes, ts_transport_loopback;
 extern const ts_transport ts_transport_ring; /* chosen by the hello, riding on the socket */
+
+/* A loopback pair: each end's read and write fd (rfd, wfd) for
+ * ts_conn_init(TS_CONN_LOOPBACK, ...). TSHARE_OK or a status. */
+int ts_loopback_pair(int a[2], int b[2]);
 
 static inline const ts_transport *ts_transport_of(ts_conn_kind kind) {
   switch (kind) {
@@ -98,6 +103,8 @@ static inline const ts_transport *ts_transport_of(ts_conn_kind kind) {
     return &ts_transport_socket;
   case TS_CONN_PIPES:
     return &ts_transport_pipes;
+  case TS_CONN_LOOPBACK:
+    return &ts_transport_loopback;
   }
   return NULL;
 }
