@@ -1,6 +1,6 @@
 #include "tshare/hostmem.h"
 
-#include "backend_host.h"
+#include "session.h"
 #include "error_detail.h"
 
 #include <errno.h>

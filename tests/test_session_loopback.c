@@ -1,4 +1,4 @@
-/* The loopback transport under the session: two channel ends in one
+/* The session over the loopback transport: two channel ends in one
  * process, opened on ts_loopback_pair()'s fds, carry frames and fds with no
  * socket between them; the end's close reads as the peer's end; fds that
  * are not a loopback end are refused. */
