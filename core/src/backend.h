@@ -1,9 +1,32 @@
-/* The session's memory backends: how one kind of memory is imported into a
- * view, let go of, and shared on. backend_host.c (sealed memfds) and
- * backend_cuda.c (CUDA IPC handles and VMM fds; backend_cuda_none.c without the
- * toolkit) are peers behind this table: session_share.c picks one by a share's
- * mem_kind and looks inside neither. CUDA's own frames (events, retire
- * notices) and its housekeeping stay behind cuda_hooks.h. */
+/* The backend table: the one way from the session to the kinds of memory.
+ * A backend says which memory kinds it imports and which frame types it
+ * handles, and gets hooks for the hello, for its frames, for housekeeping
+ * before a receive may block, for a close, and for views (import, release,
+ * share on). The session (session_*.c) looks a backend up by mem_kind or
+ * frame type, or loops over them all (the ts_backends_* calls below), and
+ * never names one.
+ *
+ * Built-in backends: backend_host.c (sealed memfds) and backend_cuda*.c
+ * (CUDA IPC handles and VMM fds; backend_cuda_none.c without the toolkit),
+ * listed in backends.c. Adding one touches no session file: write its table
+ * and add it to backends.c's list.
+ *
+ * Registration from outside the library (a test's backend, compiled only
+ * into the test program, tests/test_backends.c): ts_backend_register()
+ * before any channel opens, from a program linked against libtshare.a (the
+ * call is not exported from libtshare.so). It appends to the same list, so
+ * the session finds it as it finds the built-in ones; for the memory kinds
+ * and frame types it claims it stands in for a built-in backend, since the
+ * wire has no kinds of its own for it.
+ *
+ * Per-channel state: each backend keeps its own behind ts_backend_data(ch,
+ * backend), a slot of the channel's that the backend allocates (in its
+ * chan_init hook, or lazily) and frees in chan_free. Per-view state: the
+ * view's `memory` (the backend's mapping of the share), and its stream,
+ * context and device where the memory has them.
+ *
+ * Hooks marked optional may be NULL. Locking: hooks run on the thread that
+ * drives the channel without ch->lock, except release (any thread). */
 #ifndef TSHARE_BACKEND_H
 #define TSHARE_BACKEND_H
 
@@ -11,36 +34,126 @@
 #include "tshare/tensor.h"
 #include "tshare/wire.h"
 
+#include <stdbool.h>
 #include <stdint.h>
 
 struct tshare_view;
 struct ts_export;
 
+/* What a release hook did with the view's memory. */
+typedef enum ts_release_done {
+  /* Let go now: the session queues the release for the peer and sends it
+   * when it can. */
+  TS_RELEASE_NOW = 0,
+  /* Not yet (the GPU still uses it: the backend queues the release itself
+   * later), or not this view's to send (a tensor set's member). */
+  TS_RELEASE_LATER = 1
+} ts_release_done;
+
+/* Whether a backend's housekeeping left work that waits (releases waiting
+ * for a GPU) and how soon to look again: work queued moments ago usually
+ * finishes within microseconds, so the session spins briefly before it
+ * sleeps. */
+typedef enum ts_backend_wait {
+  TS_BACKEND_IDLE = 0, /* nothing waits */
+  TS_BACKEND_SOON = 1, /* look again at once */
+  TS_BACKEND_LATER = 2 /* look again in a millisecond */
+} ts_backend_wait;
+
+#define TS_MEM_KIND_BIT(kind) (1u << (kind))
+#define TS_FRAME_TYPE_BIT(type) (1u << (type))
+
 typedef struct ts_backend {
   const char *name;
-  /* Capabilities this end offers in its hello over a channel of this kind. */
-  uint64_t (*hello_caps)(tshare_channel_kind kind);
+  uint32_t mem_kinds;   /* TS_MEM_KIND_BIT of each TSHARE_MEM_* it imports */
+  uint32_t frame_types; /* TS_FRAME_TYPE_BIT of each frame type on_frame takes */
+  /* What a memory kind of its own is, for logs ("host memfd"). */
+  const char *(*mem_kind_name)(int mem_kind);
+  /* Optional: the local device ordinal a share of its memory lives on, -1
+   * if none here (tshare_channel_peek_share). */
+  int (*device_of)(const tshare_share_frame *s);
+
+  /* ---- hello ---- */
+  /* Capabilities this end offers over a transport with these TS_TRANSPORT_*
+   * capabilities (conn.h). */
+  uint64_t (*hello_caps)(uint32_t transport_caps);
+  /* Optional: fields of its own in this end's hello (CUDA: device UUIDs). */
+  void (*hello_fields)(tshare_hello *h);
+
+  /* ---- the channel ---- */
+  /* Optional: the channel opens; allocate state (ts_backend_data). */
+  int (*chan_init)(tshare_channel *ch);
+  /* The peer is gone or the channel closes: drop what it might keep mapped. */
+  void (*peer_gone)(tshare_channel *ch);
+  /* The channel's last reference is going away: free everything. */
+  void (*chan_free)(tshare_channel *ch);
+  /* Optional: the same in a forked child: only memory of this process's
+   * own goes, touching nothing its parent uses. */
+  void (*chan_free_in_child)(tshare_channel *ch);
+
+  /* ---- frames and housekeeping ---- */
+  /* Optional: a frame of a type in frame_types, with the fd that came with
+   * it (consumed) or -1 and fd_lost (why it could not be kept). */
+  int (*on_frame)(tshare_channel *ch, const tshare_frame *f, int fd, int fd_lost);
+  /* Optional: every share frame, before it is queued or refused: what came
+   * for it beside the frame is filed under its id (an error refuses it). */
+  int (*on_share)(tshare_channel *ch, const tshare_frame *f);
+  /* Optional: a share is refused or dropped before its import: what was
+   * filed under its id goes. */
+  void (*share_dropped)(tshare_channel *ch, uint64_t share_id);
+  /* Optional: before every receive may block: work that finished is done
+   * with (releases queued), notices go out; *wait as above. */
+  int (*housekeeping)(tshare_channel *ch, int timeout_ms, ts_backend_wait *wait);
+  /* Optional: before this end closes, while the peer can still answer. */
+  void (*before_close)(tshare_channel *ch, int timeout_ms);
+  /* Optional: a share this backend sent was released, dropped, or never
+   * went out: what it held of the backend's (an event slot) is free. */
+  void (*export_done)(tshare_channel *ch, const struct ts_export *e);
+
+  /* ---- views ---- */
   /* Map share f into view v (v->ch is not set yet). *fdp is the fd that came
    * with the frame or -1; a backend that keeps it sets *fdp to -1. */
   int (*import)(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, struct tshare_view *v);
-  /* The view is done: let go of its memory, queue its release, free v and
-   * drop its channel reference. Any thread; never blocks. */
-  void (*release)(struct tshare_view *v);
+  /* The view is done: let go of its memory. Any thread; never blocks. The
+   * session then queues the release (TS_RELEASE_NOW), frees v and drops
+   * its channel reference. */
+  ts_release_done (*release)(struct tshare_view *v);
+  /* Optional: the same for a view a forked child inherited: only this
+   * process's own mapping goes, nothing is queued. */
+  void (*release_in_child)(struct tshare_view *v);
   /* Share (part of) v on ch: desc is relative to the allocation and checked
    * against it; e (release, owner and user_data set) is consumed. */
   int (*share_view)(tshare_channel *ch, struct tshare_view *v, const tshare_tensor_desc *desc, void *stream,
                     const char *tag, struct ts_export *e, int timeout_ms, uint64_t *share_id);
-  /* The peer is gone or the channel closes: drop what it might keep mapped. */
-  void (*peer_gone)(tshare_channel *ch);
-  /* The channel's last reference is going away. */
-  void (*chan_free)(tshare_channel *ch);
 } ts_backend;
 
-extern const ts_backend ts_host_backend; /* backend_host.c */
-extern const ts_backend ts_cuda_backend; /* backend_cuda.c, or backend_cuda_none.c */
+/* ---- the registry (backends.c) ---- */
 
-/* Every backend, for what concerns them all (hello, peer gone, free). */
-#define TS_BACKENDS                                                                                                    \
-  { &ts_host_backend, &ts_cuda_backend }
+#define TS_BACKENDS_MAX 8
+
+/* Add a backend (a test's) before any channel opens. TSHARE_E_LIMIT when
+ * TS_BACKENDS_MAX are registered, TSHARE_E_INVALID_ARG for a table that
+ * misses a required hook or claims a memory kind or frame type another
+ * registered backend has (a built-in one's it takes over). */
+int ts_backend_register(const ts_backend *b);
+
+/* The backend that imports mem_kind, or NULL. */
+const ts_backend *ts_backend_for_mem_kind(int mem_kind);
+/* The backend whose on_frame takes frames of this type, or NULL. */
+const ts_backend *ts_backend_for_frame(int type);
+/* The backend's state slot in ch (NULL until it puts something there). */
+void **ts_backend_data(tshare_channel *ch, const ts_backend *b);
+
+/* Every backend in turn, for what concerns them all. */
+uint64_t ts_backends_hello(tshare_hello *self, uint32_t transport_caps); /* returns the capabilities */
+int ts_backends_chan_init(tshare_channel *ch);
+void ts_backends_peer_gone(tshare_channel *ch);
+void ts_backends_chan_free(tshare_channel *ch);
+void ts_backends_chan_free_in_child(tshare_channel *ch);
+int ts_backends_on_share(tshare_channel *ch, const tshare_frame *f);
+void ts_backends_share_dropped(tshare_channel *ch, uint64_t share_id);
+int ts_backends_housekeeping(tshare_channel *ch, int timeout_ms, ts_backend_wait *wait);
+void ts_backends_before_close(tshare_channel *ch, int timeout_ms);
+void ts_backends_export_done(tshare_channel *ch, const struct ts_export *e);
 
 #endif

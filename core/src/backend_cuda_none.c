@@ -1,8 +1,8 @@
-/* A build without the CUDA toolkit: every CUDA call says so, and the channel
- * hooks do nothing (the hello does not offer CUDA, so no peer sends any). */
+/* A build without the CUDA toolkit: every CUDA call says so, and the
+ * backend's hooks do nothing (the hello does not offer CUDA, so no peer
+ * sends any) but refuse CUDA's frames and shares. */
 #include "backend.h"
 #include "session.h"
-#include "cuda_hooks.h"
 #include "error_detail.h"
 #include "tshare/cuda.h"
 
@@ -125,56 +125,47 @@ static int cuda_share_view(tshare_channel *ch, struct tshare_view *v, const tsha
   return unsupported(ch, share_id);
 }
 
-void ts_cuda_hello_devices(tshare_hello *h) { (void)h; }
-int ts_cuda_on_frame(tshare_channel *ch, const tshare_frame *f) {
-  return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "receive: %s frame, but this side offered no CUDA",
-                 tshare_frame_type_name(f->type));
-}
-
-int ts_cuda_on_chunk(tshare_channel *ch, const tshare_frame *f, int fd, int fd_lost) {
-  (void)f;
+/* Event, retire and chunk frames: this end offered no CUDA. */
+static int cuda_on_frame(tshare_channel *ch, const tshare_frame *f, int fd, int fd_lost) {
   (void)fd_lost;
   if (fd >= 0) close(fd);
-  return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "receive: a chunk frame, but this end offered no CUDA");
-}
-int ts_cuda_on_share(tshare_channel *ch, const tshare_frame *f) {
-  (void)ch;
-  (void)f;
-  return TSHARE_OK;
-}
-void ts_cuda_drop_chunks(tshare_channel *ch, uint64_t share_id) {
-  (void)ch;
-  (void)share_id;
-}
-int ts_cuda_flush(tshare_channel *ch, int timeout_ms, ts_gpu_wait *busy) {
-  (void)ch, (void)timeout_ms;
-  *busy = TS_GPU_IDLE;
-  return TSHARE_OK;
+  if (f->type == TSHARE_FRAME_CHUNK)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "receive: a chunk frame, but this end offered no CUDA");
+  return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "receive: %s frame, but this side offered no CUDA",
+                 tshare_frame_type_name(f->type));
 }
 static int cuda_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, struct tshare_view *v) {
   (void)fdp, (void)stream, (void)v;
   return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED, "import: share %llu is CUDA memory; %s",
                  (unsigned long long)f->u.share.share_id, NO_CUDA);
 }
-void ts_cuda_slot_free(tshare_channel *ch, int slot) { (void)ch, (void)slot; }
-static uint64_t cuda_hello_caps(tshare_channel_kind kind) {
-  (void)kind;
+static uint64_t cuda_hello_caps(uint32_t transport_caps) {
+  (void)transport_caps;
   return 0; /* this build imports no GPU memory */
 }
-static void cuda_view_release(struct tshare_view *v) { (void)v; /* no CUDA view can exist here */ }
-void ts_cuda_before_close(tshare_channel *ch, int timeout_ms) {
-  (void)ch;
-  (void)timeout_ms;
+static ts_release_done cuda_view_release(struct tshare_view *v) {
+  (void)v; /* no CUDA view can exist here */
+  return TS_RELEASE_NOW;
+}
+static const char *cuda_mem_kind_name(int kind) {
+  (void)kind;
+  return "CUDA memory";
 }
 
 static void cuda_nothing(tshare_channel *ch) { (void)ch; }
 
 const ts_backend ts_cuda_backend = {
     .name = "cuda (not built)",
+    .mem_kinds = TS_MEM_KIND_BIT(TSHARE_MEM_CUDA_IPC) | TS_MEM_KIND_BIT(TSHARE_MEM_CUDA_FD) |
+                 TS_MEM_KIND_BIT(TSHARE_MEM_CUDA_HELD),
+    .frame_types = TS_FRAME_TYPE_BIT(TSHARE_FRAME_EVENT) | TS_FRAME_TYPE_BIT(TSHARE_FRAME_RETIRE) |
+                   TS_FRAME_TYPE_BIT(TSHARE_FRAME_CHUNK),
+    .mem_kind_name = cuda_mem_kind_name,
     .hello_caps = cuda_hello_caps,
+    .peer_gone = cuda_nothing,
+    .chan_free = cuda_nothing,
+    .on_frame = cuda_on_frame,
     .import = cuda_import,
     .release = cuda_view_release,
     .share_view = cuda_share_view,
-    .peer_gone = cuda_nothing,
-    .chan_free = cuda_nothing,
 };

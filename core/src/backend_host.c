@@ -1,10 +1,10 @@
 /* The host-memory backend: buffers in sealed memfds travel as fds, and a
  * consumer maps each allocation once per channel. */
 #include "backend.h"
-#include "session.h"
+#include "backend_host.h"
 #include "error_detail.h"
 #include "log.h"
-#include "session_set.h"
+#include "session.h"
 #include "tshare/share.h"
 
 #include <errno.h>
@@ -15,6 +15,16 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+/* This backend's state in a channel: its mappings of the peer's memory. */
+typedef struct host_chan {
+  ts_u64map mappings; /* alloc_id -> ts_mapping, under ch->lock */
+} host_chan;
+
+static ts_u64map *mappings_of(tshare_channel *ch) {
+  host_chan *h = *ts_backend_data(ch, &ts_host_backend);
+  return &h->mappings;
+}
 
 /* ---- producer side ------------------------------------------------------ */
 
@@ -63,7 +73,7 @@ static int share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_
   e->user_data = user_data;
   e->release = ts_host_buffer_release;
   e->owner = buf;
-  e->event_slot = -1;
+  e->backend = NULL;
   ts_host_buffer_retain(buf);
   return send_memfd_share(ch, tshare_host_buffer_id(buf), tshare_host_buffer_size(buf), tshare_host_buffer_fd(buf),
                           desc, tag, e, timeout_ms, share_id);
@@ -81,7 +91,7 @@ int tshare_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_
 static int host_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_desc *desc, void *stream,
                            const char *tag, ts_export *e, int timeout_ms, uint64_t *share_id) {
   (void)stream;
-  ts_mapping *m = v->mapping;
+  ts_mapping *m = v->memory;
   if (!m || m->fd < 0) {
     ts_export_drop(e);
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE,
@@ -103,7 +113,7 @@ static void unmap(ts_mapping *m) {
 /* One view of m went (ch->lock held): the last one unmaps it. */
 static void drop_mapping_locked(tshare_channel *ch, ts_mapping *m) {
   if (--m->views != 0) return;
-  ts_u64map_remove(&ch->mappings, m->alloc_id);
+  ts_u64map_remove(mappings_of(ch), m->alloc_id);
   TS_LOG(TS_LOG_DEBUG, "unmapped allocation %llu of %s: its last view went", (unsigned long long)m->alloc_id,
          ch->conn.peer_label);
   unmap(m);
@@ -119,25 +129,36 @@ void ts_host_drop_mapping_in_child(tshare_channel *ch, ts_mapping *m) {
   pthread_mutex_unlock(&ch->lock);
 }
 
-static void host_release(tshare_view *v) {
+static ts_release_done host_release(tshare_view *v) {
   tshare_channel *ch = v->ch;
-  pthread_mutex_lock(&ch->lock);
   /* Unmapped before the release goes out: once the producer frees the
    * memory, nothing here may still reference it. */
-  if (v->mapping) drop_mapping_locked(ch, v->mapping);
-  TS_LOG(TS_LOG_INFO, "released share %llu of %s", (unsigned long long)v->share_id, ch->conn.peer_label);
-  ts_share_queue_release_locked(ch, v->share_id);
+  pthread_mutex_lock(&ch->lock);
+  if (v->memory) drop_mapping_locked(ch, v->memory);
   pthread_mutex_unlock(&ch->lock);
-  ts_share_send_releases_now(ch);
-  free(v);
-  ts_channel_unref(ch);
+  return TS_RELEASE_NOW;
+}
+
+static void host_release_in_child(tshare_view *v) {
+  if (v->memory) ts_host_drop_mapping_in_child(v->ch, v->memory);
+}
+
+static int host_chan_init(tshare_channel *ch) {
+  void **slot = ts_backend_data(ch, &ts_host_backend);
+  *slot = calloc(1, sizeof(host_chan));
+  return *slot ? TSHARE_OK : TSHARE_E_NOMEM;
 }
 
 static void host_chan_free(tshare_channel *ch) {
+  void **slot = ts_backend_data(ch, &ts_host_backend);
+  host_chan *h = *slot;
+  if (!h) return; /* the channel failed to open before its init */
   uint64_t key;
   void *value;
-  for (size_t pos = 0; ts_u64map_next(&ch->mappings, &pos, &key, &value);) unmap(value);
-  ts_u64map_free(&ch->mappings);
+  for (size_t pos = 0; ts_u64map_next(&h->mappings, &pos, &key, &value);) unmap(value);
+  ts_u64map_free(&h->mappings);
+  free(h);
+  *slot = NULL;
 }
 
 /* Map a host share into v, once per allocation and channel. A new mapping
@@ -157,7 +178,7 @@ static int host_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void
                    "import: share %llu claims %llu bytes, the memfd has %lld", (unsigned long long)s->share_id,
                    (unsigned long long)s->alloc_size, (long long)st.st_size);
   pthread_mutex_lock(&ch->lock);
-  ts_mapping *m = ts_u64map_get(&ch->mappings, s->alloc_id);
+  ts_mapping *m = ts_u64map_get(mappings_of(ch), s->alloc_id);
   if (m && (m->ino != (unsigned long)st.st_ino || m->dev != (unsigned long)st.st_dev || m->size != s->alloc_size)) {
     pthread_mutex_unlock(&ch->lock);
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
@@ -192,7 +213,7 @@ static int host_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void
                          (unsigned long long)s->alloc_size);
       }
     }
-    if (ts_u64map_put(&ch->mappings, m->alloc_id, m) != 0) {
+    if (ts_u64map_put(mappings_of(ch), m->alloc_id, m) != 0) {
       unmap(m);
       pthread_mutex_unlock(&ch->lock);
       return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
@@ -207,23 +228,36 @@ static int host_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void
   }
   m->views++;
   pthread_mutex_unlock(&ch->lock);
-  v->mapping = m;
+  v->memory = m;
   v->data = m->base ? (char *)m->base + s->tensor.byte_offset : NULL;
   return TSHARE_OK;
 }
 
-static uint64_t host_hello_caps(tshare_channel_kind kind) {
-  return kind == TSHARE_CHANNEL_SOCKET ? (TSHARE_CAP_FD_PASSING | TSHARE_CAP_HOST_MEMFD | TSHARE_CAP_TENSOR_SETS) : 0;
+static uint64_t host_hello_caps(uint32_t transport_caps) {
+  return transport_caps & TS_TRANSPORT_PASSES_FDS
+             ? (TSHARE_CAP_FD_PASSING | TSHARE_CAP_HOST_MEMFD | TSHARE_CAP_TENSOR_SETS)
+             : 0;
+}
+
+static const char *host_mem_kind_name(int mem_kind) {
+  (void)mem_kind;
+  return "host memfd";
 }
 
 static void host_peer_gone(tshare_channel *ch) { (void)ch; /* its memfds stay mapped until their views go */ }
 
 const ts_backend ts_host_backend = {
     .name = "host",
+    .mem_kinds = TS_MEM_KIND_BIT(TSHARE_MEM_HOST_MEMFD),
+    .mem_kind_name = host_mem_kind_name,
     .hello_caps = host_hello_caps,
-    .import = host_import,
-    .release = host_release,
-    .share_view = host_share_view,
+    .chan_init = host_chan_init,
     .peer_gone = host_peer_gone,
     .chan_free = host_chan_free,
+    /* A forked child's copy: the same, its mappings are its own to unmap. */
+    .chan_free_in_child = host_chan_free,
+    .import = host_import,
+    .release = host_release,
+    .release_in_child = host_release_in_child,
+    .share_view = host_share_view,
 };

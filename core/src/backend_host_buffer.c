@@ -1,6 +1,6 @@
 #include "tshare/hostmem.h"
 
-#include "session.h"
+#include "backend_host.h"
 #include "error_detail.h"
 
 #include <errno.h>

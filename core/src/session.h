@@ -1,9 +1,11 @@
 /* Internal layout of a channel: the connection (conn.h: frames, fds, the
- * hello) and the session above it (the lifetime protocol: session_share.c with its
- * backends backend_host.c and backend_cuda.c; session_channel.c for channel.h's calls). */
+ * hello) and the session above it (the lifetime protocol: session_share.c,
+ * session_channel.c for channel.h's calls, session_set.c for tensor sets),
+ * which reaches the memory backends through their table (backend.h). */
 #ifndef TSHARE_SESSION_H
 #define TSHARE_SESSION_H
 
+#include "backend.h"
 #include "clock.h"
 #include "conn.h"
 #include "tshare/channel.h"
@@ -24,29 +26,20 @@ typedef struct ts_export {
   void *user_data;
   void (*release)(void *owner);
   void *owner;
-  int event_slot; /* CUDA event slot the share holds, -1 if none */
+  /* What the share holds of the backend that sent it (CUDA: an event slot),
+   * given back through its export_done hook; backend NULL when nothing. */
+  const struct ts_backend *backend;
+  int backend_slot;
 } ts_export;
-
-/* One mapped allocation on the consumer side. */
-typedef struct ts_mapping {
-  uint64_t alloc_id;
-  void *base;
-  size_t size;
-  unsigned long ino, dev; /* of the memfd: a reused alloc_id cannot alias another file */
-  size_t views;           /* live views into it */
-  int fd;                 /* the memfd, kept so views can be shared on */
-  uint64_t forward_id;    /* this process's alloc id for it when shared on */
-} ts_mapping;
 
 /* A received share, as the consumer holds it. */
 struct tshare_view {
   struct tshare_channel *ch;        /* holds a reference */
-  const struct ts_backend *backend; /* the memory's kind: host or CUDA */
-  ts_mapping *mapping;              /* host shares */
-  void *cuda_import;                /* CUDA shares: the process-wide mapping (ts_cuda_import) */
-  void *stream;                     /* CUDA shares: the stream the view is used on */
-  void *ctx;                        /* CUDA shares: the context that maps it */
-  int cuda_device;                  /* CUDA shares: that context's ordinal */
+  const struct ts_backend *backend; /* the memory's kind (backend.h) */
+  void *memory;                     /* the backend's mapping of the share's allocation */
+  void *stream;                     /* GPU memory: the stream the view is used on */
+  void *ctx;                        /* GPU memory: the context that maps it */
+  int device;                       /* GPU memory: that context's device ordinal */
   uint64_t share_id;
   int device_type;
   void *data;
@@ -76,7 +69,6 @@ struct tshare_channel {
   ts_u64map exports;
 
   /* consumer side */
-  ts_u64map mappings; /* alloc_id -> ts_mapping, under lock */
   uint64_t *pending;  /* share ids released but not yet sent, under lock */
   size_t npending, pending_cap;
   ts_incoming *incoming; /* ring of received shares */
@@ -86,7 +78,7 @@ struct tshare_channel {
   uint64_t refused, refused_first;
   bool refusal_told;
 
-  struct ts_cuda_chan *cuda; /* event pools, releases waiting on the GPU; NULL until used */
+  void *backend_data[TS_BACKENDS_MAX]; /* each backend's own state (ts_backend_data) */
   struct ts_set_rx *set_rx;  /* tensor sets being received and waiting (session_set.c); NULL until one comes */
 
   /* Who may call (channel.h's thread and fork rules): the process that
@@ -164,14 +156,5 @@ int ts_share_send_export(tshare_channel *ch, tshare_frame *f, int fd, ts_export 
 int ts_share_drive(tshare_channel *ch, int timeout_ms);
 void ts_export_drop(ts_export *e); /* a share that never went out: release what it held, free it */
 void ts_share_free_incoming(tshare_channel *ch);
-
-/* backend_host_buffer.c: references held by shares */
-struct tshare_host_buffer;
-uint64_t ts_host_next_alloc_id(void); /* host allocation ids, unique in the process */
-void ts_host_buffer_retain(struct tshare_host_buffer *buf);
-void ts_host_buffer_release(void *buf);
-/* backend_host.c: a forked child lets go of one view of its copy of mapping m
- * (the last one unmaps it), touching nothing its parent uses. */
-void ts_host_drop_mapping_in_child(tshare_channel *ch, ts_mapping *m);
 
 #endif

@@ -2,7 +2,6 @@
  * the session's backends can import), low-level frame I/O, bye, close. */
 #include "backend.h"
 #include "session.h"
-#include "cuda_hooks.h"
 
 #include "error_detail.h"
 #include "log.h"
@@ -183,14 +182,14 @@ static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare
       ts_conn_init(&ch->conn, (ts_conn_kind)kind, rfd, wfd, ch->opts.limits, ch->opts.max_unclaimed_fds, ch->err,
                    sizeof ch->err);
   ch->opts.limits = NULL; /* the caller's struct need not outlive this call */
+  if (rc == TSHARE_OK && ts_backends_chan_init(ch) != TSHARE_OK)
+    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "channel: out of memory");
   if (rc == TSHARE_OK) {
     /* What this end can import: the backends' capabilities. */
     tshare_hello self;
     memset(&self, 0, sizeof self);
     snprintf(self.name, sizeof self.name, "%s", ch->name);
-    const ts_backend *backends[] = TS_BACKENDS;
-    for (size_t i = 0; i < sizeof backends / sizeof *backends; i++) self.capabilities |= backends[i]->hello_caps(kind);
-    ts_cuda_hello_devices(&self);
+    self.capabilities = ts_backends_hello(&self, ts_conn_caps(&ch->conn));
     if (kind == TSHARE_CHANNEL_SOCKET && wants_ring(&ch->opts)) self.capabilities |= TSHARE_CAP_RING;
     ch->conn.spin_us = spin_budget_us(&ch->opts);
     rc = ts_conn_hello(&ch->conn, &self, ch->opts.allow_uid, ch->opts.handshake_timeout_ms);
@@ -279,7 +278,7 @@ int tshare_channel_send_error(tshare_channel *ch, int code, const char *message)
  * them alive belongs to the parent's code) and locks a thread the child does
  * not have may hold: all of it goes when the child exits or execs. */
 static void free_in_child(tshare_channel *ch) {
-  ts_host_backend.chan_free(ch); /* this process's mappings of host memory */
+  ts_backends_chan_free_in_child(ch); /* this process's own mappings (of host memory) */
   ts_share_free_incoming(ch);
   free(ch->pending);
   free(ch);
@@ -291,8 +290,7 @@ void ts_channel_unref(tshare_channel *ch) {
     free_in_child(ch);
     return;
   }
-  const ts_backend *backends[] = TS_BACKENDS;
-  for (size_t i = 0; i < sizeof backends / sizeof *backends; i++) backends[i]->chan_free(ch);
+  ts_backends_chan_free(ch);
   ts_conn_destroy(&ch->conn);
   pthread_mutex_destroy(&ch->lock);
   free(ch->pending);
@@ -306,7 +304,7 @@ static void close_now(tshare_channel *ch) {
   /* A clean end for the peer (TSHARE_END, not TSHARE_E_PEER_CLOSED): the
    * bye goes after the releases, best effort. */
   if (ch->conn.wfd >= 0 && !ch->conn.broken) {
-    ts_cuda_before_close(ch, 100); /* segments held for the peer's mappings: answered before they go */
+    ts_backends_before_close(ch, 100); /* memory kept for the peer's mappings: answered before it goes */
     if (ch->bye_sent)
       ts_share_flush_pending(ch, 100);
     else

@@ -7,6 +7,7 @@
 #include "tshare/set.h"
 
 #include "backend.h"
+#include "backend_host.h"
 #include "session.h"
 #include "error_detail.h"
 #include "log.h"
@@ -231,7 +232,7 @@ static ts_export *set_export(const tshare_set_builder *b, void *user_data) {
     k->bufs[i] = b->mems[i];
     ts_host_buffer_retain(b->mems[i]);
   }
-  *e = (ts_export){.user_data = user_data, .release = set_keep_release, .owner = k, .event_slot = -1};
+  *e = (ts_export){.user_data = user_data, .release = set_keep_release, .owner = k};
   return e;
 }
 
@@ -487,7 +488,7 @@ static int add_mem(tshare_channel *ch, tshare_set *s, const tshare_set_mem_frame
   memset(&probe, 0, sizeof probe);
   int rc = ts_host_backend.import(ch, &share, fd, NULL, &probe);
   if (rc != TSHARE_OK) return refuse_set(ch, rc, true, "memory %u: %s", m->index, ch->err);
-  s->mems[s->mems_got++] = probe.mapping;
+  s->mems[s->mems_got++] = probe.memory;
   return TSHARE_OK;
 }
 
@@ -681,16 +682,17 @@ void tshare_set_release(tshare_set *s) {
 }
 
 /* A member view's end: its mapping reference and its hold on the set go. */
-static void member_release(tshare_view *v) {
+static ts_release_done member_release(tshare_view *v) {
   tshare_channel *ch = v->ch;
-  tshare_set *s = ((set_view *)v)->set;
   pthread_mutex_lock(&ch->lock);
-  ts_host_mapping_drop_locked(ch, v->mapping);
+  ts_host_mapping_drop_locked(ch, v->memory);
   pthread_mutex_unlock(&ch->lock);
-  free(v);
-  set_unref(s);
-  ts_channel_unref(ch);
+  set_unref(((set_view *)v)->set);
+  return TS_RELEASE_LATER; /* the set is released as a whole */
 }
+
+/* A member view a forked child inherited: only its copy of the mapping goes. */
+static void member_release_in_child(tshare_view *v) { ts_host_drop_mapping_in_child(v->ch, v->memory); }
 
 /* A member shares on as any host view: its mapping's memfd travels. */
 static int member_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_desc *desc, void *stream,
@@ -702,6 +704,7 @@ static int member_share_view(tshare_channel *ch, tshare_view *v, const tshare_te
 static const ts_backend member_backend = {
     .name = "host (tensor set)",
     .release = member_release,
+    .release_in_child = member_release_in_child,
     .share_view = member_share_view,
 };
 
@@ -718,8 +721,9 @@ int tshare_set_view(tshare_set *s, size_t i, tshare_view **out) {
   atomic_fetch_add(&s->refs, 1);
   atomic_fetch_add(&ch->refs, 1);
   pthread_mutex_lock(&ch->lock);
-  v->mapping = s->mems[e->mem];
-  v->mapping->views++;
+  ts_mapping *mem = s->mems[e->mem];
+  mem->views++;
+  v->memory = mem;
   pthread_mutex_unlock(&ch->lock);
   v->ch = ch;
   v->backend = &member_backend;
@@ -728,8 +732,8 @@ int tshare_set_view(tshare_set *s, size_t i, tshare_view **out) {
   v->data = e->data;
   v->desc = e->desc;
   v->frame.share_id = s->set_id;
-  v->frame.alloc_id = v->mapping->alloc_id;
-  v->frame.alloc_size = v->mapping->size;
+  v->frame.alloc_id = mem->alloc_id;
+  v->frame.alloc_size = mem->size;
   v->frame.mem_kind = TSHARE_MEM_HOST_MEMFD;
   v->frame.device_type = TSHARE_DEVICE_CPU;
   v->frame.tensor = e->desc;

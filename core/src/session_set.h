@@ -1,7 +1,6 @@
 /* Tensor sets inside the library: the hooks through which the session
  * (session_share.c) hands set frames to session_set.c and tells it what else happens
- * on the channel, and the host backend's call a set uses to let go of its
- * mappings. */
+ * on the channel. */
 #ifndef TSHARE_TENSOR_SET_INTERNAL_H
 #define TSHARE_TENSOR_SET_INTERNAL_H
 
@@ -22,9 +21,5 @@ void ts_set_peer_gone(tshare_channel *ch);
 /* The channel goes: sets received but never taken are freed (their
  * mappings go with the channel's). */
 void ts_set_free_queued(tshare_channel *ch);
-
-/* backend_host.c: one reference on mapping m goes (ch->lock held); the last
- * one unmaps it. */
-void ts_host_mapping_drop_locked(tshare_channel *ch, ts_mapping *m);
 
 #endif

@@ -1,17 +1,16 @@
 /* The session layer: the lifetime protocol. Shares sent and the references
- * they hold, views received (their memory mapped by a backend: backend_host.c,
- * backend_cuda.c), the releases between them, and what the session does while
- * the connection (conn.h) waits. */
+ * they hold, views received (their memory mapped by a backend, reached
+ * through the table: backend.h), the releases between them, and what the
+ * session does while the connection (conn.h) waits. */
 #include "tshare/share.h"
 
 #include "backend.h"
 #include "session.h"
-#include "cuda_hooks.h"
 #include "error_detail.h"
 #include "wire_checks.h"
 #include "log.h"
 #include "session_set.h"
-#include "tshare/cuda.h"
+#include "tshare/cuda.h" /* tshare_view_recv_stream, tshare_view_cuda_device */
 
 #include <errno.h>
 #include <stdio.h>
@@ -28,10 +27,8 @@ void ts_export_drop(ts_export *e) {
 }
 
 static const char *mem_kind_name(int kind) {
-  return kind == TSHARE_MEM_HOST_MEMFD  ? "host memfd"
-         : kind == TSHARE_MEM_CUDA_FD   ? "CUDA VMM fd"
-         : kind == TSHARE_MEM_CUDA_HELD ? "CUDA VMM memory kept mapped"
-                                        : "CUDA IPC handle";
+  const ts_backend *b = ts_backend_for_mem_kind(kind);
+  return b ? b->mem_kind_name(kind) : "unknown memory";
 }
 
 int ts_share_send_export(tshare_channel *ch, tshare_frame *f, int fd, ts_export *e, int timeout_ms,
@@ -47,7 +44,7 @@ int ts_share_send_export(tshare_channel *ch, tshare_frame *f, int fd, ts_export 
     if (rc != TSHARE_OK) ts_u64map_remove(&ch->exports, s->share_id);
   }
   if (rc != TSHARE_OK) {
-    if (e->event_slot >= 0) ts_cuda_slot_free(ch, e->event_slot);
+    ts_backends_export_done(ch, e);
     ts_export_drop(e);
     return rc;
   }
@@ -88,7 +85,7 @@ static int share_view_export(tshare_channel *ch, tshare_view *v, const tshare_te
       ts_errf(ch->err, sizeof ch->err, rc, "share: %s", why);
   }
   e->user_data = user_data;
-  e->event_slot = -1;
+  e->backend = NULL;
   if (rc != TSHARE_OK) {
     ts_export_drop(e);
     return rc;
@@ -155,7 +152,7 @@ int tshare_share_is_released(const tshare_channel *ch, uint64_t share_id) {
 }
 
 static void finish_export(tshare_channel *ch, ts_export *e, int status) {
-  if (e->event_slot >= 0) ts_cuda_slot_free(ch, e->event_slot);
+  ts_backends_export_done(ch, e);
   if (ch->opts.on_release) ch->opts.on_release(ch->opts.cb_user, e->share_id, e->user_data, status);
   e->release(e->owner);
   free(e);
@@ -179,8 +176,7 @@ int ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r) {
 }
 
 void ts_share_drop_all(tshare_channel *ch, int status) {
-  const ts_backend *backends[] = TS_BACKENDS;
-  for (size_t i = 0; i < sizeof backends / sizeof *backends; i++) backends[i]->peer_gone(ch);
+  ts_backends_peer_gone(ch);
   ts_set_peer_gone(ch);
   uint64_t key;
   void *value;
@@ -286,20 +282,25 @@ void ts_share_queue_release_locked(tshare_channel *ch, uint64_t share_id) {
 
 /* A view a forked child inherited: its channel is its parent's, so nothing
  * is queued or sent; the child only drops its own mapping of the memory
- * (host memory; CUDA's stays with the driver state fork left behind). */
+ * where its backend has one to drop. */
 static void release_in_child(tshare_view *v) {
-  tshare_channel *ch = v->ch;
-  if (v->mapping) ts_host_drop_mapping_in_child(ch, v->mapping);
-  free(v);
-  ts_channel_unref(ch);
+  if (v->backend->release_in_child) v->backend->release_in_child(v);
 }
 
 void tshare_view_release(tshare_view *v) {
   if (!v) return;
-  if (ts_channel_foreign(v->ch))
+  tshare_channel *ch = v->ch;
+  if (ts_channel_foreign(ch)) {
     release_in_child(v);
-  else
-    v->backend->release(v);
+  } else if (v->backend->release(v) == TS_RELEASE_NOW) {
+    TS_LOG(TS_LOG_INFO, "released share %llu of %s", (unsigned long long)v->share_id, ch->conn.peer_label);
+    pthread_mutex_lock(&ch->lock);
+    ts_share_queue_release_locked(ch, v->share_id);
+    pthread_mutex_unlock(&ch->lock);
+    ts_share_send_releases_now(ch);
+  }
+  free(v);
+  ts_channel_unref(ch);
 }
 
 void ts_share_free_incoming(tshare_channel *ch) {
@@ -325,7 +326,7 @@ static void release_back(tshare_channel *ch, uint64_t share_id) {
 
 /* A share this end will not hold: released back, the peer told. */
 static void refuse_share(tshare_channel *ch, const tshare_share_frame *s, const char *why) {
-  ts_cuda_drop_chunks(ch, s->share_id);
+  ts_backends_share_dropped(ch, s->share_id);
   release_back(ch, s->share_id);
   if (ch->refused++ == 0) ch->refused_first = s->share_id;
   ts_errf(ch->err, sizeof ch->err, TSHARE_E_LIMIT, "receive: refused share %llu from peer %s: %s; released back",
@@ -345,7 +346,7 @@ int ts_share_fd_lost(tshare_channel *ch, const tshare_frame *f, int lost) {
     refuse_share(ch, s, why);
     return TSHARE_OK;
   }
-  ts_cuda_drop_chunks(ch, s->share_id);
+  ts_backends_share_dropped(ch, s->share_id);
   release_back(ch, s->share_id);
   struct rlimit rl;
   unsigned long long limit = getrlimit(RLIMIT_NOFILE, &rl) == 0 ? (unsigned long long)rl.rlim_cur : 0;
@@ -372,7 +373,7 @@ static int enqueue_incoming(tshare_channel *ch, const tshare_frame *f, int fd) {
     ts_incoming *ring = malloc(cap * sizeof *ring);
     if (!ring) {
       if (fd >= 0) close(fd);
-      ts_cuda_drop_chunks(ch, f->u.share.share_id);
+      ts_backends_share_dropped(ch, f->u.share.share_id);
       release_back(ch, f->u.share.share_id);
       return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "receive: out of memory");
     }
@@ -405,12 +406,12 @@ static bool releases_due(tshare_channel *ch) {
   return due;
 }
 
-/* What the session does before a receive may block: releases whose GPU work
- * finished move to the pending list, and pending releases go out (all of
- * them when all_releases, else when releases_due). *gpu: whether releases
- * still wait for the GPU. */
-static int housekeeping(tshare_channel *ch, int64_t deadline, bool all_releases, ts_gpu_wait *gpu) {
-  int rc = ts_cuda_flush(ch, ts_remaining(deadline), gpu);
+/* What the session does before a receive may block: the backends'
+ * housekeeping (releases whose GPU work finished move to the pending list),
+ * and pending releases go out (all of them when all_releases, else when
+ * releases_due). *wait: whether a backend's work still waits. */
+static int housekeeping(tshare_channel *ch, int64_t deadline, bool all_releases, ts_backend_wait *wait) {
+  int rc = ts_backends_housekeeping(ch, ts_remaining(deadline), wait);
   if (rc == TSHARE_OK && (all_releases || releases_due(ch))) rc = ts_share_flush_pending(ch, ts_remaining(deadline));
   return rc;
 }
@@ -433,22 +434,22 @@ int ts_session_recv(tshare_channel *ch, tshare_frame *f, int *fd_out, int *fd_lo
       return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE,
                      "receive: the channel was closed while this call waited (tshare_channel_close from another "
                      "thread or a callback); the handle is gone once this call returns");
-    ts_gpu_wait gpu = TS_GPU_IDLE;
-    int rc = housekeeping(ch, slice_of(deadline, TS_OWED_SLICE_MS), woken, &gpu);
+    ts_backend_wait wait = TS_BACKEND_IDLE;
+    int rc = housekeeping(ch, slice_of(deadline, TS_OWED_SLICE_MS), woken, &wait);
     /* A peer that does not make room for what this end owes (nothing of it
      * went: it goes with a later turn) may still have sent frames: they are
      * read now, or an event loop would find the fd readable forever and two
      * such ends could wait on each other. */
     if (rc != TSHARE_OK && rc != TSHARE_E_TIMEOUT) return rc;
     bool owed = rc == TSHARE_E_TIMEOUT;
-    /* Releases waiting for the GPU are looked at again at once while they
-     * are fresh, then every millisecond. */
+    /* A backend's waiting work (releases waiting for the GPU) is looked at
+     * again at once while it is fresh, then every millisecond. */
     int wait_ms = ts_remaining(deadline);
-    int cap = gpu == TS_GPU_SOON ? 0 : gpu != TS_GPU_IDLE ? 1 : TS_OWED_SLICE_MS;
-    if ((gpu != TS_GPU_IDLE || owed) && (wait_ms < 0 || wait_ms > cap)) wait_ms = cap;
+    int cap = wait == TS_BACKEND_SOON ? 0 : wait != TS_BACKEND_IDLE ? 1 : TS_OWED_SLICE_MS;
+    if ((wait != TS_BACKEND_IDLE || owed) && (wait_ms < 0 || wait_ms > cap)) wait_ms = cap;
     rc = ts_conn_recv(&ch->conn, f, fd_out, fd_lost, wait_ms);
     woken = rc == TS_CONN_WOKEN; /* releases were queued: out with them before waiting on */
-    if (woken || (rc == TSHARE_E_TIMEOUT && (gpu != TS_GPU_IDLE || owed) && ts_remaining(deadline) != 0)) continue;
+    if (woken || (rc == TSHARE_E_TIMEOUT && (wait != TS_BACKEND_IDLE || owed) && ts_remaining(deadline) != 0)) continue;
     return rc;
   }
 }
@@ -464,29 +465,29 @@ static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, i
   int frame_fd, fd_lost;
   int rc;
   if (ch->peer_bye && !past_bye) { /* nothing more comes; what this end owes still goes */
-    ts_gpu_wait gpu;
-    rc = housekeeping(ch, ts_deadline(timeout_ms), false, &gpu);
+    ts_backend_wait wait;
+    rc = housekeeping(ch, ts_deadline(timeout_ms), false, &wait);
     if (rc == TSHARE_E_PEER_CLOSED) ts_share_drop_all(ch, rc);
     return rc == TSHARE_OK ? TSHARE_END : rc;
   }
   rc = ts_session_recv(ch, &f, &frame_fd, &fd_lost, timeout_ms);
   if (rc == TSHARE_E_PEER_CLOSED) ts_share_drop_all(ch, rc);
   if (rc != TSHARE_OK) return rc;
-  if (frame_fd >= 0 && f.type != TSHARE_FRAME_SHARE && f.type != TSHARE_FRAME_CHUNK &&
+  const ts_backend *owner = ts_backend_for_frame(f.type); /* frames of a backend's own: chunks, events, retires */
+  if (frame_fd >= 0 && !owner && f.type != TSHARE_FRAME_SHARE &&
       f.type != TSHARE_FRAME_SET) { /* only these carry memory */
     close(frame_fd);
     frame_fd = -1;
   }
   if (f.type != TSHARE_FRAME_SET) ts_set_on_other_frame(ch, f.type);
+  if (owner) return owner->on_frame(ch, &f, frame_fd, fd_lost);
   switch (f.type) {
   case TSHARE_FRAME_SET:
     return ts_set_on_frame(ch, &f, frame_fd, fd_lost);
   case TSHARE_FRAME_RELEASE:
     return ts_share_apply_release(ch, &f.u.release);
-  case TSHARE_FRAME_CHUNK:
-    return ts_cuda_on_chunk(ch, &f, frame_fd, fd_lost);
   case TSHARE_FRAME_SHARE:
-    if ((rc = ts_cuda_on_share(ch, &f)) != TSHARE_OK) {
+    if ((rc = ts_backends_on_share(ch, &f)) != TSHARE_OK) {
       if (frame_fd >= 0) close(frame_fd);
       release_back(ch, f.u.share.share_id);
       return rc;
@@ -502,15 +503,12 @@ static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, i
   case TSHARE_FRAME_BYE:
     ch->peer_bye = true;
     return TSHARE_END;
-  case TSHARE_FRAME_EVENT:
-  case TSHARE_FRAME_RETIRE:
-    return ts_cuda_on_frame(ch, &f);
   case TSHARE_FRAME_ERROR:
     ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_ERROR, "peer %s reported %s: %s", ch->conn.peer_label,
             tshare_status_name(f.u.error.code), f.u.error.message);
     TS_LOG(TS_LOG_WARN, "%s", ch->err);
     return TSHARE_E_PEER_ERROR;
-  default: /* a second hello */
+  default: /* a second hello, or a frame of a backend this end has not */
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "receive: unexpected %s frame",
                    tshare_frame_type_name(f.type));
   }
@@ -576,7 +574,8 @@ static int peek_share(tshare_channel *ch, int timeout_ms, tshare_share_info *inf
   const tshare_share_frame *s = &ch->incoming[ch->in_head].frame.u.share;
   info->share_id = s->share_id;
   info->device_type = s->device_type;
-  if (s->device_type == TSHARE_DEVICE_CUDA) info->cuda_device = tshare_cuda_device_from_uuid(s->device_uuid);
+  const ts_backend *b = ts_backend_for_mem_kind(s->mem_kind);
+  if (b && b->device_of) info->cuda_device = b->device_of(s);
   return TSHARE_OK;
 }
 
@@ -618,9 +617,11 @@ static int view_recv(tshare_channel *ch, void *stream, int timeout_ms, tshare_vi
   }
   const tshare_share_frame *s = &f.u.share;
   int rc;
-  /* The decoder admits only known memory kinds: the rest is CUDA's. */
-  v->backend = s->mem_kind == TSHARE_MEM_HOST_MEMFD ? &ts_host_backend : &ts_cuda_backend;
-  rc = v->backend->import(ch, &f, &fd, stream, v);
+  v->device = -1;
+  v->backend = ts_backend_for_mem_kind(s->mem_kind);
+  rc = v->backend ? v->backend->import(ch, &f, &fd, stream, v)
+                  : ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED, "import: share %llu is memory of kind %u, "
+                            "which no backend of this end imports", (unsigned long long)s->share_id, s->mem_kind);
   if (fd >= 0) close(fd); /* a mapping keeps the first fd of its allocation, if any */
   if (rc != TSHARE_OK) {
     free(v);
@@ -655,4 +656,6 @@ const tshare_tensor_desc *tshare_view_desc(const tshare_view *v) { return v ? &v
 const char *tshare_view_tag(const tshare_view *v) { return v ? v->tag : ""; }
 uint64_t tshare_view_share_id(const tshare_view *v) { return v ? v->share_id : 0; }
 int tshare_view_device_type(const tshare_view *v) { return v ? v->device_type : 0; }
-int tshare_view_cuda_device(const tshare_view *v) { return v && v->cuda_import ? v->cuda_device : -1; }
+int tshare_view_cuda_device(const tshare_view *v) {
+  return v && v->device_type == TSHARE_DEVICE_CUDA && v->memory ? v->device : -1;
+}

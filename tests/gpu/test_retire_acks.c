@@ -2,13 +2,13 @@
  * take several retire frames, where the socket takes some frames and a later
  * one times out: what went must not go again; the rest goes once the peer
  * reads. Needs the CUDA backend built, no device: the retire notices are
- * handed to the backend as the receive loop would (more of them than one
+ * handed to the backend's frame hook as the receive loop would (more of them than one
  * receive brings, so that the acks fill several frames). And a producer's
  * own retire notice (an allocation nobody holds any more, a held segment
  * idle long enough) that times out: it goes once the peer reads again, or
  * the peer would keep its mapping, and the producer the memory, until the
  * channel closes. Those need a device (they exit 77 without one). */
-#include "cuda_hooks.h"
+#include "backend.h"
 #include "harness.h"
 #include "proc_util.h"
 #include "tshare/cuda.h"
@@ -57,7 +57,9 @@ static void peer_retires_everything(tshare_channel *ch) {
     f.type = TSHARE_FRAME_RETIRE;
     f.u.retire.closed = 0;
     for (uint64_t id = first; id < first + TSHARE_RELEASE_MAX; id++) f.u.retire.alloc_ids[f.u.retire.count++] = id;
-    CHECK_RC(ts_cuda_on_frame(ch, &f), TSHARE_OK, tshare_channel_last_error(ch));
+    const ts_backend *cuda = ts_backend_for_frame(TSHARE_FRAME_RETIRE);
+    CHECK(cuda != NULL);
+    CHECK_RC(cuda->on_frame(ch, &f, -1, 0), TSHARE_OK, tshare_channel_last_error(ch));
   }
 }
 

@@ -142,9 +142,16 @@ typedef struct tshare_event_frame {
   uint8_t handle[TSHARE_HANDLE_MAX]; /* a cudaIpcEventHandle_t */
 } tshare_event_frame;
 
+/* A retire frame's `closed`: what it says of the allocations it names. */
+typedef enum tshare_retire_kind {
+  TSHARE_RETIRE_FREED = 0,  /* the sender (their owner) will free these: close your mappings and answer CLOSED */
+  TSHARE_RETIRE_CLOSED = 1, /* the sender closed its mappings of them */
+  TSHARE_RETIRE_KEPT = 2    /* the sender keeps them mapped until they are retired (send them as
+                               TSHARE_MEM_CUDA_HELD); minor 1 with TSHARE_CAP_CUDA_HELD */
+} tshare_retire_kind;
+
 typedef struct tshare_retire_frame {
-  uint8_t closed; /* 0: the sender will free these; 1: the sender closed its mappings of them; 2: the sender keeps
-                     them mapped until they are retired (send them as TSHARE_MEM_CUDA_HELD) */
+  uint8_t closed; /* a tshare_retire_kind */
   uint32_t count; /* 1..TSHARE_RELEASE_MAX */
   uint64_t alloc_ids[TSHARE_RELEASE_MAX];
 } tshare_retire_frame;

@@ -1,0 +1,201 @@
+/* The CUDA backend's own header, shared by its files around one struct, a
+ * channel's CUDA state (struct ts_cuda_chan):
+ *   backend_cuda.c         the table, the channel's state, events, hello,
+ *                          housekeeping, peer gone, free
+ *   backend_cuda_send.c    the producer: shares, the event pool
+ *   backend_cuda_recv.c    the consumer: chunk frames, imports, releases that
+ *                          wait for the GPU, announced events
+ *   backend_cuda_keep.c    lent memory and kept mappings (docs/architecture.md's
+ *                          glossary): watched runs, kept runs, retire frames
+ * Producer-side state belongs to the thread that drives the channel, like
+ * the rest of a channel; the releases waiting for the GPU are under
+ * ch->lock, since views are released from any thread. */
+#ifndef TSHARE_BACKEND_CUDA_H
+#define TSHARE_BACKEND_CUDA_H
+
+#include "backend.h"
+#include "cuda_anchor.h"
+#include "cuda_internal.h"
+#include "session.h"
+#include "u64map.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Releases waiting for the GPU are looked at again at once while the newest
+ * is younger than this: one queued moments ago usually finishes within
+ * microseconds. */
+#define GPU_SPIN_US 200
+
+#define POOL_MAX 256 /* events a producer keeps per channel; beyond that a share syncs its stream */
+
+typedef struct peer_event {
+  bool announced;
+  CUipcEventHandle handle;
+  CUevent ev; /* opened on first use */
+  CUcontext ctx;
+  uint32_t last_gen;
+} peer_event;
+
+typedef struct drain {
+  uint64_t share_id;
+  CUevent done; /* recorded on the view's stream at release */
+  CUcontext ctx;
+  ts_cuda_mapping *imp;
+  int64_t queued_us;
+} drain;
+
+/* A release event to record again: one per release would cost a create and
+ * a destroy each time. */
+typedef struct spare_event {
+  CUcontext ctx;
+  CUevent ev;
+} spare_event;
+
+#define SPARES_MAX 64
+
+/* Allocation ids waiting to go out in retire frames. */
+typedef struct id_list {
+  uint64_t *ids;
+  size_t n, cap;
+} id_list;
+
+/* Room for `more` ids past the last. */
+static inline bool id_list_reserve(id_list *l, size_t more) {
+  if (l->cap - l->n >= more) return true;
+  size_t cap = l->cap ? l->cap : 16;
+  while (cap - l->n < more) cap *= 2;
+  uint64_t *ids = realloc(l->ids, cap * sizeof *ids);
+  if (!ids) return false;
+  l->ids = ids;
+  l->cap = cap;
+  return true;
+}
+
+static inline bool id_list_push(id_list *l, uint64_t id) {
+  if (!id_list_reserve(l, 1)) return false;
+  l->ids[l->n++] = id;
+  return true;
+}
+
+/* The first n ids went out: only the rest wait. */
+static inline void id_list_drop_front(id_list *l, size_t n) {
+  if (n == 0) return; /* ids may be NULL */
+  memmove(l->ids, l->ids + n, (l->n - n) * sizeof *l->ids);
+  l->n -= n;
+}
+
+typedef struct peer_mapped {
+  ts_cuda_alloc *alloc;
+  bool retire_queued; /* its retire notice went, or waits in the channel's retires */
+} peer_mapped;
+
+struct ts_cuda_chan {
+  /* producer */
+  CUcontext pool_ctx;
+  uint32_t nslots;
+  CUevent pool[POOL_MAX];
+  uint32_t gen[POOL_MAX];
+  bool busy[POOL_MAX];
+  ts_u64map mapped; /* buffer id -> peer_mapped: owned allocations the peer may keep open */
+  /* consumer */
+  peer_event *events; /* TSHARE_EVENT_SLOTS_MAX entries, allocated with the first event frame */
+  drain *drains;      /* under ch->lock */
+  size_t ndrain, cap_drain;
+  spare_event spares[SPARES_MAX]; /* under ch->lock */
+  size_t nspares;
+  id_list acks; /* retire acks to send */
+  /* producer: retire notices (TSHARE_RETIRE_FREED) decided and not sent yet. What
+   * they name is already marked as asked (or no longer watched), so a notice
+   * a timeout held back goes with a later flush, never from the marks. */
+  id_list retires;
+  /* Chunk frames of VMM memory, gathered until their share comes (then
+   * filed under its share id until it is imported or dropped). */
+  struct chunk_set *gathering;
+  ts_u64map chunk_sets; /* share id + 1 -> chunk_set */
+  /* producer: runs of VMM chunks (another allocator's) shared with a retire
+   * notice, so the peer keeps them mapped while idle; looked at every
+   * millisecond the channel is driven, and retired once a chunk was
+   * unmapped or mapped anew (its buffer id changed). */
+  ts_u64map vmm_runs; /* run id + 1 -> vmm_run */
+  /* producer: cudaMalloc segments of another allocator held while the peer
+   * keeps them mapped between hand-offs (cuda_anchor.h) */
+  ts_anchors anchors;
+  int64_t watched_checked_us; /* the last look at the runs and the anchors */
+  /* consumer: VMM mappings of the peer's watched runs this end keeps (a
+   * reference each) until the peer retires them, having told the peer so
+   * (retire frame, TSHARE_RETIRE_KEPT), which then shares them without their fds. */
+  ts_u64map pins;       /* alloc id + 1 -> ts_cuda_mapping */
+  ts_u64map held_refs;  /* share id + 1 -> ts_cuda_mapping: a reference taken when such a share arrived */
+  id_list holds;        /* notices to send */
+};
+
+#define PINS_MAX 64 /* mappings a consumer keeps for one channel's peer; past it shares keep carrying fds */
+
+#define VMM_RUNS_MAX 256 /* runs watched per channel; past it shares go without a retire notice */
+#define WATCH_CHECK_US 1000 /* how often a driven channel looks at its runs and anchors */
+
+/* A watched run keeps the fds it was exported as, while the process-wide
+ * budget allows: the next share of it sends them again without the
+ * driver's export. Once the peer keeps the run mapped they are closed (its
+ * shares go without fds). A run past the budget is watched all the same and
+ * exported again for each share that carries fds. */
+struct vmm_run {
+  int n;
+  bool peer_holds; /* the peer keeps it mapped until retired: shares of it go without fds */
+  int *fd;         /* n, all -1 when the run keeps none */
+  uint64_t v[];    /* n chunk bases, then their n buffer ids */
+};
+
+/* Chunks 1..count-1 of one share's VMM memory (chunk 0 rides on the share). */
+struct chunk_set {
+  uint64_t alloc_id;
+  uint32_t count, n;
+  int lost; /* why a chunk's fd could not be kept (errno or TS_FD_OVER_BUDGET), 0 if none */
+  int fd[TSHARE_CHUNKS_MAX];
+  uint64_t size[TSHARE_CHUNKS_MAX];
+};
+
+/* u64map keys must be nonzero; a buffer id of 0 is not ruled out. */
+#define MAPKEY(buffer_id) ((buffer_id) + 1)
+
+
+extern const ts_backend ts_cuda_backend;
+
+/* backend_cuda.c */
+struct ts_cuda_chan *ts_cuda_chan_if_used(tshare_channel *ch); /* NULL until the channel first uses CUDA */
+struct ts_cuda_chan *ts_cuda_chan_of(tshare_channel *ch);      /* allocated on first use; NULL: out of memory */
+CUresult ts_cuda_event_create(const ts_cuda_api *cu, CUevent *ev, unsigned flags);
+CUresult ts_cuda_event_open(const ts_cuda_api *cu, CUevent *ev, CUipcEventHandle h);
+void ts_cuda_event_destroy(const ts_cuda_api *cu, CUevent ev);
+
+/* backend_cuda_send.c */
+void ts_cuda_export_done(tshare_channel *ch, const ts_export *e);
+int ts_cuda_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_desc *desc, void *stream,
+                       const char *tag, ts_export *e, int timeout_ms, uint64_t *share_id);
+
+/* backend_cuda_recv.c */
+void ts_cuda_chunk_set_free(tshare_channel *ch, struct chunk_set *set);
+int ts_cuda_import_view(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v);
+ts_release_done ts_cuda_view_release(tshare_view *v);
+int ts_cuda_on_event(tshare_channel *ch, const tshare_frame *f);
+int ts_cuda_on_chunk(tshare_channel *ch, const tshare_frame *f, int fd, int fd_lost);
+int ts_cuda_on_share(tshare_channel *ch, const tshare_frame *f);
+void ts_cuda_share_dropped(tshare_channel *ch, uint64_t share_id);
+void ts_cuda_finish_drains(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cuda_api *cu, ts_backend_wait *busy);
+
+/* backend_cuda_keep.c */
+/* The fds of a VMM run's chunks for a share, watching the run (see there). */
+int ts_cuda_vmm_fds(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t run_id, ts_vmm_chunks *chunks, bool *owned,
+                    bool *watched, bool *held);
+void ts_cuda_vmm_runs_free(struct ts_cuda_chan *c);
+void ts_cuda_pin(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t alloc_id, ts_cuda_mapping *imp);
+void ts_cuda_unpin(struct ts_cuda_chan *c, uint64_t alloc_id);
+int ts_cuda_on_retire(tshare_channel *ch, const tshare_frame *f);
+int ts_cuda_send_notices(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cuda_api *cu, int timeout_ms);
+void ts_cuda_before_close(tshare_channel *ch, int timeout_ms);
+
+#endif

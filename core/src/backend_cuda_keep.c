@@ -1,0 +1,294 @@
+/* Lent memory and kept mappings of the CUDA backend (the glossary in
+ * docs/architecture.md): the producer's watched runs of VMM chunks and the
+ * retire frames it sends for what it lent, the consumer's kept runs and
+ * its answers. */
+#include "backend_cuda.h"
+#include "clock.h"
+#include "error_detail.h"
+#include "log.h"
+#include "wire_checks.h"
+
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+/* Fds kept by watched runs of every channel of this process: the fd table
+ * is the process's, and a producer feeding several consumers watches each
+ * run once per channel (four consumers of 200 tensors of expandable
+ * segments would keep over 2000). */
+#define RUN_FDS_MAX 256
+static atomic_long run_fds_kept;
+
+/* The budget: RUN_FDS_MAX, or a quarter of the fd limit where that is less. */
+static long run_fds_budget(void) {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur / 4 < RUN_FDS_MAX)
+    return (long)(rl.rlim_cur / 4);
+  return RUN_FDS_MAX;
+}
+
+/* r keeps the fresh fds of chunks if the budget has room for them. */
+static bool run_keep_fds(struct vmm_run *r, const ts_vmm_chunks *chunks) {
+  long n = r->n;
+  if (atomic_fetch_add(&run_fds_kept, n) + n > run_fds_budget()) {
+    atomic_fetch_sub(&run_fds_kept, n);
+    return false;
+  }
+  for (int i = 0; i < r->n; i++) r->fd[i] = chunks->fd[i];
+  return true;
+}
+
+static void run_close_fds(struct vmm_run *r) {
+  if (r->n == 0 || r->fd[0] < 0) return;
+  for (int i = 0; i < r->n; i++) {
+    close(r->fd[i]);
+    r->fd[i] = -1;
+  }
+  atomic_fetch_sub(&run_fds_kept, r->n);
+}
+
+static void vmm_run_free(struct vmm_run *r) {
+  if (r) run_close_fds(r);
+  free(r);
+}
+
+/* A newly watched run of chunks, keeping no fds yet. */
+static struct vmm_run *vmm_run_new(const ts_vmm_chunks *chunks) {
+  size_t n = (size_t)chunks->n;
+  struct vmm_run *r = malloc(sizeof *r + 2 * n * sizeof(uint64_t) + n * sizeof(int));
+  if (!r) return NULL;
+  r->n = chunks->n;
+  r->peer_holds = false;
+  r->fd = (int *)(r->v + 2 * n);
+  for (size_t i = 0; i < n; i++) {
+    r->v[i] = chunks->base[i];
+    r->v[n + i] = chunks->id[i];
+    r->fd[i] = -1;
+  }
+  return r;
+}
+
+/* Start watching the run of chunks (fds fresh from the export): true if it
+ * kept the fds, which the caller then must not close. */
+static bool vmm_run_watch(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t run_id, const ts_vmm_chunks *chunks,
+                          bool *watched) {
+  if (c->vmm_runs.count >= VMM_RUNS_MAX || ch->conn.minor < 1) return false;
+  struct vmm_run *r = vmm_run_new(chunks);
+  if (!r || ts_u64map_put(&c->vmm_runs, run_id + 1, r) != 0) {
+    free(r);
+    return false;
+  }
+  *watched = true;
+  return run_keep_fds(r, chunks);
+}
+
+/* The chunks' fds: those the watched run keeps when it keeps them, else new
+ * ones, which a newly watched run keeps where the budget allows (*owned
+ * false) or the caller closes after sending (*owned true). *watched: the
+ * share may promise a retire notice. */
+int ts_cuda_vmm_fds(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t run_id, ts_vmm_chunks *chunks, bool *owned,
+                   bool *watched, bool *held) {
+  struct vmm_run *r = ts_u64map_get(&c->vmm_runs, run_id + 1);
+  *owned = false;
+  *watched = r != NULL;
+  *held = r && r->peer_holds;
+  if (*held) return TSHARE_OK; /* the peer has it mapped: no fds travel */
+  if (r && r->fd[0] >= 0) {
+    for (int i = 0; i < chunks->n; i++) chunks->fd[i] = r->fd[i];
+    return TSHARE_OK;
+  }
+  int rc = ts_cuda_vmm_export_fds(chunks, ch->err, sizeof ch->err);
+  if (rc != TSHARE_OK) return rc;
+  *owned = r || !vmm_run_watch(ch, c, run_id, chunks, watched);
+  return TSHARE_OK;
+}
+
+/* Runs whose chunks are no longer where they were, as their owner's
+ * allocator left them: into ids (up to cap), no longer watched. */
+static size_t vmm_runs_gone(struct ts_cuda_chan *c, const ts_cuda_api *cu, uint64_t *ids, size_t cap) {
+  size_t n = 0;
+  uint64_t key;
+  void *value;
+  for (size_t pos = 0; n < cap && ts_u64map_next(&c->vmm_runs, &pos, &key, &value);) {
+    struct vmm_run *r = value;
+    bool same = true;
+    for (int i = 0; same && i < r->n; i++) {
+      unsigned long long id = 0;
+      same = cu->cuPointerGetAttribute(&id, CU_POINTER_ATTRIBUTE_BUFFER_ID, (CUdeviceptr)r->v[i]) == CUDA_SUCCESS &&
+             id == r->v[r->n + i];
+    }
+    if (same) continue;
+    TS_LOG(TS_LOG_DEBUG, "VMM memory %llu (%d chunks) is no longer mapped as it was shared: retiring it",
+           (unsigned long long)(key - 1), r->n);
+    ids[n++] = key - 1;
+    vmm_run_free(ts_u64map_remove(&c->vmm_runs, key));
+  }
+  return n;
+}
+
+void ts_cuda_vmm_runs_free(struct ts_cuda_chan *c) {
+  uint64_t key;
+  void *value;
+  for (size_t pos = 0; ts_u64map_next(&c->vmm_runs, &pos, &key, &value);) vmm_run_free(value);
+  ts_u64map_free(&c->vmm_runs);
+}
+
+/* After a VMM share of a watched run came in with its fds: keep the mapping
+ * (a reference of its own) and tell the peer, which sends the run's next
+ * shares without them. Best effort: without it the fds keep coming. */
+void ts_cuda_pin(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t alloc_id, ts_cuda_mapping *imp) {
+  if (!(ch->conn.peer.capabilities & TSHARE_CAP_CUDA_HELD) || c->pins.count >= PINS_MAX ||
+      ts_u64map_get(&c->pins, alloc_id + 1))
+    return;
+  if (!id_list_push(&c->holds, alloc_id)) return;
+  if (ts_u64map_put(&c->pins, alloc_id + 1, imp) != 0) {
+    c->holds.n--;
+    return;
+  }
+  ts_cuda_import_hold(imp, false);
+}
+
+void ts_cuda_unpin(struct ts_cuda_chan *c, uint64_t alloc_id) {
+  ts_cuda_mapping *imp = ts_u64map_remove(&c->pins, alloc_id + 1);
+  if (imp) ts_cuda_import_put(imp);
+}
+
+/* A retire frame from the peer (closed: tshare_retire_kind): one of our
+ * allocations it closed, a run it keeps mapped, or memory of its own that
+ * it frees. */
+int ts_cuda_on_retire(tshare_channel *ch, const tshare_frame *f) {
+  struct ts_cuda_chan *c = ts_cuda_chan_of(ch);
+  if (!c) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "receive: out of memory");
+  const tshare_retire_frame *r = &f->u.retire;
+  for (uint32_t i = 0; i < r->count; i++) {
+    if (r->closed == TSHARE_RETIRE_CLOSED) { /* our peer closed its mapping: one reference less on the memory */
+      peer_mapped *pm = ts_u64map_remove(&c->mapped, MAPKEY(r->alloc_ids[i]));
+      if (pm) {
+        ts_cuda_alloc_peer_release(pm->alloc);
+        free(pm);
+      } else {
+        (void)ts_anchor_closed(&c->anchors, r->alloc_ids[i]);
+      }
+    } else if (r->closed == TSHARE_RETIRE_KEPT) { /* our peer keeps this run mapped: its next shares go without fds */
+      struct vmm_run *run = ts_u64map_get(&c->vmm_runs, r->alloc_ids[i] + 1);
+      if (run) { /* else retired meanwhile: the peer hears of it */
+        run->peer_holds = true;
+        run_close_fds(run); /* its mapping holds the memory: no share of it needs them now */
+      }
+    } else { /* the owner frees it: close it (now if idle) and say so */
+      ts_cuda_unpin(c, r->alloc_ids[i]);
+      TS_LOG(TS_LOG_DEBUG, "peer %s retires allocation %llu", ch->conn.peer_label, (unsigned long long)r->alloc_ids[i]);
+      ts_cuda_import_retire(ch->conn.peer_key, r->alloc_ids[i]);
+      if (!id_list_push(&c->acks, r->alloc_ids[i]))
+        return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "retire: out of memory");
+    }
+  }
+  return TSHARE_OK;
+}
+
+
+/* ids in retire frames (closed as given), in order; *sent (optional): how
+ * many went before a frame could not, which the caller must not send again. */
+static int send_retire(tshare_channel *ch, uint8_t closed, const uint64_t *ids, size_t n, int timeout_ms,
+                       size_t *sent) {
+  int64_t deadline = ts_deadline(timeout_ms);
+  int rc = TSHARE_OK;
+  size_t at = 0;
+  while (at < n && rc == TSHARE_OK) {
+    tshare_frame f;
+    memset(&f, 0, sizeof f);
+    f.type = TSHARE_FRAME_RETIRE;
+    f.u.retire.closed = closed;
+    for (size_t i = at; i < n && f.u.retire.count < TSHARE_RELEASE_MAX; i++)
+      f.u.retire.alloc_ids[f.u.retire.count++] = ids[i];
+    rc = ts_channel_send(ch, &f, -1, ts_remaining(deadline));
+    if (rc == TSHARE_OK) at += f.u.retire.count;
+  }
+  if (sent) *sent = at;
+  return rc;
+}
+
+/* The ids of l in retire frames (closed as given); those that went leave l,
+ * the rest go with a later flush. */
+static int send_ids(tshare_channel *ch, uint8_t closed, id_list *l, int timeout_ms) {
+  size_t sent = 0;
+  int rc = l->n ? send_retire(ch, closed, l->ids, l->n, timeout_ms, &sent) : TSHARE_OK;
+  id_list_drop_front(l, sent);
+  return rc;
+}
+
+/* Runs whose chunks were unmapped and segments idle long enough: their
+ * retire notices queued (up to one frame's worth a look; room is made
+ * first, so that nothing is marked that the queue could not take). */
+static bool queue_watched_retires(struct ts_cuda_chan *c, const ts_cuda_api *cu, int64_t now) {
+  if (!id_list_reserve(&c->retires, TSHARE_RELEASE_MAX)) return false;
+  uint64_t *ids = c->retires.ids + c->retires.n;
+  size_t n = cu && c->vmm_runs.count ? vmm_runs_gone(c, cu, ids, TSHARE_RELEASE_MAX) : 0;
+  n += ts_anchors_idle(&c->anchors, now, ids + n, TSHARE_RELEASE_MAX - n);
+  c->retires.n += n;
+  return true;
+}
+
+/* Owned allocations nobody holds any more: the peer is told, closes them
+ * and answers; the memory is freed after the answer. Their notices queued
+ * (up to one frame's worth a flush). */
+static bool queue_unused_allocs(struct ts_cuda_chan *c) {
+  if (!c->mapped.count) return true;
+  if (!id_list_reserve(&c->retires, TSHARE_RELEASE_MAX)) return false;
+  uint64_t key;
+  void *value;
+  for (size_t pos = 0, n = 0; n < TSHARE_RELEASE_MAX && ts_u64map_next(&c->mapped, &pos, &key, &value);) {
+    peer_mapped *pm = value;
+    if (pm->retire_queued || !ts_cuda_alloc_unused(pm->alloc)) continue;
+    pm->retire_queued = true;
+    c->retires.ids[c->retires.n++] = key - 1;
+    n++;
+  }
+  return true;
+}
+
+static int retire_nomem(tshare_channel *ch) {
+  return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "retire: out of memory");
+}
+
+void ts_cuda_before_close(tshare_channel *ch, int timeout_ms) {
+  struct ts_cuda_chan *c = ts_cuda_chan_if_used(ch);
+  if (!c || !ts_anchors_count(&c->anchors)) return;
+  int64_t deadline = ts_deadline(timeout_ms);
+  /* Notices queued earlier go too: the wait below is for their answers as well. */
+  size_t n;
+  do {
+    if (!id_list_reserve(&c->retires, TSHARE_RELEASE_MAX)) return;
+    n = ts_anchors_retire_all(&c->anchors, c->retires.ids + c->retires.n, TSHARE_RELEASE_MAX);
+    c->retires.n += n;
+  } while (n > 0);
+  if (send_ids(ch, TSHARE_RETIRE_FREED, &c->retires, ts_remaining(deadline)) != TSHARE_OK) return;
+  /* A peer that hangs up has closed its idle mappings first (its close, or
+   * its exit, does that before the socket goes). */
+  while (ts_anchors_pending(&c->anchors) && ts_remaining(deadline) != 0) {
+    int rc = ts_share_drive(ch, ts_remaining(deadline));
+    if (rc != TSHARE_OK && rc != TSHARE_END) break;
+  }
+}
+
+
+/* The notices this end owes: retires of runs gone and segments idle (looked
+ * at every WATCH_CHECK_US), of allocations nobody holds; hold notices; acks. */
+int ts_cuda_send_notices(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cuda_api *cu, int timeout_ms) {
+  int64_t deadline = ts_deadline(timeout_ms);
+  int64_t now = ts_now_us();
+  if ((c->vmm_runs.count || ts_anchors_count(&c->anchors)) && now - c->watched_checked_us >= WATCH_CHECK_US) {
+    c->watched_checked_us = now;
+    if (!queue_watched_retires(c, cu, now)) return retire_nomem(ch);
+  }
+  if (!queue_unused_allocs(c)) return retire_nomem(ch);
+  int rc = send_ids(ch, TSHARE_RETIRE_FREED, &c->retires, ts_remaining(deadline));
+  if (rc == TSHARE_OK) rc = send_ids(ch, TSHARE_RETIRE_KEPT, &c->holds, ts_remaining(deadline));
+  if (rc == TSHARE_OK) rc = send_ids(ch, TSHARE_RETIRE_CLOSED, &c->acks, ts_remaining(deadline));
+  return rc;
+}
+
