@@ -1,9 +1,10 @@
 /* The session over the loopback transport: two channel ends in one
- * process, opened on ts_loopback_pair()'s fds, carry frames and fds with no
- * socket between them; the end's close reads as the peer's end; fds that
- * are not a loopback end are refused. */
+ * process, opened on ts_loopback_pair()'s fds, carry frames, fds and host
+ * shares with no socket between them; the end's close reads as the peer's
+ * end; fds that are not a loopback end are refused. */
 #include "harness.h"
 #include "session.h"
+#include "tshare/share.h"
 
 #include <fcntl.h>
 #include <pthread.h>
@@ -92,6 +93,41 @@ TS_TEST(frames_carry_fds_and_a_close_ends_the_peers_stream) {
   tshare_channel_close(b);
   close(p[0]);
   close(p[1]);
+}
+
+/* The consumer end: one view, its contents checked, released. */
+static void *consume_one(void *arg) {
+  tshare_channel *ch = arg;
+  tshare_view *v;
+  CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_OK, tshare_channel_last_error(ch));
+  const int *p = tshare_view_data(v);
+  for (int i = 0; i < 100; i++)
+    if (p[i] != 3 * i) TS_FAIL("shared[%d] = %d", i, p[i]);
+  tshare_view_release(v);
+  (void)tshare_channel_poll(ch, 0); /* the driving thread's release goes out when it drives */
+  return NULL;
+}
+
+TS_TEST(a_host_share_goes_over_loopback_and_its_release_comes_back) {
+  tshare_channel *producer, *consumer;
+  open_pair(&producer, &consumer);
+  tshare_host_buffer *buf;
+  CHECK_RC(tshare_host_buffer_create(1 << 16, "tshare-test-loopback", &buf, NULL), TSHARE_OK, "");
+  int *p = tshare_host_buffer_data(buf);
+  for (int i = 0; i < 100; i++) p[i] = 3 * i;
+  int64_t n = 100;
+  tshare_tensor_desc t = tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_INT, 32, 1}, 1, &n, 0);
+  pthread_t thread;
+  CHECK(pthread_create(&thread, NULL, consume_one, consumer) == 0);
+  uint64_t id;
+  CHECK_RC(tshare_share_host(producer, buf, &t, "ints", NULL, 5000, &id), TSHARE_OK,
+           tshare_channel_last_error(producer));
+  CHECK_RC(tshare_channel_wait_released(producer, id, 5000), TSHARE_OK, tshare_channel_last_error(producer));
+  pthread_join(thread, NULL);
+  CHECK_EQ(tshare_host_buffer_outstanding(buf), 0u);
+  tshare_host_buffer_destroy(buf);
+  tshare_channel_close(producer);
+  tshare_channel_close(consumer);
 }
 
 TS_TEST(fds_that_are_no_loopback_end_are_refused) {
