@@ -82,18 +82,18 @@ static void cuda_peer_gone(tshare_channel *ch) {
   if (!c) return;
   uint64_t key;
   void *value;
-  for (size_t pos = 0; ts_u64map_next(&c->mapped, &pos, &key, &value);) {
-    peer_mapped *pm = value;
+  for (size_t pos = 0; ts_u64map_next(&c->lent, &pos, &key, &value);) {
+    lent_alloc *pm = value;
     ts_cuda_alloc_peer_release(pm->alloc);
     free(pm);
   }
-  ts_u64map_free(&c->mapped);
-  ts_cuda_vmm_runs_free(c);
+  ts_u64map_free(&c->lent);
+  ts_cuda_watched_runs_free(c);
   ts_anchors_drop_all(&c->anchors);
-  for (size_t pos = 0; ts_u64map_next(&c->pins, &pos, &key, &value);) ts_cuda_import_put(value);
-  ts_u64map_free(&c->pins);
-  c->holds.n = 0;
-  c->retires.n = 0;
+  for (size_t pos = 0; ts_u64map_next(&c->kept_runs, &pos, &key, &value);) ts_cuda_import_put(value);
+  ts_u64map_free(&c->kept_runs);
+  c->kept_notices.n = 0;
+  c->freed_notices.n = 0;
   if (ch->conn.peer_key) ts_cuda_import_origin_gone(ch->conn.peer_key);
 }
 
@@ -115,9 +115,9 @@ static void cuda_chan_free(tshare_channel *ch) {
   void *set;
   for (size_t i = 0; ts_u64map_next(&c->chunk_sets, &i, &key, &set);) ts_cuda_chunk_set_free(ch, set);
   ts_u64map_free(&c->chunk_sets);
-  for (size_t i = 0; ts_u64map_next(&c->held_refs, &i, &key, &set);) ts_cuda_import_put(set);
-  ts_u64map_free(&c->held_refs);
-  free(c->holds.ids);
+  for (size_t i = 0; ts_u64map_next(&c->held_shares, &i, &key, &set);) ts_cuda_import_put(set);
+  ts_u64map_free(&c->held_shares);
+  free(c->kept_notices.ids);
   if (cu) {
     for (uint32_t i = 0; i < c->nslots; i++) ts_cuda_event_destroy(cu, c->pool[i]);
     for (uint32_t i = 0; c->events && i < TSHARE_EVENT_SLOTS_MAX; i++)
@@ -126,8 +126,8 @@ static void cuda_chan_free(tshare_channel *ch) {
   }
   free(c->events);
   free(c->drains);
-  free(c->acks.ids);
-  free(c->retires.ids);
+  free(c->closed_notices.ids);
+  free(c->freed_notices.ids);
   free(c);
   *ts_backend_data(ch, &ts_cuda_backend) = NULL;
 }

@@ -88,10 +88,10 @@ static inline void id_list_drop_front(id_list *l, size_t n) {
   l->n -= n;
 }
 
-typedef struct peer_mapped {
+typedef struct lent_alloc {
   ts_cuda_alloc *alloc;
-  bool retire_queued; /* its retire notice went, or waits in the channel's retires */
-} peer_mapped;
+  bool retire_queued; /* its retire notice went, or waits in the channel's freed_notices */
+} lent_alloc;
 
 struct ts_cuda_chan {
   /* producer */
@@ -100,18 +100,18 @@ struct ts_cuda_chan {
   CUevent pool[POOL_MAX];
   uint32_t gen[POOL_MAX];
   bool busy[POOL_MAX];
-  ts_u64map mapped; /* buffer id -> peer_mapped: owned allocations the peer may keep open */
+  ts_u64map lent; /* buffer id -> lent_alloc: lent allocations (tshare's own) the peer may keep open */
   /* consumer */
   peer_event *events; /* TSHARE_EVENT_SLOTS_MAX entries, allocated with the first event frame */
   drain *drains;      /* under ch->lock */
   size_t ndrain, cap_drain;
   spare_event spares[SPARES_MAX]; /* under ch->lock */
   size_t nspares;
-  id_list acks; /* retire acks to send */
+  id_list closed_notices; /* TSHARE_RETIRE_CLOSED answers to send */
   /* producer: retire notices (TSHARE_RETIRE_FREED) decided and not sent yet. What
    * they name is already marked as asked (or no longer watched), so a notice
    * a timeout held back goes with a later flush, never from the marks. */
-  id_list retires;
+  id_list freed_notices;
   /* Chunk frames of VMM memory, gathered until their share comes (then
    * filed under its share id until it is imported or dropped). */
   struct chunk_set *gathering;
@@ -120,7 +120,7 @@ struct ts_cuda_chan {
    * notice, so the peer keeps them mapped while idle; looked at every
    * millisecond the channel is driven, and retired once a chunk was
    * unmapped or mapped anew (its buffer id changed). */
-  ts_u64map vmm_runs; /* run id + 1 -> vmm_run */
+  ts_u64map watched_runs; /* run id + 1 -> watched_run */
   /* producer: cudaMalloc segments of another allocator held while the peer
    * keeps them mapped between hand-offs (cuda_anchor.h) */
   ts_anchors anchors;
@@ -128,14 +128,14 @@ struct ts_cuda_chan {
   /* consumer: VMM mappings of the peer's watched runs this end keeps (a
    * reference each) until the peer retires them, having told the peer so
    * (retire frame, TSHARE_RETIRE_KEPT), which then shares them without their fds. */
-  ts_u64map pins;       /* alloc id + 1 -> ts_cuda_mapping */
-  ts_u64map held_refs;  /* share id + 1 -> ts_cuda_mapping: a reference taken when such a share arrived */
-  id_list holds;        /* notices to send */
+  ts_u64map kept_runs;    /* alloc id + 1 -> ts_cuda_mapping */
+  ts_u64map held_shares;  /* share id + 1 -> ts_cuda_mapping: a reference taken when such a share arrived */
+  id_list kept_notices;   /* TSHARE_RETIRE_KEPT notices to send */
 };
 
-#define PINS_MAX 64 /* mappings a consumer keeps for one channel's peer; past it shares keep carrying fds */
+#define KEPT_RUNS_MAX 64 /* mappings a consumer keeps for one channel's peer; past it shares keep carrying fds */
 
-#define VMM_RUNS_MAX 256 /* runs watched per channel; past it shares go without a retire notice */
+#define WATCHED_RUNS_MAX 256 /* runs watched per channel; past it shares go without a retire notice */
 #define WATCH_CHECK_US 1000 /* how often a driven channel looks at its runs and anchors */
 
 /* A watched run keeps the fds it was exported as, while the process-wide
@@ -143,9 +143,9 @@ struct ts_cuda_chan {
  * driver's export. Once the peer keeps the run mapped they are closed (its
  * shares go without fds). A run past the budget is watched all the same and
  * exported again for each share that carries fds. */
-struct vmm_run {
+struct watched_run {
   int n;
-  bool peer_holds; /* the peer keeps it mapped until retired: shares of it go without fds */
+  bool peer_keeps; /* the peer keeps it mapped until retired: shares of it go without fds */
   int *fd;         /* n, all -1 when the run keeps none */
   uint64_t v[];    /* n chunk bases, then their n buffer ids */
 };
@@ -191,9 +191,9 @@ void ts_cuda_finish_drains(tshare_channel *ch, struct ts_cuda_chan *c, const ts_
 /* The fds of a VMM run's chunks for a share, watching the run (see there). */
 int ts_cuda_vmm_fds(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t run_id, ts_vmm_chunks *chunks, bool *owned,
                     bool *watched, bool *held);
-void ts_cuda_vmm_runs_free(struct ts_cuda_chan *c);
-void ts_cuda_pin(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t alloc_id, ts_cuda_mapping *imp);
-void ts_cuda_unpin(struct ts_cuda_chan *c, uint64_t alloc_id);
+void ts_cuda_watched_runs_free(struct ts_cuda_chan *c);
+void ts_cuda_keep_run(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t alloc_id, ts_cuda_mapping *imp);
+void ts_cuda_drop_kept_run(struct ts_cuda_chan *c, uint64_t alloc_id);
 int ts_cuda_on_retire(tshare_channel *ch, const tshare_frame *f);
 int ts_cuda_send_notices(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cuda_api *cu, int timeout_ms);
 void ts_cuda_before_close(tshare_channel *ch, int timeout_ms);

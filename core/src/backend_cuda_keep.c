@@ -32,7 +32,7 @@ static long run_fds_budget(void) {
 }
 
 /* r keeps the fresh fds of chunks if the budget has room for them. */
-static bool run_keep_fds(struct vmm_run *r, const ts_vmm_chunks *chunks) {
+static bool run_keep_fds(struct watched_run *r, const ts_vmm_chunks *chunks) {
   long n = r->n;
   if (atomic_fetch_add(&run_fds_kept, n) + n > run_fds_budget()) {
     atomic_fetch_sub(&run_fds_kept, n);
@@ -42,7 +42,7 @@ static bool run_keep_fds(struct vmm_run *r, const ts_vmm_chunks *chunks) {
   return true;
 }
 
-static void run_close_fds(struct vmm_run *r) {
+static void run_close_fds(struct watched_run *r) {
   if (r->n == 0 || r->fd[0] < 0) return;
   for (int i = 0; i < r->n; i++) {
     close(r->fd[i]);
@@ -51,18 +51,18 @@ static void run_close_fds(struct vmm_run *r) {
   atomic_fetch_sub(&run_fds_kept, r->n);
 }
 
-static void vmm_run_free(struct vmm_run *r) {
+static void watched_run_free(struct watched_run *r) {
   if (r) run_close_fds(r);
   free(r);
 }
 
 /* A newly watched run of chunks, keeping no fds yet. */
-static struct vmm_run *vmm_run_new(const ts_vmm_chunks *chunks) {
+static struct watched_run *watched_run_new(const ts_vmm_chunks *chunks) {
   size_t n = (size_t)chunks->n;
-  struct vmm_run *r = malloc(sizeof *r + 2 * n * sizeof(uint64_t) + n * sizeof(int));
+  struct watched_run *r = malloc(sizeof *r + 2 * n * sizeof(uint64_t) + n * sizeof(int));
   if (!r) return NULL;
   r->n = chunks->n;
-  r->peer_holds = false;
+  r->peer_keeps = false;
   r->fd = (int *)(r->v + 2 * n);
   for (size_t i = 0; i < n; i++) {
     r->v[i] = chunks->base[i];
@@ -74,11 +74,11 @@ static struct vmm_run *vmm_run_new(const ts_vmm_chunks *chunks) {
 
 /* Start watching the run of chunks (fds fresh from the export): true if it
  * kept the fds, which the caller then must not close. */
-static bool vmm_run_watch(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t run_id, const ts_vmm_chunks *chunks,
+static bool watched_run_watch(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t run_id, const ts_vmm_chunks *chunks,
                           bool *watched) {
-  if (c->vmm_runs.count >= VMM_RUNS_MAX || ch->conn.minor < 1) return false;
-  struct vmm_run *r = vmm_run_new(chunks);
-  if (!r || ts_u64map_put(&c->vmm_runs, run_id + 1, r) != 0) {
+  if (c->watched_runs.count >= WATCHED_RUNS_MAX || ch->conn.minor < 1) return false;
+  struct watched_run *r = watched_run_new(chunks);
+  if (!r || ts_u64map_put(&c->watched_runs, run_id + 1, r) != 0) {
     free(r);
     return false;
   }
@@ -92,10 +92,10 @@ static bool vmm_run_watch(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t r
  * share may promise a retire notice. */
 int ts_cuda_vmm_fds(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t run_id, ts_vmm_chunks *chunks, bool *owned,
                    bool *watched, bool *held) {
-  struct vmm_run *r = ts_u64map_get(&c->vmm_runs, run_id + 1);
+  struct watched_run *r = ts_u64map_get(&c->watched_runs, run_id + 1);
   *owned = false;
   *watched = r != NULL;
-  *held = r && r->peer_holds;
+  *held = r && r->peer_keeps;
   if (*held) return TSHARE_OK; /* the peer has it mapped: no fds travel */
   if (r && r->fd[0] >= 0) {
     for (int i = 0; i < chunks->n; i++) chunks->fd[i] = r->fd[i];
@@ -103,18 +103,18 @@ int ts_cuda_vmm_fds(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t run_id,
   }
   int rc = ts_cuda_vmm_export_fds(chunks, ch->err, sizeof ch->err);
   if (rc != TSHARE_OK) return rc;
-  *owned = r || !vmm_run_watch(ch, c, run_id, chunks, watched);
+  *owned = r || !watched_run_watch(ch, c, run_id, chunks, watched);
   return TSHARE_OK;
 }
 
 /* Runs whose chunks are no longer where they were, as their owner's
  * allocator left them: into ids (up to cap), no longer watched. */
-static size_t vmm_runs_gone(struct ts_cuda_chan *c, const ts_cuda_api *cu, uint64_t *ids, size_t cap) {
+static size_t watched_runs_gone(struct ts_cuda_chan *c, const ts_cuda_api *cu, uint64_t *ids, size_t cap) {
   size_t n = 0;
   uint64_t key;
   void *value;
-  for (size_t pos = 0; n < cap && ts_u64map_next(&c->vmm_runs, &pos, &key, &value);) {
-    struct vmm_run *r = value;
+  for (size_t pos = 0; n < cap && ts_u64map_next(&c->watched_runs, &pos, &key, &value);) {
+    struct watched_run *r = value;
     bool same = true;
     for (int i = 0; same && i < r->n; i++) {
       unsigned long long id = 0;
@@ -125,35 +125,35 @@ static size_t vmm_runs_gone(struct ts_cuda_chan *c, const ts_cuda_api *cu, uint6
     TS_LOG(TS_LOG_DEBUG, "VMM memory %llu (%d chunks) is no longer mapped as it was shared: retiring it",
            (unsigned long long)(key - 1), r->n);
     ids[n++] = key - 1;
-    vmm_run_free(ts_u64map_remove(&c->vmm_runs, key));
+    watched_run_free(ts_u64map_remove(&c->watched_runs, key));
   }
   return n;
 }
 
-void ts_cuda_vmm_runs_free(struct ts_cuda_chan *c) {
+void ts_cuda_watched_runs_free(struct ts_cuda_chan *c) {
   uint64_t key;
   void *value;
-  for (size_t pos = 0; ts_u64map_next(&c->vmm_runs, &pos, &key, &value);) vmm_run_free(value);
-  ts_u64map_free(&c->vmm_runs);
+  for (size_t pos = 0; ts_u64map_next(&c->watched_runs, &pos, &key, &value);) watched_run_free(value);
+  ts_u64map_free(&c->watched_runs);
 }
 
 /* After a VMM share of a watched run came in with its fds: keep the mapping
  * (a reference of its own) and tell the peer, which sends the run's next
  * shares without them. Best effort: without it the fds keep coming. */
-void ts_cuda_pin(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t alloc_id, ts_cuda_mapping *imp) {
-  if (!(ch->conn.peer.capabilities & TSHARE_CAP_CUDA_HELD) || c->pins.count >= PINS_MAX ||
-      ts_u64map_get(&c->pins, alloc_id + 1))
+void ts_cuda_keep_run(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t alloc_id, ts_cuda_mapping *imp) {
+  if (!(ch->conn.peer.capabilities & TSHARE_CAP_CUDA_HELD) || c->kept_runs.count >= KEPT_RUNS_MAX ||
+      ts_u64map_get(&c->kept_runs, alloc_id + 1))
     return;
-  if (!id_list_push(&c->holds, alloc_id)) return;
-  if (ts_u64map_put(&c->pins, alloc_id + 1, imp) != 0) {
-    c->holds.n--;
+  if (!id_list_push(&c->kept_notices, alloc_id)) return;
+  if (ts_u64map_put(&c->kept_runs, alloc_id + 1, imp) != 0) {
+    c->kept_notices.n--;
     return;
   }
   ts_cuda_import_hold(imp, false);
 }
 
-void ts_cuda_unpin(struct ts_cuda_chan *c, uint64_t alloc_id) {
-  ts_cuda_mapping *imp = ts_u64map_remove(&c->pins, alloc_id + 1);
+void ts_cuda_drop_kept_run(struct ts_cuda_chan *c, uint64_t alloc_id) {
+  ts_cuda_mapping *imp = ts_u64map_remove(&c->kept_runs, alloc_id + 1);
   if (imp) ts_cuda_import_put(imp);
 }
 
@@ -166,7 +166,7 @@ int ts_cuda_on_retire(tshare_channel *ch, const tshare_frame *f) {
   const tshare_retire_frame *r = &f->u.retire;
   for (uint32_t i = 0; i < r->count; i++) {
     if (r->closed == TSHARE_RETIRE_CLOSED) { /* our peer closed its mapping: one reference less on the memory */
-      peer_mapped *pm = ts_u64map_remove(&c->mapped, MAPKEY(r->alloc_ids[i]));
+      lent_alloc *pm = ts_u64map_remove(&c->lent, MAPKEY(r->alloc_ids[i]));
       if (pm) {
         ts_cuda_alloc_peer_release(pm->alloc);
         free(pm);
@@ -174,16 +174,16 @@ int ts_cuda_on_retire(tshare_channel *ch, const tshare_frame *f) {
         (void)ts_anchor_closed(&c->anchors, r->alloc_ids[i]);
       }
     } else if (r->closed == TSHARE_RETIRE_KEPT) { /* our peer keeps this run mapped: its next shares go without fds */
-      struct vmm_run *run = ts_u64map_get(&c->vmm_runs, r->alloc_ids[i] + 1);
+      struct watched_run *run = ts_u64map_get(&c->watched_runs, r->alloc_ids[i] + 1);
       if (run) { /* else retired meanwhile: the peer hears of it */
-        run->peer_holds = true;
+        run->peer_keeps = true;
         run_close_fds(run); /* its mapping holds the memory: no share of it needs them now */
       }
     } else { /* the owner frees it: close it (now if idle) and say so */
-      ts_cuda_unpin(c, r->alloc_ids[i]);
-      TS_LOG(TS_LOG_DEBUG, "peer %s retires allocation %llu", ch->conn.peer_label, (unsigned long long)r->alloc_ids[i]);
+      ts_cuda_drop_kept_run(c, r->alloc_ids[i]);
+      TS_LOG(TS_LOG_DEBUG, "peer %s freed_notices allocation %llu", ch->conn.peer_label, (unsigned long long)r->alloc_ids[i]);
       ts_cuda_import_retire(ch->conn.peer_key, r->alloc_ids[i]);
-      if (!id_list_push(&c->acks, r->alloc_ids[i]))
+      if (!id_list_push(&c->closed_notices, r->alloc_ids[i]))
         return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "retire: out of memory");
     }
   }
@@ -225,27 +225,27 @@ static int send_ids(tshare_channel *ch, uint8_t closed, id_list *l, int timeout_
  * retire notices queued (up to one frame's worth a look; room is made
  * first, so that nothing is marked that the queue could not take). */
 static bool queue_watched_retires(struct ts_cuda_chan *c, const ts_cuda_api *cu, int64_t now) {
-  if (!id_list_reserve(&c->retires, TSHARE_RELEASE_MAX)) return false;
-  uint64_t *ids = c->retires.ids + c->retires.n;
-  size_t n = cu && c->vmm_runs.count ? vmm_runs_gone(c, cu, ids, TSHARE_RELEASE_MAX) : 0;
+  if (!id_list_reserve(&c->freed_notices, TSHARE_RELEASE_MAX)) return false;
+  uint64_t *ids = c->freed_notices.ids + c->freed_notices.n;
+  size_t n = cu && c->watched_runs.count ? watched_runs_gone(c, cu, ids, TSHARE_RELEASE_MAX) : 0;
   n += ts_anchors_idle(&c->anchors, now, ids + n, TSHARE_RELEASE_MAX - n);
-  c->retires.n += n;
+  c->freed_notices.n += n;
   return true;
 }
 
-/* Owned allocations nobody holds any more: the peer is told, closes them
+/* Lent allocations nobody holds any more: the peer is told, closes them
  * and answers; the memory is freed after the answer. Their notices queued
  * (up to one frame's worth a flush). */
 static bool queue_unused_allocs(struct ts_cuda_chan *c) {
-  if (!c->mapped.count) return true;
-  if (!id_list_reserve(&c->retires, TSHARE_RELEASE_MAX)) return false;
+  if (!c->lent.count) return true;
+  if (!id_list_reserve(&c->freed_notices, TSHARE_RELEASE_MAX)) return false;
   uint64_t key;
   void *value;
-  for (size_t pos = 0, n = 0; n < TSHARE_RELEASE_MAX && ts_u64map_next(&c->mapped, &pos, &key, &value);) {
-    peer_mapped *pm = value;
+  for (size_t pos = 0, n = 0; n < TSHARE_RELEASE_MAX && ts_u64map_next(&c->lent, &pos, &key, &value);) {
+    lent_alloc *pm = value;
     if (pm->retire_queued || !ts_cuda_alloc_unused(pm->alloc)) continue;
     pm->retire_queued = true;
-    c->retires.ids[c->retires.n++] = key - 1;
+    c->freed_notices.ids[c->freed_notices.n++] = key - 1;
     n++;
   }
   return true;
@@ -262,11 +262,11 @@ void ts_cuda_before_close(tshare_channel *ch, int timeout_ms) {
   /* Notices queued earlier go too: the wait below is for their answers as well. */
   size_t n;
   do {
-    if (!id_list_reserve(&c->retires, TSHARE_RELEASE_MAX)) return;
-    n = ts_anchors_retire_all(&c->anchors, c->retires.ids + c->retires.n, TSHARE_RELEASE_MAX);
-    c->retires.n += n;
+    if (!id_list_reserve(&c->freed_notices, TSHARE_RELEASE_MAX)) return;
+    n = ts_anchors_retire_all(&c->anchors, c->freed_notices.ids + c->freed_notices.n, TSHARE_RELEASE_MAX);
+    c->freed_notices.n += n;
   } while (n > 0);
-  if (send_ids(ch, TSHARE_RETIRE_FREED, &c->retires, ts_remaining(deadline)) != TSHARE_OK) return;
+  if (send_ids(ch, TSHARE_RETIRE_FREED, &c->freed_notices, ts_remaining(deadline)) != TSHARE_OK) return;
   /* A peer that hangs up has closed its idle mappings first (its close, or
    * its exit, does that before the socket goes). */
   while (ts_anchors_pending(&c->anchors) && ts_remaining(deadline) != 0) {
@@ -276,19 +276,19 @@ void ts_cuda_before_close(tshare_channel *ch, int timeout_ms) {
 }
 
 
-/* The notices this end owes: retires of runs gone and segments idle (looked
- * at every WATCH_CHECK_US), of allocations nobody holds; hold notices; acks. */
+/* The notices this end owes: retire notices of runs gone and segments idle (looked
+ * at every WATCH_CHECK_US) and of allocations nobody holds; KEPT notices; CLOSED answers. */
 int ts_cuda_send_notices(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cuda_api *cu, int timeout_ms) {
   int64_t deadline = ts_deadline(timeout_ms);
   int64_t now = ts_now_us();
-  if ((c->vmm_runs.count || ts_anchors_count(&c->anchors)) && now - c->watched_checked_us >= WATCH_CHECK_US) {
+  if ((c->watched_runs.count || ts_anchors_count(&c->anchors)) && now - c->watched_checked_us >= WATCH_CHECK_US) {
     c->watched_checked_us = now;
     if (!queue_watched_retires(c, cu, now)) return retire_nomem(ch);
   }
   if (!queue_unused_allocs(c)) return retire_nomem(ch);
-  int rc = send_ids(ch, TSHARE_RETIRE_FREED, &c->retires, ts_remaining(deadline));
-  if (rc == TSHARE_OK) rc = send_ids(ch, TSHARE_RETIRE_KEPT, &c->holds, ts_remaining(deadline));
-  if (rc == TSHARE_OK) rc = send_ids(ch, TSHARE_RETIRE_CLOSED, &c->acks, ts_remaining(deadline));
+  int rc = send_ids(ch, TSHARE_RETIRE_FREED, &c->freed_notices, ts_remaining(deadline));
+  if (rc == TSHARE_OK) rc = send_ids(ch, TSHARE_RETIRE_KEPT, &c->kept_notices, ts_remaining(deadline));
+  if (rc == TSHARE_OK) rc = send_ids(ch, TSHARE_RETIRE_CLOSED, &c->closed_notices, ts_remaining(deadline));
   return rc;
 }
 

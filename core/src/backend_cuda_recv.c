@@ -38,7 +38,7 @@ static int gather_chunks(tshare_channel *ch, const tshare_share_frame *s, int fd
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_LIMIT,
                    "import: share %llu spans %u chunks and not all of their fds could be kept (%s)",
                    (unsigned long long)s->share_id, set->count,
-                   set->lost == TS_FD_OVER_BUDGET ? "the channel holds max_unclaimed_fds" : strerror(set->lost));
+                   set->lost == TS_FD_OVER_BUDGET ? "the channel kept_notices max_unclaimed_fds" : strerror(set->lost));
   uint64_t rest = 0;
   for (uint32_t i = 0; i < set->n; i++) rest += set->size[i];
   if (rest >= s->alloc_size)
@@ -61,7 +61,7 @@ static int cuda_import_set(tshare_channel *ch, const tshare_frame *f, int *fdp, 
 int ts_cuda_import_view(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v) {
   struct ts_cuda_chan *c = ts_cuda_chan_of(ch);
   struct chunk_set *set = c ? ts_u64map_remove(&c->chunk_sets, f->u.share.share_id + 1) : NULL;
-  ts_cuda_mapping *held = c ? ts_u64map_remove(&c->held_refs, f->u.share.share_id + 1) : NULL;
+  ts_cuda_mapping *held = c ? ts_u64map_remove(&c->held_shares, f->u.share.share_id + 1) : NULL;
   int status = cuda_import_set(ch, f, fdp, stream, v, set, &held);
   ts_cuda_chunk_set_free(ch, set); /* mapped or not, their fds are done with */
   if (held) ts_cuda_import_put(held); /* not taken by a view */
@@ -112,7 +112,45 @@ static int open_mapping(tshare_channel *ch, struct ts_cuda_chan *c, const tshare
                               chunks.n > 1 ? &chunks : NULL, (size_t)s->alloc_size,
                               (s->share_flags & TSHARE_SHARE_FLAG_RETIRE_NOTICE) != 0, imp, ch->err, sizeof ch->err);
   /* The owner watches this run and retires it: keep it for its next shares. */
-  if (status == TSHARE_OK && vmm && (s->share_flags & TSHARE_SHARE_FLAG_HOLD_OFFER)) ts_cuda_pin(ch, c, s->alloc_id, *imp);
+  if (status == TSHARE_OK && vmm && (s->share_flags & TSHARE_SHARE_FLAG_HOLD_OFFER)) ts_cuda_keep_run(ch, c, s->alloc_id, *imp);
+  return status;
+}
+
+/* The share waits on the producer's event in its slot: the view's stream
+ * waits for it on the GPU (nothing to wait for when it already passed). */
+static int wait_on_producer_event(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cuda_api *cu,
+                                  const tshare_frame *f, CUcontext ctx, void *stream) {
+  const tshare_share_frame *s = &f->u.share;
+  int status = TSHARE_OK;
+  CUresult rc;
+  peer_event *pe = c->events && s->event_slot < TSHARE_EVENT_SLOTS_MAX ? &c->events[s->event_slot] : NULL;
+  if (!pe || !pe->announced)
+    status = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "import: share %llu waits on event slot %u, which "
+                     "was never announced", (unsigned long long)s->share_id, s->event_slot);
+  else if ((int32_t)(s->event_generation - pe->last_gen) <= 0)
+    status = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                     "import: event slot %u went back from generation %u to %u: re-recorded before it was waited "
+                     "on",
+                     s->event_slot, pe->last_gen, s->event_generation);
+  if (status == TSHARE_OK && ts_cuda_push(ctx)) {
+    rc = CUDA_SUCCESS;
+    if (!pe->ev) {
+      rc = ts_cuda_event_open(cu, &pe->ev, pe->handle);
+      if (rc == CUDA_SUCCESS) pe->ctx = ctx;
+    }
+    /* The producer's work is usually done by the time its frame is here:
+     * then there is nothing to wait for, and the stream stays empty (so
+     * the release need not wait on the GPU either). The slot is not
+     * recorded again before this share is released, so a completed
+     * query speaks of this share's point. */
+    if (rc == CUDA_SUCCESS) {
+      rc = cu->cuEventQuery(pe->ev);
+      if (rc == CUDA_ERROR_NOT_READY) rc = cu->cuStreamWaitEvent((CUstream)stream, pe->ev, 0);
+    }
+    ts_cuda_pop();
+    if (rc != CUDA_SUCCESS) status = ts_cuda_fail(ch->err, sizeof ch->err, "import: waiting on the producer's event", rc);
+    else pe->last_gen = s->event_generation;
+  }
   return status;
 }
 
@@ -170,34 +208,7 @@ static int cuda_import_set(tshare_channel *ch, const tshare_frame *f, int *fdp, 
                                                : open_mapping(ch, c, s, ctx, fdp, set, &imp);
   if (status != TSHARE_OK) return status;
   if (f->flags & TSHARE_FRAME_FLAG_HAS_EVENT) {
-    peer_event *pe = c->events && s->event_slot < TSHARE_EVENT_SLOTS_MAX ? &c->events[s->event_slot] : NULL;
-    if (!pe || !pe->announced)
-      status = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "import: share %llu waits on event slot %u, which "
-                       "was never announced", (unsigned long long)s->share_id, s->event_slot);
-    else if ((int32_t)(s->event_generation - pe->last_gen) <= 0)
-      status = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
-                       "import: event slot %u went back from generation %u to %u: re-recorded before it was waited "
-                       "on",
-                       s->event_slot, pe->last_gen, s->event_generation);
-    if (status == TSHARE_OK && ts_cuda_push(ctx)) {
-      rc = CUDA_SUCCESS;
-      if (!pe->ev) {
-        rc = ts_cuda_event_open(cu, &pe->ev, pe->handle);
-        if (rc == CUDA_SUCCESS) pe->ctx = ctx;
-      }
-      /* The producer's work is usually done by the time its frame is here:
-       * then there is nothing to wait for, and the stream stays empty (so
-       * the release need not wait on the GPU either). The slot is not
-       * recorded again before this share is released, so a completed
-       * query speaks of this share's point. */
-      if (rc == CUDA_SUCCESS) {
-        rc = cu->cuEventQuery(pe->ev);
-        if (rc == CUDA_ERROR_NOT_READY) rc = cu->cuStreamWaitEvent((CUstream)stream, pe->ev, 0);
-      }
-      ts_cuda_pop();
-      if (rc != CUDA_SUCCESS) status = ts_cuda_fail(ch->err, sizeof ch->err, "import: waiting on the producer's event", rc);
-      else pe->last_gen = s->event_generation;
-    }
+    status = wait_on_producer_event(ch, c, cu, f, ctx, stream);
     if (status != TSHARE_OK) {
       ts_cuda_import_put(imp);
       return status;
@@ -330,14 +341,14 @@ int ts_cuda_on_chunk(tshare_channel *ch, const tshare_frame *f, int fd, int fd_l
 
 /* A share of memory this end keeps mapped: a reference for it now, while the
  * peer's word stands (a retire that follows it unpins the mapping). */
-static int take_held(tshare_channel *ch, const tshare_share_frame *s) {
+static int take_held_share(tshare_channel *ch, const tshare_share_frame *s) {
   struct ts_cuda_chan *c = ts_cuda_chan_of(ch);
-  ts_cuda_mapping *imp = c ? ts_u64map_get(&c->pins, s->alloc_id + 1) : NULL;
+  ts_cuda_mapping *imp = c ? ts_u64map_get(&c->kept_runs, s->alloc_id + 1) : NULL;
   if (!imp)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
                    "share %llu: peer %s names VMM memory %llu, which this end does not keep mapped",
                    (unsigned long long)s->share_id, ch->conn.peer_label, (unsigned long long)s->alloc_id);
-  if (ts_u64map_put(&c->held_refs, s->share_id + 1, imp) != 0)
+  if (ts_u64map_put(&c->held_shares, s->share_id + 1, imp) != 0)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "receive: out of memory");
   ts_cuda_import_hold(imp, true);
   return TSHARE_OK;
@@ -355,13 +366,13 @@ static int refuse_repeated_id(tshare_channel *ch, struct ts_cuda_chan *c, uint64
 }
 
 static bool share_id_waits(const struct ts_cuda_chan *c, uint64_t share_id) {
-  return ts_u64map_get(&c->chunk_sets, share_id + 1) || ts_u64map_get(&c->held_refs, share_id + 1);
+  return ts_u64map_get(&c->chunk_sets, share_id + 1) || ts_u64map_get(&c->held_shares, share_id + 1);
 }
 
 int ts_cuda_on_share(tshare_channel *ch, const tshare_frame *f) {
   struct ts_cuda_chan *c = ts_cuda_chan_if_used(ch);
   if (c && share_id_waits(c, f->u.share.share_id)) return refuse_repeated_id(ch, c, f->u.share.share_id);
-  if (f->u.share.mem_kind == TSHARE_MEM_CUDA_HELD && (!c || !c->gathering)) return take_held(ch, &f->u.share);
+  if (f->u.share.mem_kind == TSHARE_MEM_CUDA_HELD && (!c || !c->gathering)) return take_held_share(ch, &f->u.share);
   struct chunk_set *set = c ? c->gathering : NULL;
   bool chunked = f->u.share.mem_kind == TSHARE_MEM_CUDA_FD && (f->u.share.share_flags & TSHARE_SHARE_FLAG_CHUNKS);
   if (!chunked && !set) return TSHARE_OK;
@@ -383,7 +394,7 @@ void ts_cuda_share_dropped(tshare_channel *ch, uint64_t share_id) {
   struct ts_cuda_chan *c = ts_cuda_chan_if_used(ch);
   if (!c) return;
   ts_cuda_chunk_set_free(ch, ts_u64map_remove(&c->chunk_sets, share_id + 1));
-  ts_cuda_mapping *held = ts_u64map_remove(&c->held_refs, share_id + 1);
+  ts_cuda_mapping *held = ts_u64map_remove(&c->held_shares, share_id + 1);
   if (held) ts_cuda_import_put(held);
 }
 

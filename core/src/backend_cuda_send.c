@@ -97,6 +97,50 @@ static int send_chunks(tshare_channel *ch, const ts_cuda_export *x, const ts_vmm
   return TSHARE_OK;
 }
 
+/* Order the consumer after the work queued on stream so far: nothing when
+ * it is idle, else an event of the pool (recorded, its slot in e and f),
+ * else a host sync. Returns the status. */
+static int order_after_stream(tshare_channel *ch, const ts_cuda_api *cu, const ts_cuda_export *x, void *stream,
+                              int timeout_ms, ts_export *e, tshare_frame *f) {
+  e->backend = NULL;
+  int status = TSHARE_OK;
+  struct ts_cuda_chan *c = ts_cuda_chan_if_used(ch);
+  tshare_share_frame *s = &f->u.share;
+  CUresult rc = CUDA_SUCCESS;
+  if (!ts_cuda_push(x->ctx)) {
+    status = ts_errf(ch->err, sizeof ch->err, TSHARE_E_CUDA, "share: cannot enter the memory's context");
+  } else if ((rc = cu->cuStreamQuery((CUstream)stream)) == CUDA_SUCCESS) {
+    /* The work that wrote the tensor has finished: nothing to order the
+     * consumer after, so no event (and no slot) at all. */
+    ts_cuda_pop();
+  } else {
+    rc = CUDA_SUCCESS;
+    int slot = pool_take(ch, c, x->ctx, timeout_ms, &status);
+    if (status == TSHARE_OK && slot >= 0) {
+      /* The consumer's stream waits for this point of ours: no host sync. */
+      rc = cu->cuEventRecord(c->pool[slot], (CUstream)stream);
+      if (rc == CUDA_SUCCESS) {
+        c->busy[slot] = true;
+        e->backend = &ts_cuda_backend; /* its export_done frees the slot */
+        e->backend_slot = slot;
+        f->flags |= TSHARE_FRAME_FLAG_HAS_EVENT;
+        s->event_slot = (uint32_t)slot;
+        s->event_generation = ++c->gen[slot];
+      }
+    } else if (status == TSHARE_OK) {
+      rc = cu->cuStreamSynchronize((CUstream)stream);
+      pthread_mutex_lock(&ts_cuda_lock);
+      ts_cuda_counters.host_syncs++;
+      pthread_mutex_unlock(&ts_cuda_lock);
+    }
+    ts_cuda_pop();
+    if (status == TSHARE_OK && rc != CUDA_SUCCESS)
+      status = ts_cuda_fail(ch->err, sizeof ch->err,
+                            "share: ordering on the stream (is it a stream of the memory's device?)", rc);
+  }
+  return status;
+}
+
 /* Fill and send the share (chunks: another allocator's VMM memory, else
  * NULL; held: such memory the peer keeps mapped, named by its id alone, no chunks); e
  * (release, owner, user_data set) is consumed. */
@@ -153,40 +197,7 @@ static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, const ts
     s->tag_len = (uint8_t)strlen(tag);
     memcpy(s->tag, tag, s->tag_len);
   }
-  e->backend = NULL;
-  int status = TSHARE_OK;
-  CUresult rc = CUDA_SUCCESS;
-  if (!ts_cuda_push(x->ctx)) {
-    status = ts_errf(ch->err, sizeof ch->err, TSHARE_E_CUDA, "share: cannot enter the memory's context");
-  } else if ((rc = cu->cuStreamQuery((CUstream)stream)) == CUDA_SUCCESS) {
-    /* The work that wrote the tensor has finished: nothing to order the
-     * consumer after, so no event (and no slot) at all. */
-    ts_cuda_pop();
-  } else {
-    rc = CUDA_SUCCESS;
-    int slot = pool_take(ch, c, x->ctx, timeout_ms, &status);
-    if (status == TSHARE_OK && slot >= 0) {
-      /* The consumer's stream waits for this point of ours: no host sync. */
-      rc = cu->cuEventRecord(c->pool[slot], (CUstream)stream);
-      if (rc == CUDA_SUCCESS) {
-        c->busy[slot] = true;
-        e->backend = &ts_cuda_backend; /* its export_done frees the slot */
-        e->backend_slot = slot;
-        f.flags |= TSHARE_FRAME_FLAG_HAS_EVENT;
-        s->event_slot = (uint32_t)slot;
-        s->event_generation = ++c->gen[slot];
-      }
-    } else if (status == TSHARE_OK) {
-      rc = cu->cuStreamSynchronize((CUstream)stream);
-      pthread_mutex_lock(&ts_cuda_lock);
-      ts_cuda_counters.host_syncs++;
-      pthread_mutex_unlock(&ts_cuda_lock);
-    }
-    ts_cuda_pop();
-    if (status == TSHARE_OK && rc != CUDA_SUCCESS)
-      status = ts_cuda_fail(ch->err, sizeof ch->err,
-                            "share: ordering on the stream (is it a stream of the memory's device?)", rc);
-  }
+  int status = order_after_stream(ch, cu, x, stream, timeout_ms, e, &f);
   if (status == TSHARE_OK && several) status = send_chunks(ch, x, chunks, deadline);
   if (status != TSHARE_OK) {
     if (e->backend) c->busy[e->backend_slot] = false;
@@ -297,9 +308,9 @@ static int share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const 
     /* The peer may keep this allocation mapped while idle; the memory is
      * freed only after it said it closed it (retire handshake). */
     flags = TSHARE_SHARE_FLAG_RETIRE_NOTICE;
-    if (!ts_u64map_get(&c->mapped, MAPKEY(x->buffer_id))) {
-      peer_mapped *pm = calloc(1, sizeof *pm);
-      if (!pm || ts_u64map_put(&c->mapped, MAPKEY(x->buffer_id), pm) != 0) {
+    if (!ts_u64map_get(&c->lent, MAPKEY(x->buffer_id))) {
+      lent_alloc *pm = calloc(1, sizeof *pm);
+      if (!pm || ts_u64map_put(&c->lent, MAPKEY(x->buffer_id), pm) != 0) {
         free(pm);
         return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
       }

@@ -149,7 +149,9 @@ int ts_share_flush_pending(tshare_channel *ch, int timeout_ms);
  * send the queued releases now if that needs no waiting. */
 void ts_share_send_releases_now(tshare_channel *ch);
 
+/* session_release.c */
 void ts_share_queue_release_locked(tshare_channel *ch, uint64_t share_id); /* with ch->lock held */
+void ts_share_release_back(tshare_channel *ch, uint64_t share_id);         /* a share released at once, unused */
 int ts_share_send_export(tshare_channel *ch, tshare_frame *f, int fd, ts_export *e, int timeout_ms, uint64_t *share_id);
 /* Handle one frame from the peer (after its bye too: TSHARE_END for the bye
  * itself); shares are queued for tshare_view_recv(). */

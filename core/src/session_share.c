@@ -186,100 +186,6 @@ void ts_share_drop_all(tshare_channel *ch, int status) {
 
 /* ---- consumer side ------------------------------------------------------ */
 
-/* Move the oldest queued release ids, at most one frame's worth, into a
- * release frame (with ch->lock held); its count is 0 when none were queued. */
-static void take_pending_locked(tshare_channel *ch, tshare_frame *f) {
-  memset(f, 0, sizeof *f);
-  f->type = TSHARE_FRAME_RELEASE;
-  uint32_t n =
-      ch->npending < ch->conn.limits.max_release_ids ? (uint32_t)ch->npending : ch->conn.limits.max_release_ids;
-  if (n == 0) return; /* pending may still be NULL */
-  memcpy(f->u.release.share_ids, ch->pending, n * sizeof(uint64_t));
-  memmove(ch->pending, ch->pending + n, (ch->npending - n) * sizeof(uint64_t));
-  ch->npending -= n;
-  f->u.release.count = n;
-}
-
-/* Tell the peer, before their releases reach it, that shares were refused:
- * otherwise a producer would only see them come back unused. */
-static void send_refusal_notice(tshare_channel *ch) {
-  if (!ch->refused || ch->refusal_told) return;
-  ch->refusal_told = true; /* once until a share is taken again: a flood gets one notice, not one per share */
-  char msg[TSHARE_ERROR_TEXT_MAX + 1];
-  snprintf(msg, sizeof msg,
-           "refused share %llu, and refuses more while %zu fds of shares wait here for tshare_view_recv() "
-           "(max_unclaimed_fds); each is released back",
-           (unsigned long long)ch->refused_first, ch->conn.fdq.budget);
-  ts_conn_send_error(&ch->conn, TSHARE_E_LIMIT, msg);
-}
-
-/* A release frame that did not go out: its ids are queued again. */
-static bool push_pending_locked(tshare_channel *ch, uint64_t share_id);
-
-/* Releases that found no room, back on the list. The driving thread that
- * put them back wakes nobody: a wake would end its own next wait at once, a
- * spin while the peer makes no room. Another thread tells it (tell_driver). */
-static void put_back(tshare_channel *ch, const tshare_frame *f, bool tell_driver) {
-  pthread_mutex_lock(&ch->lock);
-  for (uint32_t i = 0; i < f->u.release.count; i++) (void)push_pending_locked(ch, f->u.release.share_ids[i]);
-  if (tell_driver) ts_conn_wake(&ch->conn);
-  pthread_mutex_unlock(&ch->lock);
-}
-
-int ts_share_flush_pending(tshare_channel *ch, int timeout_ms) {
-  int64_t deadline = ts_deadline(timeout_ms);
-  send_refusal_notice(ch);
-  for (;;) {
-    tshare_frame f;
-    pthread_mutex_lock(&ch->lock);
-    take_pending_locked(ch, &f);
-    pthread_mutex_unlock(&ch->lock);
-    if (f.u.release.count == 0) return TSHARE_OK;
-    int rc = ts_channel_send(ch, &f, -1, ts_remaining(deadline));
-    if (rc == TSHARE_E_TIMEOUT) put_back(ch, &f, false); /* nothing went: they go with a later flush */
-    if (rc != TSHARE_OK) return rc;               /* a dead peer no longer needs the releases */
-  }
-}
-
-void ts_share_send_releases_now(tshare_channel *ch) {
-  /* The driving thread's own releases wait for its next receive, which sends
-   * them in batches; a blocked driving thread was woken and sends them. The
-   * send lock is only tried: a driving thread that holds it sends them. */
-  if (ts_conn_driven_by_caller(&ch->conn)) return;
-  pthread_mutex_lock(&ch->lock);
-  if (ch->closed || ch->npending == 0 || ts_conn_driver_blocked(&ch->conn)) {
-    pthread_mutex_unlock(&ch->lock);
-    return;
-  }
-  tshare_frame f;
-  take_pending_locked(ch, &f);
-  pthread_mutex_unlock(&ch->lock);
-  if (ts_conn_send_now(&ch->conn, &f)) return;
-  put_back(ch, &f, true); /* nothing went: back to the driving thread, which is told */
-}
-
-/* A release on the pending list, with ch->lock held. False: not queued. */
-static bool push_pending_locked(tshare_channel *ch, uint64_t share_id) {
-  if (ch->closed) return false; /* closing dropped everything the peer gave us */
-  if (ch->npending == ch->pending_cap) {
-    size_t cap = ch->pending_cap ? ch->pending_cap * 2 : 64;
-    uint64_t *p = realloc(ch->pending, cap * sizeof *p);
-    /* Out of memory: the share stays outstanding at the producer until the
-     * channel closes, which frees it. Degraded, never lost data. */
-    if (!p) return false;
-    ch->pending = p;
-    ch->pending_cap = cap;
-  }
-  ch->pending[ch->npending++] = share_id;
-  return true;
-}
-
-/* Queue a release for the driving thread and wake it if it is blocked in a
- * receive. Called with ch->lock held, which also keeps wake_fd open. */
-void ts_share_queue_release_locked(tshare_channel *ch, uint64_t share_id) {
-  if (push_pending_locked(ch, share_id)) ts_conn_wake(&ch->conn);
-}
-
 /* A view a forked child inherited: its channel is its parent's, so nothing
  * is queued or sent; the child only drops its own mapping of the memory
  * where its backend has one to drop. */
@@ -317,17 +223,10 @@ void ts_share_free_incoming(tshare_channel *ch) {
   ts_set_free_queued(ch);
 }
 
-/* Release a share back at once, unused. */
-static void release_back(tshare_channel *ch, uint64_t share_id) {
-  pthread_mutex_lock(&ch->lock);
-  ts_share_queue_release_locked(ch, share_id);
-  pthread_mutex_unlock(&ch->lock);
-}
-
 /* A share this end will not hold: released back, the peer told. */
 static void refuse_share(tshare_channel *ch, const tshare_share_frame *s, const char *why) {
   ts_backends_share_dropped(ch, s->share_id);
-  release_back(ch, s->share_id);
+  ts_share_release_back(ch, s->share_id);
   if (ch->refused++ == 0) ch->refused_first = s->share_id;
   ts_errf(ch->err, sizeof ch->err, TSHARE_E_LIMIT, "receive: refused share %llu from peer %s: %s; released back",
           (unsigned long long)s->share_id, ch->conn.peer_label, why);
@@ -347,7 +246,7 @@ int ts_share_fd_lost(tshare_channel *ch, const tshare_frame *f, int lost) {
     return TSHARE_OK;
   }
   ts_backends_share_dropped(ch, s->share_id);
-  release_back(ch, s->share_id);
+  ts_share_release_back(ch, s->share_id);
   struct rlimit rl;
   unsigned long long limit = getrlimit(RLIMIT_NOFILE, &rl) == 0 ? (unsigned long long)rl.rlim_cur : 0;
   ts_errf(ch->err, sizeof ch->err, TSHARE_E_LIMIT,
@@ -374,7 +273,7 @@ static int enqueue_incoming(tshare_channel *ch, const tshare_frame *f, int fd) {
     if (!ring) {
       if (fd >= 0) close(fd);
       ts_backends_share_dropped(ch, f->u.share.share_id);
-      release_back(ch, f->u.share.share_id);
+      ts_share_release_back(ch, f->u.share.share_id);
       return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "receive: out of memory");
     }
     for (size_t i = 0; i < ch->in_len; i++) ring[i] = ch->incoming[(ch->in_head + i) % ch->in_cap];
@@ -489,7 +388,7 @@ static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, i
   case TSHARE_FRAME_SHARE:
     if ((rc = ts_backends_on_share(ch, &f)) != TSHARE_OK) {
       if (frame_fd >= 0) close(frame_fd);
-      release_back(ch, f.u.share.share_id);
+      ts_share_release_back(ch, f.u.share.share_id);
       return rc;
     }
     if (fd_lost) return ts_share_fd_lost(ch, &f, fd_lost); /* refused; the loop goes on to the next frame */
@@ -625,7 +524,7 @@ static int view_recv(tshare_channel *ch, void *stream, int timeout_ms, tshare_vi
   if (fd >= 0) close(fd); /* a mapping keeps the first fd of its allocation, if any */
   if (rc != TSHARE_OK) {
     free(v);
-    release_back(ch, s->share_id); /* the producer still holds the memory for this share */
+    ts_share_release_back(ch, s->share_id); /* the producer still holds the memory for this share */
     TS_LOG(TS_LOG_WARN, "refused share %llu from %s, released back: %s", (unsigned long long)s->share_id,
            ch->conn.peer_label, ch->err);
     return rc;
