@@ -125,6 +125,11 @@ int ts_stream_poll_fd(struct ts_conn *c);
 size_t ts_stream_buffered(struct ts_conn *c);
 void ts_stream_close(struct ts_conn *c, bool fork_copy);
 
+/* The frame members of a byte stream's table: the stream functions. */
+#define TS_STREAM_FRAME_OPS                                                                                            \
+  .send = ts_stream_send, .send_now = ts_stream_send_now, .fill = ts_stream_fill, .recv = ts_stream_recv,              \
+  .wait = ts_stream_wait, .poll_fd = ts_stream_poll_fd, .buffered = ts_stream_buffered
+
 /* The next frame of a decoder, calling fill while it has none (the loop
  * every transport's receive shares). may_read false: only what is buffered
  * (TSHARE_AGAIN when no frame is). where: how messages name the source

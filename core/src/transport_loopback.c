@@ -272,12 +272,6 @@ const ts_transport ts_transport_loopback = {
     .check = loopback_check,
     .read = loopback_read,
     .write = loopback_write,
-    .send = ts_stream_send,
-    .send_now = ts_stream_send_now,
-    .fill = ts_stream_fill,
-    .recv = ts_stream_recv,
-    .wait = ts_stream_wait,
-    .poll_fd = ts_stream_poll_fd,
-    .buffered = ts_stream_buffered,
+    TS_STREAM_FRAME_OPS,
     .close = loopback_close,
 };

@@ -41,12 +41,6 @@ const ts_transport ts_transport_pipes = {
     .caps = TS_TRANSPORT_SAME_HOST,
     .read = pipe_read,
     .write = pipe_write,
-    .send = ts_stream_send,
-    .send_now = ts_stream_send_now,
-    .fill = ts_stream_fill,
-    .recv = ts_stream_recv,
-    .wait = ts_stream_wait,
-    .poll_fd = ts_stream_poll_fd,
-    .buffered = ts_stream_buffered,
+    TS_STREAM_FRAME_OPS,
     .close = ts_stream_close,
 };

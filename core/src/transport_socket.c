@@ -97,12 +97,6 @@ const ts_transport ts_transport_socket = {
     .check = socket_check,
     .read = socket_read,
     .write = socket_write,
-    .send = ts_stream_send,
-    .send_now = ts_stream_send_now,
-    .fill = ts_stream_fill,
-    .recv = ts_stream_recv,
-    .wait = ts_stream_wait,
-    .poll_fd = ts_stream_poll_fd,
-    .buffered = ts_stream_buffered,
+    TS_STREAM_FRAME_OPS,
     .close = ts_stream_close,
 };
