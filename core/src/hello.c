@@ -170,10 +170,8 @@ int ts_conn_hello(ts_conn *c, const tshare_hello *self, long allow_uid, int time
   name_peer(c);
   c->peer_key = peer_key_of(c);
   /* The same-boot refusal is the session's to make (a transport across
-   * hosts will carry peers of other boots); until the session calls it, the
-   * hello does, so every channel is refused as before. */
-  rc = ts_hello_check_same_boot(c);
-  if (rc == TSHARE_OK) rc = check_claims(c, credentials, &cred);
+   * hosts will carry peers of other boots): it calls ts_hello_check_same_boot. */
+  rc = check_claims(c, credentials, &cred);
   if (rc != TSHARE_OK) {
     ts_conn_send_error(c, rc, c->err);
     return rc;
