@@ -5,6 +5,7 @@
 // The other processes are this binary again (`--role NAME`, posix_spawn: a
 // CUDA process must not fork). Without a GPU every test exits 77.
 #include "torch_test_util.h"
+#include "tshare/torch_set.h"
 
 #include <ATen/cuda/Sleep.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -612,6 +613,16 @@ TS_TEST(cuda_memory_freed_by_the_producer_returns_after_release) {
   bye_and_wait_released(ch, TIMEOUT);
   finish(p, "consumer");
   tshare_channel_close(ch);
+}
+
+// A tensor set carries host memory in this version: a CUDA tensor in one is
+// refused before anything is sent, naming the tensor.
+TS_TEST(cuda_tensor_in_a_set_is_refused_clearly) {
+  need_gpu();
+  at::Tensor gpu = at::ones({4}, at::TensorOptions().device(at::kCUDA));
+  at::Tensor cpu = tt::empty_shared({4});
+  CHECK_THROWS_CODE(tt::send_set_all({}, {{"cpu", cpu}, {"gpu", gpu}}), TSHARE_E_UNSUPPORTED, "tensor 1 ('gpu')");
+  CHECK_THROWS_CODE(tt::send_set_all({}, {{"gpu", gpu}}), TSHARE_E_UNSUPPORTED, "CUDA memory");
 }
 
 TS_TEST_MAIN

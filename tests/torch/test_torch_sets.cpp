@@ -198,12 +198,14 @@ TS_TEST(a_module_shared_in_place_is_updated_and_sent_again_per_version) {
   torch::NoGradGuard no_grad;
   torch::nn::Sequential model = small_model();
   tt::share_module_(*model);
+  CHECK_EQ(count_mappings("tshare-torch"), 1); // one buffer for the whole module
   std::vector<void *> storages;
   for (auto &e : state_of(*model)) {
     CHECK(tt::is_shared(e.second));
     storages.push_back(e.second.data_ptr());
   }
   tt::share_module_(*model); // idempotent: nothing moves again
+  CHECK_EQ(count_mappings("tshare-torch"), 1);
   for (int v = 1; v <= 3; v++) {
     tt::NamedTensors state = state_of(*model);
     for (size_t k = 0; k < state.size(); k++) {
@@ -219,6 +221,32 @@ TS_TEST(a_module_shared_in_place_is_updated_and_sent_again_per_version) {
   bye_and_wait_released(ch, 10000);
   CHECK_CHILD_OK(pid);
   tshare_channel_close(ch);
+}
+
+TS_TEST(share_module_moves_parameters_and_buffers_into_one_buffer_in_place) {
+  torch::nn::Module m;
+  at::Tensor w = m.register_parameter("w", at::arange(16, at::kFloat).view({4, 4}));
+  at::Tensor tied = m.register_buffer("w_t", w.t()); // another tensor on w's storage
+  at::Tensor count = m.register_buffer("count", at::full({3}, 7, at::kLong));
+  at::Tensor shared = m.register_buffer("already", tt::empty_shared({2}));
+  void *already_at = shared.data_ptr();
+  at::Tensor old_view = w.narrow(0, 1, 1); // taken before: keeps the old memory
+  c10::TensorImpl *w_impl = w.unsafeGetTensorImpl();
+  tt::share_module_(m);
+  CHECK(m.named_parameters()["w"].unsafeGetTensorImpl() == w_impl); // the same tensor, moved
+  CHECK(tt::is_shared(w) && tt::is_shared(tied) && tt::is_shared(count));
+  CHECK(w.requires_grad());
+  CHECK(at::equal(w, at::arange(16, at::kFloat).view({4, 4})) && at::equal(count, at::full({3}, 7, at::kLong)));
+  CHECK(tied.data_ptr() == w.data_ptr() && at::equal(tied, w.t())); // still tied
+  CHECK(w.storage().unsafeGetStorageImpl() == count.storage().unsafeGetStorageImpl()); // one buffer
+  CHECK(shared.data_ptr() == already_at); // already shared: left alone
+  CHECK(!tt::is_shared(old_view));
+  CHECK_EQ(count_mappings("tshare-torch"), 2); // the module's buffer and "already"
+  {
+    torch::NoGradGuard no_grad;
+    w.add_(1);
+  }
+  CHECK_EQ(tied[0][1].item<float>(), 5); // w[1][0] + 1, through the tied view
 }
 
 // ---- a state_dict outside shared memory -------------------------------------

@@ -8,10 +8,15 @@
 
 #include "bridge_internal.h"
 
+#include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <memory>
+#include <unordered_map>
+#include <unordered_set>
 
 namespace tshare {
 namespace torch {
@@ -160,6 +165,36 @@ std::vector<SendResult> send_all_built(const std::vector<tshare_channel *> &chan
   return results;
 }
 
+// Each tensor's storage copied into one new shared buffer, and the tensor
+// set_() onto it in place (its identity kept: optimizers and hooks holding it
+// go on working). Tensors of one storage stay on one storage (tied weights).
+// One memory for the whole module: a set of it travels with one fd.
+void move_into_one_buffer(std::vector<at::Tensor> &tensors) {
+  constexpr size_t align = 64; // a multiple of every element size
+  std::vector<std::pair<c10::StorageImpl *, size_t>> offsets; // storage -> byte offset, first-seen order
+  std::unordered_map<c10::StorageImpl *, size_t> index;
+  size_t total = 0;
+  auto offset_of = [&](c10::StorageImpl *s) -> size_t {
+    auto found = index.emplace(s, offsets.size());
+    if (!found.second) return offsets[found.first->second].second;
+    offsets.emplace_back(s, total);
+    total += (s->nbytes() + align - 1) / align * align;
+    return offsets.back().second;
+  };
+  std::vector<size_t> at_byte;
+  for (const at::Tensor &t : tensors) at_byte.push_back(offset_of(t.storage().unsafeGetStorageImpl()));
+  at::Tensor arena = empty_shared({static_cast<int64_t>(std::max<size_t>(total, 1))}, at::kByte);
+  char *base = static_cast<char *>(arena.data_ptr());
+  for (auto &e : offsets)
+    if (e.first->nbytes()) std::memcpy(base + e.second, e.first->data(), e.first->nbytes());
+  c10::AutoGradMode no_grad(false); // parameters that require grad move too
+  for (size_t i = 0; i < tensors.size(); i++) {
+    at::Tensor &t = tensors[i];
+    int64_t item = static_cast<int64_t>(t.element_size());
+    t.set_(arena.storage(), static_cast<int64_t>(at_byte[i]) / item + t.storage_offset(), t.sizes(), t.strides());
+  }
+}
+
 } // namespace
 
 uint64_t send_set(tshare_channel *ch, const NamedTensors &tensors, const SetOptions &options) {
@@ -210,10 +245,14 @@ std::optional<ReceivedSet> recv_set(tshare_channel *ch, const RecvOptions &optio
 }
 
 ::torch::nn::Module &share_module_(::torch::nn::Module &module) {
-  for (const at::Tensor &p : module.parameters(/*recurse=*/true))
-    if (p.defined() && p.is_cpu()) share_memory_(p);
-  for (const at::Tensor &b : module.buffers(/*recurse=*/true))
-    if (b.defined() && b.is_cpu()) share_memory_(b);
+  std::vector<at::Tensor> tensors;
+  std::unordered_set<const void *> seen;
+  for (auto list : {module.parameters(/*recurse=*/true), module.buffers(/*recurse=*/true)})
+    for (const at::Tensor &t : list)
+      if (t.defined() && t.is_cpu() && t.unsafeGetTensorImpl()->has_storage() && !is_shared(t) &&
+          seen.insert(t.unsafeGetTensorImpl()).second)
+        tensors.push_back(t);
+  if (!tensors.empty()) move_into_one_buffer(tensors);
   return module;
 }
 

@@ -108,10 +108,15 @@ struct ReceivedSet {
 TSHARE_TORCH_API std::optional<ReceivedSet> recv_set(tshare_channel *ch, const RecvOptions &options = {});
 
 // The C++ counterpart of Python's share_model_: move the module's CPU
-// parameters and buffers (its submodules' too) into shared memory in place,
-// so the module itself owns the memory sets carry. CUDA ones are left as
-// they are (shared as they are). Idempotent. Not while another thread uses
-// the module: data pointers change. Returns the module.
+// parameters and buffers (its submodules' too) into one shared buffer in
+// place, values copied once, so the module itself owns the memory sets carry
+// (and a set of its state travels as one memory). Each parameter and buffer
+// keeps its identity (optimizers and hooks holding it go on working); tensors
+// of one storage stay on one storage. Tensors already shared (and CUDA ones)
+// are left as they are; tensors made later (module->to(), a new parameter)
+// are private again: call it again after such changes. Views taken of a
+// parameter before the call keep the old memory. Not while another thread
+// uses the module: data pointers change. Returns the module.
 TSHARE_TORCH_API ::torch::nn::Module &share_module_(::torch::nn::Module &module);
 
 } // namespace torch
