@@ -125,6 +125,18 @@ typedef struct ts_backend {
    * against it; e (release, owner and user_data set) is consumed. */
   int (*share_view)(tshare_channel *ch, struct tshare_view *v, const tshare_tensor_desc *desc, void *stream,
                     const char *tag, struct ts_export *e, int timeout_ms, uint64_t *share_id);
+
+  /* ---- memory held by more than one view (tensor sets), optional ---- */
+  /* A producer's memory object (host: a tshare_host_buffer) kept alive by
+   * one more share, and let go of by it. */
+  void (*source_retain)(void *source);
+  void (*source_release)(void *source);
+  /* One more or one less reference on a view's `memory` (ch->lock held);
+   * the last one unmaps it. */
+  void (*memory_ref_locked)(tshare_channel *ch, void *memory);
+  void (*memory_unref_locked)(tshare_channel *ch, void *memory);
+  /* The same in a forked child: only its own copy of the mapping goes. */
+  void (*memory_unref_in_child)(tshare_channel *ch, void *memory);
 } ts_backend;
 
 /* ---- the registry (backends.c) ---- */

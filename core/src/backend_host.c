@@ -119,8 +119,6 @@ static void drop_mapping_locked(tshare_channel *ch, ts_mapping *m) {
   unmap(m);
 }
 
-void ts_host_mapping_drop_locked(tshare_channel *ch, ts_mapping *m) { drop_mapping_locked(ch, m); }
-
 void ts_host_drop_mapping_in_child(tshare_channel *ch, ts_mapping *m) {
   /* Only tried: a thread of the parent may have held the lock at fork, and
    * the child has no such thread to let it go. Then the mapping stays. */
@@ -142,6 +140,17 @@ static ts_release_done host_release(tshare_view *v) {
 static void host_release_in_child(tshare_view *v) {
   if (v->memory) ts_host_drop_mapping_in_child(v->ch, v->memory);
 }
+
+static void host_source_retain(void *buf) { ts_host_buffer_retain(buf); }
+
+static void host_memory_ref_locked(tshare_channel *ch, void *memory) {
+  (void)ch;
+  ((ts_mapping *)memory)->views++;
+}
+
+static void host_memory_unref_locked(tshare_channel *ch, void *memory) { drop_mapping_locked(ch, memory); }
+
+static void host_memory_unref_in_child(tshare_channel *ch, void *memory) { ts_host_drop_mapping_in_child(ch, memory); }
 
 static int host_chan_init(tshare_channel *ch) {
   void **slot = ts_backend_data(ch, &ts_host_backend);
@@ -260,4 +269,9 @@ const ts_backend ts_host_backend = {
     .release = host_release,
     .release_in_child = host_release_in_child,
     .share_view = host_share_view,
+    .source_retain = host_source_retain,
+    .source_release = ts_host_buffer_release,
+    .memory_ref_locked = host_memory_ref_locked,
+    .memory_unref_locked = host_memory_unref_locked,
+    .memory_unref_in_child = host_memory_unref_in_child,
 };

@@ -1,6 +1,5 @@
 /* The host backend's own declarations, shared by its files (backend_host.c,
- * backend_host_buffer.c) and by tensor sets, whose memories are host
- * memory mapped through it. */
+ * backend_host_buffer.c). */
 #ifndef TSHARE_BACKEND_HOST_H
 #define TSHARE_BACKEND_HOST_H
 
@@ -28,10 +27,7 @@ uint64_t ts_host_next_alloc_id(void); /* host allocation ids, unique in the proc
 void ts_host_buffer_retain(struct tshare_host_buffer *buf);
 void ts_host_buffer_release(void *buf);
 
-/* backend_host.c: one reference on mapping m goes (ch->lock held); the last
- * one unmaps it. */
-void ts_host_mapping_drop_locked(tshare_channel *ch, ts_mapping *m);
-/* A forked child lets go of one view of its copy of mapping m (the last one
+/* backend_host.c: a forked child lets go of one view of its copy of mapping m (the last one
  * unmaps it), touching nothing its parent uses. */
 void ts_host_drop_mapping_in_child(tshare_channel *ch, ts_mapping *m);
 

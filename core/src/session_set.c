@@ -7,7 +7,6 @@
 #include "tshare/set.h"
 
 #include "backend.h"
-#include "backend_host.h"
 #include "session.h"
 #include "error_detail.h"
 #include "log.h"
@@ -20,6 +19,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+
+/* A set's memory is host memory: the backend of that kind maps it, keeps
+ * the producer's buffers and counts the views of a mapping. */
+static const ts_backend *host_backend(void) { return ts_backend_for_mem_kind(TSHARE_MEM_HOST_MEMFD); }
 
 /* ---- names: unique in a set, looked up by hash ---------------------------- */
 
@@ -92,7 +96,7 @@ tshare_set_builder *tshare_set_builder_create(void) { return calloc(1, sizeof(ts
 void tshare_set_builder_destroy(tshare_set_builder *b) {
   if (!b) return;
   for (size_t i = 0; i < b->count; i++) free(b->entries[i].name);
-  for (size_t i = 0; i < b->mem_count; i++) ts_host_buffer_release(b->mems[i]);
+  for (size_t i = 0; i < b->mem_count; i++) host_backend()->source_release(b->mems[i]);
   free(b->entries);
   free(b->mems);
   free(b->meta);
@@ -127,7 +131,7 @@ static long builder_mem(tshare_set_builder *b, tshare_host_buffer *buf) {
   if (!grow((void **)&b->mems, &b->mem_cap, b->mem_count + 1, sizeof *b->mems) ||
       ts_u64map_put(&b->mem_by_id, id, (void *)(uintptr_t)(b->mem_count + 1)) != 0)
     return -1;
-  ts_host_buffer_retain(buf);
+  host_backend()->source_retain(buf);
   b->mems[b->mem_count] = buf;
   return (long)b->mem_count++;
 }
@@ -215,7 +219,7 @@ typedef struct set_keep {
 
 static void set_keep_release(void *owner) {
   set_keep *k = owner;
-  for (size_t i = 0; i < k->count; i++) ts_host_buffer_release(k->bufs[i]);
+  for (size_t i = 0; i < k->count; i++) host_backend()->source_release(k->bufs[i]);
   free(k);
 }
 
@@ -230,7 +234,7 @@ static ts_export *set_export(const tshare_set_builder *b, void *user_data) {
   k->count = b->mem_count;
   for (size_t i = 0; i < b->mem_count; i++) {
     k->bufs[i] = b->mems[i];
-    ts_host_buffer_retain(b->mems[i]);
+    host_backend()->source_retain(b->mems[i]);
   }
   *e = (ts_export){.user_data = user_data, .release = set_keep_release, .owner = k};
   return e;
@@ -346,13 +350,20 @@ typedef struct set_entry {
   void *data;
 } set_entry;
 
+/* One memory of a set, mapped by the host backend. */
+typedef struct set_mem {
+  void *memory; /* the backend's mapping, one reference of the set's */
+  void *base;   /* its first byte; NULL when empty */
+  uint64_t alloc_id, size;
+} set_mem;
+
 struct tshare_set {
   tshare_channel *ch; /* a reference once handed to the user */
   uint64_t set_id;
   atomic_int refs; /* the handle + one per view */
   uint32_t count, mem_count, names_bytes, meta_len;
   uint32_t mems_got, members_got, names_got, meta_got;
-  ts_mapping **mems; /* one mapping reference each */
+  set_mem *mems;
   set_entry *entries;
   char *names; /* each NUL-terminated */
   uint8_t *meta;
@@ -379,7 +390,7 @@ typedef struct ts_set_rx {
 
 /* Drop the set's mappings (ch->lock held). */
 static void drop_mappings_locked(tshare_channel *ch, tshare_set *s) {
-  for (uint32_t i = 0; i < s->mems_got; i++) ts_host_mapping_drop_locked(ch, s->mems[i]);
+  for (uint32_t i = 0; i < s->mems_got; i++) host_backend()->memory_unref_locked(ch, s->mems[i].memory);
   s->mems_got = 0;
 }
 
@@ -398,7 +409,7 @@ static void set_unref(tshare_set *s) {
   if (atomic_fetch_sub(&s->refs, 1) != 1) return;
   tshare_channel *ch = s->ch;
   if (ts_channel_foreign(ch)) { /* a forked child's copy: only its own mappings go */
-    for (uint32_t i = 0; i < s->mems_got; i++) ts_host_drop_mapping_in_child(ch, s->mems[i]);
+    for (uint32_t i = 0; i < s->mems_got; i++) host_backend()->memory_unref_in_child(ch, s->mems[i].memory);
   } else {
     pthread_mutex_lock(&ch->lock);
     drop_mappings_locked(ch, s);
@@ -486,9 +497,9 @@ static int add_mem(tshare_channel *ch, tshare_set *s, const tshare_set_mem_frame
   share.u.share.mem_kind = TSHARE_MEM_HOST_MEMFD;
   struct tshare_view probe;
   memset(&probe, 0, sizeof probe);
-  int rc = ts_host_backend.import(ch, &share, fd, NULL, &probe);
+  int rc = host_backend()->import(ch, &share, fd, NULL, &probe);
   if (rc != TSHARE_OK) return refuse_set(ch, rc, true, "memory %u: %s", m->index, ch->err);
-  s->mems[s->mems_got++] = probe.memory;
+  s->mems[s->mems_got++] = (set_mem){probe.memory, probe.data, m->alloc_id, m->alloc_size};
   return TSHARE_OK;
 }
 
@@ -507,7 +518,7 @@ static int add_member(tshare_channel *ch, tshare_set *s, const tshare_set_member
   if ((uint64_t)s->names_got + m->name_len > s->names_bytes)
     return refuse_set(ch, TSHARE_E_PROTOCOL, true, "names take more than the %u bytes the set announced",
                       s->names_bytes);
-  ts_mapping *mem = s->mems[m->mem_index];
+  const set_mem *mem = &s->mems[m->mem_index];
   char why[160];
   int rc = ts_tensor_check(&m->tensor, mem->size, NULL, NULL, why, sizeof why);
   if (rc != TSHARE_OK) return refuse_set(ch, rc, true, "tensor %u ('%s'): %s", m->index, m->name, why);
@@ -685,19 +696,19 @@ void tshare_set_release(tshare_set *s) {
 static ts_release_done member_release(tshare_view *v) {
   tshare_channel *ch = v->ch;
   pthread_mutex_lock(&ch->lock);
-  ts_host_mapping_drop_locked(ch, v->memory);
+  host_backend()->memory_unref_locked(ch, v->memory);
   pthread_mutex_unlock(&ch->lock);
   set_unref(((set_view *)v)->set);
   return TS_RELEASE_LATER; /* the set is released as a whole */
 }
 
 /* A member view a forked child inherited: only its copy of the mapping goes. */
-static void member_release_in_child(tshare_view *v) { ts_host_drop_mapping_in_child(v->ch, v->memory); }
+static void member_release_in_child(tshare_view *v) { host_backend()->memory_unref_in_child(v->ch, v->memory); }
 
 /* A member shares on as any host view: its mapping's memfd travels. */
 static int member_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_desc *desc, void *stream,
                              const char *tag, ts_export *e, int timeout_ms, uint64_t *share_id) {
-  return ts_host_backend.share_view(ch, v, desc, stream, tag, e, timeout_ms, share_id);
+  return host_backend()->share_view(ch, v, desc, stream, tag, e, timeout_ms, share_id);
 }
 
 /* The host backend with a member's own release. */
@@ -721,9 +732,9 @@ int tshare_set_view(tshare_set *s, size_t i, tshare_view **out) {
   atomic_fetch_add(&s->refs, 1);
   atomic_fetch_add(&ch->refs, 1);
   pthread_mutex_lock(&ch->lock);
-  ts_mapping *mem = s->mems[e->mem];
-  mem->views++;
-  v->memory = mem;
+  const set_mem *mem = &s->mems[e->mem];
+  host_backend()->memory_ref_locked(ch, mem->memory);
+  v->memory = mem->memory;
   pthread_mutex_unlock(&ch->lock);
   v->ch = ch;
   v->backend = &member_backend;
