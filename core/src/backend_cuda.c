@@ -92,8 +92,8 @@ static void cuda_peer_gone(tshare_channel *ch) {
   ts_anchors_drop_all(&c->anchors);
   for (size_t pos = 0; ts_u64map_next(&c->kept_runs, &pos, &key, &value);) ts_cuda_import_put(value);
   ts_u64map_free(&c->kept_runs);
-  c->kept_notices.n = 0;
-  c->freed_notices.n = 0;
+  c->kept_notices.len = 0;
+  c->freed_notices.len = 0;
   if (ch->conn.peer_key) ts_cuda_import_origin_gone(ch->conn.peer_key);
 }
 
@@ -102,12 +102,12 @@ static void cuda_chan_free(tshare_channel *ch) {
   if (!c) return;
   cuda_peer_gone(ch);
   const ts_cuda_api *cu = ts_cuda_if_loaded();
-  for (size_t i = 0; i < c->ndrain; i++) {
+  for (size_t i = 0; i < c->drains.len; i++) {
     if (cu) {
-      cu->cuEventSynchronize(c->drains[i].done);
-      ts_cuda_event_destroy(cu, c->drains[i].done);
+      cu->cuEventSynchronize(c->drains.items[i].done);
+      ts_cuda_event_destroy(cu, c->drains.items[i].done);
     }
-    ts_cuda_import_put(c->drains[i].imp);
+    ts_cuda_import_put(c->drains.items[i].imp);
   }
   ts_cuda_chunk_set_free(ch, c->gathering);
   c->gathering = NULL;
@@ -117,7 +117,7 @@ static void cuda_chan_free(tshare_channel *ch) {
   ts_u64map_free(&c->chunk_sets);
   for (size_t i = 0; ts_u64map_next(&c->held_shares, &i, &key, &set);) ts_cuda_import_put(set);
   ts_u64map_free(&c->held_shares);
-  free(c->kept_notices.ids);
+  ts_id_vec_free(&c->kept_notices);
   if (cu) {
     for (uint32_t i = 0; i < c->nslots; i++) ts_cuda_event_destroy(cu, c->pool[i]);
     for (uint32_t i = 0; c->events && i < TSHARE_EVENT_SLOTS_MAX; i++)
@@ -125,9 +125,9 @@ static void cuda_chan_free(tshare_channel *ch) {
     for (size_t i = 0; i < c->nspares; i++) ts_cuda_event_destroy(cu, c->spares[i].ev);
   }
   free(c->events);
-  free(c->drains);
-  free(c->closed_notices.ids);
-  free(c->freed_notices.ids);
+  drain_list_free(&c->drains);
+  ts_id_vec_free(&c->closed_notices);
+  ts_id_vec_free(&c->freed_notices);
   free(c);
   *ts_backend_data(ch, &ts_cuda_backend) = NULL;
 }

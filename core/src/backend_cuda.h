@@ -18,6 +18,7 @@
 #include "cuda_internal.h"
 #include "session.h"
 #include "u64map.h"
+#include "vec.h"
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -57,36 +58,7 @@ typedef struct spare_event {
 
 #define SPARES_MAX 64
 
-/* Allocation ids waiting to go out in retire frames. */
-typedef struct id_list {
-  uint64_t *ids;
-  size_t n, cap;
-} id_list;
-
-/* Room for `more` ids past the last. */
-static inline bool id_list_reserve(id_list *l, size_t more) {
-  if (l->cap - l->n >= more) return true;
-  size_t cap = l->cap ? l->cap : 16;
-  while (cap - l->n < more) cap *= 2;
-  uint64_t *ids = realloc(l->ids, cap * sizeof *ids);
-  if (!ids) return false;
-  l->ids = ids;
-  l->cap = cap;
-  return true;
-}
-
-static inline bool id_list_push(id_list *l, uint64_t id) {
-  if (!id_list_reserve(l, 1)) return false;
-  l->ids[l->n++] = id;
-  return true;
-}
-
-/* The first n ids went out: only the rest wait. */
-static inline void id_list_drop_front(id_list *l, size_t n) {
-  if (n == 0) return; /* ids may be NULL */
-  memmove(l->ids, l->ids + n, (l->n - n) * sizeof *l->ids);
-  l->n -= n;
-}
+TS_VEC_DEFINE(drain_list, drain)
 
 typedef struct lent_alloc {
   ts_cuda_alloc *alloc;
@@ -103,15 +75,14 @@ struct ts_cuda_chan {
   ts_u64map lent; /* buffer id -> lent_alloc: lent allocations (tshare's own) the peer may keep open */
   /* consumer */
   peer_event *events; /* TSHARE_EVENT_SLOTS_MAX entries, allocated with the first event frame */
-  drain *drains;      /* under ch->lock */
-  size_t ndrain, cap_drain;
+  drain_list drains; /* under ch->lock */
   spare_event spares[SPARES_MAX]; /* under ch->lock */
   size_t nspares;
-  id_list closed_notices; /* TSHARE_RETIRE_CLOSED answers to send */
+  ts_id_vec closed_notices; /* TSHARE_RETIRE_CLOSED answers to send */
   /* producer: retire notices (TSHARE_RETIRE_FREED) decided and not sent yet. What
    * they name is already marked as asked (or no longer watched), so a notice
    * a timeout held back goes with a later flush, never from the marks. */
-  id_list freed_notices;
+  ts_id_vec freed_notices;
   /* Chunk frames of VMM memory, gathered until their share comes (then
    * filed under its share id until it is imported or dropped). */
   struct chunk_set *gathering;
@@ -130,7 +101,7 @@ struct ts_cuda_chan {
    * (retire frame, TSHARE_RETIRE_KEPT), which then shares them without their fds. */
   ts_u64map kept_runs;    /* alloc id + 1 -> ts_cuda_mapping */
   ts_u64map held_shares;  /* share id + 1 -> ts_cuda_mapping: a reference taken when such a share arrived */
-  id_list kept_notices;   /* TSHARE_RETIRE_KEPT notices to send */
+  ts_id_vec kept_notices;   /* TSHARE_RETIRE_KEPT notices to send */
 };
 
 #define KEPT_RUNS_MAX 64 /* mappings a consumer keeps for one channel's peer; past it shares keep carrying fds */

@@ -144,9 +144,9 @@ void ts_cuda_keep_run(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t alloc
   if (!(ch->conn.peer.capabilities & TSHARE_CAP_CUDA_HELD) || c->kept_runs.count >= KEPT_RUNS_MAX ||
       ts_u64map_get(&c->kept_runs, alloc_id + 1))
     return;
-  if (!id_list_push(&c->kept_notices, alloc_id)) return;
+  if (ts_id_vec_push(&c->kept_notices, alloc_id) != TSHARE_OK) return;
   if (ts_u64map_put(&c->kept_runs, alloc_id + 1, imp) != 0) {
-    c->kept_notices.n--;
+    c->kept_notices.len--;
     return;
   }
   ts_cuda_import_hold(imp, false);
@@ -183,7 +183,7 @@ int ts_cuda_on_retire(tshare_channel *ch, const tshare_frame *f) {
       ts_cuda_drop_kept_run(c, r->alloc_ids[i]);
       TS_LOG(TS_LOG_DEBUG, "peer %s freed_notices allocation %llu", ch->conn.peer_label, (unsigned long long)r->alloc_ids[i]);
       ts_cuda_import_retire(ch->conn.peer_key, r->alloc_ids[i]);
-      if (!id_list_push(&c->closed_notices, r->alloc_ids[i]))
+      if (ts_id_vec_push(&c->closed_notices, r->alloc_ids[i]) != TSHARE_OK)
         return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "retire: out of memory");
     }
   }
@@ -214,10 +214,10 @@ static int send_retire(tshare_channel *ch, uint8_t closed, const uint64_t *ids, 
 
 /* The ids of l in retire frames (closed as given); those that went leave l,
  * the rest go with a later flush. */
-static int send_ids(tshare_channel *ch, uint8_t closed, id_list *l, int timeout_ms) {
+static int send_ids(tshare_channel *ch, uint8_t closed, ts_id_vec *l, int timeout_ms) {
   size_t sent = 0;
-  int rc = l->n ? send_retire(ch, closed, l->ids, l->n, timeout_ms, &sent) : TSHARE_OK;
-  id_list_drop_front(l, sent);
+  int rc = l->len ? send_retire(ch, closed, l->items, l->len, timeout_ms, &sent) : TSHARE_OK;
+  if (sent) ts_id_vec_remove(l, 0, sent);
   return rc;
 }
 
@@ -225,11 +225,11 @@ static int send_ids(tshare_channel *ch, uint8_t closed, id_list *l, int timeout_
  * retire notices queued (up to one frame's worth a look; room is made
  * first, so that nothing is marked that the queue could not take). */
 static bool queue_watched_retires(struct ts_cuda_chan *c, const ts_cuda_api *cu, int64_t now) {
-  if (!id_list_reserve(&c->freed_notices, TSHARE_RELEASE_MAX)) return false;
-  uint64_t *ids = c->freed_notices.ids + c->freed_notices.n;
+  if (ts_id_vec_reserve(&c->freed_notices, TSHARE_RELEASE_MAX) != TSHARE_OK) return false;
+  uint64_t *ids = c->freed_notices.items + c->freed_notices.len;
   size_t n = cu && c->watched_runs.count ? watched_runs_gone(c, cu, ids, TSHARE_RELEASE_MAX) : 0;
   n += ts_anchors_idle(&c->anchors, now, ids + n, TSHARE_RELEASE_MAX - n);
-  c->freed_notices.n += n;
+  c->freed_notices.len += n;
   return true;
 }
 
@@ -238,14 +238,14 @@ static bool queue_watched_retires(struct ts_cuda_chan *c, const ts_cuda_api *cu,
  * (up to one frame's worth a flush). */
 static bool queue_unused_allocs(struct ts_cuda_chan *c) {
   if (!c->lent.count) return true;
-  if (!id_list_reserve(&c->freed_notices, TSHARE_RELEASE_MAX)) return false;
+  if (ts_id_vec_reserve(&c->freed_notices, TSHARE_RELEASE_MAX) != TSHARE_OK) return false;
   uint64_t key;
   void *value;
   for (size_t pos = 0, n = 0; n < TSHARE_RELEASE_MAX && ts_u64map_next(&c->lent, &pos, &key, &value);) {
     lent_alloc *pm = value;
     if (pm->retire_queued || !ts_cuda_alloc_unused(pm->alloc)) continue;
     pm->retire_queued = true;
-    c->freed_notices.ids[c->freed_notices.n++] = key - 1;
+    c->freed_notices.items[c->freed_notices.len++] = key - 1;
     n++;
   }
   return true;
@@ -262,9 +262,9 @@ void ts_cuda_before_close(tshare_channel *ch, int timeout_ms) {
   /* Notices queued earlier go too: the wait below is for their answers as well. */
   size_t n;
   do {
-    if (!id_list_reserve(&c->freed_notices, TSHARE_RELEASE_MAX)) return;
-    n = ts_anchors_retire_all(&c->anchors, c->freed_notices.ids + c->freed_notices.n, TSHARE_RELEASE_MAX);
-    c->freed_notices.n += n;
+    if (ts_id_vec_reserve(&c->freed_notices, TSHARE_RELEASE_MAX) != TSHARE_OK) return;
+    n = ts_anchors_retire_all(&c->anchors, c->freed_notices.items + c->freed_notices.len, TSHARE_RELEASE_MAX);
+    c->freed_notices.len += n;
   } while (n > 0);
   if (send_ids(ch, TSHARE_RETIRE_FREED, &c->freed_notices, ts_remaining(deadline)) != TSHARE_OK) return;
   /* A peer that hangs up has closed its idle mappings first (its close, or

@@ -224,15 +224,7 @@ static int cuda_import_set(tshare_channel *ch, const tshare_frame *f, int *fdp, 
 
 static bool push_drain_locked(struct ts_cuda_chan *c, uint64_t share_id, CUevent done, CUcontext ctx,
                               ts_cuda_mapping *imp) {
-  if (c->ndrain == c->cap_drain) {
-    size_t cap = c->cap_drain ? c->cap_drain * 2 : 16;
-    drain *d = realloc(c->drains, cap * sizeof *d);
-    if (!d) return false;
-    c->drains = d;
-    c->cap_drain = cap;
-  }
-  c->drains[c->ndrain++] = (drain){share_id, done, ctx, imp, ts_now_us()};
-  return true;
+  return drain_list_push(&c->drains, (drain){share_id, done, ctx, imp, ts_now_us()}) == TSHARE_OK;
 }
 
 static CUevent spare_take_locked(struct ts_cuda_chan *c, CUcontext ctx) {
@@ -405,10 +397,10 @@ void ts_cuda_finish_drains(tshare_channel *ch, struct ts_cuda_chan *c, const ts_
   pthread_mutex_lock(&ch->lock);
   size_t keep = 0;
   int64_t newest = 0;
-  for (size_t i = 0; i < c->ndrain; i++) {
-    drain d = c->drains[i];
+  for (size_t i = 0; i < c->drains.len; i++) {
+    drain d = c->drains.items[i];
     if (cu && cu->cuEventQuery(d.done) == CUDA_ERROR_NOT_READY) {
-      c->drains[keep++] = d;
+      c->drains.items[keep++] = d;
       if (d.queued_us > newest) newest = d.queued_us;
       continue;
     }
@@ -416,7 +408,7 @@ void ts_cuda_finish_drains(tshare_channel *ch, struct ts_cuda_chan *c, const ts_
     ts_cuda_import_put(d.imp);
     ts_share_queue_release_locked(ch, d.share_id);
   }
-  c->ndrain = keep;
+  c->drains.len = keep;
   if (keep) *busy = ts_now_us() - newest < GPU_SPIN_US ? TS_BACKEND_SOON : TS_BACKEND_LATER;
   pthread_mutex_unlock(&ch->lock);
 }

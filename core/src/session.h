@@ -10,6 +10,7 @@
 #include "conn.h"
 #include "tshare/channel.h"
 #include "u64map.h"
+#include "vec.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -48,6 +49,9 @@ struct tshare_view {
   char tag[TSHARE_TAG_MAX + 1];
 };
 
+/* Share or allocation ids waiting to go out in frames. */
+TS_VEC_DEFINE(ts_id_vec, uint64_t)
+
 typedef struct ts_incoming {
   tshare_frame frame;
   int fd;
@@ -69,8 +73,7 @@ struct tshare_channel {
   ts_u64map exports;
 
   /* consumer side */
-  uint64_t *pending;  /* share ids released but not yet sent, under lock */
-  size_t npending, pending_cap;
+  ts_id_vec pending; /* share ids released but not yet sent, under lock */
   ts_incoming *incoming; /* ring of received shares */
   size_t in_head, in_len, in_cap;
   /* Shares refused because the channel held too many unreceived ones; the

@@ -290,7 +290,7 @@ int tshare_channel_send_error(tshare_channel *ch, int code, const char *message)
 static void free_in_child(tshare_channel *ch) {
   ts_backends_chan_free_in_child(ch); /* this process's own mappings (of host memory) */
   ts_share_free_incoming(ch);
-  free(ch->pending);
+  ts_id_vec_free(&ch->pending);
   free(ch);
 }
 
@@ -303,7 +303,7 @@ void ts_channel_unref(tshare_channel *ch) {
   ts_backends_chan_free(ch);
   ts_conn_destroy(&ch->conn);
   pthread_mutex_destroy(&ch->lock);
-  free(ch->pending);
+  ts_id_vec_free(&ch->pending);
   free(ch);
 }
 

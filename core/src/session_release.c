@@ -15,11 +15,10 @@ static void take_pending_locked(tshare_channel *ch, tshare_frame *f) {
   memset(f, 0, sizeof *f);
   f->type = TSHARE_FRAME_RELEASE;
   uint32_t n =
-      ch->npending < ch->conn.limits.max_release_ids ? (uint32_t)ch->npending : ch->conn.limits.max_release_ids;
+      ch->pending.len < ch->conn.limits.max_release_ids ? (uint32_t)ch->pending.len : ch->conn.limits.max_release_ids;
   if (n == 0) return; /* pending may still be NULL */
-  memcpy(f->u.release.share_ids, ch->pending, n * sizeof(uint64_t));
-  memmove(ch->pending, ch->pending + n, (ch->npending - n) * sizeof(uint64_t));
-  ch->npending -= n;
+  memcpy(f->u.release.share_ids, ch->pending.items, n * sizeof(uint64_t));
+  ts_id_vec_remove(&ch->pending, 0, n);
   f->u.release.count = n;
 }
 
@@ -70,7 +69,7 @@ void ts_share_send_releases_now(tshare_channel *ch) {
    * send lock is only tried: a driving thread that holds it sends them. */
   if (ts_conn_driven_by_caller(&ch->conn)) return;
   pthread_mutex_lock(&ch->lock);
-  if (ch->closed || ch->npending == 0 || ts_conn_driver_blocked(&ch->conn)) {
+  if (ch->closed || ch->pending.len == 0 || ts_conn_driver_blocked(&ch->conn)) {
     pthread_mutex_unlock(&ch->lock);
     return;
   }
@@ -84,17 +83,9 @@ void ts_share_send_releases_now(tshare_channel *ch) {
 /* A release on the pending list, with ch->lock held. False: not queued. */
 static bool push_pending_locked(tshare_channel *ch, uint64_t share_id) {
   if (ch->closed) return false; /* closing dropped everything the peer gave us */
-  if (ch->npending == ch->pending_cap) {
-    size_t cap = ch->pending_cap ? ch->pending_cap * 2 : 64;
-    uint64_t *p = realloc(ch->pending, cap * sizeof *p);
-    /* Out of memory: the share stays outstanding at the producer until the
-     * channel closes, which frees it. Degraded, never lost data. */
-    if (!p) return false;
-    ch->pending = p;
-    ch->pending_cap = cap;
-  }
-  ch->pending[ch->npending++] = share_id;
-  return true;
+  /* Out of memory: the share stays outstanding at the producer until the
+   * channel closes, which frees it. Degraded, never lost data. */
+  return ts_id_vec_push(&ch->pending, share_id) == TSHARE_OK;
 }
 
 /* Queue a release for the driving thread and wake it if it is blocked in a

@@ -300,7 +300,7 @@ static int enqueue_incoming(tshare_channel *ch, const tshare_frame *f, int fd) {
 static bool releases_due(tshare_channel *ch) {
   if (ts_conn_buffered(&ch->conn) == 0) return true;
   pthread_mutex_lock(&ch->lock);
-  bool due = ch->npending >= RELEASE_BATCH;
+  bool due = ch->pending.len >= RELEASE_BATCH;
   pthread_mutex_unlock(&ch->lock);
   return due;
 }
