@@ -22,4 +22,16 @@ void ts_set_peer_gone(tshare_channel *ch);
  * mappings go with the channel's). */
 void ts_set_free_queued(tshare_channel *ch);
 
+/* A set's memory is host memory: the backend of that kind maps it, keeps
+ * the producer's buffers and counts the views of a mapping. */
+static inline const ts_backend *ts_set_host_backend(void) { return ts_backend_for_mem_kind(TSHARE_MEM_HOST_MEMFD); }
+
+/* Names, unique in a set, indexed by hash (session_set.c). */
+typedef const char *(*ts_set_name_at_fn)(const void *owner, size_t i);
+/* The index of name among the n names of owner, or -1. */
+long ts_set_name_lookup(const ts_u64map *index, const char *name, ts_set_name_at_fn name_at, const void *owner,
+                        size_t n);
+/* Record name i (known not to be a duplicate): 0, or -1 out of memory. */
+int ts_set_name_insert(ts_u64map *index, const char *name, size_t i);
+
 #endif
