@@ -99,7 +99,7 @@ TS_TEST(the_fd_queue_gives_each_frame_the_fds_of_its_bytes) {
   CHECK(found && e.fd == -1 && e.lost == TS_FD_OVER_BUDGET);
   e = ts_fd_queue_frame(&q, 40, &found); /* the same run of losses */
   CHECK(found && e.fd == -1 && e.lost == TS_FD_OVER_BUDGET);
-  CHECK_EQ(q.len, 0u);
+  CHECK_EQ(ts_fd_queue_len(&q), 0u);
   close(a);
   close(b);
   ts_fd_queue_close_all(&q);

@@ -5,7 +5,6 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -20,21 +19,13 @@ static int fd_shortage_errno(void) {
   return errno == ENFILE ? ENFILE : EMFILE;
 }
 
+/* The taken entries before head make room when the storage is full. */
 static bool push(ts_fd_queue *q, ts_fd_entry e) {
-  if (q->head + q->len == q->cap) {
-    if (q->head > 0) { /* room at the front: slide down */
-      memmove(q->items, q->items + q->head, q->len * sizeof *q->items);
-      q->head = 0;
-    } else {
-      size_t cap = q->cap ? q->cap * 2 : 16;
-      ts_fd_entry *items = realloc(q->items, cap * sizeof *items);
-      if (!items) return false;
-      q->items = items;
-      q->cap = cap;
-    }
+  if (q->head > 0 && q->entries.len == q->entries.cap) {
+    ts_fd_entry_vec_remove(&q->entries, 0, q->head);
+    q->head = 0;
   }
-  q->items[q->head + q->len++] = e;
-  return true;
+  return ts_fd_entry_vec_push(&q->entries, e) == TSHARE_OK;
 }
 
 /* A lost fd right behind another lost one joins its entry: the queue grows
@@ -43,8 +34,8 @@ static bool push(ts_fd_queue *q, ts_fd_entry e) {
  * matters to a frame that announces an fd it never sent, which is refused
  * either way. */
 static bool join_lost_run(ts_fd_queue *q, uint64_t at) {
-  if (q->len == 0) return false;
-  ts_fd_entry *tail = &q->items[q->head + q->len - 1];
+  if (ts_fd_queue_len(q) == 0) return false;
+  ts_fd_entry *tail = &q->entries.items[q->entries.len - 1];
   if (tail->fd >= 0) return false;
   tail->last = at;
   return true;
@@ -74,14 +65,12 @@ int ts_fd_queue_take(ts_fd_queue *q, const int *fds, size_t n, bool cut, uint64_
 ts_fd_entry ts_fd_queue_frame(ts_fd_queue *q, uint64_t end, bool *found) {
   ts_fd_entry first = {.fd = -1, .lost = 0, .at = 0, .last = 0};
   *found = false;
-  while (q->len && q->items[q->head].at < end) {
-    ts_fd_entry e = q->items[q->head];
-    if (e.last >= end) {
-      q->items[q->head].at = end; /* a run of losses going on into the next frames */
-    } else {
+  while (ts_fd_queue_len(q) && q->entries.items[q->head].at < end) {
+    ts_fd_entry e = q->entries.items[q->head];
+    if (e.last >= end)
+      q->entries.items[q->head].at = end; /* a run of losses going on into the next frames */
+    else
       q->head++;
-      q->len--;
-    }
     if (e.fd >= 0) q->held--;
     if (!*found) {
       first = e;
@@ -90,7 +79,7 @@ ts_fd_entry ts_fd_queue_frame(ts_fd_queue *q, uint64_t end, bool *found) {
       close(e.fd);
     }
   }
-  if (q->len == 0) q->head = 0;
+  if (ts_fd_queue_len(q) == 0) q->entries.len = q->head = 0;
   return first;
 }
 
@@ -98,7 +87,6 @@ void ts_fd_queue_close_all(ts_fd_queue *q) {
   bool found;
   ts_fd_entry e = ts_fd_queue_frame(q, UINT64_MAX, &found);
   if (found && e.fd >= 0) close(e.fd);
-  free(q->items);
-  q->items = NULL;
-  q->head = q->len = q->cap = 0;
+  ts_fd_entry_vec_free(&q->entries);
+  q->head = 0;
 }

@@ -11,6 +11,7 @@
 #define TSHARE_FD_QUEUE_H
 
 #include "conn_status.h"
+#include "vec.h"
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -23,14 +24,19 @@ typedef struct ts_fd_entry {
   uint64_t last; /* the same for the last fd of a run of lost ones; `at` otherwise */
 } ts_fd_entry;
 
+TS_VEC_DEFINE(ts_fd_entry_vec, ts_fd_entry)
+
 typedef struct ts_fd_queue {
-  ts_fd_entry *items; /* oldest first from head */
-  size_t head, len, cap;
+  ts_fd_entry_vec entries; /* oldest first from head; those before it are taken */
+  size_t head;
   /* fds held for the peer's frames: queued here, or kept by the session
    * (ts_fd_queue_hold). Past budget an arriving fd is closed at once and its
    * frame comes with lost = TS_FD_OVER_BUDGET. */
   size_t held, budget;
 } ts_fd_queue;
+
+/* Entries waiting for their frame. */
+static inline size_t ts_fd_queue_len(const ts_fd_queue *q) { return q->entries.len - q->head; }
 
 /* The fds one read brought (n of them; cut: the kernel cut the control data,
  * so one could not be installed), the read's last byte at stream offset

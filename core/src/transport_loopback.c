@@ -17,6 +17,7 @@
 #include "conn.h"
 
 #include "error_detail.h"
+#include "vec.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -33,12 +34,13 @@ typedef struct lo_fd_msg {
   int fd;              /* dup'd on write; -1 once handed to the reader */
 } lo_fd_msg;
 
+TS_VEC_DEFINE(lo_fd_msg_vec, lo_fd_msg)
+
 typedef struct lo_inbox {
   uint8_t *bytes; /* bytes [done, written) of the stream, from bytes[0] */
   size_t len, cap;
   uint64_t done, written;
-  lo_fd_msg *msgs; /* oldest first */
-  size_t nmsgs, msgs_cap;
+  lo_fd_msg_vec msgs; /* oldest first */
   bool writer_gone, reader_gone;
 } lo_inbox;
 
@@ -57,31 +59,20 @@ typedef struct lo_end {
 
 /* Unclaimed pairs, found by an end's fd numbers (unique in a process while
  * open): ts_conn_init gets only fds. */
+TS_VEC_DEFINE(lo_pair_vec, lo_pair *)
 static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
-static lo_pair **registry;
-static size_t registry_len, registry_cap;
+static lo_pair_vec registry;
 
 static void inbox_free(lo_inbox *in) {
-  for (size_t i = 0; i < in->nmsgs; i++)
-    if (in->msgs[i].fd >= 0) close(in->msgs[i].fd);
-  free(in->msgs);
+  for (size_t i = 0; i < in->msgs.len; i++)
+    if (in->msgs.items[i].fd >= 0) close(in->msgs.items[i].fd);
+  lo_fd_msg_vec_free(&in->msgs);
   free(in->bytes);
 }
 
 static bool registry_add(lo_pair *p) {
   pthread_mutex_lock(&registry_lock);
-  bool ok = true;
-  if (registry_len == registry_cap) {
-    size_t cap = registry_cap ? registry_cap * 2 : 8;
-    lo_pair **r = realloc(registry, cap * sizeof *r);
-    if (r) {
-      registry = r;
-      registry_cap = cap;
-    } else {
-      ok = false;
-    }
-  }
-  if (ok) registry[registry_len++] = p;
+  bool ok = lo_pair_vec_push(&registry, p) == TSHARE_OK;
   pthread_mutex_unlock(&registry_lock);
   return ok;
 }
@@ -90,15 +81,15 @@ static bool registry_add(lo_pair *p) {
 static lo_end *registry_claim(int rfd, int wfd) {
   lo_end *end = NULL;
   pthread_mutex_lock(&registry_lock);
-  for (size_t i = 0; i < registry_len && !end; i++) {
-    lo_pair *p = registry[i];
+  for (size_t i = 0; i < registry.len && !end; i++) {
+    lo_pair *p = registry.items[i];
     for (int k = 0; k < 2 && !end; k++) {
       if (p->claimed[k] || p->fds[k][0] != rfd || p->fds[k][1] != wfd) continue;
       if (!(end = malloc(sizeof *end))) break;
       end->pair = p;
       end->me = k;
       p->claimed[k] = true;
-      if (p->claimed[!k]) registry[i] = registry[--registry_len];
+      if (p->claimed[!k]) lo_pair_vec_remove(&registry, i, 1);
     }
   }
   pthread_mutex_unlock(&registry_lock);
@@ -142,13 +133,10 @@ static size_t read_span(lo_inbox *in, size_t cap, int *fd) {
   size_t n = in->len < cap ? in->len : cap;
   *fd = -1;
   size_t drop = 0;
-  while (drop < in->nmsgs && in->msgs[drop].end <= in->done) drop++; /* read before */
-  if (drop) {
-    memmove(in->msgs, in->msgs + drop, (in->nmsgs - drop) * sizeof *in->msgs);
-    in->nmsgs -= drop;
-  }
-  if (in->nmsgs == 0) return n;
-  lo_fd_msg *m = &in->msgs[0];
+  while (drop < in->msgs.len && in->msgs.items[drop].end <= in->done) drop++; /* read before */
+  lo_fd_msg_vec_remove(&in->msgs, 0, drop);
+  if (in->msgs.len == 0) return n;
+  lo_fd_msg *m = &in->msgs.items[0];
   if (m->start > in->done) return (size_t)(m->start - in->done) < n ? (size_t)(m->start - in->done) : n;
   if ((size_t)(m->end - in->done) < n) n = (size_t)(m->end - in->done);
   *fd = m->fd;
@@ -196,14 +184,7 @@ static bool inbox_reserve(lo_inbox *in, size_t len, bool msg) {
     in->bytes = b;
     in->cap = cap;
   }
-  if (msg && in->nmsgs == in->msgs_cap) {
-    size_t cap = in->msgs_cap ? in->msgs_cap * 2 : 8;
-    lo_fd_msg *m = realloc(in->msgs, cap * sizeof *m);
-    if (!m) return false;
-    in->msgs = m;
-    in->msgs_cap = cap;
-  }
-  return true;
+  return !msg || lo_fd_msg_vec_reserve(&in->msgs, 1) == TSHARE_OK;
 }
 
 static ssize_t loopback_write(ts_conn *c, const uint8_t *buf, size_t len, int fd) {
@@ -220,7 +201,8 @@ static ssize_t loopback_write(ts_conn *c, const uint8_t *buf, size_t len, int fd
   else if (!inbox_reserve(out, len, copy >= 0))
     err = ENOMEM;
   if (!err) {
-    if (copy >= 0) out->msgs[out->nmsgs++] = (lo_fd_msg){.start = out->written, .end = out->written + len, .fd = copy};
+    if (copy >= 0) /* room reserved above: cannot fail */
+      (void)lo_fd_msg_vec_push(&out->msgs, (lo_fd_msg){.start = out->written, .end = out->written + len, .fd = copy});
     memcpy(out->bytes + out->len, buf, len);
     out->len += len;
     out->written += len;
