@@ -236,6 +236,57 @@ static CUresult vmm_map(const ts_cuda_api *cu, int fd, size_t size, CUdeviceptr 
   return vmm_map_chunks(cu, 1, &fd, &one, size, ptr);
 }
 
+/* A fresh mapping of the allocation from its handle, fd or chunks, entered
+ * in the cache (ts_cuda_lock held): *out, or a status with err written. */
+static int open_locked(const ts_cuda_api *cu, uint64_t origin, uint64_t alloc_id, CUcontext ctx,
+                       const CUipcMemHandle *handle, int *fdp, const ts_vmm_chunks *chunks, size_t size,
+                       ts_cuda_mapping **out, char *err, size_t cap) {
+  bool vmm = fdp && *fdp >= 0;
+  ts_cuda_mapping *imp = calloc(1, sizeof *imp);
+  if (!imp) return ts_errf(err, cap, TSHARE_E_NOMEM, "import: out of memory");
+  CUresult rc = CUDA_ERROR_INVALID_CONTEXT;
+  if (chunks && !(imp->chunk_size = malloc((size_t)chunks->n * sizeof *imp->chunk_size))) rc = CUDA_ERROR_OUT_OF_MEMORY;
+  else if (ts_cuda_push(ctx)) {
+    rc = chunks ? vmm_map_chunks(cu, chunks->n, chunks->fd, chunks->size, size, &imp->ptr)
+         : vmm  ? vmm_map(cu, *fdp, size, &imp->ptr)
+                : cu->cuIpcOpenMemHandle(&imp->ptr, *handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+    ts_cuda_pop();
+  }
+  if (rc != CUDA_SUCCESS) {
+    free(imp->chunk_size);
+    free(imp);
+    if (rc == CUDA_ERROR_PEER_ACCESS_UNSUPPORTED || rc == CUDA_ERROR_TOO_MANY_PEERS)
+      return ts_errf(err, cap, TSHARE_E_UNSUPPORTED,
+                     "import: this GPU cannot map the producer's GPU memory: peer access between them is not "
+                     "possible (%s)",
+                     ts_cuda_strerror(rc));
+    return ts_cuda_fail(err, cap, vmm ? "import: mapping the VMM fd" : "import: cudaIpcOpenMemHandle", rc);
+  }
+  imp->fd = vmm && !chunks ? *fdp : -1;
+  if (chunks) {
+    imp->nchunks = chunks->n;
+    for (int i = 0; i < chunks->n; i++) imp->chunk_size[i] = chunks->size[i];
+    ts_cuda_counters.fd_imports++;
+  } else if (vmm) {
+    *fdp = -1;
+    ts_cuda_counters.fd_imports++;
+  } else {
+    ts_cuda_counters.imports++;
+  }
+  imp->origin = origin;
+  imp->alloc_id = alloc_id;
+  imp->ctx = ctx;
+  imp->legacy = !vmm;
+  if (!vmm) memcpy(imp->handle, handle->reserved, TSHARE_HANDLE_MAX);
+  imp->size = size;
+  if (!insert_locked(imp)) {
+    unmap_and_free(imp);
+    return ts_errf(err, cap, TSHARE_E_NOMEM, "import: out of memory");
+  }
+  *out = imp;
+  return TSHARE_OK;
+}
+
 int ts_cuda_import_get(uint64_t origin, uint64_t alloc_id, CUcontext ctx, const CUipcMemHandle *handle, int *fdp,
                        const ts_vmm_chunks *chunks, size_t size, bool keep_idle, ts_cuda_mapping **out, char *err,
                        size_t cap) {
@@ -273,51 +324,10 @@ int ts_cuda_import_get(uint64_t origin, uint64_t alloc_id, CUcontext ctx, const 
     ts_cuda_counters.import_hits++;
   } else {
     if (imp && imp->views == 0) close_locked(imp); /* retired but asked for again: reopen fresh */
-    imp = calloc(1, sizeof *imp);
-    if (!imp) {
+    int rc = open_locked(cu, origin, alloc_id, ctx, handle, fdp, chunks, size, &imp, err, cap);
+    if (rc != TSHARE_OK) {
       pthread_mutex_unlock(&ts_cuda_lock);
-      return ts_errf(err, cap, TSHARE_E_NOMEM, "import: out of memory");
-    }
-    CUresult rc = CUDA_ERROR_INVALID_CONTEXT;
-    if (chunks && !(imp->chunk_size = malloc((size_t)chunks->n * sizeof *imp->chunk_size))) rc = CUDA_ERROR_OUT_OF_MEMORY;
-    else if (ts_cuda_push(ctx)) {
-      rc = chunks ? vmm_map_chunks(cu, chunks->n, chunks->fd, chunks->size, size, &imp->ptr)
-           : vmm  ? vmm_map(cu, *fdp, size, &imp->ptr)
-                  : cu->cuIpcOpenMemHandle(&imp->ptr, *handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
-      ts_cuda_pop();
-    }
-    if (rc != CUDA_SUCCESS) {
-      free(imp->chunk_size);
-      free(imp);
-      pthread_mutex_unlock(&ts_cuda_lock);
-      if (rc == CUDA_ERROR_PEER_ACCESS_UNSUPPORTED || rc == CUDA_ERROR_TOO_MANY_PEERS)
-        return ts_errf(err, cap, TSHARE_E_UNSUPPORTED,
-                       "import: this GPU cannot map the producer's GPU memory: peer access between them is not "
-                       "possible (%s)",
-                       ts_cuda_strerror(rc));
-      return ts_cuda_fail(err, cap, vmm ? "import: mapping the VMM fd" : "import: cudaIpcOpenMemHandle", rc);
-    }
-    imp->fd = vmm && !chunks ? *fdp : -1;
-    if (chunks) {
-      imp->nchunks = chunks->n;
-      for (int i = 0; i < chunks->n; i++) imp->chunk_size[i] = chunks->size[i];
-      ts_cuda_counters.fd_imports++;
-    } else if (vmm) {
-      *fdp = -1;
-      ts_cuda_counters.fd_imports++;
-    } else {
-      ts_cuda_counters.imports++;
-    }
-    imp->origin = origin;
-    imp->alloc_id = alloc_id;
-    imp->ctx = ctx;
-    imp->legacy = !vmm;
-    if (!vmm) memcpy(imp->handle, handle->reserved, TSHARE_HANDLE_MAX);
-    imp->size = size;
-    if (!insert_locked(imp)) {
-      unmap_and_free(imp);
-      pthread_mutex_unlock(&ts_cuda_lock);
-      return ts_errf(err, cap, TSHARE_E_NOMEM, "import: out of memory");
+      return rc;
     }
   }
   idle_unlink(imp);

@@ -1,5 +1,6 @@
 /* Shared by the CUDA modules: cuda_device.c (driver, devices, guard policy),
- * cuda_memory.c (owned buffers, slabs, export cache, guarded export),
+ * cuda_memory.c (owned buffers, slabs), cuda_export.c (export cache, guarded
+ * export, foreign VMM chunks),
  * cuda_import.c (the process-wide import cache) and backend_cuda.c (channels:
  * event pools, shares, views, releases, retirement). */
 #ifndef TSHARE_CUDA_INTERNAL_H
@@ -25,7 +26,7 @@ const ts_cuda_api *ts_cuda_require(char *err, size_t cap, int *status);
 /* Fails with err naming the call and the CUDA error. */
 int ts_cuda_fail(char *err, size_t cap, const char *what, CUresult rc);
 
-/* ---- exports (cuda_memory.c) ---- */
+/* ---- exports (cuda_export.c) ---- */
 
 /* Everything a share frame needs to name an allocation. */
 typedef struct ts_cuda_export {
@@ -39,6 +40,10 @@ typedef struct ts_cuda_export {
   int fd;                /* VMM memory: its POSIX-fd capability (kept by its owner), else -1 */
 } ts_cuda_export;
 
+/* The export cache: an allocation's handle remembered (owned legacy
+ * allocations put theirs at creation) and forgotten when it is freed. */
+void ts_cuda_export_cache_put(const ts_cuda_export *x);
+void ts_cuda_export_cache_remove(CUdeviceptr base);
 /* Find the allocation holding ptr and its handle, exporting it (guarded when
  * the policy says so) unless this allocation was exported before. */
 int ts_cuda_export_of(CUdeviceptr ptr, ts_cuda_export *out, char *err, size_t cap);

@@ -1,4 +1,6 @@
-/* Owned buffers and slabs, the export cache, and the guarded export. */
+/* Owned buffers and slabs: tshare's own GPU allocations (legacy or VMM),
+ * the pieces of a slab, and the references shares and peers hold on them.
+ * Exports of any memory: cuda_export.c. */
 #include "cuda_internal.h"
 #include "error_detail.h"
 
@@ -9,8 +11,6 @@
 #include <unistd.h>
 
 #define SLAB_ALIGN 256             /* what cudaMalloc guarantees: any dtype, vector loads */
-#define EXPORT_CACHE_MAX 1024      /* allocations whose handle is remembered */
-#define GUARD_CHUNK (16u << 20)    /* bytes compared per step after a guarded export */
 
 typedef struct range {
   size_t off, len;
@@ -35,253 +35,6 @@ struct tshare_cuda_buffer {
 struct tshare_cuda_slab {
   ts_cuda_alloc *alloc;
 };
-
-/* ---- the export cache ---------------------------------------------------- */
-
-typedef struct cache_entry {
-  ts_cuda_export x;
-  uint64_t tick;
-} cache_entry;
-
-static cache_entry cache[EXPORT_CACHE_MAX];
-static size_t cache_len;
-static uint64_t cache_tick;
-
-static cache_entry *cache_find(CUdeviceptr base) {
-  for (size_t i = 0; i < cache_len; i++)
-    if (cache[i].x.base == base) return &cache[i];
-  return NULL;
-}
-
-static void cache_put(const ts_cuda_export *x) {
-  cache_entry *e = cache_find(x->base);
-  if (!e && cache_len < EXPORT_CACHE_MAX) e = &cache[cache_len++];
-  if (!e) { /* full: forget the least recently used; it is re-exported if it comes back */
-    e = &cache[0];
-    for (size_t i = 1; i < cache_len; i++)
-      if (cache[i].tick < e->tick) e = &cache[i];
-  }
-  e->x = *x;
-  e->tick = ++cache_tick;
-}
-
-static void cache_remove(CUdeviceptr base) {
-  cache_entry *e = cache_find(base);
-  if (e) *e = cache[--cache_len];
-}
-
-/* ---- export -------------------------------------------------------------- */
-
-/* Snapshot, export, compare, restore: the whole allocation, so neighbours of
- * the exported tensor in the same segment are covered too. All work queued in
- * the context is finished first, or the snapshot could miss a write. */
-static CUresult guarded_export(const ts_cuda_api *cu, CUdeviceptr base, size_t size, CUipcMemHandle *h,
-                               bool *restored, char *err, size_t cap, int *status) {
-  *restored = false;
-  uint8_t *snap = malloc(size ? size : 1);
-  uint8_t *chunk = malloc(size < GUARD_CHUNK ? (size ? size : 1) : GUARD_CHUNK);
-  CUresult rc = CUDA_ERROR_OUT_OF_MEMORY;
-  if (!snap || !chunk) {
-    *status = ts_errf(err, cap, TSHARE_E_NOMEM, "export guard: no host memory for a %zu-byte snapshot", size);
-    goto out;
-  }
-  if ((rc = cu->cuCtxSynchronize()) != CUDA_SUCCESS || (rc = cu->cuMemcpyDtoH(snap, base, size)) != CUDA_SUCCESS ||
-      (rc = cu->cuIpcGetMemHandle(h, base)) != CUDA_SUCCESS) {
-    *status = ts_cuda_fail(err, cap, "export guard", rc);
-    goto out;
-  }
-  for (size_t off = 0; off < size; off += GUARD_CHUNK) {
-    size_t n = size - off < GUARD_CHUNK ? size - off : GUARD_CHUNK;
-    if ((rc = cu->cuMemcpyDtoH(chunk, base + off, n)) != CUDA_SUCCESS) break;
-    if (memcmp(chunk, snap + off, n) != 0) {
-      *restored = true;
-      if ((rc = cu->cuMemcpyHtoD(base + off, snap + off, n)) != CUDA_SUCCESS) break;
-    }
-  }
-  if (rc != CUDA_SUCCESS) *status = ts_cuda_fail(err, cap, "export guard: compare/restore", rc);
-out:
-  free(snap);
-  free(chunk);
-  return rc;
-}
-
-int ts_cuda_export_of(CUdeviceptr ptr, ts_cuda_export *out, char *err, size_t cap) {
-  int status = TSHARE_OK;
-  const ts_cuda_api *cu = ts_cuda_require(err, cap, &status);
-  if (!cu) return status;
-  CUcontext ctx = NULL;
-  CUresult rc = cu->cuPointerGetAttribute(&ctx, CU_POINTER_ATTRIBUTE_CONTEXT, ptr);
-  if (rc != CUDA_SUCCESS || !ctx)
-    return ts_errf(err, cap, TSHARE_E_INVALID_ARG,
-                   "export: %p is not device memory from cudaMalloc/cuMemAlloc (%s)", (void *)(uintptr_t)ptr,
-                   ts_cuda_strerror(rc));
-  if (!ts_cuda_push(ctx)) return ts_errf(err, cap, TSHARE_E_CUDA, "export: cannot enter the memory's context");
-  pthread_mutex_lock(&ts_cuda_lock);
-  ts_cuda_export x;
-  memset(&x, 0, sizeof x);
-  x.ctx = ctx;
-  x.fd = -1;
-  unsigned long long id = 0;
-  int ordinal = -1;
-  CUuuid uuid;
-  CUdevice dev;
-  if ((rc = cu->cuMemGetAddressRange(&x.base, &x.size, ptr)) != CUDA_SUCCESS ||
-      (rc = cu->cuPointerGetAttribute(&id, CU_POINTER_ATTRIBUTE_BUFFER_ID, x.base)) != CUDA_SUCCESS ||
-      (rc = cu->cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, x.base)) != CUDA_SUCCESS ||
-      (rc = cu->cuDeviceGet(&dev, ordinal)) != CUDA_SUCCESS || (rc = cu->cuDeviceGetUuid(&uuid, dev)) != CUDA_SUCCESS) {
-    status = ts_cuda_fail(err, cap, "export: looking up the allocation", rc);
-    goto out;
-  }
-  x.buffer_id = id;
-  x.ordinal = ordinal;
-  memcpy(x.uuid, uuid.bytes, 16);
-  cache_entry *e = cache_find(x.base);
-  if (e && e->x.buffer_id == x.buffer_id) {
-    /* Exported before: never call the driver's export twice on one
-     * allocation (each call could zero it on an affected driver). */
-    e->tick = ++cache_tick;
-    *out = e->x;
-    ts_cuda_counters.cache_hits++;
-    goto out;
-  }
-  /* A different buffer id at a known base: that allocation was freed and the
-   * address reused. The stale entry is replaced below. */
-  if (ts_cuda_guard_wanted(ctx)) {
-    bool restored;
-    if (guarded_export(cu, x.base, x.size, &x.handle, &restored, err, cap, &status) != CUDA_SUCCESS) goto out;
-    ts_cuda_counters.guarded++;
-    if (restored) ts_cuda_counters.restored++;
-  } else if ((rc = cu->cuIpcGetMemHandle(&x.handle, x.base)) != CUDA_SUCCESS) {
-    status = ts_cuda_fail(err, cap,
-                          "export: cudaIpcGetMemHandle refused the allocation (stream-ordered pool and VMM memory "
-                          "cannot use legacy CUDA IPC)",
-                          rc);
-    goto out;
-  }
-  ts_cuda_counters.exports++;
-  cache_put(&x);
-  *out = x;
-out:
-  pthread_mutex_unlock(&ts_cuda_lock);
-  ts_cuda_pop();
-  return status;
-}
-
-/* ---- memory mapped by another allocator with the VMM calls ---------------- */
-
-bool ts_cuda_is_foreign_vmm(CUdeviceptr ptr) {
-  int status;
-  char err[TSHARE_ERROR_MSG_MAX];
-  const ts_cuda_api *cu = ts_cuda_require(err, sizeof err, &status);
-  if (!cu) return false;
-  CUcontext ctx = NULL;
-  CUmemGenericAllocationHandle h;
-  /* VMM mappings have no context; cuMemAlloc memory has one. */
-  if (cu->cuPointerGetAttribute(&ctx, CU_POINTER_ATTRIBUTE_CONTEXT, ptr) != CUDA_SUCCESS || ctx) return false;
-  if (cu->cuMemRetainAllocationHandle(&h, (void *)(uintptr_t)ptr) != CUDA_SUCCESS) return false;
-  cu->cuMemRelease(h);
-  return true;
-}
-
-void ts_vmm_chunks_close(ts_vmm_chunks *chunks) {
-  for (int i = 0; i < chunks->n; i++)
-    if (chunks->fd[i] >= 0) close(chunks->fd[i]);
-  chunks->n = 0;
-}
-
-/* One chunk: its range and identity. */
-static int lookup_chunk(const ts_cuda_api *cu, CUdeviceptr at, CUdeviceptr *base, size_t *size, uint64_t *id,
-                        char *err, size_t cap) {
-  unsigned long long buffer_id = 0, allowed = 0;
-  CUresult rc = cu->cuMemGetAddressRange(base, size, at);
-  if (rc == CUDA_SUCCESS) rc = cu->cuPointerGetAttribute(&buffer_id, CU_POINTER_ATTRIBUTE_BUFFER_ID, *base);
-  if (rc == CUDA_SUCCESS)
-    rc = cu->cuPointerGetAttribute(&allowed, CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES, *base);
-  if (rc != CUDA_SUCCESS) return ts_cuda_fail(err, cap, "export (VMM memory): looking up the chunk", rc);
-  if (!(allowed & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
-    return ts_errf(err, cap, TSHARE_E_UNSUPPORTED,
-                   "export: the VMM memory at %p was created without POSIX-fd handles (handle types 0x%llx), the "
-                   "only kind tshare passes between processes",
-                   (void *)(uintptr_t)*base, allowed);
-  *id = buffer_id;
-  return TSHARE_OK;
-}
-
-int ts_cuda_vmm_export_fds(ts_vmm_chunks *chunks, char *err, size_t cap) {
-  int status = TSHARE_OK;
-  const ts_cuda_api *cu = ts_cuda_require(err, cap, &status);
-  if (!cu) return status;
-  for (int i = 0; i < chunks->n && status == TSHARE_OK; i++) {
-    CUmemGenericAllocationHandle h;
-    CUresult rc = cu->cuMemRetainAllocationHandle(&h, (void *)(uintptr_t)chunks->base[i]);
-    if (rc != CUDA_SUCCESS) {
-      status = ts_cuda_fail(err, cap, "export (VMM memory): cuMemRetainAllocationHandle", rc);
-      break;
-    }
-    rc = cu->cuMemExportToShareableHandle(&chunks->fd[i], h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
-    cu->cuMemRelease(h); /* the retain's reference, not the memory */
-    if (rc != CUDA_SUCCESS) {
-      chunks->fd[i] = -1;
-      status = ts_cuda_fail(err, cap, "export (VMM memory): cuMemExportToShareableHandle", rc);
-    }
-  }
-  if (status != TSHARE_OK) ts_vmm_chunks_close(chunks);
-  else {
-    pthread_mutex_lock(&ts_cuda_lock);
-    ts_cuda_counters.exports++;
-    pthread_mutex_unlock(&ts_cuda_lock);
-  }
-  return status;
-}
-
-int ts_cuda_export_vmm(CUdeviceptr ptr, uint64_t extent, ts_cuda_export *x, ts_vmm_chunks *chunks, char *err,
-                       size_t cap) {
-  int status = TSHARE_OK;
-  const ts_cuda_api *cu = ts_cuda_require(err, cap, &status);
-  chunks->n = 0;
-  if (!cu) return status;
-  memset(x, 0, sizeof *x);
-  x->fd = -1;
-  int ordinal = -1;
-  CUresult rc = cu->cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr);
-  CUdevice dev;
-  CUuuid uuid;
-  if (rc == CUDA_SUCCESS) rc = cu->cuDeviceGet(&dev, ordinal);
-  if (rc == CUDA_SUCCESS) rc = cu->cuDeviceGetUuid(&uuid, dev);
-  if (rc != CUDA_SUCCESS) return ts_cuda_fail(err, cap, "export (VMM memory): its device", rc);
-  /* An identity of this exact run of chunks: their buffer ids (unique per
-   * allocation in this process, new when an address is mapped again). */
-  uint64_t id = 0xcbf29ce484222325ull;
-  CUdeviceptr at = ptr, end = ptr + (extent ? extent : 1);
-  while (at < end) {
-    if (chunks->n == TS_VMM_CHUNKS_MAX)
-      return ts_errf(err, cap, TSHARE_E_TOO_LARGE,
-                     "export: the tensor spans more than %d chunks of VMM memory (%llu bytes from %p)",
-                     TS_VMM_CHUNKS_MAX, (unsigned long long)extent, (void *)(uintptr_t)ptr);
-    CUdeviceptr base;
-    size_t size;
-    uint64_t chunk_id = 0;
-    if ((status = lookup_chunk(cu, at, &base, &size, &chunk_id, err, cap)) != TSHARE_OK) return status;
-    if (chunks->n == 0) x->base = base;
-    else if (base != x->base + x->size) /* a hole: not one tensor's memory */
-      return ts_errf(err, cap, TSHARE_E_INVALID_ARG, "export: the VMM memory at %p is not mapped contiguously",
-                     (void *)(uintptr_t)at);
-    chunks->fd[chunks->n] = -1;
-    chunks->base[chunks->n] = base;
-    chunks->id[chunks->n] = chunk_id;
-    chunks->size[chunks->n++] = size;
-    x->size += size;
-    id = (id ^ chunk_id) * 0x100000001b3ull;
-    at = base + size;
-  }
-  /* One chunk keeps its buffer id as the allocation's id, like cuMemAlloc
-   * memory; a run of several gets the hash, kept apart by its top bit. */
-  x->buffer_id = chunks->n == 1 ? chunks->id[0] : (id | (1ull << 63));
-  x->ordinal = ordinal;
-  memcpy(x->uuid, uuid.bytes, 16);
-  x->ctx = ts_cuda_primary_ctx(ordinal);
-  return TSHARE_OK;
-}
 
 /* ---- owned allocations ---------------------------------------------------- */
 
@@ -385,37 +138,60 @@ static void vmm_free(const ts_cuda_api *cu, ts_cuda_alloc *a) {
 static uint64_t vmm_ids; /* under ts_cuda_lock; VMM memory has no driver buffer id */
 #define VMM_ID_BASE ((uint64_t)1 << 62) /* far above the driver's ids, which count up from 1 */
 
+/* A slab's free ranges: all of it, at first. False: out of memory. */
+static bool slab_ranges_init(ts_cuda_alloc *a) {
+  a->free = malloc(sizeof *a->free);
+  if (!a->free) return false;
+  a->free[0] = (range){0, a->x.size};
+  a->nfree = a->cap_free = 1;
+  a->free_bytes = a->x.size;
+  return true;
+}
+
+/* Where a new allocation goes and how it travels: the driver, the device's
+ * context, and whether it is VMM memory (fds) or legacy; the arguments
+ * checked. A status, with msg written. */
+static int alloc_where(int device, size_t size, tshare_cuda_handle_kind kind, const ts_cuda_api **cu, CUcontext *ctx,
+                       CUdevice *dev, bool *vmm, char *msg, size_t cap) {
+  int status = TSHARE_OK;
+  *cu = ts_cuda_require(msg, cap, &status);
+  if (!*cu) return status;
+  if (size == 0 || size > ((size_t)1 << 48)) {
+    status = ts_errf(msg, cap, TSHARE_E_INVALID_ARG, "cuda buffer: size %zu outside 1..2^48", size);
+    return status;
+  }
+  if (kind != TSHARE_CUDA_HANDLE_AUTO && kind != TSHARE_CUDA_HANDLE_FD && kind != TSHARE_CUDA_HANDLE_LEGACY) {
+    status = ts_errf(msg, cap, TSHARE_E_INVALID_ARG, "cuda buffer: unknown handle kind %d", (int)kind);
+    return status;
+  }
+  int count = tshare_cuda_device_count();
+  *ctx = device >= 0 && device < count ? ts_cuda_primary_ctx(device) : NULL;
+  if (!*ctx || (*cu)->cuDeviceGet(dev, device) != CUDA_SUCCESS) {
+    status = ts_errf(msg, cap, TSHARE_E_INVALID_ARG, "cuda buffer: device %d: this process sees %d device(s)",
+                     device, count);
+    return status;
+  }
+  if (kind == TSHARE_CUDA_HANDLE_AUTO) kind = default_handle_kind();
+  bool fds = device_exports_fds(*cu, *dev);
+  if (kind == TSHARE_CUDA_HANDLE_FD && !fds) {
+    status = ts_errf(msg, cap, TSHARE_E_UNSUPPORTED,
+                     "cuda buffer: device %d cannot export memory as POSIX fds (CUDA VMM); use legacy handles", device);
+    return status;
+  }
+  *vmm = fds && kind != TSHARE_CUDA_HANDLE_LEGACY;
+  return TSHARE_OK;
+}
+
 static int alloc_create(int device, size_t size, tshare_cuda_handle_kind kind, bool slab, ts_cuda_alloc **out,
                         tshare_error *err) {
   char msg[TSHARE_ERROR_MSG_MAX];
-  int status = TSHARE_OK;
   *out = NULL;
-  const ts_cuda_api *cu = ts_cuda_require(msg, sizeof msg, &status);
-  if (!cu) goto fail;
-  if (size == 0 || size > ((size_t)1 << 48)) {
-    status = ts_errf(msg, sizeof msg, TSHARE_E_INVALID_ARG, "cuda buffer: size %zu outside 1..2^48", size);
-    goto fail;
-  }
-  if (kind != TSHARE_CUDA_HANDLE_AUTO && kind != TSHARE_CUDA_HANDLE_FD && kind != TSHARE_CUDA_HANDLE_LEGACY) {
-    status = ts_errf(msg, sizeof msg, TSHARE_E_INVALID_ARG, "cuda buffer: unknown handle kind %d", (int)kind);
-    goto fail;
-  }
-  int count = tshare_cuda_device_count();
-  CUcontext ctx = device >= 0 && device < count ? ts_cuda_primary_ctx(device) : NULL;
+  const ts_cuda_api *cu;
+  CUcontext ctx;
   CUdevice dev;
-  if (!ctx || cu->cuDeviceGet(&dev, device) != CUDA_SUCCESS) {
-    status = ts_errf(msg, sizeof msg, TSHARE_E_INVALID_ARG, "cuda buffer: device %d: this process sees %d device(s)",
-                     device, count);
-    goto fail;
-  }
-  if (kind == TSHARE_CUDA_HANDLE_AUTO) kind = default_handle_kind();
-  bool fds = device_exports_fds(cu, dev);
-  if (kind == TSHARE_CUDA_HANDLE_FD && !fds) {
-    status = ts_errf(msg, sizeof msg, TSHARE_E_UNSUPPORTED,
-                     "cuda buffer: device %d cannot export memory as POSIX fds (CUDA VMM); use legacy handles", device);
-    goto fail;
-  }
-  bool vmm = fds && kind != TSHARE_CUDA_HANDLE_LEGACY;
+  bool vmm;
+  int status = alloc_where(device, size, kind, &cu, &ctx, &dev, &vmm, msg, sizeof msg);
+  if (status != TSHARE_OK) goto fail;
   ts_cuda_alloc *a = calloc(1, sizeof *a);
   if (!a) {
     status = ts_errf(msg, sizeof msg, TSHARE_E_NOMEM, "cuda buffer: out of memory");
@@ -455,23 +231,17 @@ static int alloc_create(int device, size_t size, tshare_cuda_handle_kind kind, b
   memcpy(a->x.uuid, uuid.bytes, 16);
   a->refs = 1;
   a->is_slab = slab;
-  if (slab) {
-    a->free = malloc(sizeof *a->free);
-    if (!a->free) {
-      a->refs = 0;
-      ts_cuda_push(ctx);
-      if (vmm)
-        vmm_free(cu, a);
-      else
-        cu->cuMemFree(a->x.base);
-      ts_cuda_pop();
-      free(a);
-      status = ts_errf(msg, sizeof msg, TSHARE_E_NOMEM, "cuda slab: out of memory");
-      goto fail;
-    }
-    a->free[0] = (range){0, a->x.size};
-    a->nfree = a->cap_free = 1;
-    a->free_bytes = a->x.size;
+  if (slab && !slab_ranges_init(a)) {
+    a->refs = 0;
+    ts_cuda_push(ctx);
+    if (vmm)
+      vmm_free(cu, a);
+    else
+      cu->cuMemFree(a->x.base);
+    ts_cuda_pop();
+    free(a);
+    status = ts_errf(msg, sizeof msg, TSHARE_E_NOMEM, "cuda slab: out of memory");
+    goto fail;
   }
   pthread_mutex_lock(&ts_cuda_lock);
   if (vmm) {
@@ -480,7 +250,7 @@ static int alloc_create(int device, size_t size, tshare_cuda_handle_kind kind, b
   } else {
     a->x.buffer_id = id;
     ts_cuda_counters.exports++;
-    cache_put(&a->x); /* the legacy handle also serves tshare_share_cuda() on a pointer into it */
+    ts_cuda_export_cache_put(&a->x); /* the legacy handle also serves tshare_share_cuda() on a pointer into it */
   }
   pthread_mutex_unlock(&ts_cuda_lock);
   ts_error_fill(err, TSHARE_OK, "");
@@ -495,7 +265,7 @@ fail:
 static void alloc_maybe_free_locked(ts_cuda_alloc *a) {
   if (a->refs || a->peer_refs) return;
   const ts_cuda_api *cu = ts_cuda_if_loaded();
-  if (a->x.fd < 0) cache_remove(a->x.base);
+  if (a->x.fd < 0) ts_cuda_export_cache_remove(a->x.base);
   if (cu && ts_cuda_push(a->x.ctx)) {
     if (a->x.fd >= 0)
       vmm_free(cu, a);
