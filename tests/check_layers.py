@@ -98,7 +98,6 @@ PUBLIC_LAYER = {
 # Tests whose file name does not say the module they unit-test.
 TEST_MODULES = {
     "tests/gpu/test_retire_acks.c": "backend_cuda",
-    "tests/fuzz/fuzz_conn.c": "transport_ring",  # a ring channel against a hand-written peer
     "tests/test_session_loopback.c": "session",  # channels over the in-process transport
     "tests/test_spin_policy.c": "transport_ring",  # the policy, and the ring receives that follow it
 }
