@@ -129,7 +129,8 @@ endfunction()
 # LibTorch examples and Python package where built (run_demo.sh).
 function(tshare_add_demo_programs)
   add_custom_target(demo_programs)
-  foreach(t tshare-launch batch_producer batch_consumer weights_server inference_worker tshare_python)
+  foreach(t tshare-launch batch_producer batch_consumer weights_server inference_worker weight_sync_trainer
+           weight_sync_worker tshare_python)
     if(TARGET ${t})
       add_dependencies(demo_programs ${t})
     endif()

@@ -1,6 +1,7 @@
-// What the weight-sync trainer and its inference workers agree on: the
-// model's shape, the step the trainer takes, and the weights of every version
-// (a formula, so a worker can check it sees exactly version v, not a mix).
+// What the weight-sync trainer and its inference workers agree on, C++ and
+// Python alike (examples/python/weight_sync.py says the same): the model's
+// shape, the step the trainer takes, and the weights of every version (a
+// formula, so a worker can check it sees exactly version v, not a mix).
 #ifndef TSHARE_EXAMPLE_WEIGHT_SYNC_H
 #define TSHARE_EXAMPLE_WEIGHT_SYNC_H
 
