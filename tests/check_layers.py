@@ -44,9 +44,11 @@ Tests (tests/, any depth) may include core/src internals only as unit tests
 of one module: tests/.../test_M.c or fuzz_M.c unit-tests the core/src module
 M (a core/src file named M.c, M.h or M_*.c/h exists), or the module that
 TEST_MODULES names for it. Such a test may include M's own headers (M.h,
-M_*.h), the core/src headers M's own files include, and utility headers:
-what M can see, no more (a unit test of the spin policy may not reach into
-the session). Every other file under tests/ (public-API tests, helpers)
+M_*.h), the core/src headers M's own files include, utility headers, and
+the other headers of M's layer (of M's family, for a backend; none for a
+utility): what M's layer can see, no more (a unit test of the spin policy
+may use the ring's internals, not the session's; one of u64map nothing but
+utilities). Every other file under tests/ (public-API tests, helpers)
 includes no core/src header. tests/layers/ holds this
 script's fixtures and is not checked.
 """
@@ -444,7 +446,8 @@ def test_module(tree, rel):
 
 def module_headers(tree, module):
     """The core/src headers a unit test of `module` may include: the
-    module's own (M.h, M_*.h), those its own files include, and utilities."""
+    module's own (M.h, M_*.h), those its own files include, utilities, and
+    the other headers of its layer (of its family, for a backend)."""
     own = [n for n in tree.src_names if re.match(re.escape(module) + r"(\.[ch]|_\w*\.[ch])$", n)]
     allowed = {n for n in own if n.endswith(".h")}
     for name in own:
@@ -452,6 +455,10 @@ def module_headers(tree, module):
         allowed.update(h for _, kind, path in includes(tree.read(rel))
                        for h in [tree.core_src_header(rel, kind, path)] if h)
     allowed.update(n for n in tree.src_names if n.endswith(".h") and layer_of(n) == UTILITY)
+    layer = layer_of(module + ".c")
+    if layer != UTILITY:  # its layer's other internals (a backend: its family's)
+        allowed.update(n for n in tree.src_names if n.endswith(".h") and layer_of(n) == layer
+                       and (layer != BACKEND or family_of(n) == family_of(module + ".c")))
     return allowed
 
 
@@ -466,8 +473,8 @@ def check_tests(tree, out):
             if module is None:
                 what = "but unit-tests no core/src module (name it test_M.c or list it in TEST_MODULES)"
             else:
-                what = ("(%s) but unit-tests %s: only %s's own headers, those its files include, and "
-                        "utilities" % (layer_of(header), module, module))
+                what = ("(%s) but unit-tests %s: only %s's own headers, those its files include, "
+                        "utilities and its layer's" % (layer_of(header), module, module))
             out.add(rel, number, "test-includes-internals",
                     '%s includes "%s" %s' % (os.path.basename(rel), path, what))
 

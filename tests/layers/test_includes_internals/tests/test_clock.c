@@ -1,0 +1,2 @@
+#include "clock.h"
+#include "ring.h"
