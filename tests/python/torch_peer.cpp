@@ -3,12 +3,19 @@
 // k of the 4x6 base is k % 61; bool: k % 3 == 0; a layout is a view of it).
 //
 //   torch_peer produce [--device cpu|cuda]     torch_peer consume [--device cpu|cuda]
+//   torch_peer produce-set                     torch_peer consume-set
+//
+// The set modes hand every case over in one tensor set (CPU): names are the
+// case names, the metadata "cases", the layouts of one dtype views of one
+// shared base.
 #include <tshare/torch.h>
+#include <tshare/torch_set.h>
 
 #include <torch/torch.h>
 
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -65,6 +72,92 @@ std::string check(const std::string &tag, const at::Tensor &t, const std::string
   return "";
 }
 
+const char kSetMeta[] = "cases"; // what peer.py expects of a set
+
+// The Python peers import torch before they answer the hello: on a loaded
+// machine that takes longer than the default 10 s (well within the test's
+// 100 s launcher timeout).
+const tshare_channel_options *hello_options() {
+  static tshare_channel_options opts = [] {
+    tshare_channel_options o;
+    tshare_channel_options_init(&o);
+    o.handshake_timeout_ms = 60000;
+    return o;
+  }();
+  return &opts;
+}
+
+// Every case, the layouts of one dtype on one shared base.
+tshare::torch::NamedTensors all_cases() {
+  tshare::torch::NamedTensors out;
+  for (const auto &d : kDtypes) {
+    at::Tensor b = base(d.second, "cpu");
+    for (const auto &l : kLayouts) out.emplace_back(d.first + "/" + l, layout(b, l));
+  }
+  return out;
+}
+
+std::vector<tshare::torch::ChannelPtr> open_channels(tshare_role &role) {
+  std::vector<tshare::torch::ChannelPtr> channels;
+  for (int i = 0; i < role.nchannels; i++) {
+    tshare_channel *ch = nullptr;
+    tshare_error err;
+    if (tshare_role_open_channel(&role, i, hello_options(), &ch, &err) != TSHARE_OK)
+      throw std::runtime_error(err.message);
+    channels.emplace_back(ch);
+  }
+  return channels;
+}
+
+int wait_all_released(std::vector<tshare::torch::ChannelPtr> &channels) {
+  for (auto &ch : channels)
+    if (tshare_channel_wait_released(ch.get(), 0, 60000) != TSHARE_OK) {
+      std::fprintf(stderr, "torch_peer: %s\n", tshare_channel_last_error(ch.get()));
+      return 1;
+    }
+  return 0;
+}
+
+int produce_set(tshare_role &role) {
+  auto channels = open_channels(role);
+  tshare::torch::NamedTensors cases = all_cases();
+  tshare::torch::SetOptions o;
+  o.meta = kSetMeta;
+  o.timeout_ms = 30000;
+  for (auto &ch : channels) tshare::torch::send_set(ch.get(), cases, o);
+  if (wait_all_released(channels) != 0) return 1;
+  tshare_role_report(&role, "shared", static_cast<long long>(cases.size()));
+  std::printf("LibTorch producer: shared %zu tensors in one set\n", cases.size());
+  return 0;
+}
+
+int consume_sets(tshare_role &role) {
+  tshare_channel *raw = nullptr;
+  tshare_error err;
+  if (tshare_role_open_channel(&role, 0, hello_options(), &raw, &err) != TSHARE_OK) throw std::runtime_error(err.message);
+  tshare::torch::ChannelPtr ch(raw);
+  tshare::torch::RecvOptions o;
+  o.timeout_ms = 60000;
+  int verified = 0;
+  while (auto r = tshare::torch::recv_set(ch.get(), o)) {
+    if (r->meta != kSetMeta) {
+      std::fprintf(stderr, "LibTorch consumer: WRONG set metadata '%s'\n", r->meta.c_str());
+      return 1;
+    }
+    for (const auto &item : r->tensors) {
+      std::string why = check(item.key(), item.value(), "cpu");
+      if (!why.empty()) {
+        std::fprintf(stderr, "LibTorch consumer: WRONG %s\n", why.c_str());
+        return 1;
+      }
+      verified++;
+    }
+  }
+  tshare_role_report(&role, "verified", verified);
+  std::printf("LibTorch consumer: verified %d tensors in sets\n", verified);
+  return 0;
+}
+
 } // namespace
 
 int main(int argc, char **argv) {
@@ -83,16 +176,10 @@ int main(int argc, char **argv) {
     return 2;
   }
   try {
+    if (mode == "produce-set") return produce_set(role);
+    if (mode == "consume-set") return consume_sets(role);
     if (mode == "produce") {
-      std::vector<tshare::torch::ChannelPtr> channels;
-      for (int i = 0; i < role.nchannels; i++) {
-        tshare_channel *ch = nullptr;
-        if (tshare_role_open_channel(&role, i, nullptr, &ch, &err) != TSHARE_OK) {
-          std::fprintf(stderr, "torch_peer: %s\n", err.message);
-          return 1;
-        }
-        channels.emplace_back(ch);
-      }
+      auto channels = open_channels(role);
       int shared = 0;
       for (const auto &d : kDtypes) {
         for (const auto &l : kLayouts) {
@@ -104,17 +191,13 @@ int main(int argc, char **argv) {
           shared++;
         }
       }
-      for (auto &ch : channels)
-        if (tshare_channel_wait_released(ch.get(), 0, 60000) != TSHARE_OK) {
-          std::fprintf(stderr, "torch_peer: %s\n", tshare_channel_last_error(ch.get()));
-          return 1;
-        }
+      if (wait_all_released(channels) != 0) return 1;
       tshare_role_report(&role, "shared", shared);
       std::printf("LibTorch producer: shared %d tensors\n", shared);
       return 0;
     }
     tshare_channel *raw = nullptr;
-    if (tshare_role_open_channel(&role, 0, nullptr, &raw, &err) != TSHARE_OK) {
+    if (tshare_role_open_channel(&role, 0, hello_options(), &raw, &err) != TSHARE_OK) {
       std::fprintf(stderr, "torch_peer: %s\n", err.message);
       return 1;
     }
