@@ -3,7 +3,8 @@
 // in, one tensor per member, each holding a view of the set.
 //
 // Every tensor is checked before anything moves or goes out, so a refused
-// set names the tensor at fault and leaves the channel as it was.
+// set names the tensor at fault and leaves the channel as it was; names and
+// bounds are the core builder's to check, as each tensor is added.
 #include "tshare/torch_set.h"
 
 #include "bridge_internal.h"

@@ -60,8 +60,9 @@ struct SetOptions {
 };
 
 // Send the tensors as one set on ch and return its id (a share id of ch: see
-// tshare_channel_wait_released). Everything is checked before anything is
-// sent or moved: a refused set leaves the tensors and the channel as they were.
+// tshare_channel_wait_released). A refused set sends nothing, and the
+// tensors are checked before any moves; only with move_to_shared_memory can
+// a refused name leave the tensors before it moved (same values, shared).
 TSHARE_TORCH_API uint64_t send_set(tshare_channel *ch, const NamedTensors &tensors, const SetOptions &options = {});
 TSHARE_TORCH_API uint64_t send_set(tshare_channel *ch, const TensorDict &tensors, const SetOptions &options = {});
 // send_set(ch, {{"w", w}, {"b", b}}, {"version=1"}): a list in place.
