@@ -105,6 +105,35 @@ TSHARE_API int tshare_set_view(tshare_set *set, size_t i, tshare_view **out);
  * released too. Data pointers taken from the handle are invalid afterwards. */
 TSHARE_API void tshare_set_release(tshare_set *set);
 
+/* ---- fan-out: one set to many consumers --------------------------------- */
+
+/* Send the set built in b to each of the n channels chs[0..n-1], in that
+ * order, with what is left of one timeout_ms for each (a slow consumer does
+ * not take the others' time away: a channel with room still gets the set
+ * after the deadline passed). set_ids[i] (required, n entries) gets the set's
+ * id on chs[i], 0 where that send failed; user_data comes back in each
+ * channel's on_release callback. A failed send (a dead consumer, a NULL
+ * channel, a timeout) does not stop the sends to the others. results
+ * (optional, n entries) gets each consumer's outcome: code TSHARE_OK, or the
+ * error with a message naming the consumer (its index, hello name and pid)
+ * and what its channel said. Returns TSHARE_OK when every send succeeded,
+ * else the status of the first failed channel in list order. */
+TSHARE_API int tshare_set_send_all(const tshare_set_builder *b, tshare_channel *const *chs, size_t n,
+                                   void *user_data, int timeout_ms, uint64_t *set_ids, tshare_error *results);
+
+/* Drive the n channels until each has released set_ids[i], waiting on all of
+ * them at once (poll on their fds), up to timeout_ms in all (< 0: no limit).
+ * As for tshare_channel_wait_released(), a set counts as released also when
+ * its consumer went away (its shares are dropped then). A set id of 0 (a
+ * send that failed) is skipped with TSHARE_OK. results (optional, n entries)
+ * as for tshare_set_send_all(): a consumer still holding its set at the
+ * deadline gets TSHARE_E_TIMEOUT, the others their own outcome. Returns
+ * TSHARE_OK when every set came back, else the status of the first failed
+ * channel in list order. Single shares sent to many channels can be waited
+ * on the same way: their share ids go in set_ids. */
+TSHARE_API int tshare_set_wait_all(tshare_channel *const *chs, const uint64_t *set_ids, size_t n, int timeout_ms,
+                                   tshare_error *results);
+
 #ifdef __cplusplus
 }
 #endif
