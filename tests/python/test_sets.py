@@ -284,6 +284,30 @@ def sets_and_single_shares_arrive_in_the_order_sent():
 
 
 @test
+def a_tensor_of_a_received_set_is_shared_on_as_the_producers_memory():
+    p, c = pair()
+    p2, c2 = pair()
+    t = tshare.empty_shared(3, 4)
+    t += torch.arange(12.0).view(3, 4)
+    set_id = tshare.send(p, {"a": t, "b": t[1]})
+    r = tshare.recv(c, timeout=5)
+    tshare.send(p2, r.tensors["b"][1:], tag="on")  # a view of a set's tensor, to a third party
+    r2 = tshare.recv(c2, timeout=5)
+    r2.tensor.fill_(-1)
+    assert torch.equal(t[1], torch.tensor([4.0, -1, -1, -1])), "the third party's write missed the producer"
+    del r
+    gc.collect()
+    c.poll(0)
+    p.poll(0.1)
+    assert p.outstanding() == 1, "the set was released while shared on"
+    del r2
+    c2.poll(0)
+    p2.wait_released(timeout=5)
+    c.poll(0.1)  # the forward's end releases the set
+    release(p, c, set_id)
+
+
+@test
 def a_consumer_killed_while_holding_a_set_frees_everything():
     base_fds = memfds()
     a, b = tshare.socketpair()
