@@ -284,6 +284,61 @@ TS_TEST(a_set_over_the_fd_limit_is_refused_and_the_next_one_comes) {
   destroy_buffers(one, 1);
 }
 
+/* A consumer that looks for a set without waiting (what a binding's recv of
+ * "a share or a set, whichever comes first" does) while single shares come
+ * reads no further than the first share: the shares behind it stay with the
+ * producer's stream, not in this end's fd budget, and none is refused. */
+#define SHARES_BEHIND 24
+static int sent_all[2]; /* the producer writes a byte once every share went out */
+
+static void consumer_looks_for_sets_between_shares(int fd) {
+  close(sent_all[1]);
+  tshare_channel_options o;
+  tshare_channel_options_init(&o);
+  o.name = "consumer";
+  o.max_unclaimed_fds = 2;
+  tshare_channel *ch = NULL;
+  tshare_error err;
+  CHECK_RC(tshare_channel_open_socket(fd, &o, &ch, &err), TSHARE_OK, err.message);
+  char byte;
+  CHECK_EQ(read(sent_all[0], &byte, 1), 1);
+  for (int i = 0; i < SHARES_BEHIND; i++) {
+    tshare_set *s = NULL;
+    CHECK_RC(tshare_set_recv(ch, 0, &s), TSHARE_E_TIMEOUT, tshare_channel_last_error(ch));
+    tshare_view *v;
+    CHECK_RC(tshare_view_recv(ch, 10000, &v), TSHARE_OK, tshare_channel_last_error(ch));
+    char want[16];
+    snprintf(want, sizeof want, "%d", i);
+    if (strcmp(tshare_view_tag(v), want) != 0) TS_FAIL("share %d came as '%s'", i, tshare_view_tag(v));
+    tshare_view_release(v);
+  }
+  tshare_view *none;
+  CHECK_RC(tshare_view_recv(ch, 10000, &none), TSHARE_END, tshare_channel_last_error(ch));
+  tshare_channel_close(ch);
+}
+
+TS_TEST(looking_for_a_set_does_not_read_past_a_waiting_share) {
+  CHECK(pipe(sent_all) == 0);
+  int sock;
+  pid_t pid = fork_with_socket(consumer_looks_for_sets_between_shares, &sock);
+  close(sent_all[0]);
+  tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
+  tshare_host_buffer **bufs = make_buffers(SHARES_BEHIND, 4096);
+  for (int i = 0; i < SHARES_BEHIND; i++) {
+    tshare_tensor_desc d = desc_of(&PLANS[0], 0);
+    char tag[16];
+    snprintf(tag, sizeof tag, "%d", i);
+    CHECK_RC(tshare_share_host(ch, bufs[i], &d, tag, NULL, 10000, NULL), TSHARE_OK, tshare_channel_last_error(ch));
+  }
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 1000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(write(sent_all[1], "x", 1), 1);
+  close(sent_all[1]);
+  CHECK_RC(tshare_channel_wait_released(ch, 0, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_CHILD_OK(pid);
+  tshare_channel_close(ch);
+  destroy_buffers(bufs, SHARES_BEHIND);
+}
+
 /* ---- the builder's bounds ------------------------------------------------- */
 
 TS_TEST(the_builder_refuses_what_a_peer_would) {

@@ -363,6 +363,12 @@ static int set_recv(tshare_channel *ch, int timeout_ms, tshare_set **out) {
     if (rc != TSHARE_OK) return rc;
     if (take_waiting(ch, out)) return TSHARE_OK;
     if (ch->peer_bye) return TSHARE_END;
+    /* A share waits for view_recv: reading on without waiting would draw the
+     * frames behind it (and their fds) out of the stream into this end's fd
+     * budget, where a binding looking for "a share or a set" between shares
+     * would soon have them refused. The stream keeps them instead. */
+    if (ch->in_len > 0 && ts_remaining(deadline) == 0)
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TIMEOUT, "receive set: a single share comes first");
     rc = ts_share_drive(ch, ts_remaining(deadline));
     if (rc == TSHARE_OK || rc == TSHARE_END) continue; /* after a bye, what came before it is taken first */
     int refused = take_refusal(ch);
