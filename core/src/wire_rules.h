@@ -1,0 +1,27 @@
+/* What the wire's own files share and nothing else includes: the limits as a
+ * caller's tshare_wire_limits may lower them, which memory kinds travel as an
+ * fd, and the ring and chunk frames' rules, which the encoder and the decoder
+ * apply alike. Checks the library calls elsewhere are in wire_checks.h. */
+#ifndef TSHARE_WIRE_RULES_H
+#define TSHARE_WIRE_RULES_H
+
+#include "tshare/wire.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* in, lowered where it asks for more than the hard maxima allow; the
+ * defaults when in is NULL. */
+tshare_wire_limits ts_wire_limits_clamp(const tshare_wire_limits *in);
+
+/* A share or set memory of this kind carries its memory as an attached fd. */
+static inline bool ts_wire_kind_takes_fd(int kind) {
+  return kind == TSHARE_MEM_HOST_MEMFD || kind == TSHARE_MEM_CUDA_FD;
+}
+
+int ts_wire_check_ring(const tshare_ring_frame *ring, uint8_t flags, char *err, size_t err_cap);
+int ts_wire_check_chunk(const tshare_chunk_frame *chunk, uint8_t flags, uint64_t max_alloc_size, char *err,
+                        size_t err_cap);
+
+#endif
