@@ -181,7 +181,7 @@ int ts_cuda_on_retire(tshare_channel *ch, const tshare_frame *f) {
       }
     } else { /* the owner frees it: close it (now if idle) and say so */
       ts_cuda_drop_kept_run(c, r->alloc_ids[i]);
-      TS_LOG(TS_LOG_DEBUG, "peer %s freed_notices allocation %llu", ch->conn.peer_label, (unsigned long long)r->alloc_ids[i]);
+      TS_LOG(TS_LOG_DEBUG, "peer %s retires allocation %llu", ch->conn.peer_label, (unsigned long long)r->alloc_ids[i]);
       ts_cuda_import_retire(ch->conn.peer_key, r->alloc_ids[i]);
       if (ts_id_vec_push(&c->closed_notices, r->alloc_ids[i]) != TSHARE_OK)
         return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "retire: out of memory");

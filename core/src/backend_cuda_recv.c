@@ -38,7 +38,7 @@ static int gather_chunks(tshare_channel *ch, const tshare_share_frame *s, int fd
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_LIMIT,
                    "import: share %llu spans %u chunks and not all of their fds could be kept (%s)",
                    (unsigned long long)s->share_id, set->count,
-                   set->lost == TS_FD_OVER_BUDGET ? "the channel kept_notices max_unclaimed_fds" : strerror(set->lost));
+                   set->lost == TS_FD_OVER_BUDGET ? "the channel holds max_unclaimed_fds" : strerror(set->lost));
   uint64_t rest = 0;
   for (uint32_t i = 0; i < set->n; i++) rest += set->size[i];
   if (rest >= s->alloc_size)
