@@ -13,7 +13,6 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
 #include <memory>
 #include <unordered_map>
@@ -123,46 +122,34 @@ uint64_t send_built(tshare_channel *ch, const MemberRefs &members, const SetOpti
   return id;
 }
 
-// Waits for each sent set's release within one deadline for all of them.
-void wait_all_released(const std::vector<tshare_channel *> &channels, std::vector<SendResult> &results,
-                       int timeout_ms) {
-  using clock = std::chrono::steady_clock;
-  const auto deadline = clock::now() + std::chrono::milliseconds(timeout_ms < 0 ? 0 : timeout_ms);
-  for (size_t i = 0; i < channels.size(); i++) {
-    SendResult &r = results[i];
-    if (!r.ok()) continue;
-    int left = -1;
-    if (timeout_ms >= 0) {
-      auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock::now()).count();
-      left = static_cast<int>(ms > 0 ? ms : 0);
-    }
-    int rc = tshare_channel_wait_released(channels[i], r.set_id, left);
-    if (rc == TSHARE_OK) {
-      r.released = true;
-    } else {
-      r.code = rc;
-      r.error = std::string("tshare: send_set_all: consumer ") + std::to_string(i) +
-                " did not release set " + std::to_string(r.set_id) + ": " + tshare_channel_last_error(channels[i]);
-    }
-  }
-}
-
+// Fan-out through the C calls: one send per channel, then one wait for all
+// the releases together; each consumer's outcome stays its own.
 std::vector<SendResult> send_all_built(const std::vector<tshare_channel *> &channels, const MemberRefs &members,
                                        const SetOptions &options, int release_timeout_ms) {
   BuilderPtr b = build(members, options);
-  std::vector<SendResult> results(channels.size());
-  for (size_t i = 0; i < channels.size(); i++) {
-    SendResult &r = results[i];
-    if (!channels[i]) {
-      r.code = TSHARE_E_INVALID_ARG;
-      r.error = "tshare: send_set_all: channel " + std::to_string(i) + " is null";
-      continue;
-    }
-    r.code = tshare_set_send(channels[i], b.get(), nullptr, options.timeout_ms, &r.set_id);
-    if (!r.ok())
-      r.error = "tshare: send_set_all: consumer " + std::to_string(i) + ": " + tshare_channel_last_error(channels[i]);
+  size_t n = channels.size();
+  std::vector<uint64_t> ids(n, 0);
+  std::vector<tshare_error> sent(n), waited(n);
+  std::vector<SendResult> results(n);
+  if (n == 0) return results;
+  tshare_set_send_all(b.get(), channels.data(), n, nullptr, options.timeout_ms, ids.data(), sent.data());
+  for (size_t i = 0; i < n; i++) {
+    results[i].set_id = ids[i];
+    results[i].code = sent[i].code;
+    if (!results[i].ok()) results[i].error = std::string("tshare: send_set_all: ") + sent[i].message;
   }
-  if (release_timeout_ms != 0) wait_all_released(channels, results, release_timeout_ms);
+  if (release_timeout_ms == 0) return results;
+  tshare_set_wait_all(channels.data(), ids.data(), n, release_timeout_ms, waited.data());
+  for (size_t i = 0; i < n; i++) {
+    SendResult &r = results[i];
+    if (!r.ok()) continue;
+    if (waited[i].code == TSHARE_OK) {
+      r.released = true;
+    } else {
+      r.code = waited[i].code;
+      r.error = std::string("tshare: send_set_all: ") + waited[i].message;
+    }
+  }
   return results;
 }
 

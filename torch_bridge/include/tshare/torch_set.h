@@ -80,11 +80,14 @@ struct SendResult {
   bool ok() const noexcept { return code == TSHARE_OK; }
 };
 
-// Fan-out: hand the same set to every channel, then wait until each consumer
-// released it (release_timeout_ms for all of them together: < 0 forever, 0
+// Fan-out (tshare_set_send_all, tshare_set_wait_all): hand the same set to
+// every channel, then wait until each consumer released it, on all channels
+// at once (release_timeout_ms for all of them together: < 0 forever, 0
 // returns at once). One consumer's failure (gone, slow, refusing) is reported
-// in its own result and does not stop the others. A set that cannot be built
-// (a bad name, a tensor outside shared memory) throws, sending nothing.
+// in its own result, naming the consumer, and does not stop the others; a
+// consumer that goes away after the set reached it counts as having released
+// it, as for tshare_channel_wait_released. A set that cannot be built (a bad
+// name, a tensor outside shared memory) throws, sending nothing.
 TSHARE_TORCH_API std::vector<SendResult> send_set_all(const std::vector<tshare_channel *> &channels,
                                                       const NamedTensors &tensors, const SetOptions &options = {},
                                                       int release_timeout_ms = -1);
