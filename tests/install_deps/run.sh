@@ -121,8 +121,8 @@ case "$case_name" in
     run_script
     expect_status 0
     expect_output "installing: cmake"
-    grep -q "^sudo -n env DEBIAN_FRONTEND=noninteractive apt-get" "$work/sudo-calls" ||
-      fail "apt-get did not run through sudo -n with DEBIAN_FRONTEND kept"
+    grep -q "^sudo -n env LC_ALL=C DEBIAN_FRONTEND=noninteractive apt-get" "$work/sudo-calls" ||
+      fail "apt-get did not run through sudo -n with DEBIAN_FRONTEND kept and apt's messages in English (LC_ALL=C)"
     ;;
   cmake_too_old_after_install)
     # Ubuntu 22.04: cmake 3.22 on the machine, and apt's is no newer.
