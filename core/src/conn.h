@@ -82,6 +82,11 @@ typedef struct ts_conn {
    * two containers' producers both say pid 1. */
   uint64_t peer_key;
   char peer_label[96]; /* how messages name the peer: "'name' (pid N)" */
+  /* Set by the session before the hello: whether this peer may be served at
+   * all (ts_hello_check_same_boot for memory that cannot cross machines).
+   * Asked as soon as its hello came, before its claims are checked and before
+   * anything (a ring) is set up for it; NULL admits every peer. */
+  int (*admit_peer)(struct ts_conn *c);
 
   ts_fd_queue fdq;   /* fds received but not yet claimed by a frame (driving thread) */
   uint64_t rx_bytes; /* stream bytes read from the peer so far: the offset of the next one */

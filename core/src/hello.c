@@ -169,9 +169,11 @@ int ts_conn_hello(ts_conn *c, const tshare_hello *self, long allow_uid, int time
   if (rc != TSHARE_OK) return rc;
   name_peer(c);
   c->peer_key = peer_key_of(c);
-  /* The same-boot refusal is the session's to make (a transport across
-   * hosts will carry peers of other boots): it calls ts_hello_check_same_boot. */
-  rc = check_claims(c, credentials, &cred);
+  /* Whom to serve is the session's to say (a transport across hosts will
+   * carry peers of other boots): its admit_peer goes first, as the same-boot
+   * refusal always did. */
+  rc = c->admit_peer ? c->admit_peer(c) : TSHARE_OK;
+  if (rc == TSHARE_OK) rc = check_claims(c, credentials, &cred);
   if (rc != TSHARE_OK) {
     ts_conn_send_error(c, rc, c->err);
     return rc;

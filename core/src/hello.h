@@ -6,7 +6,8 @@
  *
  * Whether the peer may be served at all beyond the transport's own checks
  * (the same boot, for memory that cannot cross machines) is the session's
- * decision: ts_hello_check_same_boot() is the check it calls. */
+ * decision: it sets ts_conn.admit_peer (ts_hello_check_same_boot()), which
+ * the hello asks first. */
 #ifndef TSHARE_HELLO_H
 #define TSHARE_HELLO_H
 

@@ -159,14 +159,6 @@ tshare_transport tshare_channel_transport(const tshare_channel *ch) {
   return ts_conn_uses_ring(&ch->conn) ? TSHARE_TRANSPORT_RING : TSHARE_TRANSPORT_SOCKET;
 }
 
-/* Shares are memory of this machine: a peer that runs in another boot (or on
- * another host) is refused, and told why. */
-static int refuse_other_boot(tshare_channel *ch) {
-  int rc = ts_hello_check_same_boot(&ch->conn);
-  if (rc != TSHARE_OK) ts_conn_send_error(&ch->conn, rc, ch->err);
-  return rc;
-}
-
 static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare_channel_options *opts,
                         tshare_channel **out, tshare_error *err) {
   *out = NULL;
@@ -201,8 +193,10 @@ static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare
     self.capabilities = ts_backends_hello(&self, ts_conn_caps(&ch->conn));
     if (kind == TSHARE_CHANNEL_SOCKET && wants_ring(&ch->opts)) self.capabilities |= TSHARE_CAP_RING;
     ch->conn.spin_us = spin_budget_us(&ch->opts);
+    /* Shares are memory of this machine: a peer that runs in another boot
+     * (or on another host) is refused, and told why, before anything else. */
+    ch->conn.admit_peer = ts_hello_check_same_boot;
     rc = ts_conn_hello(&ch->conn, &self, ch->opts.allow_uid, ch->opts.handshake_timeout_ms);
-    if (rc == TSHARE_OK) rc = refuse_other_boot(ch);
   }
   if (rc != TSHARE_OK) {
     ts_error_fill(err, rc, ch->err);
