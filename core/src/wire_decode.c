@@ -254,7 +254,7 @@ static int decode_event(tshare_decoder *d, ts_reader *r, tshare_event_frame *out
 static int decode_retire(tshare_decoder *d, ts_reader *r, tshare_retire_frame *out) {
   out->closed = ts_get_u8(r);
   uint32_t count = ts_get_u32(r);
-  if (!r->short_read && out->closed > 2) return fail(d, TSHARE_E_MALFORMED, "retire: closed is %u", out->closed);
+  if (!r->short_read && out->closed > TSHARE_RETIRE_KEPT) return fail(d, TSHARE_E_MALFORMED, "retire: closed is %u", out->closed);
   if (!r->short_read && (count == 0 || count > d->limits.max_release_ids))
     return fail(d, TSHARE_E_TOO_LARGE, "retire: count %u outside 1..%u", count, d->limits.max_release_ids);
   out->count = count;

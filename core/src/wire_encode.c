@@ -118,7 +118,7 @@ static int encode_event(const tshare_event_frame *e, ts_writer *w, char *err, si
 static int encode_retire(const tshare_retire_frame *r, ts_writer *w, char *err, size_t cap) {
   if (r->count == 0 || r->count > TSHARE_RELEASE_MAX)
     return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "retire: count %u outside 1..%d", r->count, TSHARE_RELEASE_MAX);
-  if (r->closed > 2) return ts_errf(err, cap, TSHARE_E_MALFORMED, "retire: closed is %u", (unsigned)r->closed);
+  if (r->closed > TSHARE_RETIRE_KEPT) return ts_errf(err, cap, TSHARE_E_MALFORMED, "retire: closed is %u", (unsigned)r->closed);
   ts_put_u8(w, r->closed);
   ts_put_u32(w, r->count);
   for (uint32_t i = 0; i < r->count; i++) ts_put_u64(w, r->alloc_ids[i]);
