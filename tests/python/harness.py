@@ -4,9 +4,11 @@ channel pairs in one process, and error expectations.
   import harness                     # exits 77 when this Python has no torch
   test = harness.Tests("test_x.py")  # @test on each; test.main() at the end
 """
+import gc
 import os
 import sys
 import threading
+import time
 
 try:
     import torch  # noqa: F401  the package needs it
@@ -88,3 +90,18 @@ def memfds():
         except OSError:
             pass
     return n
+
+
+def expect_all_back_from_dead_peer(ch, base_fds, what="shares"):
+    """After the peer was killed: drive ch until nothing it held is
+    outstanding (5 s at most), then no tshare memfd beyond base_fds stays
+    open here."""
+    deadline = time.monotonic() + 5
+    while ch.outstanding() and time.monotonic() < deadline:
+        try:
+            ch.poll(0.05)
+        except tshare.PeerClosedError:
+            pass
+    assert ch.outstanding() == 0, "%d %s still held by a dead consumer" % (ch.outstanding(), what)
+    gc.collect()
+    assert memfds() == base_fds, "memfds open: %d, before %d" % (memfds(), base_fds)

@@ -21,6 +21,7 @@ except ImportError:
     sys.exit(77)
 
 import tshare
+import harness  # noqa: E402
 from harness import expect_error, fill, memfds, pair  # noqa: E402  after the torch check
 
 TESTS = {}
@@ -213,15 +214,7 @@ def consumer_killed_mid_stream_frees_the_producers_memory():
             break
         del t  # only the share holds the memfd now
     os.waitpid(pid, 0)
-    deadline = time.monotonic() + 5
-    while p.outstanding() and time.monotonic() < deadline:
-        try:
-            p.poll(0.05)
-        except tshare.PeerClosedError:
-            pass
-    assert p.outstanding() == 0, "%d shares still held by a dead consumer" % p.outstanding()
-    gc.collect()
-    assert memfds() == base_fds, "memfds open: %d, before %d" % (memfds(), base_fds)
+    harness.expect_all_back_from_dead_peer(p, base_fds, "shares")
     p.close()
 
 

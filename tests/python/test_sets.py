@@ -325,15 +325,7 @@ def a_consumer_killed_while_holding_a_set_frees_everything():
         tshare.send(p, sent, meta=b"%d" % i, timeout=10)
         del sent  # only the set holds the memfds now
     os.waitpid(pid, 0)
-    deadline = time.monotonic() + 5
-    while p.outstanding() and time.monotonic() < deadline:
-        try:
-            p.poll(0.05)
-        except tshare.PeerClosedError:
-            pass
-    assert p.outstanding() == 0, "%d sets still held by a dead consumer" % p.outstanding()
-    gc.collect()
-    assert memfds() == base_fds, "memfds open: %d, before %d" % (memfds(), base_fds)
+    harness.expect_all_back_from_dead_peer(p, base_fds, "sets")
     p.close()
 
 
