@@ -79,7 +79,10 @@ typedef struct tshare_set tshare_set;
  * outside its memory, a duplicate name, totals that do not add up, a set cut
  * off by other frames) is refused: released back to the peer at once, its fds
  * closed, and the call returns the error, naming the cause. The channel stays
- * usable. On any non-OK return *out is NULL. */
+ * usable. On any non-OK return *out is NULL. With timeout_ms 0 (a look, as a
+ * binding's "a share or a set, whichever comes first" does) it reads no
+ * further than a single share that waits for tshare_view_recv(): the frames
+ * behind it stay in the stream rather than in this end's fd budget. */
 TSHARE_API int tshare_set_recv(tshare_channel *ch, int timeout_ms, tshare_set **out);
 
 TSHARE_API uint64_t tshare_set_id(const tshare_set *set);
