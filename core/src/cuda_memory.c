@@ -186,10 +186,12 @@ static int alloc_create(int device, size_t size, tshare_cuda_handle_kind kind, b
                         tshare_error *err) {
   char msg[TSHARE_ERROR_MSG_MAX];
   *out = NULL;
-  const ts_cuda_api *cu;
-  CUcontext ctx;
-  CUdevice dev;
-  bool vmm;
+  /* Set by alloc_where on success; initialised for the compiler, which cannot
+   * see that a failure never reads them. */
+  const ts_cuda_api *cu = NULL;
+  CUcontext ctx = NULL;
+  CUdevice dev = 0;
+  bool vmm = false;
   int status = alloc_where(device, size, kind, &cu, &ctx, &dev, &vmm, msg, sizeof msg);
   if (status != TSHARE_OK) goto fail;
   ts_cuda_alloc *a = calloc(1, sizeof *a);

@@ -359,7 +359,7 @@ static int decode_payload(tshare_decoder *d, ts_reader *r, const frame_header *f
 int tshare_decoder_next(tshare_decoder *d, tshare_frame *out) {
   if (!d || !out) return TSHARE_E_INVALID_ARG;
   if (d->failed) return d->failed;
-  frame_header fh;
+  frame_header fh = {0};
   int rc = read_header(d, &fh);
   if (rc != TSHARE_OK) return rc;
 
