@@ -149,6 +149,47 @@ TS_TEST(roundtrip_release) {
 }
 
 /* Minor 1: event and retire frames, and the fields appended to a share. */
+/* Minor 4: a retire frame names the memory kind of what it retires (host
+ * memory); without the trailing byte, as every older peer sends it, it is
+ * CUDA memory (0). A share of host memory the receiver keeps mapped carries
+ * no fd. */
+TS_TEST(retire_frames_name_host_memory_and_kept_host_shares_carry_no_fd) {
+  tshare_frame f, g;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_RETIRE;
+  f.u.retire.closed = TSHARE_RETIRE_KEPT;
+  f.u.retire.count = 2;
+  f.u.retire.alloc_ids[0] = 5;
+  f.u.retire.alloc_ids[1] = 6;
+  size_t cuda_len = encode(&f, buf);
+  CHECK_RC(decode(buf, cuda_len, &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.retire.mem_kind, 0);
+  f.u.retire.mem_kind = TSHARE_MEM_HOST_MEMFD;
+  size_t len = encode(&f, buf);
+  CHECK_EQ(len, cuda_len + 1);
+  CHECK_RC(decode(buf, len, &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.retire.mem_kind, TSHARE_MEM_HOST_MEMFD);
+  CHECK_EQ(g.u.retire.alloc_ids[1], 6);
+  buf[len - 1] = TSHARE_MEM_KIND_LAST + 1; /* a kind nobody knows: refused */
+  CHECK_EQ(decode(buf, len, &g), TSHARE_E_MALFORMED);
+  f.u.retire.mem_kind = TSHARE_MEM_KIND_LAST + 1;
+  size_t out = 0;
+  CHECK_EQ(tshare_wire_encode(&f, buf, sizeof buf, &out, NULL), TSHARE_E_MALFORMED);
+
+  f = sample_share();
+  f.u.share.mem_kind = TSHARE_MEM_HOST_KEPT;
+  f.u.share.device_type = TSHARE_DEVICE_CPU;
+  f.u.share.handle_len = 0;
+  f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED; /* a kept share with an fd: refused */
+  CHECK_EQ(tshare_wire_encode(&f, buf, sizeof buf, &out, NULL), TSHARE_E_MALFORMED);
+  f.flags = 0;
+  CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.share.mem_kind, TSHARE_MEM_HOST_KEPT);
+  f.u.share.device_type = TSHARE_DEVICE_CUDA; /* host memory on a GPU: refused */
+  CHECK(tshare_wire_encode(&f, buf, sizeof buf, &out, NULL) != TSHARE_OK);
+}
+
 TS_TEST(roundtrip_event_retire_and_minor1_share_fields) {
   tshare_frame f, g;
   uint8_t buf[TSHARE_WIRE_FRAME_MAX];

@@ -92,8 +92,9 @@ typedef struct ts_backend {
   void (*chan_free_in_child)(tshare_channel *ch);
 
   /* ---- frames and housekeeping ---- */
-  /* Optional: a frame of a type in frame_types, with the fd that came with
-   * it (consumed) or -1 and fd_lost (why it could not be kept). */
+  /* Optional: a frame of a type in frame_types, or a retire frame naming
+   * one of its memory kinds, with the fd that came with it (consumed) or -1
+   * and fd_lost (why it could not be kept). */
   int (*on_frame)(tshare_channel *ch, const tshare_frame *f, int fd, int fd_lost);
   /* Optional: every share frame, before it is queued or refused: what came
    * for it beside the frame is filed under its id (an error refuses it). */
@@ -153,6 +154,11 @@ int ts_backend_register(const ts_backend *b);
 const ts_backend *ts_backend_for_mem_kind(int mem_kind);
 /* The backend whose on_frame takes frames of this type, or NULL. */
 const ts_backend *ts_backend_for_frame(int type);
+/* The backend whose on_frame takes this received frame, or NULL: by its
+ * type, except a retire frame naming a memory kind (minor 4), which goes to
+ * the backend of that kind (NULL if it has no on_frame: the session refuses
+ * such a frame). */
+const ts_backend *ts_backend_for_received(const tshare_frame *f);
 /* The backend's state slot in ch (NULL until it puts something there). */
 void **ts_backend_data(tshare_channel *ch, const ts_backend *b);
 

@@ -1,5 +1,6 @@
 /* The host-memory backend: buffers in sealed memfds travel as fds, and a
- * consumer maps each allocation once per channel. */
+ * consumer maps each allocation once per channel; mappings it keeps past
+ * their views make later shares of them a frame alone (backend_host_keep.c). */
 #include "backend.h"
 #include "backend_host.h"
 #include "error_detail.h"
@@ -16,21 +17,16 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-/* This backend's state in a channel: its mappings of the peer's memory. */
-typedef struct host_chan {
-  ts_u64map mappings; /* alloc_id -> ts_mapping, under ch->lock */
-} host_chan;
+host_chan *ts_host_chan(tshare_channel *ch) { return *ts_backend_data(ch, &ts_host_backend); }
 
-static ts_u64map *mappings_of(tshare_channel *ch) {
-  host_chan *h = *ts_backend_data(ch, &ts_host_backend);
-  return &h->mappings;
-}
+static ts_u64map *mappings_of(tshare_channel *ch) { return &ts_host_chan(ch)->mappings; }
 
 /* ---- producer side ------------------------------------------------------ */
 
 /* A memfd share: the one frame both a producer's buffer and a forwarded host
- * view travel as. tag is checked; e is consumed. */
-static int send_memfd_share(tshare_channel *ch, uint64_t alloc_id, uint64_t alloc_size, int fd,
+ * view travel as; fd -1 for memory the peer keeps mapped (TSHARE_MEM_HOST_KEPT).
+ * tag is checked; e is consumed. */
+static int send_memfd_share(tshare_channel *ch, uint64_t alloc_id, uint64_t alloc_size, int fd, uint32_t share_flags,
                             const tshare_tensor_desc *desc, const char *tag, ts_export *e, int timeout_ms,
                             uint64_t *share_id) {
   if (!(ts_conn_caps(&ch->conn) & TS_TRANSPORT_PASSES_FDS)) {
@@ -48,10 +44,11 @@ static int send_memfd_share(tshare_channel *ch, uint64_t alloc_id, uint64_t allo
   tshare_frame f;
   memset(&f, 0, sizeof f);
   f.type = TSHARE_FRAME_SHARE;
-  f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+  f.flags = fd >= 0 ? TSHARE_FRAME_FLAG_FD_ATTACHED : 0;
   tshare_share_frame *s = &f.u.share;
   s->alloc_id = alloc_id;
-  s->mem_kind = TSHARE_MEM_HOST_MEMFD;
+  s->mem_kind = fd >= 0 ? TSHARE_MEM_HOST_MEMFD : TSHARE_MEM_HOST_KEPT;
+  s->share_flags = share_flags;
   s->device_type = TSHARE_DEVICE_CPU;
   s->alloc_size = alloc_size;
   s->tensor = *desc;
@@ -68,15 +65,19 @@ static int share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_
   if (tag_len > TSHARE_TAG_MAX)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TOO_LARGE, "share: tag of %zu bytes over %d", tag_len,
                    TSHARE_TAG_MAX);
+  bool kept;
+  uint32_t share_flags;
+  int rc = ts_host_lend(ch, buf, &kept, &share_flags);
+  if (rc != TSHARE_OK) return rc;
   ts_export *e = malloc(sizeof *e);
   if (!e) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
   e->user_data = user_data;
   e->release = ts_host_buffer_release;
   e->owner = buf;
-  e->backend = NULL;
+  e->backend = &ts_host_backend; /* its export_done retires a buffer the release leaves unused */
   ts_host_buffer_retain(buf);
-  return send_memfd_share(ch, tshare_host_buffer_id(buf), tshare_host_buffer_size(buf), tshare_host_buffer_fd(buf),
-                          desc, tag, e, timeout_ms, share_id);
+  return send_memfd_share(ch, tshare_host_buffer_id(buf), tshare_host_buffer_size(buf),
+                          kept ? -1 : tshare_host_buffer_fd(buf), share_flags, desc, tag, e, timeout_ms, share_id);
 }
 
 int tshare_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_tensor_desc *desc, const char *tag,
@@ -95,35 +96,43 @@ static int host_share_view(tshare_channel *ch, tshare_view *v, const tshare_tens
   if (!m || m->fd < 0) {
     ts_export_drop(e);
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE,
-                   m ? "share: the view's channel was opened with keep_host_fds 0: its memfd was closed once mapped, "
-                       "so the view cannot be shared on"
+                   m ? "share: the view's memfd was closed once mapped (its channel was opened with keep_host_fds "
+                       "0, or its mapping was kept idle past the budget of fds for idle mappings), so the view "
+                       "cannot be shared on"
                      : "share: the view has no mapped memory to share on");
   }
-  return send_memfd_share(ch, m->forward_id, m->size, m->fd, desc, tag, e, timeout_ms, share_id);
+  return send_memfd_share(ch, m->forward_id, m->size, m->fd, 0, desc, tag, e, timeout_ms, share_id);
 }
 
 /* ---- consumer side ------------------------------------------------------ */
 
-static void unmap(ts_mapping *m) {
+void ts_host_unmap(ts_mapping *m) {
   if (m->base) munmap(m->base, m->size);
   if (m->fd >= 0) close(m->fd);
   free(m);
 }
 
-/* One view of m went (ch->lock held): the last one unmaps it. */
-static void drop_mapping_locked(tshare_channel *ch, ts_mapping *m) {
+void ts_host_drop_mapping_locked(tshare_channel *ch, ts_mapping *m) {
   if (--m->views != 0) return;
+  if (m->kept) {
+    ts_host_kept_idle_locked(m);
+    return;
+  }
   ts_u64map_remove(mappings_of(ch), m->alloc_id);
   TS_LOG(TS_LOG_DEBUG, "unmapped allocation %llu of %s: its last view went", (unsigned long long)m->alloc_id,
          ch->conn.peer_label);
-  unmap(m);
+  ts_host_unmap(m);
 }
 
 void ts_host_drop_mapping_in_child(tshare_channel *ch, ts_mapping *m) {
   /* Only tried: a thread of the parent may have held the lock at fork, and
-   * the child has no such thread to let it go. Then the mapping stays. */
+   * the child has no such thread to let it go. Then the mapping stays. A
+   * kept mapping goes too: the child receives nothing on the channel. */
   if (pthread_mutex_trylock(&ch->lock) != 0) return;
-  drop_mapping_locked(ch, m);
+  if (--m->views == 0) {
+    ts_u64map_remove(mappings_of(ch), m->alloc_id);
+    ts_host_unmap(m);
+  }
   pthread_mutex_unlock(&ch->lock);
 }
 
@@ -132,7 +141,7 @@ static ts_release_done host_release(tshare_view *v) {
   /* Unmapped before the release goes out: once the producer frees the
    * memory, nothing here may still reference it. */
   pthread_mutex_lock(&ch->lock);
-  if (v->memory) drop_mapping_locked(ch, v->memory);
+  if (v->memory) ts_host_drop_mapping_locked(ch, v->memory);
   pthread_mutex_unlock(&ch->lock);
   return TS_RELEASE_NOW;
 }
@@ -148,7 +157,7 @@ static void host_memory_ref_locked(tshare_channel *ch, void *memory) {
   ((ts_mapping *)memory)->views++;
 }
 
-static void host_memory_unref_locked(tshare_channel *ch, void *memory) { drop_mapping_locked(ch, memory); }
+static void host_memory_unref_locked(tshare_channel *ch, void *memory) { ts_host_drop_mapping_locked(ch, memory); }
 
 static void host_memory_unref_in_child(tshare_channel *ch, void *memory) { ts_host_drop_mapping_in_child(ch, memory); }
 
@@ -162,81 +171,95 @@ static void host_chan_free(tshare_channel *ch) {
   void **slot = ts_backend_data(ch, &ts_host_backend);
   host_chan *h = *slot;
   if (!h) return; /* the channel failed to open before its init */
+  ts_host_keep_free(ch, h);
   uint64_t key;
   void *value;
-  for (size_t pos = 0; ts_u64map_next(&h->mappings, &pos, &key, &value);) unmap(value);
+  for (size_t pos = 0; ts_u64map_next(&h->mappings, &pos, &key, &value);) ts_host_unmap(value);
   ts_u64map_free(&h->mappings);
   free(h);
   *slot = NULL;
 }
 
-/* Map a host share into v, once per allocation and channel. A new mapping
- * takes *fdp (set to -1) so the view can be shared on, unless keep_host_fds
- * is off; otherwise the caller closes it. */
-static int host_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v) {
-  (void)stream;
-  const tshare_share_frame *s = &f->u.share;
-  int fd = *fdp;
+/* A new mapping of the memfd fd (checked: a memfd sealed against
+ * shrinking), in the channel's mappings (ch->lock held). */
+static int map_new_locked(tshare_channel *ch, const tshare_share_frame *s, int fd, const struct stat *st,
+                          ts_mapping **out) {
+  int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || !(seals & F_SEAL_SHRINK))
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                   "import: share %llu: fd is not a memfd sealed against shrinking", (unsigned long long)s->share_id);
+  ts_mapping *m = calloc(1, sizeof *m);
+  if (!m) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
+  m->alloc_id = s->alloc_id;
+  m->fd = -1;
+  m->size = (size_t)s->alloc_size;
+  m->ino = (unsigned long)st->st_ino;
+  m->dev = (unsigned long)st->st_dev;
+  if (m->size) {
+    m->base = mmap(NULL, m->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (m->base == MAP_FAILED) {
+      int e = errno;
+      free(m);
+      return ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, e, "import: mmap(%llu bytes)",
+                       (unsigned long long)s->alloc_size);
+    }
+  }
+  if (ts_u64map_put(mappings_of(ch), m->alloc_id, m) != 0) {
+    ts_host_unmap(m);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
+  }
+  m->forward_id = ts_host_next_alloc_id();
+  TS_LOG(TS_LOG_DEBUG, "mapped allocation %llu (%zu bytes) of %s", (unsigned long long)m->alloc_id, m->size,
+         ch->conn.peer_label);
+  *out = m;
+  return TSHARE_OK;
+}
+
+/* The mapping a memfd share with its fd lands in: the channel's one for the
+ * allocation, or a new one that takes *fdp (set to -1) so views can be
+ * shared on, unless keep_host_fds is off (ch->lock held). */
+static int map_memfd_locked(tshare_channel *ch, const tshare_share_frame *s, int *fdp, ts_mapping **out) {
   struct stat st;
-  if (fd < 0)
-    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "import: share %llu has no fd",
-                   (unsigned long long)s->share_id);
-  if (fstat(fd, &st) != 0) return ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "import: fstat");
+  if (fstat(*fdp, &st) != 0) return ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "import: fstat");
   if ((uint64_t)st.st_size < s->alloc_size)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_OUT_OF_BOUNDS,
                    "import: share %llu claims %llu bytes, the memfd has %lld", (unsigned long long)s->share_id,
                    (unsigned long long)s->alloc_size, (long long)st.st_size);
-  pthread_mutex_lock(&ch->lock);
   ts_mapping *m = ts_u64map_get(mappings_of(ch), s->alloc_id);
-  if (m && (m->ino != (unsigned long)st.st_ino || m->dev != (unsigned long)st.st_dev || m->size != s->alloc_size)) {
-    pthread_mutex_unlock(&ch->lock);
+  if (m && (m->ino != (unsigned long)st.st_ino || m->dev != (unsigned long)st.st_dev || m->size != s->alloc_size))
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
                    "import: allocation %llu arrived with another file or size than before",
                    (unsigned long long)s->alloc_id);
-  }
-  if (!m) {
-    /* Checked once per allocation: a cache hit is the same inode, already checked. */
-    int seals = fcntl(fd, F_GET_SEALS);
-    if (seals < 0 || !(seals & F_SEAL_SHRINK)) {
-      pthread_mutex_unlock(&ch->lock);
-      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
-                     "import: share %llu: fd is not a memfd sealed against shrinking", (unsigned long long)s->share_id);
-    }
-    m = calloc(1, sizeof *m);
-    if (!m) {
-      pthread_mutex_unlock(&ch->lock);
-      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
-    }
-    m->alloc_id = s->alloc_id;
-    m->fd = -1;
-    m->size = (size_t)s->alloc_size;
-    m->ino = (unsigned long)st.st_ino;
-    m->dev = (unsigned long)st.st_dev;
-    if (m->size) {
-      m->base = mmap(NULL, m->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-      if (m->base == MAP_FAILED) {
-        int e = errno;
-        pthread_mutex_unlock(&ch->lock);
-        free(m);
-        return ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, e, "import: mmap(%llu bytes)",
-                         (unsigned long long)s->alloc_size);
-      }
-    }
-    if (ts_u64map_put(mappings_of(ch), m->alloc_id, m) != 0) {
-      unmap(m);
-      pthread_mutex_unlock(&ch->lock);
-      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
-    }
+  if (!m) { /* else the same inode, checked when it was mapped */
+    int rc = map_new_locked(ch, s, *fdp, &st, &m);
+    if (rc != TSHARE_OK) return rc;
     if (ch->opts.keep_host_fds) { /* else the caller closes it: the mapping holds the memory */
-      m->fd = fd;
+      m->fd = *fdp;
       *fdp = -1;
     }
-    m->forward_id = ts_host_next_alloc_id();
-    TS_LOG(TS_LOG_DEBUG, "mapped allocation %llu (%zu bytes) of %s", (unsigned long long)m->alloc_id, m->size,
-           ch->conn.peer_label);
   }
-  m->views++;
+  *out = m;
+  return TSHARE_OK;
+}
+
+/* Map a host share into v, once per allocation and channel: a memfd that
+ * came with the frame, or a mapping this end keeps (TSHARE_MEM_HOST_KEPT). */
+static int host_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v) {
+  (void)stream;
+  const tshare_share_frame *s = &f->u.share;
+  bool kept_share = s->mem_kind == TSHARE_MEM_HOST_KEPT;
+  if (!kept_share && *fdp < 0)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "import: share %llu has no fd",
+                   (unsigned long long)s->share_id);
+  pthread_mutex_lock(&ch->lock);
+  ts_mapping *m = NULL;
+  int rc = kept_share ? ts_host_kept_mapping_locked(ch, s, &m) : map_memfd_locked(ch, s, fdp, &m);
+  if (rc == TSHARE_OK) {
+    if (!kept_share) ts_host_maybe_keep_locked(ch, m, s->share_flags);
+    m->views++;
+  }
   pthread_mutex_unlock(&ch->lock);
+  if (rc != TSHARE_OK) return rc;
   v->memory = m;
   v->data = m->base ? (char *)m->base + s->tensor.byte_offset : NULL;
   return TSHARE_OK;
@@ -244,24 +267,24 @@ static int host_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void
 
 static uint64_t host_hello_caps(uint32_t transport_caps) {
   return transport_caps & TS_TRANSPORT_PASSES_FDS
-             ? (TSHARE_CAP_FD_PASSING | TSHARE_CAP_HOST_MEMFD | TSHARE_CAP_TENSOR_SETS)
+             ? (TSHARE_CAP_FD_PASSING | TSHARE_CAP_HOST_MEMFD | TSHARE_CAP_TENSOR_SETS | TSHARE_CAP_HOST_KEPT)
              : 0;
 }
 
 static const char *host_mem_kind_name(int mem_kind) {
-  (void)mem_kind;
-  return "host memfd";
+  return mem_kind == TSHARE_MEM_HOST_KEPT ? "host memfd kept mapped" : "host memfd";
 }
-
-static void host_peer_gone(tshare_channel *ch) { (void)ch; /* its memfds stay mapped until their views go */ }
 
 const ts_backend ts_host_backend = {
     .name = "host",
-    .mem_kinds = TS_MEM_KIND_BIT(TSHARE_MEM_HOST_MEMFD),
+    .mem_kinds = TS_MEM_KIND_BIT(TSHARE_MEM_HOST_MEMFD) | TS_MEM_KIND_BIT(TSHARE_MEM_HOST_KEPT),
     .mem_kind_name = host_mem_kind_name,
     .hello_caps = host_hello_caps,
     .chan_init = host_chan_init,
-    .peer_gone = host_peer_gone,
+    .peer_gone = ts_host_peer_gone,
+    .on_frame = ts_host_on_retire, /* retire frames naming host memory (backend.h) */
+    .housekeeping = ts_host_housekeeping,
+    .export_done = ts_host_export_done,
     .chan_free = host_chan_free,
     /* A forked child's copy: the same, its mappings are its own to unmap. */
     .chan_free_in_child = host_chan_free,

@@ -12,8 +12,9 @@
 #include <unistd.h>
 
 struct tshare_host_buffer {
-  atomic_size_t refs;        /* creator + outstanding shares */
+  atomic_size_t refs;        /* creator + outstanding shares + lending channels */
   atomic_size_t outstanding; /* shares not yet released */
+  atomic_size_t lent;        /* channels whose peer may keep it mapped (backend_host_keep.c) */
   int fd;
   void *data;
   size_t size;
@@ -25,6 +26,12 @@ struct tshare_host_buffer {
 static atomic_uint_fast64_t next_buffer_id = 1;
 
 uint64_t ts_host_next_alloc_id(void) { return atomic_fetch_add(&next_buffer_id, 1); }
+
+/* Bumped whenever a buffer is left with only its lending channels'
+ * references: those channels then retire it, and look only when this moved. */
+static atomic_uint_fast64_t unused_generation;
+
+uint64_t ts_host_buffers_unused_generation(void) { return atomic_load(&unused_generation); }
 
 int tshare_host_buffer_create(size_t size, const char *name, tshare_host_buffer **out, tshare_error *err) {
   char msg[TSHARE_ERROR_MSG_MAX];
@@ -67,6 +74,7 @@ int tshare_host_buffer_create(size_t size, const char *name, tshare_host_buffer 
   b->id = ts_host_next_alloc_id();
   atomic_init(&b->refs, 1);
   atomic_init(&b->outstanding, 0);
+  atomic_init(&b->lent, 0);
   ts_error_fill(err, TSHARE_OK, "");
   *out = b;
   return TSHARE_OK;
@@ -79,7 +87,11 @@ int tshare_host_buffer_fd(const tshare_host_buffer *b) { return b ? b->fd : -1; 
 size_t tshare_host_buffer_outstanding(const tshare_host_buffer *b) { return b ? atomic_load(&b->outstanding) : 0; }
 
 static void unref(tshare_host_buffer *b) {
-  if (atomic_fetch_sub(&b->refs, 1) != 1) return;
+  size_t left = atomic_fetch_sub(&b->refs, 1) - 1;
+  if (left != 0) {
+    if (left == atomic_load(&b->lent)) atomic_fetch_add(&unused_generation, 1);
+    return;
+  }
   munmap(b->data, b->size);
   close(b->fd);
   free(b);
@@ -94,6 +106,24 @@ void ts_host_buffer_release(void *owner) {
   tshare_host_buffer *b = owner;
   atomic_fetch_sub(&b->outstanding, 1);
   unref(b);
+}
+
+void ts_host_buffer_lend(tshare_host_buffer *b) {
+  atomic_fetch_add(&b->refs, 1);
+  atomic_fetch_add(&b->lent, 1);
+}
+
+void ts_host_buffer_lend_end(tshare_host_buffer *b) {
+  atomic_fetch_sub(&b->lent, 1);
+  unref(b);
+}
+
+bool ts_host_buffer_only_lent(const tshare_host_buffer *b) {
+  return atomic_load(&b->refs) == atomic_load(&b->lent);
+}
+
+bool ts_host_buffer_only_lent_but_one(const tshare_host_buffer *b) {
+  return atomic_load(&b->refs) == atomic_load(&b->lent) + 1;
 }
 
 void tshare_host_buffer_destroy(tshare_host_buffer *b) {

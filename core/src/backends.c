@@ -53,6 +53,16 @@ const ts_backend *ts_backend_for_frame(int type) {
   return NULL;
 }
 
+const ts_backend *ts_backend_for_received(const tshare_frame *f) {
+  /* A retire frame names the memory kind of what it retires since minor 4;
+   * before, only CUDA memory was retired, and its backend claims the type. */
+  if (f->type == TSHARE_FRAME_RETIRE && f->u.retire.mem_kind) {
+    const ts_backend *b = ts_backend_for_mem_kind(f->u.retire.mem_kind);
+    return b && b->on_frame ? b : NULL;
+  }
+  return ts_backend_for_frame(f->type);
+}
+
 void **ts_backend_data(tshare_channel *ch, const ts_backend *b) {
   for (size_t i = 0; i < count(); i++)
     if (backends[i] == b) return &ch->backend_data[i];

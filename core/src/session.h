@@ -131,6 +131,11 @@ static inline bool ts_channel_close_waits(tshare_channel *ch) {
     return ts_entered_ != TSHARE_OK ? ts_entered_ : ts_channel_leave((ch), (expr));                                    \
   } while (0)
 
+/* session_retire.c: the ids of ids in retire frames (closed: a
+ * tshare_retire_kind; mem_kind 0 for CUDA memory, as before minor 4); those
+ * that went leave ids, the rest go with a later call. */
+int ts_retire_send_ids(tshare_channel *ch, uint8_t closed, uint8_t mem_kind, ts_id_vec *ids, int timeout_ms);
+
 /* session_share.c */
 /* The next frame from the peer, the session's housekeeping done while it
  * waits: releases queued here or on other threads go out (the peer may wait

@@ -372,7 +372,13 @@ static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, i
   rc = ts_session_recv(ch, &f, &frame_fd, &fd_lost, timeout_ms);
   if (rc == TSHARE_E_PEER_CLOSED) ts_share_drop_all(ch, rc);
   if (rc != TSHARE_OK) return rc;
-  const ts_backend *owner = ts_backend_for_frame(f.type); /* frames of a backend's own: chunks, events, retires */
+  const ts_backend *owner = ts_backend_for_received(&f); /* frames of a backend's own: chunks, events, retires */
+  if (!owner && f.type == TSHARE_FRAME_RETIRE) { /* nothing here is kept of that kind: nothing to close */
+    if (frame_fd >= 0) close(frame_fd);
+    TS_LOG(TS_LOG_WARN, "%s retires memory of kind %u, which no backend of this end keeps: ignored",
+           ch->conn.peer_label, (unsigned)f.u.retire.mem_kind);
+    return TSHARE_OK;
+  }
   if (frame_fd >= 0 && !owner && f.type != TSHARE_FRAME_SHARE &&
       f.type != TSHARE_FRAME_SET) { /* only these carry memory */
     close(frame_fd);

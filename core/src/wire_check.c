@@ -69,13 +69,13 @@ static int check_set_mem(const tshare_set_mem_frame *m, uint8_t flags, const tsh
                          size_t cap) {
   if (m->index >= TSHARE_SET_MEMBERS_MAX)
     return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "set: memory index %u over %u", m->index, TSHARE_SET_MEMBERS_MAX);
-  if (m->mem_kind < TSHARE_MEM_HOST_MEMFD || m->mem_kind > TSHARE_MEM_CUDA_HELD)
+  if (m->mem_kind < TSHARE_MEM_HOST_MEMFD || m->mem_kind > TSHARE_MEM_KIND_LAST)
     return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: memory %u of unknown mem_kind %u", m->index,
                    (unsigned)m->mem_kind);
   if (m->handle_len > TSHARE_HANDLE_MAX)
     return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "set: memory %u: handle_len %u over %d", m->index,
                    (unsigned)m->handle_len, TSHARE_HANDLE_MAX);
-  bool host = m->mem_kind == TSHARE_MEM_HOST_MEMFD;
+  bool host = ts_wire_kind_is_host(m->mem_kind);
   if (host != (m->device_type == TSHARE_DEVICE_CPU) || (host && m->handle_len != 0))
     return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: memory %u: mem_kind %u with device_type %u and %u handle bytes",
                    m->index, (unsigned)m->mem_kind, (unsigned)m->device_type, (unsigned)m->handle_len);
@@ -140,6 +140,7 @@ int ts_wire_check_share(const tshare_share_frame *s, const tshare_wire_limits *l
   if (s->share_id == 0) return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: share_id is 0");
   switch (s->mem_kind) {
   case TSHARE_MEM_HOST_MEMFD:
+  case TSHARE_MEM_HOST_KEPT:
     if (s->device_type != TSHARE_DEVICE_CPU)
       return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: host memfd with device_type %u", (unsigned)s->device_type);
     if (s->handle_len != 0)

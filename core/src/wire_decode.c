@@ -259,6 +259,8 @@ static int decode_retire(tshare_decoder *d, ts_reader *r, tshare_retire_frame *o
     return fail(d, TSHARE_E_TOO_LARGE, "retire: count %u outside 1..%u", count, d->limits.max_release_ids);
   out->count = count;
   for (uint32_t i = 0; i < count && !r->short_read; i++) out->alloc_ids[i] = ts_get_u64(r);
+  out->mem_kind = r->left ? ts_get_u8(r) : 0; /* minor 4; absent from older peers: CUDA memory */
+  if (out->mem_kind > TSHARE_MEM_KIND_LAST) return fail(d, TSHARE_E_MALFORMED, "retire: unknown mem_kind %u", out->mem_kind);
   return TSHARE_OK;
 }
 

@@ -119,9 +119,12 @@ static int encode_retire(const tshare_retire_frame *r, ts_writer *w, char *err, 
   if (r->count == 0 || r->count > TSHARE_RELEASE_MAX)
     return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "retire: count %u outside 1..%d", r->count, TSHARE_RELEASE_MAX);
   if (r->closed > TSHARE_RETIRE_KEPT) return ts_errf(err, cap, TSHARE_E_MALFORMED, "retire: closed is %u", (unsigned)r->closed);
+  if (r->mem_kind > TSHARE_MEM_KIND_LAST)
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "retire: unknown mem_kind %u", (unsigned)r->mem_kind);
   ts_put_u8(w, r->closed);
   ts_put_u32(w, r->count);
   for (uint32_t i = 0; i < r->count; i++) ts_put_u64(w, r->alloc_ids[i]);
+  if (r->mem_kind) ts_put_u8(w, r->mem_kind); /* absent: CUDA memory, as every peer of minor 1-3 means */
   return TSHARE_OK;
 }
 

@@ -20,6 +20,11 @@ static inline bool ts_wire_kind_takes_fd(int kind) {
   return kind == TSHARE_MEM_HOST_MEMFD || kind == TSHARE_MEM_CUDA_FD;
 }
 
+/* Host memory: a memfd, attached or already mapped by the receiver. */
+static inline bool ts_wire_kind_is_host(int kind) {
+  return kind == TSHARE_MEM_HOST_MEMFD || kind == TSHARE_MEM_HOST_KEPT;
+}
+
 int ts_wire_check_ring(const tshare_ring_frame *ring, uint8_t flags, char *err, size_t err_cap);
 int ts_wire_check_chunk(const tshare_chunk_frame *chunk, uint8_t flags, uint64_t max_alloc_size, char *err,
                         size_t err_cap);

@@ -10,6 +10,13 @@
  * holds one. tshare_host_buffer_destroy() drops the creator's; the memory is
  * unmapped and the fd closed when the last share is released (or its channel
  * closed). After destroy the creator must not touch the buffer again.
+ *
+ * A consumer may keep a buffer mapped after its shares were released, so the
+ * buffer's next shares travel without the fd (wire.md: kept host mappings).
+ * The channel then also holds the buffer, and lets go of it (and tells the
+ * consumer to unmap it) once nothing else does: at the release that leaves it
+ * unused, or, for a buffer destroyed after its last release, the next time
+ * the channel receives or waits for releases, or when it closes.
  */
 #ifndef TSHARE_HOSTMEM_H
 #define TSHARE_HOSTMEM_H

@@ -41,7 +41,9 @@ extern "C" {
 #define TSHARE_WIRE_MAGIC_2 0x48 /* 'H' */
 #define TSHARE_WIRE_MAGIC_3 0x52 /* 'R' */
 #define TSHARE_WIRE_MAJOR 1
-#define TSHARE_WIRE_MINOR 3 /* 1: event and retire frames; origin_pid and share_flags appended to share; 2: ring frames; 3: tensor sets */
+#define TSHARE_WIRE_MINOR                                                                                              \
+  4 /* 1: event and retire frames; origin_pid and share_flags appended to share; 2: ring frames; 3: tensor sets;      \
+       4: kept host mappings (TSHARE_MEM_HOST_KEPT, the retire frame's mem_kind) */
 #define TSHARE_WIRE_HEADER_SIZE 12
 
 /* Hard maxima of the frame structs below; tshare_wire_limits can only lower them. */
@@ -83,6 +85,10 @@ typedef enum tshare_frame_type {
                takes TSHARE_MEM_CUDA_HELD shares of them */
 
 #define TSHARE_CAP_TENSOR_SETS (1u << 6) /* minor 3: receives tensor sets (TSHARE_FRAME_SET) */
+#define TSHARE_CAP_HOST_KEPT                                                                                           \
+  (1u << 7) /* minor 4: may keep host memfd mappings of shares sent with TSHARE_SHARE_FLAG_RETIRE_NOTICE, says so in  \
+               a retire frame (closed = 2, mem_kind TSHARE_MEM_HOST_MEMFD) and takes TSHARE_MEM_HOST_KEPT shares of    \
+               them until their owner retires them */
 
 /* Share flags (share_flags, minor 1). Unknown bits are ignored. */
 #define TSHARE_SHARE_FLAG_RETIRE_NOTICE                                                                                \
@@ -101,9 +107,12 @@ typedef enum tshare_mem_kind {
   TSHARE_MEM_HOST_MEMFD = 1, /* a sealed memfd; the fd is attached to the frame */
   TSHARE_MEM_CUDA_IPC = 2,   /* a cudaIpcMemHandle_t in handle[] */
   TSHARE_MEM_CUDA_FD = 3,    /* a CUDA VMM POSIX-fd handle; the fd is attached */
-  TSHARE_MEM_CUDA_HELD = 4   /* CUDA VMM memory the receiver said it keeps mapped (retire frame, closed = 2): no fd,
+  TSHARE_MEM_CUDA_HELD = 4,  /* CUDA VMM memory the receiver said it keeps mapped (retire frame, closed = 2): no fd,
                                 no handle; alloc_id names it. Sent only to a peer with TSHARE_CAP_CUDA_HELD */
+  TSHARE_MEM_HOST_KEPT = 5   /* minor 4: a host memfd the receiver said it keeps mapped (retire frame, closed = 2,
+                                mem_kind 1): no fd; alloc_id names it. Sent only to a peer with TSHARE_CAP_HOST_KEPT */
 } tshare_mem_kind;
+#define TSHARE_MEM_KIND_LAST TSHARE_MEM_HOST_KEPT
 
 typedef struct tshare_hello {
   uint8_t major, minor; /* the sender's own versions (copied from the header) */
@@ -154,6 +163,9 @@ typedef struct tshare_retire_frame {
   uint8_t closed; /* a tshare_retire_kind */
   uint32_t count; /* 1..TSHARE_RELEASE_MAX */
   uint64_t alloc_ids[TSHARE_RELEASE_MAX];
+  /* minor 4, appended: the memory kind of the allocations (TSHARE_MEM_HOST_MEMFD for host memory); 0, and not on
+   * the wire, for CUDA memory, the only kind retired before minor 4 */
+  uint8_t mem_kind;
 } tshare_retire_frame;
 
 /* Ring frames (TSHARE_FRAME_RING), sent only when both hellos had TSHARE_CAP_RING. */
