@@ -1,8 +1,11 @@
-/* Listening on and connecting to a socket path in a private directory. */
+/* Listening on and connecting to a socket path in a private directory, or
+ * to a ucx:// address across hosts (ucx_bootstrap.c). */
 #include "tshare/rendezvous.h"
 
 #include "clock.h"
 #include "error_detail.h"
+#include "ucx_address.h"
+#include "ucx_bootstrap.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -21,6 +24,7 @@ struct tshare_listener {
   char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
   dev_t dev; /* of the socket file we bound: close removes only that one */
   ino_t ino;
+  ts_ucx_listener *ucx; /* a ucx:// listener instead (fd -1, path unused) */
 };
 
 #define CONNECT_RETRY_MS 20 /* how often a connect looks again for a listener that is not up yet */
@@ -136,6 +140,16 @@ int tshare_listen(const char *name, tshare_listener **out, tshare_error *err) {
   tshare_listener *l = calloc(1, sizeof *l);
   if (!l) return fail(err, TSHARE_E_NOMEM, "listen: out of memory");
   l->fd = -1;
+  if (ts_ucx_is_address(name)) {
+    int rc = ts_ucx_listen(name, &l->ucx, msg, sizeof msg);
+    if (rc != TSHARE_OK) {
+      free(l);
+      return fail(err, rc, msg);
+    }
+    ts_error_fill(err, TSHARE_OK, "");
+    *out = l;
+    return TSHARE_OK;
+  }
   int rc = tshare_rendezvous_path(name, l->path, sizeof l->path, err);
   if (rc != TSHARE_OK) {
     free(l);
@@ -180,6 +194,7 @@ int tshare_listener_accept(tshare_listener *l, const tshare_channel_options *opt
   char refused[TSHARE_ERROR_MSG_MAX] = ""; /* the last connection dropped, for the timeout's message */
   if (!out) return fail(err, TSHARE_E_INVALID_ARG, "accept: NULL out");
   *out = NULL;
+  if (l && l->ucx) return ts_ucx_accept(l->ucx, opts, timeout_ms, out, err);
   if (!l || l->fd < 0) return fail(err, TSHARE_E_INVALID_ARG, "accept: no listener");
   int64_t deadline = ts_deadline(timeout_ms);
   for (;;) {
@@ -216,11 +231,18 @@ int tshare_listener_accept(tshare_listener *l, const tshare_channel_options *opt
   }
 }
 
-int tshare_listener_fd(const tshare_listener *l) { return l ? l->fd : -1; }
-const char *tshare_listener_path(const tshare_listener *l) { return l ? l->path : ""; }
+int tshare_listener_fd(const tshare_listener *l) { return !l ? -1 : l->ucx ? ts_ucx_listener_fd(l->ucx) : l->fd; }
+const char *tshare_listener_path(const tshare_listener *l) {
+  return !l ? "" : l->ucx ? ts_ucx_listener_address(l->ucx) : l->path;
+}
 
 void tshare_listener_close(tshare_listener *l) {
   if (!l) return;
+  if (l->ucx) {
+    ts_ucx_listener_close(l->ucx);
+    free(l);
+    return;
+  }
   struct stat st;
   /* Only our own socket: a later listener may have replaced it meanwhile. */
   if (lstat(l->path, &st) == 0 && st.st_dev == l->dev && st.st_ino == l->ino) unlink(l->path);
@@ -234,6 +256,7 @@ int tshare_connect(const char *name, const tshare_channel_options *opts, int tim
   char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
   if (!out) return fail(err, TSHARE_E_INVALID_ARG, "connect: NULL out");
   *out = NULL;
+  if (ts_ucx_is_address(name)) return ts_ucx_connect(name, opts, timeout_ms, out, err);
   int rc = tshare_rendezvous_path(name, path, sizeof path, err);
   if (rc != TSHARE_OK) return rc;
   int64_t deadline = ts_deadline(timeout_ms);

@@ -194,8 +194,10 @@ static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare
     if (kind == TSHARE_CHANNEL_SOCKET && wants_ring(&ch->opts)) self.capabilities |= TSHARE_CAP_RING;
     ch->conn.spin_us = spin_budget_us(&ch->opts);
     /* Shares are memory of this machine: a peer that runs in another boot
-     * (or on another host) is refused, and told why, before anything else. */
-    ch->conn.admit_peer = ts_hello_check_same_boot;
+     * (or on another host) is refused, and told why, before anything else.
+     * A transport across hosts carries such peers: what it carries never
+     * names this machine's memory, and the bootstrap's token admitted it. */
+    if (ts_conn_caps(&ch->conn) & TS_TRANSPORT_SAME_HOST) ch->conn.admit_peer = ts_hello_check_same_boot;
     rc = ts_conn_hello(&ch->conn, &self, ch->opts.allow_uid, ch->opts.handshake_timeout_ms);
   }
   if (rc != TSHARE_OK) {
@@ -207,6 +209,7 @@ static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare
   ts_error_fill(err, TSHARE_OK, "");
   TS_LOG(TS_LOG_INFO, "channel '%s' open to %s over %s (its capabilities 0x%llx)", ch->name, ch->conn.peer_label,
          kind == TSHARE_CHANNEL_PIPES   ? "pipes"
+         : kind == TSHARE_CHANNEL_UCX   ? "UCX"
          : ts_conn_uses_ring(&ch->conn) ? "a socket and shared-memory rings"
                                         : "a socket",
          (unsigned long long)ch->conn.peer.capabilities);

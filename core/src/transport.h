@@ -39,7 +39,7 @@
 struct ts_conn;
 
 typedef struct ts_transport {
-  const char *name; /* for messages: "socket", "pipes", "ring", "loopback" */
+  const char *name; /* for messages: "socket", "pipes", "ring", "loopback", "ucx" */
   uint32_t caps;    /* TS_TRANSPORT_* */
 
   /* Byte streams only (NULL in a transport riding on one). */
@@ -88,9 +88,10 @@ typedef enum ts_conn_kind {
   TS_CONN_SOCKET = 1,   /* a Unix stream socket (transport_socket.c) */
   TS_CONN_PIPES = 2,    /* a read pipe and a write pipe (transport_pipe.c) */
   TS_CONN_LOOPBACK = 3, /* two ends in one process (transport_loopback.c) */
+  TS_CONN_UCX = 4,      /* UCP active messages to a peer that may be on another host (transport_ucx.c) */
 } ts_conn_kind;
 
-extern const ts_transport ts_transport_socket, ts_transport_pipes, ts_transport_loopback;
+extern const ts_transport ts_transport_socket, ts_transport_pipes, ts_transport_loopback, ts_transport_ucx;
 extern const ts_transport ts_transport_ring; /* chosen by the hello, riding on the socket */
 
 /* A loopback pair: each end's read and write fd (rfd, wfd) for
@@ -105,6 +106,8 @@ static inline const ts_transport *ts_transport_of(ts_conn_kind kind) {
     return &ts_transport_pipes;
   case TS_CONN_LOOPBACK:
     return &ts_transport_loopback;
+  case TS_CONN_UCX:
+    return &ts_transport_ucx;
   }
   return NULL;
 }

@@ -48,7 +48,8 @@ typedef struct tshare_channel tshare_channel;
 
 typedef enum tshare_channel_kind {
   TSHARE_CHANNEL_SOCKET = 1, /* Unix stream socket: frames may carry fds */
-  TSHARE_CHANNEL_PIPES = 2   /* a read pipe and a write pipe: no fds */
+  TSHARE_CHANNEL_PIPES = 2,  /* a read pipe and a write pipe: no fds */
+  TSHARE_CHANNEL_UCX = 4     /* UCX active messages, to a peer that may be on another host (docs/transport.md) */
 } tshare_channel_kind;
 
 /* How a socket channel's frames travel (tshare_channel_options.transport). */
@@ -96,6 +97,11 @@ typedef struct tshare_channel_options {
    * process may use two CPUs or more, the peer is awake and recent spins
    * caught frames (docs/transport.md). */
   int spin_us;
+  /* Channels across hosts (ucx:// addresses of tshare_listen and
+   * tshare_connect): the secret both ends must hold, 1-255 bytes. NULL: the
+   * environment's TSHARE_TOKEN. It is sent in the clear over TCP
+   * (docs/security.md says what it does and does not protect). */
+  const char *token;
 } tshare_channel_options;
 
 #define TSHARE_ANY_UID (-2L)

@@ -13,6 +13,13 @@
  *
  * A name without a '/' is placed in the default directory,
  * $XDG_RUNTIME_DIR/tshare, or /tmp/tshare-UID where that is unset.
+ *
+ * A name "ucx://HOST:PORT/NAME" is a channel across hosts instead: the
+ * listener binds TCP port PORT on HOST (0.0.0.0: every interface), both ends
+ * prove the shared token (tshare_channel_options.token or TSHARE_TOKEN), and
+ * frames travel in UCX active messages (docs/transport.md). UCX is opened at
+ * run time: without it these calls fail with TSHARE_E_UNSUPPORTED naming the
+ * missing library. tshare_listener_path() is then the address.
  */
 #ifndef TSHARE_RENDEZVOUS_H
 #define TSHARE_RENDEZVOUS_H

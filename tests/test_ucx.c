@@ -1,0 +1,434 @@
+/* Channels across hosts over UCX (ucx:// addresses): address checks, the
+ * missing library, the token, frames both ways, a peer killed mid-channel.
+ *
+ * Each exchange runs as two forked processes, a listener and a connector.
+ * The *_netns cases put them in two network namespaces joined by a veth
+ * pair (made here, unique names, removed on every exit path; skipped when
+ * `ip netns` is not permitted); the others talk over 127.0.0.1. UCX_TLS is
+ * tcp unless the environment sets it. Without UCX the exchanges skip. */
+#include "harness.h"
+#include "tshare/rendezvous.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define TOKEN "s3cret-shared-token"
+#define PAIR_LIMIT_S 20 /* the whole exchange; ctest's limit is longer */
+
+static char ns_name[2][32]; /* the listener's and the connector's, when made */
+static char listen_address[96], connect_address[96];
+
+/* ---- namespaces -------------------------------------------------------- */
+
+static int sh(const char *cmd) {
+  int rc = system(cmd);
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+static void remove_namespaces(void) {
+  char cmd[128];
+  for (int i = 0; i < 2; i++)
+    if (ns_name[i][0]) {
+      snprintf(cmd, sizeof cmd, "ip netns delete %s 2>/dev/null", ns_name[i]);
+      (void)sh(cmd);
+      ns_name[i][0] = '\0';
+    }
+}
+
+/* Namespaces an earlier run left behind (killed before its cleanup):
+ * tsucx-PID-x whose PID is gone. */
+static void remove_stale_namespaces(void) {
+  DIR *d = opendir("/var/run/netns");
+  if (!d) return;
+  struct dirent *de;
+  while ((de = readdir(d))) {
+    long pid;
+    char side;
+    if (sscanf(de->d_name, "tsucx-%ld-%c", &pid, &side) != 2 || kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
+    char cmd[320];
+    snprintf(cmd, sizeof cmd, "ip netns delete %s 2>/dev/null", de->d_name);
+    (void)sh(cmd);
+  }
+  closedir(d);
+}
+
+static void on_alarm(int sig) {
+  (void)sig;
+  remove_namespaces();
+  static const char msg[] = "FAILED: the exchange did not end in time\n";
+  if (write(2, msg, sizeof msg - 1) < 0) _exit(1);
+  kill(0, SIGKILL); /* the children too, then this process */
+}
+
+/* Two namespaces joined by a veth pair: 10.77.N.1 (listener), 10.77.N.2. */
+static void make_namespaces(void) {
+  if (geteuid() != 0) TS_SKIP("network namespaces need root (ip netns); run the loopback cases instead");
+  remove_stale_namespaces();
+  long id = (long)getpid();
+  snprintf(ns_name[0], sizeof ns_name[0], "tsucx-%ld-a", id);
+  snprintf(ns_name[1], sizeof ns_name[1], "tsucx-%ld-b", id);
+  atexit(remove_namespaces);
+  char cmd[1024];
+  int net = (int)(id % 250) + 1;
+  snprintf(cmd, sizeof cmd,
+           "set -e; ip netns add %1$s; ip netns add %2$s; "
+           "ip link add tsva%3$ld type veth peer name tsvb%3$ld; "
+           "ip link set tsva%3$ld netns %1$s; ip link set tsvb%3$ld netns %2$s; "
+           "ip -n %1$s addr add 10.77.%4$d.1/24 dev tsva%3$ld; ip -n %2$s addr add 10.77.%4$d.2/24 dev tsvb%3$ld; "
+           "ip -n %1$s link set tsva%3$ld up; ip -n %2$s link set tsvb%3$ld up; "
+           "ip -n %1$s link set lo up; ip -n %2$s link set lo up",
+           ns_name[0], ns_name[1], id % 100000, net);
+  if (sh(cmd) != 0) {
+    remove_namespaces();
+    TS_SKIP("ip netns is not permitted here (no CAP_SYS_ADMIN or no iproute2): the loopback cases cover UCX");
+  }
+  /* UCX takes only interfaces that are running: wait for the veth's carrier. */
+  snprintf(cmd, sizeof cmd,
+           "for i in $(seq 100); do ip -n %s link show tsva%ld | grep -q LOWER_UP && "
+           "ip -n %s link show tsvb%ld | grep -q LOWER_UP && exit 0; sleep 0.05; done; exit 1",
+           ns_name[0], id % 100000, ns_name[1], id % 100000);
+  if (sh(cmd) != 0) TS_FAIL("the veth pair between %s and %s did not come up", ns_name[0], ns_name[1]);
+  snprintf(listen_address, sizeof listen_address, "ucx://10.77.%d.1:7700/weights", net);
+  snprintf(connect_address, sizeof connect_address, "ucx://10.77.%d.1:7700/weights", net);
+}
+
+static void use_loopback(void) {
+  unsigned port = 20000u + (unsigned)getpid() % 40000u;
+  snprintf(listen_address, sizeof listen_address, "ucx://127.0.0.1:%u/weights", port);
+  snprintf(connect_address, sizeof connect_address, "ucx://127.0.0.1:%u/weights", port);
+}
+
+static void enter_namespace(int side) {
+  if (!ns_name[side][0]) return;
+  char path[96];
+  snprintf(path, sizeof path, "/var/run/netns/%s", ns_name[side]);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0 || setns(fd, CLONE_NEWNET) != 0) TS_FAIL("entering namespace %s: %s", ns_name[side], strerror(errno));
+  close(fd);
+  /* UCX lists interfaces under /sys/class/net, which shows the namespace of
+   * whoever mounted /sys: a sysfs of this namespace, in a mount namespace of
+   * this process's own (as `ip netns exec` does). */
+  if (unshare(CLONE_NEWNS) != 0 || mount(NULL, "/", NULL, MS_REC | MS_SLAVE, NULL) != 0 ||
+      umount2("/sys", MNT_DETACH) != 0 || mount("sysfs", "/sys", "sysfs", 0, NULL) != 0)
+    TS_FAIL("a sysfs for namespace %s: %s", ns_name[side], strerror(errno));
+}
+
+/* ---- the two processes --------------------------------------------------- */
+
+typedef void (*side_fn)(void);
+
+static pid_t start_side(int side, side_fn fn) {
+  pid_t pid = fork();
+  CHECK(pid >= 0);
+  if (pid == 0) {
+    ns_name[0][0] = ns_name[1][0] = '\0'; /* the parent removes them, not an exiting child */
+    char path[96];
+    snprintf(path, sizeof path, "/var/run/netns/tsucx-%ld-%c", (long)getppid(), side ? 'b' : 'a');
+    if (access(path, F_OK) == 0) snprintf(ns_name[side], sizeof ns_name[side], "tsucx-%ld-%c", (long)getppid(), side ? 'b' : 'a');
+    enter_namespace(side);
+    ns_name[side][0] = '\0';
+    fn();
+    _exit(0);
+  }
+  return pid;
+}
+
+/* The listener and the connector, each in its own process: both must exit
+ * 0, or the connector die of connector_signal where it is not 0. */
+static void run_pair_ending(side_fn listener, side_fn connector, int connector_signal) {
+  if (!getenv("UCX_TLS")) setenv("UCX_TLS", "tcp", 1);
+  signal(SIGALRM, on_alarm);
+  alarm(PAIR_LIMIT_S);
+  pid_t a = start_side(0, listener), b = start_side(1, connector);
+  int status_a, status_b;
+  CHECK(waitpid(a, &status_a, 0) == a);
+  CHECK(waitpid(b, &status_b, 0) == b);
+  alarm(0);
+  if (WIFEXITED(status_a) && WEXITSTATUS(status_a) == 77) TS_SKIP("UCX is not installed (libucp.so.0)");
+  CHECK(WIFEXITED(status_a) && WEXITSTATUS(status_a) == 0);
+  if (connector_signal)
+    CHECK(WIFSIGNALED(status_b) && WTERMSIG(status_b) == connector_signal);
+  else
+    CHECK(WIFEXITED(status_b) && WEXITSTATUS(status_b) == 0);
+}
+
+static void run_pair(side_fn listener, side_fn connector) { run_pair_ending(listener, connector, 0); }
+
+static tshare_channel_options options(const char *name, const char *token) {
+  tshare_channel_options o;
+  tshare_channel_options_init(&o);
+  o.name = name;
+  o.token = token;
+  o.handshake_timeout_ms = 5000;
+  return o;
+}
+
+static tshare_listener *listen_or_skip(void) {
+  tshare_listener *l;
+  tshare_error err;
+  int rc = tshare_listen(listen_address, &l, &err);
+  if (rc == TSHARE_E_UNSUPPORTED) {
+    printf("SKIP: %s\n", err.message);
+    _exit(77);
+  }
+  CHECK_RC(rc, TSHARE_OK, err.message);
+  return l;
+}
+
+static tshare_channel *accept_one(const char *token) {
+  tshare_listener *l = listen_or_skip();
+  tshare_channel_options o = options("listener", token);
+  tshare_channel *ch;
+  tshare_error err;
+  CHECK_RC(tshare_listener_accept(l, &o, 10000, &ch, &err), TSHARE_OK, err.message);
+  tshare_listener_close(l);
+  return ch;
+}
+
+static tshare_channel *connect_one(const char *token) {
+  tshare_channel_options o = options("connector", token);
+  tshare_channel *ch;
+  tshare_error err;
+  int rc = tshare_connect(connect_address, &o, 10000, &ch, &err);
+  if (rc == TSHARE_E_UNSUPPORTED) _exit(0); /* the listener reports the skip */
+  CHECK_RC(rc, TSHARE_OK, err.message);
+  return ch;
+}
+
+static void send_release(tshare_channel *ch, uint64_t id) {
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_RELEASE;
+  f.u.release.count = 3;
+  for (uint32_t i = 0; i < 3; i++) f.u.release.share_ids[i] = id + i;
+  CHECK_RC(tshare_channel_send_frame(ch, &f, -1, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+}
+
+static uint64_t recv_release(tshare_channel *ch) {
+  tshare_frame f;
+  int fd;
+  CHECK_RC(tshare_channel_recv_frame(ch, &f, &fd, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(f.type, TSHARE_FRAME_RELEASE);
+  CHECK_EQ(fd, -1);
+  CHECK_EQ(f.u.release.count, 3);
+  for (uint32_t i = 1; i < 3; i++) CHECK_EQ(f.u.release.share_ids[i], f.u.release.share_ids[0] + i);
+  return f.u.release.share_ids[0];
+}
+
+/* ---- the exchanges ------------------------------------------------------- */
+
+#define ROUNDS 200
+
+/* Frames both ways, in order, and a clean end: the connector's close reads
+ * as the end of the channel, not as a failure. */
+static void round_trip_listener(void) {
+  tshare_channel *ch = accept_one(TOKEN);
+  CHECK_EQ(tshare_channel_kind_of(ch), TSHARE_CHANNEL_UCX);
+  CHECK(strcmp(tshare_channel_peer(ch)->name, "connector") == 0);
+  for (uint64_t i = 1; i <= ROUNDS; i++) {
+    CHECK_EQ(recv_release(ch), i * 10);
+    send_release(ch, i * 10 + 5);
+  }
+  tshare_frame f;
+  int fd;
+  int rc = tshare_channel_recv_frame(ch, &f, &fd, 5000);
+  CHECK(rc == TSHARE_OK || rc == TSHARE_END);
+  if (rc == TSHARE_OK) CHECK_EQ(f.type, TSHARE_FRAME_BYE);
+  tshare_channel_close(ch);
+}
+
+static void round_trip_connector(void) {
+  tshare_channel *ch = connect_one(TOKEN);
+  CHECK(strcmp(tshare_channel_peer(ch)->name, "listener") == 0);
+  for (uint64_t i = 1; i <= ROUNDS; i++) {
+    send_release(ch, i * 10);
+    CHECK_EQ(recv_release(ch), i * 10 + 5);
+  }
+  tshare_channel_close(ch);
+}
+
+/* The channel's fd wakes a poll loop when a frame comes. */
+static void poll_listener(void) {
+  tshare_channel *ch = accept_one(TOKEN);
+  int fd = tshare_channel_fd(ch);
+  CHECK(fd >= 0);
+  for (uint64_t i = 1; i <= 20; i++) {
+    tshare_frame f;
+    int got_fd;
+    int rc;
+    while ((rc = tshare_channel_recv_frame(ch, &f, &got_fd, 0)) == TSHARE_E_TIMEOUT || rc == TSHARE_AGAIN) {
+      struct pollfd p = {fd, POLLIN, 0};
+      CHECK(poll(&p, 1, 5000) == 1); /* never a hang: the fd wakes for the frame */
+    }
+    CHECK_RC(rc, TSHARE_OK, tshare_channel_last_error(ch));
+    CHECK_EQ(f.u.release.share_ids[0], i);
+    send_release(ch, i);
+  }
+  tshare_channel_close(ch);
+}
+
+static void poll_connector(void) {
+  tshare_channel *ch = connect_one(TOKEN);
+  for (uint64_t i = 1; i <= 20; i++) {
+    usleep(2000);
+    send_release(ch, i);
+    CHECK_EQ(recv_release(ch), i);
+  }
+  tshare_channel_close(ch);
+}
+
+/* A wrong token: the connector hears the refusal, the listener drops it and
+ * says why when its accept times out. */
+static void wrong_token_listener(void) {
+  tshare_listener *l = listen_or_skip();
+  tshare_channel_options o = options("listener", TOKEN);
+  tshare_channel *ch;
+  tshare_error err;
+  CHECK_RC(tshare_listener_accept(l, &o, 3000, &ch, &err), TSHARE_E_TIMEOUT, err.message);
+  CHECK(ch == NULL);
+  if (!strstr(err.message, "token does not match")) TS_FAIL("accept's detail: %s", err.message);
+  tshare_listener_close(l);
+}
+
+static void wrong_token_connector(void) {
+  tshare_channel_options o = options("connector", "not-the-token");
+  tshare_channel *ch;
+  tshare_error err;
+  int rc = tshare_connect(connect_address, &o, 2000, &ch, &err);
+  if (rc == TSHARE_E_UNSUPPORTED) return;
+  CHECK_RC(rc, TSHARE_E_PERMISSION, err.message);
+  CHECK(ch == NULL);
+  if (!strstr(err.message, "refused") || !strstr(err.message, "token")) TS_FAIL("connect's detail: %s", err.message);
+}
+
+/* The connector is SIGKILLed after its first frame: the listener's next
+ * receive returns the peer's end, long before its own timeout. */
+static void killed_peer_listener(void) {
+  tshare_channel *ch = accept_one(TOKEN);
+  CHECK_EQ(recv_release(ch), 77);
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  tshare_frame f;
+  int fd;
+  CHECK_RC(tshare_channel_recv_frame(ch, &f, &fd, 15000), TSHARE_E_PEER_CLOSED, tshare_channel_last_error(ch));
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  printf("the peer's death was seen after %.0f ms\n",
+         (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) / 1e6);
+  CHECK_RC(tshare_channel_send_frame(ch, &f, -1, 1000) == TSHARE_OK ? TSHARE_E_STATE : TSHARE_OK, TSHARE_OK,
+           "a send to the dead peer succeeded");
+  tshare_channel_close(ch);
+}
+
+static void killed_peer_connector(void) {
+  tshare_channel *ch = connect_one(TOKEN);
+  send_release(ch, 77);
+  usleep(100000); /* let it go out before dying */
+  raise(SIGKILL);
+}
+
+TS_TEST(round_trip_loopback) {
+  use_loopback();
+  run_pair(round_trip_listener, round_trip_connector);
+}
+
+TS_TEST(poll_fd_loopback) {
+  use_loopback();
+  run_pair(poll_listener, poll_connector);
+}
+
+TS_TEST(wrong_token_loopback) {
+  use_loopback();
+  run_pair(wrong_token_listener, wrong_token_connector);
+}
+
+TS_TEST(killed_peer_loopback) {
+  use_loopback();
+  run_pair_ending(killed_peer_listener, killed_peer_connector, SIGKILL);
+}
+
+TS_TEST(round_trip_netns) {
+  make_namespaces();
+  run_pair(round_trip_listener, round_trip_connector);
+}
+
+TS_TEST(wrong_token_netns) {
+  make_namespaces();
+  run_pair(wrong_token_listener, wrong_token_connector);
+}
+
+TS_TEST(killed_peer_netns) {
+  make_namespaces();
+  run_pair_ending(killed_peer_listener, killed_peer_connector, SIGKILL);
+}
+
+/* ---- without a peer ------------------------------------------------------ */
+
+static void expect_refused(const char *address, int want, const char *words) {
+  tshare_listener *l = NULL;
+  tshare_error err;
+  CHECK_RC(tshare_listen(address, &l, &err), want, err.message);
+  CHECK(l == NULL);
+  if (!strstr(err.message, words)) TS_FAIL("listen '%s': the detail '%s' does not say '%s'", address, err.message, words);
+  tshare_channel_options o = options("connector", TOKEN);
+  tshare_channel *ch = NULL;
+  CHECK_RC(tshare_connect(address, &o, 100, &ch, &err), want, err.message);
+  CHECK(ch == NULL);
+}
+
+TS_TEST(bad_addresses) {
+  expect_refused("ucx://:7700/weights", TSHARE_E_INVALID_ARG, "no host");
+  expect_refused("ucx://nodeA/weights", TSHARE_E_INVALID_ARG, "no port");
+  expect_refused("ucx://nodeA:0/weights", TSHARE_E_INVALID_ARG, "port");
+  expect_refused("ucx://nodeA:65536/weights", TSHARE_E_INVALID_ARG, "port");
+  expect_refused("ucx://nodeA:77x/weights", TSHARE_E_INVALID_ARG, "port");
+  expect_refused("ucx://nodeA:7700", TSHARE_E_INVALID_ARG, "no channel name");
+  expect_refused("ucx://nodeA:7700/", TSHARE_E_INVALID_ARG, "no channel name");
+  expect_refused("ucx://nodeA:7700/a/b", TSHARE_E_INVALID_ARG, "channel name");
+  char long_name[400];
+  snprintf(long_name, sizeof long_name, "ucx://nodeA:7700/%0300d", 7);
+  expect_refused(long_name, TSHARE_E_TOO_LARGE, "over");
+  char long_host[400];
+  snprintf(long_host, sizeof long_host, "ucx://%0300d:7700/w", 7);
+  expect_refused(long_host, TSHARE_E_TOO_LARGE, "over");
+}
+
+/* Without UCX: the missing library is named, nothing crashes. */
+TS_TEST(missing_library) {
+  setenv("TSHARE_UCX_LIBRARY", "libucp-not-installed.so.0", 1);
+  tshare_listener *l = NULL;
+  tshare_error err;
+  CHECK_RC(tshare_listen("ucx://127.0.0.1:7701/weights", &l, &err), TSHARE_E_UNSUPPORTED, err.message);
+  if (!strstr(err.message, "libucp-not-installed.so.0")) TS_FAIL("the detail does not name the library: %s", err.message);
+  tshare_channel_options o = options("connector", TOKEN);
+  tshare_channel *ch = NULL;
+  CHECK_RC(tshare_connect("ucx://127.0.0.1:7701/weights", &o, 100, &ch, &err), TSHARE_E_UNSUPPORTED, err.message);
+  if (!strstr(err.message, "UCX is not installed")) TS_FAIL("connect's detail: %s", err.message);
+}
+
+/* No token on this end: refused before anything is sent. */
+TS_TEST(missing_token) {
+  unsetenv("TSHARE_TOKEN");
+  tshare_channel_options o = options("connector", NULL);
+  tshare_channel *ch = NULL;
+  tshare_error err;
+  int rc = tshare_connect("ucx://127.0.0.1:7702/weights", &o, 100, &ch, &err);
+  CHECK_RC(rc, TSHARE_E_PERMISSION, err.message);
+  if (!strstr(err.message, "no token")) TS_FAIL("the detail: %s", err.message);
+  setenv("TSHARE_TOKEN", TOKEN, 1); /* the environment's token is taken: connecting to nobody times out */
+  rc = tshare_connect("ucx://127.0.0.1:7702/weights", &o, 200, &ch, &err);
+  CHECK(rc == TSHARE_E_NOT_FOUND || rc == TSHARE_E_UNSUPPORTED);
+}
+
+TS_TEST_MAIN
