@@ -80,6 +80,19 @@ function(tshare_summary_python)
   endif()
 endfunction()
 
+# UCX is opened at run time (dlopen): the library always builds the ucx://
+# transport; whether this machine can run it is what is looked for here.
+function(tshare_summary_ucx)
+  set(part "channels across hosts (ucx:// addresses, UCX opened at run time)")
+  find_library(TSHARE_UCP_LIBRARY NAMES libucp.so.0 ucp)
+  if(TSHARE_UCP_LIBRARY)
+    tshare_summary_built("${part} (${TSHARE_UCP_LIBRARY})")
+  else()
+    tshare_summary_left_out("${part}: built, but its tests skip" "no libucp.so.0 on this machine"
+      "apt-get install libucx-dev ucx-utils (or scripts/install-deps.sh)")
+  endif()
+endfunction()
+
 function(tshare_summary_bench_and_examples)
   if(NOT TSHARE_BUILD_BENCH)
     tshare_summary_left_out("tshare-bench (make bench)" "TSHARE_BUILD_BENCH=OFF" "configure with -DTSHARE_BUILD_BENCH=ON")
@@ -208,6 +221,7 @@ endif()
 tshare_summary_cuda()
 tshare_summary_torch()
 tshare_summary_python()
+tshare_summary_ucx()
 tshare_summary_bench_and_examples()
 tshare_summary_tests()
 tshare_summary_print()

@@ -11,8 +11,11 @@
 # the torch bridge (Debian's libtorch-dev, CPU-only, where no LibTorch is found
 # through Torch_DIR, python3's torch or the system), and for the Python package
 # an interpreter with torch and its C headers (Debian's python3-torch and
-# python3-dev, for /usr/bin/python3).
-# Environment: TSHARE_WITH_TORCH=OFF / TSHARE_WITH_PYTHON=OFF skip those parts;
+# python3-dev, for /usr/bin/python3), and UCX for channels across hosts
+# (Debian's libucx-dev, which brings libucp.so.0, opened at run time, and
+# ucx-utils, whose ucx_info says what UCX can reach).
+# Environment: TSHARE_WITH_TORCH=OFF / TSHARE_WITH_PYTHON=OFF /
+# TSHARE_WITH_UCX=OFF skip those parts;
 # TSHARE_APT_LOCK_TIMEOUT (seconds, default 600) is how long to wait for an
 # apt or dpkg run that holds the lock (a fresh cloud machine runs
 # unattended-upgrades for minutes after its first boot).
@@ -136,6 +139,15 @@ have_libtorch() {
   py=$(command -v python3 2>/dev/null) && case "$(python_facts "$py")" in 1*) true ;; *) false ;; esac
 }
 
+# UCX's development package: its headers, beside the libucp.so.0 that
+# channels across hosts open at run time.
+have_ucx() {
+  for f in "$root"/usr/include/ucp/api/ucp.h "$root"/usr/include/*/ucp/api/ucp.h; do
+    [ -f "$f" ] && return 0
+  done
+  return 1
+}
+
 # The Python package: an interpreter that imports torch, with its C headers.
 # Debian's python3-torch installs into /usr/bin/python3, which need not be the
 # python3 first on PATH; the build looks at both (cmake/TsharePython.cmake).
@@ -160,6 +172,10 @@ optional_missing() {
   if [ "${TSHARE_WITH_PYTHON:-AUTO}" != "OFF" ] && ! python_ready; then
     m="$m python3-dev python3-torch"
   fi
+  if [ "${TSHARE_WITH_UCX:-AUTO}" != "OFF" ]; then
+    have_ucx || m="$m libucx-dev"
+    command -v ucx_info >/dev/null 2>&1 || m="$m ucx-utils"
+  fi
   echo "$m"
 }
 
@@ -173,6 +189,8 @@ left_out_by() {
     g++) echo "the LibTorch bridge (no C++ compiler)" ;;
     libtorch-dev) echo "the LibTorch bridge, its examples and tests" ;;
     python3-dev | python3-torch) echo "the Python package's build or tests" ;;
+    libucx-dev) echo "channels across hosts (ucx:// addresses) and their tests, which skip" ;;
+    ucx-utils) echo "ucx_info and ucx_perftest, which say what UCX reaches and how fast" ;;
     *) echo "a part of the build" ;;
   esac
 }

@@ -70,6 +70,15 @@ for p in "$@"; do
     g++) tool c++ ;;
     python3-torch) [ "${FAKE_APT_TORCH:-}" = none ] || : >"$FAKE_DIR/python-torch" ;;
     libc6-dev | python3-dev | libtorch-dev) ;;
+    libucx-dev) mkdir -p "$FAKE_DIR/root/usr/include/ucp/api" && : >"$FAKE_DIR/root/usr/include/ucp/api/ucp.h" ;;
+    ucx-utils) tool ucx_info ;;
     *) tool "$p" ;;
   esac
 done'
+
+# UCX as Debian's libucx-dev and ucx-utils install it, under the script's root.
+fake_ucx() {
+  mkdir -p "$FAKE_DIR/root/usr/include/ucp/api"
+  : >"$FAKE_DIR/root/usr/include/ucp/api/ucp.h"
+  fake_tool ucx_info
+}

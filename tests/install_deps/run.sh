@@ -55,6 +55,7 @@ complete_machine() {
   fake_tool valgrind
   fake_cmake 3.28.3
   fake_python3 torch
+  fake_ucx
 }
 
 case "$case_name" in
@@ -175,6 +176,34 @@ case "$case_name" in
     run_script --cache "$work/cache"
     [ "$(wc -l <"$work/python-calls")" -gt "$probes" ] || fail "a changed site directory was not looked at again"
     [ ! -f "$work/apt-calls" ] || fail "apt-get ran where nothing is missing"
+    ;;
+  ucx_missing_is_installed)
+    complete_machine
+    rm -r "$work/root/usr/include/ucp" "$fakes/ucx_info"
+    fake_root
+    run_script
+    expect_status 0
+    expect_apt_call "install .*libucx-dev"
+    expect_apt_call "install .*ucx-utils"
+    [ -f "$work/root/usr/include/ucp/api/ucp.h" ] || fail "libucx-dev was not installed"
+    ;;
+  ucx_missing_without_root_is_named)
+    complete_machine
+    rm -r "$work/root/usr/include/ucp"
+    fake_user
+    run_script
+    expect_status 0
+    expect_output "left out: channels across hosts (ucx:// addresses) and their tests, which skip (missing: libucx-dev)"
+    expect_output "fix: as root, apt-get install libucx-dev"
+    ;;
+  ucx_off_is_not_asked_for)
+    complete_machine
+    rm -r "$work/root/usr/include/ucp" "$fakes/ucx_info"
+    fake_root
+    export TSHARE_WITH_UCX=OFF
+    run_script
+    expect_status 0
+    [ ! -f "$work/apt-calls" ] || fail "apt-get ran for UCX under TSHARE_WITH_UCX=OFF"
     ;;
   *)
     echo "unknown case: $case_name"
