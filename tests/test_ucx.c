@@ -7,7 +7,9 @@
  * `ip netns` is not permitted); the others talk over 127.0.0.1. UCX_TLS is
  * tcp unless the environment sets it. Without UCX the exchanges skip. */
 #include "harness.h"
+#include "tshare/hostmem.h"
 #include "tshare/rendezvous.h"
+#include "tshare/share.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -336,6 +338,37 @@ static void killed_peer_connector(void) {
   send_release(ch, 77);
   usleep(100000); /* let it go out before dying */
   raise(SIGKILL);
+}
+
+/* Host memory cannot cross hosts as a memfd: a share over UCX is refused
+ * with a reason, and the channel goes on. */
+static void host_share_listener(void) {
+  tshare_channel *ch = accept_one(TOKEN);
+  CHECK_EQ(recv_release(ch), 9);
+  tshare_channel_close(ch);
+}
+
+static void host_share_connector(void) {
+  tshare_channel *ch = connect_one(TOKEN);
+  tshare_host_buffer *buf;
+  tshare_error err;
+  CHECK_RC(tshare_host_buffer_create(64, "ucx-test", &buf, &err), TSHARE_OK, err.message);
+  tshare_tensor_desc d;
+  memset(&d, 0, sizeof d);
+  d.dtype = (tshare_dtype){TSHARE_DTYPE_FLOAT, 32, 1};
+  d.ndim = 1;
+  d.shape[0] = 16;
+  d.strides[0] = 1;
+  CHECK_RC(tshare_share_host(ch, buf, &d, NULL, NULL, 1000, NULL), TSHARE_E_UNSUPPORTED, tshare_channel_last_error(ch));
+  fprintf(stderr, "refused: %s\n", tshare_channel_last_error(ch));
+  send_release(ch, 9);
+  tshare_channel_close(ch);
+  tshare_host_buffer_destroy(buf);
+}
+
+TS_TEST(host_share_refused_loopback) {
+  use_loopback();
+  run_pair(host_share_listener, host_share_connector);
 }
 
 TS_TEST(round_trip_loopback) {
