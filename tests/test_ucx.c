@@ -21,7 +21,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/mount.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -364,6 +367,56 @@ static void host_share_connector(void) {
   send_release(ch, 9);
   tshare_channel_close(ch);
   tshare_host_buffer_destroy(buf);
+}
+
+/* Bootstrap connections that are not tshare's, or lie about their lengths,
+ * are dropped without harm; the good connector after them gets its channel. */
+static void hostile_listener(void) {
+  tshare_channel *ch = accept_one(TOKEN);
+  send_release(ch, 4);
+  CHECK_EQ(recv_release(ch), 5);
+  tshare_channel_close(ch);
+}
+
+/* A raw TCP connection to the listener that sends bytes and hangs up. */
+static void send_raw(const void *bytes, size_t len) {
+  unsigned port = 0;
+  char host[64];
+  CHECK(sscanf(connect_address, "ucx://%63[^:]:%u/", host, &port) == 2);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  CHECK(inet_pton(AF_INET, host, &sa.sin_addr) == 1);
+  for (int tries = 0;; tries++) { /* the listener may not be up yet */
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    CHECK(fd >= 0);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0) {
+      CHECK(write(fd, bytes, len) == (ssize_t)len);
+      usleep(20000);
+      close(fd);
+      return;
+    }
+    close(fd);
+    CHECK(tries < 500);
+    usleep(10000);
+  }
+}
+
+static void hostile_connector(void) {
+  send_raw("GET / HTTP/1.0\r\n\r\n", 18); /* not tshare's */
+  /* the right magic, a name of 65535 bytes (over its bound) */
+  static const uint8_t too_long[] = {'T', 'S', 'U', 'C', 'X', '0', '1', '\n', 0xff, 0xff, 0, 0, 0, 0, 0, 0};
+  send_raw(too_long, sizeof too_long);
+  /* a worker address of 4 GiB announced */
+  static const uint8_t huge_address[] = {'T', 'S', 'U', 'C', 'X', '0', '1', '\n', 7, 0, 3, 0, 0xff, 0xff, 0xff, 0xff};
+  send_raw(huge_address, sizeof huge_address);
+  tshare_channel *ch = connect_one(TOKEN);
+  CHECK_EQ(recv_release(ch), 4);
+  send_release(ch, 5);
+  tshare_channel_close(ch);
+}
+
+TS_TEST(hostile_bootstrap_loopback) {
+  use_loopback();
+  run_pair(hostile_listener, hostile_connector);
 }
 
 TS_TEST(host_share_refused_loopback) {
