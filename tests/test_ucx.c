@@ -331,6 +331,7 @@ static void killed_peer_listener(void) {
   clock_gettime(CLOCK_MONOTONIC, &t1);
   printf("the peer's death was seen after %.0f ms\n",
          (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) / 1e6);
+  fflush(stdout); /* this process ends in _exit */
   CHECK_RC(tshare_channel_send_frame(ch, &f, -1, 1000) == TSHARE_OK ? TSHARE_E_STATE : TSHARE_OK, TSHARE_OK,
            "a send to the dead peer succeeded");
   tshare_channel_close(ch);

@@ -55,6 +55,7 @@ struct ts_ucx_endpoint {
   size_t in_len, in_off, in_cap;
   size_t outstanding; /* bytes of sends not yet completed */
   bool peer_failed;   /* UCX's error handler ran, or the peer's socket ended */
+  bool ucx_failed;    /* UCX's error handler ran: what came before the failure was taken */
   bool last_words;    /* the lag after the peer's socket ended was waited out */
   bool broken;        /* a rendezvous message or an overfull inbox: the stream is lost */
 };
@@ -111,7 +112,8 @@ static ts_ucs_status on_bytes(void *arg, const void *header, size_t header_len, 
 
 static void on_peer_error(void *arg, ts_ucp_ep_h ep, ts_ucs_status status) {
   (void)ep, (void)status;
-  ((ts_ucx_endpoint *)arg)->peer_failed = true;
+  ts_ucx_endpoint *e = arg;
+  e->peer_failed = e->ucx_failed = true;
 }
 
 static void on_sent(void *request, ts_ucs_status status, void *user_data) {
@@ -288,10 +290,11 @@ static void progress_all(ts_ucx_endpoint *e) {
 }
 
 /* The peer's socket ended: messages it sent just before may still be on
- * their way over UCX's own connections. Taken for a short while, once. */
+ * their way over UCX's own connections. Taken for a short while, once, or
+ * until UCX itself reports the peer gone (it took what came before). */
 static void take_last_words(ts_ucx_endpoint *e) {
   int64_t until = now_ns() + UCX_LAST_WORDS_NS;
-  while (e->in_off == e->in_len && !e->broken && now_ns() < until) {
+  while (e->in_off == e->in_len && !e->broken && !e->ucx_failed && now_ns() < until) {
     progress_all(e);
     if (e->in_off == e->in_len) usleep(1000);
   }
