@@ -241,6 +241,7 @@ static uint64_t recv_release(tshare_channel *ch) {
 static void round_trip_listener(void) {
   tshare_channel *ch = accept_one(TOKEN);
   CHECK_EQ(tshare_channel_kind_of(ch), TSHARE_CHANNEL_UCX);
+  CHECK_EQ(tshare_channel_transport(ch), TSHARE_TRANSPORT_UCX);
   CHECK(strcmp(tshare_channel_peer(ch)->name, "connector") == 0);
   for (uint64_t i = 1; i <= ROUNDS; i++) {
     CHECK_EQ(recv_release(ch), i * 10);

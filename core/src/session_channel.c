@@ -156,6 +156,7 @@ int tshare_channel_fd(const tshare_channel *ch) {
   return closing ? -1 : fd;
 }
 tshare_transport tshare_channel_transport(const tshare_channel *ch) {
+  if (ch->conn.kind == TS_CONN_UCX) return TSHARE_TRANSPORT_UCX;
   return ts_conn_uses_ring(&ch->conn) ? TSHARE_TRANSPORT_RING : TSHARE_TRANSPORT_SOCKET;
 }
 

@@ -59,7 +59,10 @@ typedef enum tshare_transport {
   /* Frames without fds through a shared-memory ring per direction (set up in
    * the hello when both ends ask for it, else the socket carries all);
    * frames with fds on the socket, in order. Pipe channels never use it. */
-  TSHARE_TRANSPORT_RING = 2
+  TSHARE_TRANSPORT_RING = 2,
+  /* UCX active messages (a channel of a ucx:// address; only reported by
+   * tshare_channel_transport(), never asked for in the options). */
+  TSHARE_TRANSPORT_UCX = 3
 } tshare_transport;
 
 /* Called on the driving thread when a share this end sent is released by the
@@ -169,7 +172,8 @@ TSHARE_API int tshare_channel_send_error(tshare_channel *ch, int code, const cha
 TSHARE_API int tshare_channel_fd(const tshare_channel *ch);
 
 /* The transport in use: TSHARE_TRANSPORT_RING or TSHARE_TRANSPORT_SOCKET
- * (pipe channels say socket: one stream each way). */
+ * (pipe channels say socket: one stream each way), TSHARE_TRANSPORT_UCX for
+ * a channel of a ucx:// address. */
 TSHARE_API tshare_transport tshare_channel_transport(const tshare_channel *ch);
 
 #ifdef __cplusplus
