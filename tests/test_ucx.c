@@ -514,6 +514,15 @@ TS_TEST(missing_token) {
   int rc = tshare_connect("ucx://127.0.0.1:7702/weights", &o, 100, &ch, &err);
   CHECK_RC(rc, TSHARE_E_PERMISSION, err.message);
   if (!strstr(err.message, "no token")) TS_FAIL("the detail: %s", err.message);
+  use_loopback(); /* a listener without a token refuses to accept, at once */
+  tshare_listener *l;
+  rc = tshare_listen(listen_address, &l, &err);
+  if (rc != TSHARE_E_UNSUPPORTED) {
+    CHECK_RC(rc, TSHARE_OK, err.message);
+    CHECK_RC(tshare_listener_accept(l, &o, 10000, &ch, &err), TSHARE_E_PERMISSION, err.message);
+    if (!strstr(err.message, "no token")) TS_FAIL("accept's detail: %s", err.message);
+    tshare_listener_close(l);
+  }
   setenv("TSHARE_TOKEN", TOKEN, 1); /* the environment's token is taken: connecting to nobody times out */
   rc = tshare_connect("ucx://127.0.0.1:7702/weights", &o, 200, &ch, &err);
   CHECK(rc == TSHARE_E_NOT_FOUND || rc == TSHARE_E_UNSUPPORTED);
