@@ -32,8 +32,10 @@ static int send_memfd_share(tshare_channel *ch, uint64_t alloc_id, uint64_t allo
   if (!(ts_conn_caps(&ch->conn) & TS_TRANSPORT_PASSES_FDS)) {
     ts_export_drop(e);
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
-                   "share: host memory travels as an fd, which a pipe channel cannot carry: open a socket channel "
-                   "(tshare_socketpair, tshare_listen/tshare_connect, or tshare-launch --channel socket)");
+                   "share: host memory travels as an fd, which a %s channel cannot carry: open a socket channel "
+                   "on one host (tshare_socketpair, tshare_listen/tshare_connect of a plain name, or tshare-launch "
+                   "--channel socket)",
+                   ch->conn.stream->name);
   }
   if (!(ch->conn.peer.capabilities & TSHARE_CAP_HOST_MEMFD)) {
     ts_export_drop(e);
