@@ -68,7 +68,7 @@ if not any(r["key"].startswith("sets_") and not r["skipped"] for r in doc["rows"
         not rows["torch_bridge_cpu"]["skipped"]:
     fail("the bridge ran, but no state_dict row was measured")
 if len(doc["targets"]) != 19: fail("targets missing")
-if not any(t["text"].startswith("sets: repeated update >= 100x") for t in doc["targets"]): fail("sets targets missing")
+if not any(t["target"].startswith("sets: repeated update >= 100x") for t in doc["targets"]): fail("sets targets missing")
 with open(f"{out}/bench.csv") as f:
     lines = list(csv.DictReader(f))
 if len(lines) != len(doc["rows"]): fail("the CSV and the JSON disagree")

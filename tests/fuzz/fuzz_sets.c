@@ -18,6 +18,7 @@
  * Input: fuzz_sets_ops.h. */
 #include "fd_util.h"
 #include "frame_util.h"
+#include "fuzz_input.h"
 #include "fuzz_sets_ops.h"
 #include "log.h"
 #include "tshare/set.h"
@@ -34,17 +35,6 @@
 
 #define PEER_MEMFD_NAME "tshare-fuzz-sets"
 #define FD_BUDGET 8
-
-typedef struct input {
-  const uint8_t *p;
-  size_t n;
-} input;
-
-static uint8_t take(input *in) {
-  if (in->n == 0) return 0;
-  in->n--;
-  return *in->p++;
-}
 
 typedef struct harness {
   int sock; /* the peer's end, non-blocking */
