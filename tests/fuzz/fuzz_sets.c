@@ -117,7 +117,7 @@ static void op_mem(harness *h, input *in) {
   m->mem_kind = cuda ? TSHARE_MEM_CUDA_IPC : TSHARE_MEM_HOST_MEMFD;
   m->device_type = cuda ? TSHARE_DEVICE_CUDA : TSHARE_DEVICE_CPU;
   m->handle_len = cuda ? TSHARE_HANDLE_MAX : 0;
-  f.flags = cuda ? 0 : TSHARE_FRAME_FLAG_FD_ATTACHED;
+  f.flags = cuda ? 0 : (uint8_t)TSHARE_FRAME_FLAG_FD_ATTACHED;
   peer_send_frame(h, &f, with_fd ? h->mem : -1); /* without: the frame says an fd and none comes */
 }
 
