@@ -18,6 +18,7 @@ JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 FUZZ_SECONDS ?= 60
 FUZZ_RING_SECONDS ?= $(FUZZ_SECONDS)
 FUZZ_CONN_SECONDS ?= $(FUZZ_SECONDS)
+FUZZ_SETS_SECONDS ?= $(FUZZ_SECONDS)
 # CI builds with -Werror; the exported flags never carry it.
 CMAKE_FLAGS ?= $(if $(CI),-DTSHARE_WERROR=ON)
 
@@ -118,8 +119,9 @@ gpu-sanitize: build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -L sanitizer
 
 # libFuzzer (ASan+UBSan) on the frame decoder and share validation, the
-# ring, and a ring channel against a hand-written peer, each for
-# FUZZ_SECONDS. A crash is copied into tests/fuzz/corpus as regress-*, where
+# ring, a ring channel against a hand-written peer, and tensor sets a channel
+# assembles from a hand-written peer, each for
+# FUZZ_SECONDS. A crash is copied into tests/fuzz/corpus* as regress-*, where
 # the corpus replay (make test) runs it from then on, and the target fails.
 fuzz: build
 	@test -x $(BUILD_DIR)/tests/fuzz/fuzz_decoder || { echo "make fuzz needs clang with its libFuzzer runtime (Debian: apt-get install clang); see the cmake output"; exit 1; }
@@ -141,7 +143,13 @@ fuzz: build
 	  -artifact_prefix=$(BUILD_DIR)/fuzz-crashes-conn/ $(BUILD_DIR)/fuzz-corpus-conn tests/fuzz/corpus_conn || rc=$$?; \
 	for f in $(BUILD_DIR)/fuzz-crashes-conn/*; do [ -f "$$f" ] || continue; \
 	  cp "$$f" tests/fuzz/corpus_conn/regress-$$(sha1sum "$$f" | cut -c1-16); \
-	  echo "fuzz: $$f added to tests/fuzz/corpus_conn as a regression input"; rc=1; done; exit $$rc
+	  echo "fuzz: $$f added to tests/fuzz/corpus_conn as a regression input"; rc=1; done; \
+	mkdir -p $(BUILD_DIR)/fuzz-corpus-sets $(BUILD_DIR)/fuzz-crashes-sets; \
+	$(BUILD_DIR)/tests/fuzz/fuzz_sets -max_total_time=$(FUZZ_SETS_SECONDS) -print_final_stats=1 -max_len=600 -timeout=60 \
+	  -artifact_prefix=$(BUILD_DIR)/fuzz-crashes-sets/ $(BUILD_DIR)/fuzz-corpus-sets tests/fuzz/corpus_sets || rc=$$?; \
+	for f in $(BUILD_DIR)/fuzz-crashes-sets/*; do [ -f "$$f" ] || continue; \
+	  cp "$$f" tests/fuzz/corpus_sets/regress-$$(sha1sum "$$f" | cut -c1-16); \
+	  echo "fuzz: $$f added to tests/fuzz/corpus_sets as a regression input"; rc=1; done; exit $$rc
 
 install: build
 	cmake --install $(BUILD_DIR) --prefix $(PREFIX)

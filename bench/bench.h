@@ -17,6 +17,8 @@
 #include "bench_stats.h"
 #include "tshare/tshare.h"
 
+#include <stdbool.h>
+
 #define BENCH_MAX_CONSUMERS 4
 #define BENCH_TIMEOUT_MS 60000
 #define BENCH_SMALL_ELEMS 1024 /* the hand-off tensor: 1024 float32, 4 KiB */
@@ -32,6 +34,10 @@ typedef struct bench_opts {
   const char *peer_script;
   const char *py_script;   /* the Python package's hand-off (tshare_py_peer.py) */
   const char *torch_bench; /* the LibTorch bridge's hand-off program, or NULL */
+  const char *torch_sets_bench; /* the bridge's state_dict hand-off (bench_torch_sets), or NULL */
+  const char *sets_py_script;   /* the state_dict from Python and torch.mp (sets_py_peer.py) */
+  long set_iters, set_warmup;   /* timed and untimed hand-offs of a whole model, per row */
+  int set_hidden_cpu;           /* the CPU rows' hidden size (the GPU's model scaled down) */
 } bench_opts;
 
 typedef struct bench {
@@ -83,6 +89,15 @@ void bench_cuda(bench *b);
 void bench_cuda_handoffs(bench *b, int throughput); /* (b), (c), (throughput) */
 void bench_peers_external(bench *b);
 void bench_contention(bench *b); /* one CPU for both ends; a busy loop on every CPU */
+void bench_sets(bench *b);         /* a model's state_dict: the bridge, Python, torch.mp */
+void bench_sets_targets(bench *b); /* their four targets */
+
+/* Run argv (another program), keep the last line it printed: 0 when it ran
+ * to exit 0 and that line starts with "result"; else why says what it said. */
+int bench_run_capture(char *const *argv, char *last, size_t cap, char *why, size_t why_cap);
+/* A GPU row where there is no GPU (gpu set, none here): skipped saying why,
+ * and true. */
+bool bench_skipped_without_gpu(bench *b, int gpu, const char *key, const char *label);
 
 /* Consumer side: commands the two halves answer (0 ok, -1 error, 1 not theirs). */
 int bench_host_consumer(tshare_channel *ch, const char *cmd, char *reply, size_t cap);

@@ -26,6 +26,9 @@
 #ifndef TSHARE_BENCH_PY_SCRIPT
 #define TSHARE_BENCH_PY_SCRIPT "tshare_py_peer.py"
 #endif
+#ifndef TSHARE_BENCH_SETS_PY_SCRIPT
+#define TSHARE_BENCH_SETS_PY_SCRIPT "sets_py_peer.py"
+#endif
 #ifndef TSHARE_BENCH_PEER_SCRIPT
 #define TSHARE_BENCH_PEER_SCRIPT "torch_mp_peer.py"
 #endif
@@ -217,7 +220,8 @@ int main(int argc, char **argv) {
   b.opt = (bench_opts){.iters = 20000, .warmup = 2000, .pipelined = 200000, .memory_shares = 1000000,
                        .bw_bytes = (size_t)1 << 30, .window = 64, .python = TSHARE_BENCH_PYTHON,
                        .peer_script = TSHARE_BENCH_PEER_SCRIPT,
-                       .py_script = TSHARE_BENCH_PY_SCRIPT};
+                       .py_script = TSHARE_BENCH_PY_SCRIPT, .sets_py_script = TSHARE_BENCH_SETS_PY_SCRIPT,
+                       .set_iters = 200, .set_warmup = 20, .set_hidden_cpu = 256};
 #ifdef TSHARE_BENCH_PYTHONPATH
   { /* the package as built here, ahead of any installed one */
     const char *old = getenv("PYTHONPATH");
@@ -228,6 +232,7 @@ int main(int argc, char **argv) {
 #endif
 #ifdef TSHARE_BENCH_TORCH
   b.opt.torch_bench = TSHARE_BENCH_TORCH;
+  b.opt.torch_sets_bench = TSHARE_BENCH_TORCH_SETS;
 #endif
   const char *out_dir = "bench-results";
   int peers = 1;
@@ -244,6 +249,9 @@ int main(int argc, char **argv) {
       b.opt.pipelined = 2000;
       b.opt.memory_shares = 5000;
       b.opt.bw_bytes = 64u << 20;
+      b.opt.set_iters = 5;
+      b.opt.set_warmup = 1;
+      b.opt.set_hidden_cpu = 64;
     } else if (strcmp(a, "--no-peers") == 0) {
       peers = 0;
     } else if (v && strcmp(a, "--out") == 0) {
@@ -317,8 +325,12 @@ int main(int argc, char **argv) {
   }
   b.rep.key_suffix[0] = b.rep.label_suffix[0] = '\0';
   bench_contention(&b);
-  if (peers) bench_peers_external(&b);
+  if (peers) {
+    bench_peers_external(&b);
+    bench_sets(&b);
+  }
   targets(&b);
+  bench_sets_targets(&b);
 
   br_print(&b.rep, stdout);
   if (mkdir(out_dir, 0755) != 0 && errno != EEXIST) {

@@ -15,8 +15,7 @@
 
 #define PEER_TIMEOUT_MS 300000
 
-/* Run argv, keep the last line it printed; 0 when it ran to exit 0. */
-static int run_capture(char *const *argv, char *last, size_t cap, char *why, size_t why_cap) {
+int bench_run_capture(char *const *argv, char *last, size_t cap, char *why, size_t why_cap) {
   int out[2];
   if (pipe2(out, O_CLOEXEC) != 0) {
     snprintf(why, why_cap, "pipe: %s", strerror(errno));
@@ -70,7 +69,7 @@ static int run_capture(char *const *argv, char *last, size_t cap, char *why, siz
 static void peer_row(bench *b, char *const *argv, const char *key, const char *label, const char *floor_key,
                      const char *peer_key) {
   char last[512], why[600];
-  if (run_capture(argv, last, sizeof last, why, sizeof why) != 0) {
+  if (bench_run_capture(argv, last, sizeof last, why, sizeof why) != 0) {
     br_skip(&b->rep, BR_LATENCY, "latency", key, label, why);
     return;
   }
@@ -127,7 +126,7 @@ static void bridge_throughput_row(bench *b, const char *dev, long n, const char 
   char count[32], last[512], why[600];
   snprintf(count, sizeof count, "%ld", n);
   char *argv[] = {(char *)b->opt.torch_bench, (char *)"--device", (char *)dev, (char *)"--pipelined", count, NULL};
-  if (run_capture(argv, last, sizeof last, why, sizeof why) != 0) {
+  if (bench_run_capture(argv, last, sizeof last, why, sizeof why) != 0) {
     br_skip(&b->rep, BR_VALUE, "throughput", key, label, why);
     return;
   }
@@ -153,8 +152,7 @@ static void bridge_throughput_row(bench *b, const char *dev, long n, const char 
   }
 }
 
-/* A GPU row where there is no GPU: skipped, saying why. */
-static bool skipped_without_gpu(bench *b, int gpu, const char *key, const char *label) {
+bool bench_skipped_without_gpu(bench *b, int gpu, const char *key, const char *label) {
   if (!gpu || b->have_gpu) return false;
   char why[256];
   snprintf(why, sizeof why, "no GPU: %s", b->no_gpu_why);
@@ -173,14 +171,14 @@ void bench_peers_external(bench *b) {
     char key[48], label[80], peer_key[48];
     snprintf(peer_key, sizeof peer_key, "torch_mp_%s", dev);
     snprintf(label, sizeof label, "torch.multiprocessing Queue, %s tensor (the peer)", dev);
-    if (!skipped_without_gpu(b, gpu, peer_key, label)) {
+    if (!bench_skipped_without_gpu(b, gpu, peer_key, label)) {
       char *argv[] = {(char *)b->opt.python, (char *)b->opt.peer_script, (char *)"--device", (char *)dev,
                       (char *)"--iters", iters, (char *)"--warmup", warmup, NULL};
       peer_row(b, argv, peer_key, label, gpu ? "floor" : "floor_fd", NULL);
     }
     snprintf(key, sizeof key, "tshare_python_%s", dev);
     snprintf(label, sizeof label, "tshare Python package, %s tensor", dev);
-    if (!skipped_without_gpu(b, gpu, key, label)) {
+    if (!bench_skipped_without_gpu(b, gpu, key, label)) {
       char *argv[] = {(char *)b->opt.python, (char *)b->opt.py_script, (char *)"--device", (char *)dev,
                       (char *)"--iters", iters, (char *)"--warmup", warmup, NULL};
       peer_row(b, argv, key, label, gpu ? "floor" : "floor_fd", peer_key);
@@ -195,7 +193,7 @@ void bench_peers_external(bench *b) {
     snprintf(label, sizeof label, "tshare LibTorch bridge, %s tensor", dev);
     if (!b->opt.torch_bench) {
       br_skip(&b->rep, BR_LATENCY, "latency", key, label, "built without LibTorch");
-    } else if (!skipped_without_gpu(b, gpu, key, label)) {
+    } else if (!bench_skipped_without_gpu(b, gpu, key, label)) {
       char *argv[] = {(char *)b->opt.torch_bench, (char *)"--device", (char *)dev, (char *)"--iters", iters,
                       (char *)"--warmup", warmup, NULL};
       /* Over the default transport (the ring), then the socket alone: the

@@ -93,6 +93,8 @@ static const char *group_title(const char *group) {
   if (strcmp(group, "throughput") == 0) return "throughput (pipelined, no per-tensor round trip)";
   if (strcmp(group, "bandwidth") == 0) return "bandwidth (a consumer kernel reads the whole tensor)";
   if (strcmp(group, "memory") == 0) return "memory and handles, before -> after";
+  if (strcmp(group, "sets") == 0)
+    return "a model's state_dict (290 tensors), microseconds per model (sent, taken by every consumer, released)";
   if (strcmp(group, "idle") == 0) return "a consumer blocked in a receive, nothing coming";
   return group;
 }
@@ -100,13 +102,13 @@ static const char *group_title(const char *group) {
 void br_print(const br_report *r, FILE *out) {
   say_done(r);
   fprintf(out, "\n%s\n%s\n", r->title, r->device);
-  const char *groups[] = {"latency", "throughput", "bandwidth", "idle", "memory"};
+  const char *groups[] = {"latency", "sets", "throughput", "bandwidth", "idle", "memory"};
   for (size_t g = 0; g < sizeof groups / sizeof *groups; g++) {
     int any = 0;
     for (int i = 0; i < r->nrows; i++) any |= strcmp(r->rows[i].group, groups[g]) == 0;
     if (!any) continue;
     fprintf(out, "\n%s\n", group_title(groups[g]));
-    if (strcmp(groups[g], "latency") == 0)
+    if (strcmp(groups[g], "latency") == 0 || strcmp(groups[g], "sets") == 0)
       fprintf(out, "  %-52s %9s %9s %7s %9s %10s\n", "", "p50", "p99", "n", "vs floor", "peer/this");
     else if (strcmp(groups[g], "memory") == 0)
       fprintf(out, "  %-52s %12s %12s %10s\n", "", "before", "after", "change");

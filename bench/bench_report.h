@@ -18,7 +18,7 @@ typedef enum br_kind {
 
 typedef struct br_row {
   br_kind kind;
-  char group[16]; /* section of the table: "latency", "throughput", "bandwidth", "memory" */
+  char group[16]; /* section of the table: "latency", "sets", "throughput", "bandwidth", "memory" */
   char key[48];   /* stable name for machines */
   char label[80]; /* what a person reads */
   char unit[16];
@@ -39,7 +39,7 @@ typedef struct br_target {
   int met;            /* 1 met, 0 missed, -1 not measured */
 } br_target;
 
-#define BR_ROWS_MAX 160
+#define BR_ROWS_MAX 200
 #define BR_TARGETS_MAX 24
 
 typedef struct br_report {

@@ -1,33 +1,41 @@
-// A model's state through the LibTorch bridge, CPU: a 290-tensor state_dict
-// (a 24-layer transformer's names and shapes, scaled down) handed to a
-// consumer process and released back, per model: as one tensor set
-// (send_set / recv_set) of tensors in one memory each, as one set of tensors
-// in one memory (what share_module_ makes of a module), and as one share per
-// tensor (send / recv in a loop), in one run. The producer updates the weights in place before every
-// hand-off, as a trainer does.
+// A model's state through the LibTorch bridge: a 290-tensor bf16 state_dict
+// (a 24-layer transformer's names and shapes) handed to 1 or more consumer
+// processes and released back, per model, in two ways: as one tensor set
+// (send_set, or send_set_all to several consumers) or as one send() per
+// tensor; each twice: the first hand-off (a new model: memory the consumers
+// have not seen, allocated before the clock starts) and the repeated update
+// (the producer updates its storages in place and sends again, the version
+// in the set's metadata, as a trainer does).
 //
-//   bench_torch_sets [--iters N] [--warmup W] [--hidden H]
+//   bench_torch_sets [--device cpu|cuda] [--consumers N] [--way set|loop]
+//                    [--hidden H] [--iters N] [--warmup W]
 //
-// Prints one line per way: p50 and p99 per model, and per tensor, and
-// whether the set meets the target (per model <= 300 us).
+// Prints one line per measurement, then, last, the line tshare-bench reads:
+// "result first_p50_us=... first_p99_us=... update_p50_us=... update_p99_us=...
+// n=... tensors=290 mib=... hidden=... torch=..." or "skip: why" (exit 77).
+// The consumers are forked before anything touches CUDA.
 #include <tshare/torch_set.h>
 
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <vector>
 
 namespace tt = tshare::torch;
 
 static const int TIMEOUT = 60000;
-static const double TARGET_US = 300;
 
 static long arg_long(int argc, char **argv, const char *name, long fallback) {
   for (int i = 1; i + 1 < argc; i++)
@@ -35,10 +43,16 @@ static long arg_long(int argc, char **argv, const char *name, long fallback) {
   return fallback;
 }
 
-// 2 embeddings + 24 layers x 12 tensors = 290, in shared memory: each in a
-// memory of its own, or all of them views of one buffer (one memory to
-// travel), as share_module_ lays out a module.
-static tt::NamedTensors transformer_state(int64_t h, bool arena) {
+static std::string arg_str(int argc, char **argv, const char *name, const char *fallback) {
+  for (int i = 1; i + 1 < argc; i++)
+    if (std::strcmp(argv[i], name) == 0) return argv[i + 1];
+  return fallback;
+}
+
+// 2 embeddings + 24 layers x 12 tensors = 290: on the GPU each tensor an
+// allocation of the caching allocator, on the CPU each in shared memory of
+// its own (what the bridge's empty_shared gives).
+static tt::NamedTensors transformer_state(int64_t h, bool cuda) {
   std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
   auto add = [&](const std::string &name, std::vector<int64_t> sizes) { shapes.emplace_back(name, sizes); };
   add("embed_tokens.weight", {1024, h});
@@ -54,37 +68,31 @@ static tt::NamedTensors transformer_state(int64_t h, bool arena) {
     add(p + "post_attention_layernorm.weight", {h});
   }
   add("norm.weight", {h});
-  int64_t total = 0;
-  for (auto &e : shapes) total += c10::multiply_integers(e.second);
-  at::Tensor all = arena ? tt::empty_shared({total}, at::kBFloat16) : at::Tensor();
   tt::NamedTensors state;
-  int64_t at = 0;
-  for (auto &e : shapes) {
-    int64_t n = c10::multiply_integers(e.second);
-    state.emplace_back(e.first, arena ? all.narrow(0, at, n).view(e.second) : tt::empty_shared(e.second, at::kBFloat16));
-    at += n;
-  }
+  for (auto &e : shapes)
+    state.emplace_back(e.first, cuda ? at::zeros(e.second, at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA))
+                                     : tt::empty_shared(e.second, at::kBFloat16).zero_());
   return state;
 }
 
-// The consumer: takes every hand-off ("set": one set; "loop": tensors until
-// the one tagged "last") and drops it at once, which releases it.
-static int consumer(int fd) {
+// A consumer: takes every hand-off (a set, or tensors until the one tagged
+// "last") and drops it at once, which releases it.
+static int consumer(int fd, bool as_set) {
   tshare_channel *ch = nullptr;
   tshare_error err;
   if (tshare_channel_open_socket(fd, nullptr, &ch, &err) != TSHARE_OK) return 1;
   tt::ChannelPtr owned(ch);
   try {
     for (;;) {
-      auto first = tt::recv(ch, {TIMEOUT}); // "set" or "loop" announces the way
-      if (!first) return 0;
-      if (first->tag == "set") {
-        first.reset();
-        if (!tt::recv_set(ch, {TIMEOUT})) return 1;
-      } else {
-        first.reset();
-        while (auto r = tt::recv(ch, {TIMEOUT}))
-          if (r->tag == "last") break;
+      if (as_set) {
+        if (!tt::recv_set(ch, {TIMEOUT})) return 0;
+        continue;
+      }
+      auto r = tt::recv(ch, {TIMEOUT});
+      if (!r) return 0;
+      while (r->tag != "last") {
+        r = tt::recv(ch, {TIMEOUT});
+        if (!r) return 1;
       }
     }
   } catch (const std::exception &e) {
@@ -93,88 +101,144 @@ static int consumer(int fd) {
   }
 }
 
+static void wait_all(const std::vector<tshare_channel *> &chs) {
+  for (tshare_channel *ch : chs)
+    if (tshare_channel_wait_released(ch, 0, TIMEOUT) != TSHARE_OK)
+      throw tt::Error(TSHARE_E_TIMEOUT, tshare_channel_last_error(ch));
+}
+
+// One hand-off to every consumer and back, in microseconds.
+static double handoff_us(const std::vector<tshare_channel *> &chs, const tt::NamedTensors &state, bool as_set,
+                         long version) {
+  auto t0 = std::chrono::steady_clock::now();
+  if (as_set) {
+    tt::SetOptions o;
+    o.meta = "version=" + std::to_string(version);
+    o.timeout_ms = TIMEOUT;
+    if (chs.size() == 1) {
+      tt::send_set(chs[0], state, o);
+      wait_all(chs);
+    } else {
+      for (const tt::SendResult &r : tt::send_set_all(chs, state, o, TIMEOUT))
+        if (!r.ok() || !r.released) throw tt::Error(r.code ? r.code : TSHARE_E_TIMEOUT, r.error);
+    }
+  } else {
+    for (tshare_channel *ch : chs)
+      for (size_t i = 0; i < state.size(); i++)
+        tt::send(ch, state[i].second, {i + 1 == state.size() ? "last" : "", TIMEOUT});
+    wait_all(chs);
+  }
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+}
+
 struct Stats {
   double p50, p99;
 };
 
-static Stats stats(std::vector<double> us) {
+static Stats stats(std::vector<double> us) { // nearest rank, as tshare-bench takes it
   std::sort(us.begin(), us.end());
-  return {us[us.size() / 2], us[std::min(us.size() - 1, us.size() * 99 / 100)]};
+  auto pct = [&](double p) {
+    size_t rank = size_t(std::ceil(p / 100.0 * double(us.size())));
+    return us[std::min(us.size(), std::max<size_t>(rank, 1)) - 1];
+  };
+  return {pct(50), pct(99)};
 }
 
-// One hand-off's round trip; *send_us gets the producer's sending part.
-static double handoff_us(tshare_channel *ch, const tt::NamedTensors &state, bool as_set, const at::Tensor &marker,
-                         double *send_us) {
-  using clock = std::chrono::steady_clock;
-  for (auto &e : state) e.second.add_(1); // the trainer's in-place step (not timed)
-  auto t0 = clock::now();
-  tt::send(ch, marker, {as_set ? "set" : "loop"});
-  if (as_set) {
-    tt::send_set(ch, state, {"version"});
-  } else {
-    for (size_t i = 0; i < state.size(); i++) tt::send(ch, state[i].second, {i + 1 == state.size() ? "last" : ""});
+// The GPU done with what came before the clock starts: item() waits for the
+// current stream, where the allocation's and the update's kernels went.
+static void settle(const tt::NamedTensors &state) { (void)state.back().second.sum().item<float>(); }
+
+// The first hand-offs (a new model each) and the repeated updates.
+static void measure(const std::vector<tshare_channel *> &chs, bool cuda, int64_t hidden, bool as_set, long iters,
+                    long warmup, Stats *first, Stats *update, double *mib) {
+  std::vector<double> us;
+  for (long i = 0; i < warmup + iters; i++) {
+    tt::NamedTensors fresh = transformer_state(hidden, cuda); // not timed: the model's own allocation
+    if (cuda) settle(fresh);
+    double t = handoff_us(chs, fresh, as_set, i);
+    if (i >= warmup) us.push_back(t);
   }
-  auto t1 = clock::now();
-  if (tshare_channel_wait_released(ch, 0, TIMEOUT) != TSHARE_OK) throw std::runtime_error(tshare_channel_last_error(ch));
-  *send_us = std::chrono::duration<double, std::micro>(t1 - t0).count();
-  return std::chrono::duration<double, std::micro>(clock::now() - t0).count();
+  *first = stats(us);
+  us.clear();
+  tt::NamedTensors state = transformer_state(hidden, cuda);
+  size_t bytes = 0;
+  for (auto &e : state) bytes += e.second.nbytes();
+  *mib = double(bytes) / (1 << 20);
+  for (long i = 0; i < warmup + iters; i++) {
+    for (auto &e : state) e.second.add_(1); // the trainer's in-place step (not timed)
+    if (cuda) settle(state);
+    double t = handoff_us(chs, state, as_set, i);
+    if (i >= warmup) us.push_back(t);
+  }
+  *update = stats(us);
 }
 
 int main(int argc, char **argv) {
+  std::string device = arg_str(argc, argv, "--device", "cpu"), way = arg_str(argc, argv, "--way", "set");
   long iters = arg_long(argc, argv, "--iters", 200), warmup = arg_long(argc, argv, "--warmup", 20);
-  int64_t hidden = arg_long(argc, argv, "--hidden", 256);
+  long consumers = std::max(1L, std::min(16L, arg_long(argc, argv, "--consumers", 1)));
+  bool cuda = device == "cuda", as_set = way == "set";
+  int64_t hidden = arg_long(argc, argv, "--hidden", cuda ? 1232 : 256);
   // One thread: an idle intra-op pool spinning after the update would take
-  // the cores the consumer needs, and time that is not the hand-off's.
+  // the cores the consumers need, and time that is not the hand-off's.
   at::set_num_threads(1);
-  int sv[2];
-  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) return 1;
-  pid_t pid = fork();
-  if (pid == 0) {
-    close(sv[0]);
-    _exit(consumer(sv[1]));
-  }
-  close(sv[1]);
-  tshare_channel *ch = nullptr;
-  tshare_error err;
-  if (tshare_channel_open_socket(sv[0], nullptr, &ch, &err) != TSHARE_OK) {
-    std::fprintf(stderr, "bench_torch_sets: %s\n", err.message);
-    return 1;
-  }
-  tt::NamedTensors own = transformer_state(hidden, false), arena = transformer_state(hidden, true);
-  at::Tensor marker = tt::empty_shared({1});
-  size_t bytes = 0;
-  for (auto &e : own) bytes += e.second.nbytes();
-  std::printf("bench_torch_sets: %zu bf16 tensors, %.1f MiB, CPU, %ld hand-offs each way after %ld warm-up\n",
-              own.size(), double(bytes) / (1 << 20), iters, warmup);
-  struct Way {
-    const char *name;
-    const tt::NamedTensors &state;
-    bool as_set;
-  } ways[] = {{"one set, 290 memories", own, true},
-              {"one set, one memory", arena, true},
-              {"one send() per tensor", own, false}};
-  int status = 0;
-  try {
-    for (const Way &w : ways) {
-      std::vector<double> us, send_us;
-      for (long i = 0; i < warmup + iters; i++) {
-        double sent;
-        double t = handoff_us(ch, w.state, w.as_set, marker, &sent);
-        if (i >= warmup) us.push_back(t), send_us.push_back(sent);
-      }
-      Stats s = stats(us);
-      std::printf("%-24s per model p50 %8.1f us  p99 %8.1f us  (sending %7.1f us)  per tensor p50 %6.2f us", w.name,
-                  s.p50, s.p99, stats(send_us).p50, s.p50 / double(w.state.size()));
-      if (w.as_set) std::printf("  target <= %.0f us: %s", TARGET_US, s.p50 <= TARGET_US ? "MET" : "MISSED");
-      std::printf("\n");
+  std::vector<pid_t> pids;
+  std::vector<tshare_channel *> chs;
+  for (long i = 0; i < consumers; i++) {
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) return 1;
+    std::fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+      close(sv[0]);
+      _exit(consumer(sv[1], as_set));
     }
+    close(sv[1]);
+    pids.push_back(pid);
+    tshare_channel *ch = nullptr;
+    tshare_error err;
+    if (tshare_channel_open_socket(sv[0], nullptr, &ch, &err) != TSHARE_OK) {
+      std::printf("error: %s\n", err.message);
+      return 1;
+    }
+    chs.push_back(ch);
+  }
+  int status = 0;
+  Stats first{}, update{};
+  double mib = 0;
+  tshare_error err;
+  if (cuda && (tshare_cuda_init(&err) != TSHARE_OK || !at::hasCUDA())) {
+    std::printf("skip: %s\n", at::hasCUDA() ? err.message : "this LibTorch has no CUDA");
+    status = 77;
+  }
+  try {
+    if (!status) measure(chs, cuda, hidden, as_set, iters, warmup, &first, &update, &mib);
+  } catch (const tt::Error &e) {
+    // Tensor sets of CUDA memory, where this version refuses them.
+    std::printf("%s: %s\n", e.code() == TSHARE_E_UNSUPPORTED ? "skip" : "error", e.what());
+    status = e.code() == TSHARE_E_UNSUPPORTED ? 77 : 1;
   } catch (const std::exception &e) {
-    std::fprintf(stderr, "bench_torch_sets: %s\n", e.what());
+    std::printf("error: %s\n", e.what());
     status = 1;
   }
-  tshare_channel_send_bye(ch, 0, TIMEOUT);
-  tshare_channel_close(ch);
-  int st = 0;
-  waitpid(pid, &st, 0);
-  return status || !WIFEXITED(st) || WEXITSTATUS(st) ? 1 : 0;
+  for (tshare_channel *ch : chs) {
+    tshare_channel_send_bye(ch, 0, TIMEOUT);
+    tshare_channel_close(ch);
+  }
+  for (pid_t pid : pids) {
+    int st = 0;
+    waitpid(pid, &st, 0);
+    if (!status && (!WIFEXITED(st) || WEXITSTATUS(st))) {
+      std::printf("error: a consumer failed\n");
+      status = 1;
+    }
+  }
+  if (status) return status;
+  std::printf("%s, %s, %ld consumer(s), 290 bf16 tensors, %.1f MiB (hidden %lld): first p50 %.1f us, update p50 %.1f us\n",
+              as_set ? "one set" : "one send() per tensor", device.c_str(), consumers, mib, (long long)hidden,
+              first.p50, update.p50);
+  std::printf("result first_p50_us=%.2f first_p99_us=%.2f update_p50_us=%.2f update_p99_us=%.2f n=%ld tensors=290 "
+              "mib=%.1f hidden=%lld torch=%s\n",
+              first.p50, first.p99, update.p50, update.p99, iters, mib, (long long)hidden, TORCH_VERSION);
+  return 0;
 }

@@ -45,7 +45,30 @@ for scene in ["pinned", "busy"]:  # both ends on one CPU; a busy loop on every C
         for row in ["floor", "floor_fd", "host_reused"]:
             r = measured(f"{row}_{scene}_{transport}")
             if not 0 < r["value"] <= r["p99"]: fail(f"{r['key']}: p50 {r['value']} p99 {r['p99']}")
-if len(doc["targets"]) != 15: fail("targets missing")
+# A model's state_dict: every impl, device, mode and consumer count has its
+# row; CPU ones measured wherever the program could run (torch present),
+# CUDA ones skipped without a GPU, and a measured set row has its torch.mp ratio.
+for dev in ["cpu", "cuda"]:
+    for impl, counts in [("bridge", [1, 4]), ("bridge_loop", [1]), ("python", [1, 4]), ("python_loop", [1]),
+                         ("torch_mp", [1, 4])]:
+        for mode in ["first", "update"]:
+            for n in counts:
+                key = f"sets_{impl}_{dev}_{mode}_{n}"
+                r = rows.get(key) or fail(f"row {key} missing")
+                if r["group"] != "sets": fail(f"{key} is in group {r['group']}")
+                if dev == "cuda" and not gpu and not r["skipped"]: fail(f"{key} measured without a GPU?")
+                if not r["skipped"]:
+                    measured(key)
+                    if not 0 < r["value"] <= r["p99"]: fail(f"{key}: p50 {r['value']} p99 {r['p99']}")
+                    if "tensors" not in r["note"]: fail(f"{key} does not say what it sent: {r['note']}")
+                    mp = rows[f"sets_torch_mp_{dev}_{mode}_{n}"]
+                    if impl in ("bridge", "python") and not mp["skipped"] and r["peer_over_this"] is None:
+                        fail(f"{key} has no ratio to torch.mp")
+if not any(r["key"].startswith("sets_") and not r["skipped"] for r in doc["rows"]) and \
+        not rows["torch_bridge_cpu"]["skipped"]:
+    fail("the bridge ran, but no state_dict row was measured")
+if len(doc["targets"]) != 19: fail("targets missing")
+if not any(t["target"].startswith("sets: repeated update >= 100x") for t in doc["targets"]): fail("sets targets missing")
 with open(f"{out}/bench.csv") as f:
     lines = list(csv.DictReader(f))
 if len(lines) != len(doc["rows"]): fail("the CSV and the JSON disagree")

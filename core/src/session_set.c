@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 
@@ -267,11 +268,26 @@ static int end_set(tshare_channel *ch, ts_set_rx *rx, tshare_set *s) {
   return TSHARE_OK;
 }
 
+/* The message names the limit that was hit, with its value: what to raise. */
 static int lost_fd(tshare_channel *ch, int lost) {
-  return refuse_set(ch, TSHARE_E_LIMIT, true, "an fd of it could not be kept: %s",
-                    lost == TS_FD_OVER_BUDGET ? "too many fds wait unclaimed (max_unclaimed_fds)"
-                    : lost == ENFILE          ? "the system's file table is full (ENFILE)"
-                                              : "this process has no free fd (EMFILE; raise ulimit -n)");
+  if (lost == TS_FD_OVER_BUDGET)
+    return refuse_set(ch, TSHARE_E_LIMIT, true, "an fd of it could not be kept: %zu fds already wait unclaimed "
+                      "(max_unclaimed_fds)", ch->conn.fdq.budget);
+  struct rlimit rl;
+  unsigned long long limit = getrlimit(RLIMIT_NOFILE, &rl) == 0 ? (unsigned long long)rl.rlim_cur : 0;
+  return refuse_set(ch, TSHARE_E_LIMIT, true, "an fd of it could not be kept: %s (%s, RLIMIT_NOFILE %llu); release "
+                    "sets or raise the limit (ulimit -n)",
+                    lost == ENFILE ? "the system's file table is full" : "this process has no free fd",
+                    lost == ENFILE ? "ENFILE" : "EMFILE", limit);
+}
+
+/* A frame of a set that never began: the peer may wait for that set's
+ * release, so it gets one; the set's further frames are dropped. */
+static void release_stray_set(tshare_channel *ch, ts_set_rx *rx, uint64_t set_id) {
+  rx->refused_id = set_id;
+  pthread_mutex_lock(&ch->lock);
+  ts_share_queue_release_locked(ch, set_id);
+  pthread_mutex_unlock(&ch->lock);
 }
 
 static int on_step(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *f, int *fd, int fd_lost) {
@@ -283,9 +299,11 @@ static int on_step(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *f,
   if (!s || s->set_id != f->set_id) {
     if (f->set_id == rx->refused_id) return TSHARE_OK; /* the rest of a refused set */
     if (s) refuse_set(ch, TSHARE_E_PROTOCOL, true, "cut off by a frame of set %llu", (unsigned long long)f->set_id);
+    else /* reported once, released back once: the set's other frames are dropped as a refused set's */
+      release_stray_set(ch, rx, f->set_id);
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
-                   "receive: peer %s sent a frame of tensor set %llu, which did not begin", ch->conn.peer_label,
-                   (unsigned long long)f->set_id);
+                   "receive: peer %s sent a frame of tensor set %llu, which did not begin%s", ch->conn.peer_label,
+                   (unsigned long long)f->set_id, s ? "" : "; released back");
   }
   switch (f->op) {
   case TSHARE_SET_MEM:

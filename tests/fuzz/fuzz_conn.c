@@ -16,6 +16,7 @@
  * (see the OP_ list). */
 #include "fd_util.h"
 #include "frame_util.h"
+#include "fuzz_input.h"
 #include "log.h"
 #include "ring.h"
 #include "tshare/share.h"
@@ -35,17 +36,6 @@
 #define PEER_BUFFER 4096              /* bytes of the host buffer every share names */
 #define FD_BUDGET 8                   /* max_unclaimed_fds of the channel */
 #define PEER_MEMFD_NAME "tshare-fuzz-peer"
-
-typedef struct input {
-  const uint8_t *p;
-  size_t n;
-} input;
-
-static uint8_t take(input *in) {
-  if (in->n == 0) return 0;
-  in->n--;
-  return *in->p++;
-}
 
 typedef struct peer {
   int sock;                            /* its end of the socketpair, non-blocking */

@@ -1,5 +1,7 @@
 /* Writes the seed corpus: one valid frame of each type and a few streams.
- * Run: gen_corpus DIR (the committed tests/fuzz/corpus came from this). */
+ * Run: gen_corpus DIR (the committed tests/fuzz/corpus came from this);
+ * gen_corpus --sets DIR writes fuzz_sets' seeds (tests/fuzz/corpus_sets). */
+#include "fuzz_sets_ops.h"
 #include "tshare/wire.h"
 
 #include <stdio.h>
@@ -92,7 +94,66 @@ static void write_set_seeds(const char *dir) {
   write_seed(dir, "set_member_longest", f + 2, 1, 64);
 }
 
+/* ---- fuzz_sets: operation sequences ------------------------------------- */
+
+static void write_ops(const char *dir, const char *name, const uint8_t *ops, size_t n) {
+  char path[4096];
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  FILE *f = fopen(path, "wb");
+  if (!f) return;
+  fwrite(ops, 1, n, f);
+  fclose(f);
+}
+
+#define OPS(dir, name, ...)                                                                                            \
+  do {                                                                                                                 \
+    const uint8_t ops_[] = {__VA_ARGS__};                                                                              \
+    write_ops(dir, name, ops_, sizeof ops_);                                                                           \
+  } while (0)
+
+/* Set 1: two tensors ("w", "b") in one memory, 3 bytes of metadata, with the
+ * second member's name, offset and the memory's fd as the seed varies them. */
+static void write_set_ops(const char *dir, const char *name, uint8_t second_name, uint8_t second_offset,
+                          uint8_t mem_how, uint8_t between) {
+  uint8_t ops[64];
+  size_t n = 0;
+  const uint8_t head[] = {SET_OP_BEGIN, 0, 2, 1, 0, 1, SET_OP_MEM, 0, 0, mem_how, SET_OP_MEMBER, 0, 0, 0, 0, 0, 0};
+  memcpy(ops, head, sizeof head);
+  n = sizeof head;
+  if (between != SET_OP_COUNT) ops[n++] = between, ops[n++] = 0; /* a share, or the peer's end, cutting in */
+  const uint8_t tail[] = {SET_OP_MEMBER,   0, 1, 0, second_name, second_offset, 2, SET_OP_META, 0, 0, 2,
+                          SET_OP_END,      0, SET_OP_RECV_SET,   SET_OP_RECV_VIEW};
+  memcpy(ops + n, tail, sizeof tail);
+  write_ops(dir, name, ops, n + sizeof tail);
+}
+
+static void write_sets_corpus(const char *dir) {
+  write_set_ops(dir, "well_behaved_set", 1, 1, 0, SET_OP_COUNT);
+  write_set_ops(dir, "duplicate_names", 4, 1, 0, SET_OP_COUNT);
+  write_set_ops(dir, "tensor_past_its_memory", 1, 200, 0, SET_OP_COUNT);
+  write_set_ops(dir, "memory_without_its_fd", 1, 1, 1, SET_OP_COUNT);
+  write_set_ops(dir, "cuda_memory", 1, 1, 2, SET_OP_COUNT);
+  write_set_ops(dir, "memfd_smaller_than_claimed", 1, 1, 8, SET_OP_COUNT);
+  write_set_ops(dir, "cut_off_by_a_share", 1, 1, 0, SET_OP_SHARE);
+  OPS(dir, "cut_off_by_another_set", SET_OP_BEGIN, 0, 1, 1, 0, 0, SET_OP_MEM, 0, 0, 0, SET_OP_BEGIN, 1, 1, 1, 0, 0,
+      SET_OP_MEM, 1, 0, 0, SET_OP_MEMBER, 1, 0, 0, 0, 0, 0, SET_OP_END, 1, SET_OP_RECV_SET, SET_OP_RECV_SET);
+  write_set_ops(dir, "longest_name_past_the_announced_names", 192, 1, 0, SET_OP_COUNT);
+  write_set_ops(dir, "cut_off_by_the_peer_s_end", 1, 1, 0, SET_OP_PEER_EXIT);
+  OPS(dir, "count_at_and_past_the_bound", SET_OP_BEGIN, 0, 0xC0, 1, 0xC0, 0, SET_OP_RECV_SET, SET_OP_BEGIN, 1, 0xC1, 1,
+      0, 0, SET_OP_RECV_SET);
+  OPS(dir, "frames_of_a_set_that_never_began", SET_OP_MEMBER, 3, 0, 0, 0, 0, 0, SET_OP_END, 3, SET_OP_RECV_SET);
+  OPS(dir, "seven_memories_and_unclaimed_shares", SET_OP_SHARE, 1, SET_OP_SHARE, 2, SET_OP_SHARE, 3, SET_OP_BEGIN, 0, 7,
+      7, 0, 0, SET_OP_MEM, 0, 0, 0, SET_OP_MEM, 0, 1, 0, SET_OP_MEM, 0, 2, 0, SET_OP_MEM, 0, 3, 0, SET_OP_MEM, 0, 4, 0,
+      SET_OP_MEM, 0, 5, 0, SET_OP_MEM, 0, 6, 0, SET_OP_RECV_SET, SET_OP_RECV_VIEW);
+  OPS(dir, "raw_bytes_in_a_set", SET_OP_BEGIN, 0, 1, 1, 0, 0, SET_OP_MEM, 0, 0, 0, SET_OP_RAW, 8, 'T', 'S', 'H', 'R', 1,
+      3, 10, 0, SET_OP_RECV_SET);
+}
+
 int main(int argc, char **argv) {
+  if (argc == 3 && strcmp(argv[1], "--sets") == 0) {
+    write_sets_corpus(argv[2]);
+    return 0;
+  }
   if (argc != 2) return 2;
   tshare_frame f[4];
   memset(f, 0, sizeof f);

@@ -1,0 +1,186 @@
+/* A model's state_dict handed over whole: 290 bf16 tensors of a 24-layer
+ * transformer, through the LibTorch bridge (bench_torch_sets) and from
+ * Python (sets_py_peer.py), as one tensor set and as one send per tensor,
+ * beside torch.multiprocessing's q.put(state_dict), to 1 and 4 consumers,
+ * CPU and CUDA. Each program measures the first hand-off (a new model) and
+ * the repeated update (storages updated in place, sent again) in one run;
+ * each gives two rows. On the CPU the model is scaled down (a smaller
+ * hidden size) so a small machine copes; the rows say so. */
+#include "bench.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#define SETS_GPU_HIDDEN 1232 /* 290 bf16 tensors, ~836 MiB: the GPU rows' model */
+
+typedef struct sets_run {
+  const char *impl;  /* row key part: bridge, bridge_loop, python, python_loop, torch_mp */
+  const char *what;  /* label part */
+  const char *way;   /* --way (bridge) or --impl (Python) */
+  int python;        /* run by the Python peer */
+  int consumers;
+} sets_run;
+
+static const sets_run RUNS[] = {
+    {"bridge", "bridge, one set", "set", 0, 1},
+    {"bridge", "bridge, one set", "set", 0, 4},
+    {"bridge_loop", "bridge, send per tensor", "loop", 0, 1},
+    {"python", "Python, one set", "tshare", 1, 1},
+    {"python", "Python, one set", "tshare", 1, 4},
+    {"python_loop", "Python, send per tensor", "tshare-loop", 1, 1},
+    {"torch_mp", "torch.mp q.put(state_dict)", "torch-mp", 1, 1},
+    {"torch_mp", "torch.mp q.put(state_dict)", "torch-mp", 1, 4},
+};
+static const char *const MODES[2] = {"first", "update"};
+
+static void row_key(char *out, size_t cap, const char *impl, const char *dev, const char *mode, int consumers) {
+  snprintf(out, cap, "sets_%s_%s_%s_%d", impl, dev, mode, consumers);
+}
+
+static void row_label(char *out, size_t cap, const sets_run *r, const char *dev, const char *mode) {
+  snprintf(out, cap, "%s, %s, %s, %d consumer%s", r->what, dev, mode, r->consumers, r->consumers > 1 ? "s" : "");
+}
+
+/* Both rows of a run skipped, saying why. */
+static void skip_run(bench *b, const sets_run *r, const char *dev, const char *why) {
+  for (int m = 0; m < 2; m++) {
+    char key[48], label[80];
+    row_key(key, sizeof key, r->impl, dev, MODES[m], r->consumers);
+    row_label(label, sizeof label, r, dev, MODES[m]);
+    br_skip(&b->rep, BR_LATENCY, "sets", key, label, why);
+  }
+}
+
+static void add_rows(bench *b, const sets_run *r, const char *dev, int hidden, const char *line) {
+  for (int m = 0; m < 2; m++) {
+    char key[48], label[80], field[32];
+    row_key(key, sizeof key, r->impl, dev, MODES[m], r->consumers);
+    row_label(label, sizeof label, r, dev, MODES[m]);
+    br_row *row = br_add(&b->rep, BR_LATENCY, "sets", key, label, "us");
+    snprintf(field, sizeof field, "%s_p50_us", MODES[m]);
+    row->value = bp_field(line, field);
+    snprintf(field, sizeof field, "%s_p99_us", MODES[m]);
+    row->p99 = bp_field(line, field);
+    row->n = (long)bp_field(line, "n");
+    if (strcmp(r->impl, "torch_mp") != 0)
+      row_key(row->peer_key, sizeof row->peer_key, "torch_mp", dev, MODES[m], r->consumers > 1 ? 4 : 1);
+    snprintf(row->note, sizeof row->note, "%.0f bf16 tensors, %.1f MiB, hidden %d%s", bp_field(line, "tensors"),
+             bp_field(line, "mib"), hidden,
+             strcmp(dev, "cpu") == 0 ? " (scaled down from the GPU rows' 1232 for the CPU)" : "");
+  }
+}
+
+static void run_one(bench *b, const sets_run *r, const char *dev, int hidden) {
+  char consumers[16], hid[16], iters[32], warmup[32], last[512], why[600];
+  snprintf(consumers, sizeof consumers, "%d", r->consumers);
+  snprintf(hid, sizeof hid, "%d", hidden);
+  snprintf(iters, sizeof iters, "%ld", b->opt.set_iters);
+  snprintf(warmup, sizeof warmup, "%ld", b->opt.set_warmup);
+  char *py[] = {(char *)b->opt.python, (char *)b->opt.sets_py_script, (char *)"--impl", (char *)r->way,
+                (char *)"--device", (char *)dev, (char *)"--consumers", consumers, (char *)"--hidden", hid,
+                (char *)"--iters", iters, (char *)"--warmup", warmup, NULL};
+  char *bridge[] = {(char *)b->opt.torch_sets_bench, (char *)"--way", (char *)r->way, (char *)"--device", (char *)dev,
+                    (char *)"--consumers", consumers, (char *)"--hidden", hid, (char *)"--iters", iters,
+                    (char *)"--warmup", warmup, NULL};
+  if (!r->python && !b->opt.torch_sets_bench) {
+    skip_run(b, r, dev, "built without LibTorch");
+    return;
+  }
+  if (bench_run_capture(r->python ? py : bridge, last, sizeof last, why, sizeof why) != 0) {
+    skip_run(b, r, dev, why);
+    return;
+  }
+  add_rows(b, r, dev, hidden, last);
+}
+
+/* The loop rows' note: how much longer than the set, in this run. */
+static void note_loop_ratios(bench *b, const char *dev) {
+  for (int m = 0; m < 2; m++)
+    for (int py = 0; py < 2; py++) {
+      char loop_key[48], set_key[48];
+      row_key(loop_key, sizeof loop_key, py ? "python_loop" : "bridge_loop", dev, MODES[m], 1);
+      row_key(set_key, sizeof set_key, py ? "python" : "bridge", dev, MODES[m], 1);
+      br_row *loop = br_find(&b->rep, loop_key), *set = br_find(&b->rep, set_key);
+      if (!loop || !set) continue;
+      size_t used = strlen(loop->note);
+      snprintf(loop->note + used, sizeof loop->note - used, "; %.1fx the one set's time", loop->value / set->value);
+    }
+}
+
+void bench_sets(bench *b) {
+  const char *devices[2] = {"cuda", "cpu"};
+  for (int d = 0; d < 2; d++) {
+    const char *dev = devices[d];
+    int gpu = d == 0, hidden = gpu ? SETS_GPU_HIDDEN : b->opt.set_hidden_cpu;
+    for (size_t i = 0; i < sizeof RUNS / sizeof *RUNS; i++) {
+      const sets_run *r = &RUNS[i];
+      if (gpu && !b->have_gpu) {
+        char why[256];
+        snprintf(why, sizeof why, "no GPU: %s", b->no_gpu_why);
+        skip_run(b, r, dev, why);
+        continue;
+      }
+      run_one(b, r, dev, hidden);
+    }
+    note_loop_ratios(b, dev);
+  }
+}
+
+/* ---- targets -------------------------------------------------------------- */
+
+/* torch.mp's time / tshare's for every measured set row of mode (bridge and
+ * Python, 1 and 4 consumers, both devices): the smallest, and how many. */
+static int worst_speedup(bench *b, const char *mode, double *worst, char *which, size_t cap) {
+  int measured = 0;
+  *worst = INFINITY;
+  for (int d = 0; d < 2; d++)
+    for (int py = 0; py < 2; py++)
+      for (int n = 1; n <= 4; n += 3) {
+        const char *dev = d ? "cpu" : "cuda";
+        char key[48], mp_key[48];
+        row_key(key, sizeof key, py ? "python" : "bridge", dev, mode, n);
+        row_key(mp_key, sizeof mp_key, "torch_mp", dev, mode, n);
+        br_row *row = br_find(&b->rep, key), *mp = br_find(&b->rep, mp_key);
+        if (!row || !mp) continue;
+        measured++;
+        double x = mp->value / row->value;
+        if (x < *worst) {
+          *worst = x;
+          snprintf(which, cap, "%s (%.1f us vs %.1f us)", row->label, row->value, mp->value);
+        }
+      }
+  return measured;
+}
+
+static void speedup_target(bench *b, const char *text, const char *mode, double want) {
+  double worst;
+  char which[160] = "";
+  int n = worst_speedup(b, mode, &worst, which, sizeof which);
+  if (!n)
+    br_target_add(&b->rep, text, -1, "not measured");
+  else
+    br_target_add(&b->rep, text, worst >= want, "%d rows, the least %.1fx: %s", n, worst, which);
+}
+
+static void per_model_target(bench *b, const char *text, const char *impl, double limit_us) {
+  char key[48], first_key[48], cpu_key[48];
+  row_key(key, sizeof key, impl, "cuda", "update", 1);
+  row_key(first_key, sizeof first_key, impl, "cuda", "first", 1);
+  row_key(cpu_key, sizeof cpu_key, impl, "cpu", "update", 1);
+  br_row *row = br_find(&b->rep, key), *first = br_find(&b->rep, first_key), *cpu = br_find(&b->rep, cpu_key);
+  if (row)
+    br_target_add(&b->rep, text, row->value <= limit_us, "%.1f us per model (update), first hand-off %.1f us",
+                  row->value, first ? first->value : NAN);
+  else if (cpu)
+    br_target_add(&b->rep, text, -1, "not measured on a GPU (cpu, scaled down: %.1f us)", cpu->value);
+  else
+    br_target_add(&b->rep, text, -1, "not measured");
+}
+
+void bench_sets_targets(bench *b) {
+  speedup_target(b, "sets: repeated update >= 100x faster than torch.mp q.put(state_dict)", "update", 100);
+  per_model_target(b, "sets: per model to one consumer on CUDA <= 300 us through the bridge", "bridge", 300);
+  per_model_target(b, "sets: per model to one consumer on CUDA <= 1 ms from Python", "python", 1000);
+  speedup_target(b, "sets: first hand-off >= 20x faster than torch.mp q.put(state_dict)", "first", 20);
+}
