@@ -475,6 +475,7 @@ static bool ring_send_frame_now(ts_conn *c, const tshare_frame *f) {
   long room = ts_ring_slot(&L->out, TSHARE_WIRE_FRAME_MAX, &slot);
   size_t len = 0;
   char err[TSHARE_ERROR_MSG_MAX];
+  if (room > TSHARE_WIRE_FRAME_MAX) room = TSHARE_WIRE_FRAME_MAX; /* the bound a frame encoded elsewhere meets */
   if (room < TSHARE_WIRE_HEADER_SIZE || ts_wire_encode(f, slot, (size_t)room, &len, err, sizeof err) != TSHARE_OK)
     return false; /* a corrupt head, a full ring or a bad frame: ring_put and the encoder say so */
   ts_ring_publish(&L->out, len);
