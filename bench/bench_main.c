@@ -142,9 +142,9 @@ static void targets(bench *b) {
   double hr = value_of(b, "host_reused"), h1 = value_of(b, "host_pipelined_1"), idle = value_of(b, "idle_consumer_cpu");
   double fs = value_of(b, "floor_socket");
   if (isnan(fl))
-    br_target_add(r, "ring frame round trip p50 <= 2 us", -1, "not measured");
+    br_target_add(r, "ring frame round trip p50 <= 1 us", -1, "not measured");
   else
-    br_target_add(r, "ring frame round trip p50 <= 2 us", fl <= 2, "%.2f us (socket %.2f us: %.1fx)", fl, fs, fs / fl);
+    br_target_add(r, "ring frame round trip p50 <= 1 us", fl <= 1, "%.2f us (socket %.2f us: %.1fx)", fl, fs, fs / fl);
   if (isnan(hr))
     br_target_add(r, "host share hand-off p50 <= 3 us", -1, "not measured");
   else

@@ -395,4 +395,53 @@ TS_TEST(fds_past_the_budget_cost_no_memory_while_a_send_reads_ahead) {
   CHECK_EQ(count_open_fds(), fds_before); /* the fds kept within the budget went with the channel */
 }
 
+/* ---- 6. frames of every size across the ring's end -------------------------- */
+
+enum { WRAP_FRAMES = 20000 }; /* ~2.6 MB of release frames: the 1 MiB ring wraps twice */
+
+/* Release frames of 1..TSHARE_RELEASE_MAX ids, their ids counting up. */
+static tshare_frame release_of(uint32_t count, uint64_t *next_id) {
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_RELEASE;
+  f.u.release.count = count;
+  for (uint32_t i = 0; i < count; i++) f.u.release.share_ids[i] = (*next_id)++;
+  return f;
+}
+
+static uint32_t count_at(long i) { return (uint32_t)(i * 37 % TSHARE_RELEASE_MAX) + 1; }
+
+static void receives_every_release_in_order(int fd) {
+  tshare_channel *ch = open_ring_channel(fd, "wrap reader");
+  uint64_t want = 1;
+  for (long i = 0; i < WRAP_FRAMES; i++) {
+    tshare_frame f;
+    int got = -1;
+    CHECK_RC(tshare_channel_recv_frame(ch, &f, &got, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+    CHECK_EQ(f.type, TSHARE_FRAME_RELEASE);
+    CHECK_EQ(f.u.release.count, count_at(i));
+    for (uint32_t k = 0; k < f.u.release.count; k++)
+      if (f.u.release.share_ids[k] != want++) TS_FAIL("frame %ld, id %u: %llu", i, k,
+                                                       (unsigned long long)f.u.release.share_ids[k]);
+  }
+  tshare_channel_close(ch);
+}
+
+/* Frames are encoded straight into the ring where they fit before its end,
+ * and copied in two pieces where they do not: every one arrives whole and in
+ * order, however the ring's end cuts them. */
+TS_TEST(frames_of_every_size_cross_the_rings_end_whole_and_in_order) {
+  int sock;
+  pid_t pid = fork_with_socket(receives_every_release_in_order, &sock);
+  tshare_channel *ch = open_ring_channel(sock, "wrap writer");
+  CHECK_EQ(tshare_channel_transport(ch), TSHARE_TRANSPORT_RING);
+  uint64_t next_id = 1;
+  for (long i = 0; i < WRAP_FRAMES; i++) {
+    tshare_frame f = release_of(count_at(i), &next_id);
+    CHECK_RC(tshare_channel_send_frame(ch, &f, -1, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+  }
+  CHECK_CHILD_OK(pid);
+  tshare_channel_close(ch);
+}
+
 TS_TEST_MAIN

@@ -14,6 +14,11 @@
 #include <unistd.h>
 
 _Static_assert(sizeof(ts_ring_ctl) <= TS_RING_HEADER, "the control page holds the ring's header");
+/* Where each word lies is shared with peers of earlier versions. */
+_Static_assert(offsetof(ts_ring_ctl, tail) == 0 && offsetof(ts_ring_ctl, writer_waits) == 8 &&
+                   offsetof(ts_ring_ctl, head) == 64 && offsetof(ts_ring_ctl, reader_waits) == 72 &&
+                   offsetof(ts_ring_ctl, bell) == 128 && offsetof(ts_ring_ctl, reader_waits_own) == 192,
+               "the control page's layout");
 
 static bool cap_ok(uint64_t cap) { return cap >= TS_RING_CAP_MIN && cap <= TS_RING_CAP_MAX && (cap & (cap - 1)) == 0; }
 
@@ -52,6 +57,7 @@ int ts_ring_create(ts_ring *r, uint32_t cap, int *memfd, char *err, size_t err_c
    * also nudges the socket, so that a poll loop started on the reader's side
    * as its channel opens wakes for frames written before it could ask. */
   atomic_store_explicit(&r->ctl->reader_waits, TS_RING_SOCKET, memory_order_relaxed);
+  atomic_store_explicit(&r->ctl->reader_waits_own, TS_RING_WAITS_UNUSED, memory_order_relaxed);
   *memfd = fd;
   return TSHARE_OK;
 }
@@ -92,15 +98,32 @@ int ts_ring_room(ts_ring *r, size_t len) {
   return r->cap - (uint64_t)used >= len;
 }
 
+long ts_ring_slot(ts_ring *r, size_t want, uint8_t **slot) {
+  if (r->cap - (r->mine - r->seen) < want && used_by_reader(r) < 0) return TS_RING_CORRUPT;
+  uint64_t off = r->mine & (r->cap - 1);
+  uint64_t free_bytes = r->cap - (r->mine - r->seen), to_end = r->cap - off;
+  *slot = r->data + off;
+  return (long)(free_bytes < to_end ? free_bytes : to_end);
+}
+
+void ts_ring_publish(ts_ring *r, size_t len) {
+  r->mine += len;
+  atomic_store_explicit(&r->ctl->tail, r->mine, memory_order_release);
+}
+
 int ts_ring_write(ts_ring *r, const void *buf, size_t len) {
-  int room = ts_ring_room(r, len);
-  if (room <= 0) return room;
+  /* The head can only have moved forward since it was seen: the room seen
+   * then is there still, and reading head again would pull the reader's
+   * line over for nothing. */
+  if (r->cap - (r->mine - r->seen) < len) {
+    int room = ts_ring_room(r, len);
+    if (room <= 0) return room;
+  }
   uint64_t off = r->mine & (r->cap - 1);
   size_t first = len < r->cap - off ? len : (size_t)(r->cap - off);
   memcpy(r->data + off, buf, first);
   memcpy(r->data, (const uint8_t *)buf + first, len - first);
-  r->mine += len;
-  atomic_store_explicit(&r->ctl->tail, r->mine, memory_order_release);
+  ts_ring_publish(r, len);
   return 1;
 }
 
@@ -127,6 +150,9 @@ long ts_ring_read(ts_ring *r, void *buf, size_t cap) {
 }
 
 void ts_ring_reader_waits(ts_ring *r, int how) {
+  /* Both words: the writer reads its own line's word once this end wrote
+   * it, the first layout's word while it was never written. */
+  atomic_store_explicit(&r->ctl->reader_waits_own, (uint32_t)how, memory_order_relaxed);
   atomic_store_explicit(&r->ctl->reader_waits, (uint32_t)how, memory_order_relaxed);
   atomic_thread_fence(memory_order_seq_cst); /* then look at the tail again: see ts_ring_wake_reader */
 }
@@ -140,8 +166,14 @@ void ts_ring_writer_waits(ts_ring *r, int how) {
  * word. Either the waiter sees the index or this sees the word. */
 int ts_ring_wake_reader(ts_ring *r) {
   atomic_thread_fence(memory_order_seq_cst);
-  if (atomic_load_explicit(&r->ctl->reader_waits, memory_order_relaxed) == TS_RING_AWAKE) return TS_RING_AWAKE;
-  uint32_t how = atomic_exchange_explicit(&r->ctl->reader_waits, TS_RING_AWAKE, memory_order_relaxed);
+  _Atomic uint32_t *word = &r->ctl->reader_waits_own;
+  uint32_t how = atomic_load_explicit(word, memory_order_relaxed);
+  if (how == TS_RING_WAITS_UNUSED) { /* a reader of the first layout, or one that has not said yet */
+    word = &r->ctl->reader_waits;
+    how = atomic_load_explicit(word, memory_order_relaxed);
+  }
+  if (how == TS_RING_AWAKE) return TS_RING_AWAKE;
+  how = atomic_exchange_explicit(word, TS_RING_AWAKE, memory_order_relaxed);
   if (how == TS_RING_FUTEX) ts_ring_ring_bell(r);
   return how == TS_RING_FUTEX || how == TS_RING_SOCKET ? (int)how : TS_RING_AWAKE;
 }

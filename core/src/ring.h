@@ -33,14 +33,28 @@
 #define TS_RING_FUTEX 1  /* it sleeps on the bell: bump it and FUTEX_WAKE */
 #define TS_RING_SOCKET 2 /* it sleeps in poll() on the socket: send a nudge frame there */
 
+/* reader_waits_own before the reader first writes it: a reader that only
+ * knows the first layout never does, and its writer reads reader_waits. */
+#define TS_RING_WAITS_UNUSED UINT32_MAX
+
 /* The control page. Each line is written by one end only (by rule: a
- * hostile peer may write all of them). */
+ * hostile peer may write all of them). Where the words lie is shared with
+ * peers of earlier versions: words are only ever added after the last.
+ *
+ * Per frame the writer stores tail and reads how the reader waits; the
+ * reader loads tail and stores head. So head (stored by the reader per
+ * read) and the reader's waiting word (read by the writer per write) must
+ * not share a line, or every frame moves that line across: the reader keeps
+ * its word on a line of its own (reader_waits_own) and mirrors it into
+ * reader_waits, the word of the first layout, for writers that read that
+ * one. The writer reads head only when the room it last saw runs out. */
 typedef struct ts_ring_ctl {
   _Alignas(64) _Atomic uint64_t tail;     /* bytes ever written (the writer's) */
   _Atomic uint32_t writer_waits;          /* TS_RING_AWAKE or TS_RING_SOCKET (the writer's) */
   _Alignas(64) _Atomic uint64_t head;     /* bytes ever consumed (the reader's) */
   _Atomic uint32_t reader_waits;          /* TS_RING_* (the reader's; TS_RING_SOCKET from creation) */
   _Alignas(64) _Atomic uint32_t bell;     /* the reader's futex word: bumped by whoever wakes it */
+  _Alignas(64) _Atomic uint32_t reader_waits_own; /* reader_waits on its own line; TS_RING_WAITS_UNUSED from creation */
 } ts_ring_ctl;
 
 typedef struct ts_ring {
@@ -62,10 +76,19 @@ int ts_ring_attach(ts_ring *r, int fd, uint32_t cap, char *err, size_t err_cap);
 void ts_ring_unmap(ts_ring *r);
 
 /* Writer: append len bytes whole (1), or nothing when there is no room (0),
- * or TS_RING_CORRUPT. Publishes them to the reader. */
+ * or TS_RING_CORRUPT. Publishes them to the reader. The reader's head is
+ * read (and checked) only when the room seen at the last read is too small. */
 int ts_ring_write(ts_ring *r, const void *buf, size_t len);
 /* Writer: whether len bytes would fit now (1/0, or TS_RING_CORRUPT). */
 int ts_ring_room(ts_ring *r, size_t len);
+/* Writer, to build bytes in place: *slot gets where the next bytes go and
+ * the result is how many fit there in one piece (up to the ring's end; 0
+ * when full), or TS_RING_CORRUPT. The head is read again only when fewer
+ * than want bytes were free at the last read. ts_ring_publish(r, len), len
+ * at most that count, hands them to the reader. The peer may scribble on
+ * the slot meanwhile: write there, never read back. */
+long ts_ring_slot(ts_ring *r, size_t want, uint8_t **slot);
+void ts_ring_publish(ts_ring *r, size_t len);
 
 /* Reader: copy up to cap bytes out; the count, or TS_RING_CORRUPT. */
 long ts_ring_read(ts_ring *r, void *buf, size_t cap);
@@ -88,7 +111,9 @@ void ts_ring_writer_waits(ts_ring *r, int how);
  * for. Only a hint, like every word the peer writes; every version of the
  * ring keeps it current, so it needs no new field. */
 static inline bool ts_ring_reader_asleep(const ts_ring *r) {
-  return atomic_load_explicit(&r->ctl->reader_waits, memory_order_relaxed) != TS_RING_AWAKE;
+  uint32_t how = atomic_load_explicit(&r->ctl->reader_waits_own, memory_order_relaxed);
+  if (how == TS_RING_WAITS_UNUSED) how = atomic_load_explicit(&r->ctl->reader_waits, memory_order_relaxed);
+  return how != TS_RING_AWAKE;
 }
 
 /* The bell: ring it (any thread, any process), or sleep on it while it still

@@ -145,7 +145,10 @@ int ts_retire_send_ids(tshare_channel *ch, uint8_t closed, uint8_t mem_kind, ts_
  * TS_FD_OVER_BUDGET); a missing fd is a protocol error. fds riding on frames
  * that announce none are closed. */
 int ts_session_recv(tshare_channel *ch, tshare_frame *f, int *fd_out, int *fd_lost, int timeout_ms);
-int ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r);
+/* strict: an id not outstanding is the peer's error (TSHARE_E_PROTOCOL, in
+ * ch->err); else it is passed over without a word (a raw receive's, whose
+ * caller may have sent that share itself). */
+int ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r, bool strict);
 /* A share whose fd could not be kept (lost: an errno or TS_FD_OVER_BUDGET):
  * released back to the peer, and the reason put in ch->err. Returns
  * TSHARE_E_LIMIT, or TSHARE_OK for a refusal the peer is told about. */

@@ -247,7 +247,7 @@ static int recv_frame(tshare_channel *ch, tshare_frame *f, int *fd_out, int time
   /* Applied here too, so low-level readers keep the accounting right. Ids the
    * tables do not know are not an error on this path: they belong to share
    * frames the caller sent itself with tshare_channel_send_frame(). */
-  if (rc == TSHARE_OK && f->type == TSHARE_FRAME_RELEASE) (void)ts_share_apply_release(ch, &f->u.release);
+  if (rc == TSHARE_OK && f->type == TSHARE_FRAME_RELEASE) (void)ts_share_apply_release(ch, &f->u.release, false);
   if (rc == TSHARE_E_PEER_CLOSED) ts_share_drop_all(ch, TSHARE_E_PEER_CLOSED);
   return rc;
 }

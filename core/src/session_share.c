@@ -158,10 +158,11 @@ static void finish_export(tshare_channel *ch, ts_export *e, int status) {
   free(e);
 }
 
-int ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r) {
+int ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r, bool strict) {
   int rc = TSHARE_OK;
   for (uint32_t i = 0; i < r->count; i++) {
     ts_export *e = ts_u64map_remove(&ch->exports, r->share_ids[i]);
+    if (!e && !strict) continue;
     if (!e) {
       /* Keep going: the other ids in the frame are still real releases. */
       rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
@@ -390,7 +391,7 @@ static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, i
   case TSHARE_FRAME_SET:
     return ts_set_on_frame(ch, &f, frame_fd, fd_lost);
   case TSHARE_FRAME_RELEASE:
-    return ts_share_apply_release(ch, &f.u.release);
+    return ts_share_apply_release(ch, &f.u.release, true);
   case TSHARE_FRAME_SHARE:
     if ((rc = ts_backends_on_share(ch, &f)) != TSHARE_OK) {
       if (frame_fd >= 0) close(frame_fd);

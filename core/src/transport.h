@@ -59,6 +59,11 @@ typedef struct ts_transport {
    * owed. */
   int (*send)(struct ts_conn *c, const uint8_t *buf, size_t len, int fd, int64_t deadline);
   bool (*send_now)(struct ts_conn *c, const uint8_t *buf, size_t len);
+  /* send_frame_now (may be NULL): a frame without an fd encoded straight
+   * into where it travels (shared memory) and sent, without waiting and
+   * with nothing owed; false when it did not (no room, an encoding error,
+   * a check due): the caller encodes and sends as usual. */
+  bool (*send_frame_now)(struct ts_conn *c, const tshare_frame *f);
   int (*flush_owed)(struct ts_conn *c, int64_t deadline);
   /* send_wait (may be NULL): a stream send begins (true) or ends (false) a
    * wait for room: a transport whose peer may itself wait on it (a full

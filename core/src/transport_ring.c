@@ -65,12 +65,18 @@ static bool socket_hung_up(ts_conn *c) {
   return poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR));
 }
 
-/* The same, asked at most once a millisecond (*last: when it was last
- * asked), so a stream of ring calls costs no system call. */
+#define HANG_UP_ASKED_EVERY_US 1000
+
+/* Whether the socket is due to be asked for a hang-up (*last: when it was
+ * last asked), by the coarse clock: a frame's worth of time cheaper to read
+ * than the precise one (clock.h). */
+static bool hang_up_due(const int64_t *last) { return ts_coarse_now_us() - *last >= HANG_UP_ASKED_EVERY_US; }
+
+/* The same, asked at most once a millisecond or a coarse clock tick (*last:
+ * when it was last asked), so a stream of ring calls costs no system call. */
 static bool socket_hung_up_lately(ts_conn *c, int64_t *last) {
-  int64_t now = ts_now_us();
-  if (now - *last < 1000) return false;
-  *last = now;
+  if (!hang_up_due(last)) return false;
+  *last = ts_coarse_now_us();
   return socket_hung_up(c);
 }
 
@@ -240,10 +246,13 @@ static void drain_nudges(ts_conn *c) {
 
 /* Spin on the ring for up to budget_ns (the policy says how long and when to
  * give up early), then tell the policy how it went. TSHARE_OK once bytes
- * came, TS_CONN_WOKEN, an error, or SPIN_GAVE_UP. */
+ * came, TS_CONN_WOKEN, an error, or SPIN_GAVE_UP. The clock is first read
+ * at the first look, not before the first pause: a frame caught within
+ * SPIN_LOOK_EVERY pauses (most of them, where spinning pays) costs no clock
+ * read, and the budget counts from there (its first pauses are free). */
 static int spin_on_ring(ts_conn *c, uint32_t budget_ns) {
   ts_ring_link *L = c->frame_data;
-  uint64_t start = ts_spin_clock_ns(), last = start;
+  uint64_t start = 0, last = 0;
   for (unsigned i = 1;; i++) {
     if (ts_conn_take_woken(c)) return TS_CONN_WOKEN;
     long avail = ts_ring_available(&L->in);
@@ -255,6 +264,7 @@ static int spin_on_ring(ts_conn *c, uint32_t budget_ns) {
     ts_cpu_relax();
     if (i % SPIN_LOOK_EVERY != 0) continue;
     uint64_t now = ts_spin_clock_ns();
+    if (i == SPIN_LOOK_EVERY) start = last = now;
     int why = ts_spin_should_stop(&L->spin, now - start, now - last, budget_ns, ts_ring_reader_asleep(&L->out));
     if (why != TS_SPIN_GOING) {
       ts_spin_learn(&L->spin, why);
@@ -454,6 +464,25 @@ static bool ring_send_now(ts_conn *c, const uint8_t *buf, size_t len) {
   return true;
 }
 
+/* Encoded in place: into the ring's next bytes when the frame fits there in
+ * one piece (the encoder only writes, so a peer scribbling on them harms
+ * only what it reads itself), then published. Left to ring_put: a frame
+ * that would wrap or not fit, and the socket's hang-up check when due. */
+static bool ring_send_frame_now(ts_conn *c, const tshare_frame *f) {
+  ts_ring_link *L = c->frame_data;
+  if (c->broken || hang_up_due(&L->hup_send_us)) return false;
+  uint8_t *slot;
+  long room = ts_ring_slot(&L->out, TSHARE_WIRE_FRAME_MAX, &slot);
+  size_t len = 0;
+  char err[TSHARE_ERROR_MSG_MAX];
+  if (room > TSHARE_WIRE_FRAME_MAX) room = TSHARE_WIRE_FRAME_MAX; /* the bound a frame encoded elsewhere meets */
+  if (room < TSHARE_WIRE_HEADER_SIZE || ts_wire_encode(f, slot, (size_t)room, &len, err, sizeof err) != TSHARE_OK)
+    return false; /* a corrupt head, a full ring or a bad frame: ring_put and the encoder say so */
+  ts_ring_publish(&L->out, len);
+  wake_ring_reader(c);
+  return true;
+}
+
 /* A send waits for room on the socket: a peer whose ring is full reads
  * nothing of ours. */
 static void ring_send_wait(ts_conn *c, bool begins) {
@@ -506,6 +535,7 @@ const ts_transport ts_transport_ring = {
         TS_TRANSPORT_PASSES_FDS | TS_TRANSPORT_PEER_CREDENTIALS | TS_TRANSPORT_SAME_HOST | TS_TRANSPORT_SHARED_MEMORY,
     .send = ring_send_locked,
     .send_now = ring_send_now,
+    .send_frame_now = ring_send_frame_now,
     .flush_owed = pay_markers_locked,
     .send_wait = ring_send_wait,
     .fill = ring_fill,

@@ -5,7 +5,9 @@
  * does, and the writer tries to append a frame past the head the peer set.
  *
  * Input: u64 tail, u64 head, u32 reader_waits, u32 writer_waits, u8 steps,
- * then the ring's bytes (repeated to fill it). */
+ * then the ring's bytes (repeated to fill it). The reader's waiting word on
+ * its own line is the peer's too: left as created (a reader of the first
+ * layout) when steps' bit 3 is clear, else reader_waits turned around. */
 #include "ring.h"
 #include "tshare/wire.h"
 
@@ -47,6 +49,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   atomic_store(&writer.ctl->head, get_u64(data + 8));
   atomic_store(&reader.ctl->reader_waits, get_u32(data + 16));
   atomic_store(&reader.ctl->writer_waits, get_u32(data + 20));
+  atomic_store(&writer.ctl->reader_waits_own,
+               data[24] & 8 ? (get_u32(data + 16) >> 16 | get_u32(data + 16) << 16) : TS_RING_WAITS_UNUSED);
   unsigned steps = data[24] % 8 + 1;
   const uint8_t *bytes = data + 25;
   size_t n = size - 25;
@@ -80,5 +84,20 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   int w = ts_ring_write(&writer, frame, sizeof frame);
   if (w < TS_RING_CORRUPT || w > 1) abort();
   if (w == 1 && writer.mine - writer.seen > FUZZ_RING_CAP) abort(); /* wrote past what the reader freed */
+  int how = ts_ring_wake_reader(&writer);
+  if (how != TS_RING_AWAKE && how != TS_RING_FUTEX && how != TS_RING_SOCKET) abort();
+
+  /* A frame built in place: the slot lies inside the ring's data, within
+   * what the reader freed, and never wraps. */
+  uint8_t *slot;
+  long room = ts_ring_slot(&writer, sizeof frame, &slot);
+  if (room < TS_RING_CORRUPT) abort();
+  if (room > 0) {
+    if (slot < writer.data || slot + room > writer.data + FUZZ_RING_CAP) abort();
+    if (writer.mine - writer.seen + (uint64_t)room > FUZZ_RING_CAP) abort();
+    size_t n = (size_t)room < sizeof frame ? (size_t)room : sizeof frame;
+    memcpy(slot, frame, n);
+    ts_ring_publish(&writer, n);
+  }
   return 0;
 }

@@ -1,0 +1,56 @@
+/* Deadlines: read mostly from the coarse clock, they must still never end
+ * before their timeout, say no more time is left than there is, and end. */
+#include "clock.h"
+#include "harness.h"
+
+#include <time.h>
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {.tv_sec = 0, .tv_nsec = (long)ms * 1000000};
+  nanosleep(&ts, NULL);
+}
+
+TS_TEST(no_deadline_and_a_zero_timeout) {
+  CHECK_EQ(ts_deadline(-1), -1);
+  CHECK_EQ(ts_remaining(-1), -1);
+  CHECK_EQ(ts_remaining(ts_deadline(0)), 0);
+}
+
+TS_TEST(the_time_left_is_never_more_than_the_timeout) {
+  static const int timeouts[] = {1, 2, 5, 9, 50, 1000, 10000, 0x7fffffff};
+  for (size_t i = 0; i < sizeof timeouts / sizeof *timeouts; i++) {
+    int64_t before = ts_now_ms();
+    int left = ts_remaining(ts_deadline(timeouts[i]));
+    int64_t taken = ts_now_ms() - before;
+    if (left > timeouts[i] || left < 0) TS_FAIL("a %d ms timeout says %d ms are left", timeouts[i], left);
+    if (timeouts[i] >= 50 && left + taken < timeouts[i] - 10)
+      TS_FAIL("a %d ms timeout says only %d ms are left %lld ms in", timeouts[i], left, (long long)taken);
+  }
+}
+
+/* Waited out by the precise clock, in the steps a poll loop takes (what
+ * ts_remaining says, at most 1 ms at a time): never shorter than asked, and
+ * it ends (the test's timeout bounds how long). */
+TS_TEST(a_timeout_is_never_shorter_than_asked_and_ends) {
+  static const int timeouts[] = {1, 3, 8, 20, 60};
+  for (size_t i = 0; i < sizeof timeouts / sizeof *timeouts; i++) {
+    int64_t start = ts_now_us(), deadline = ts_deadline(timeouts[i]);
+    int left;
+    while ((left = ts_remaining(deadline)) != 0) sleep_ms(1);
+    int64_t waited = ts_now_us() - start;
+    if (waited < (int64_t)timeouts[i] * 1000 - 1000) /* the precise clock's ms are whole: 1 ms of rounding */
+      TS_FAIL("a %d ms timeout ended after %lld us", timeouts[i], (long long)waited);
+  }
+}
+
+TS_TEST(the_coarse_clock_is_the_same_timeline_behind_the_precise_one) {
+  for (int i = 0; i < 1000; i++) {
+    int64_t coarse = ts_coarse_now_us(), precise = ts_now_us();
+    if (coarse > precise) TS_FAIL("the coarse clock (%lld us) is ahead of the precise one (%lld us)", (long long)coarse,
+                                  (long long)precise);
+    if (precise - coarse > 100000)
+      TS_FAIL("the coarse clock is %lld us behind the precise one", (long long)(precise - coarse));
+  }
+}
+
+TS_TEST_MAIN
