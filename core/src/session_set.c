@@ -484,6 +484,12 @@ const char *tshare_set_name(const tshare_set *s, size_t i) {
 const tshare_tensor_desc *tshare_set_desc(const tshare_set *s, size_t i) {
   return s && i < s->count ? &s->entries[i].desc : NULL;
 }
+int tshare_set_cuda_device(const tshare_set *s, size_t i) {
+  if (!s || i >= s->count) return -1;
+  const set_mem *m = &s->mems[s->entries[i].mem];
+  return m->device_type == TSHARE_DEVICE_CUDA ? m->device : -1;
+}
+
 void *tshare_set_data(const tshare_set *s, size_t i) { return s && i < s->count ? s->entries[i].data : NULL; }
 
 long tshare_set_find(const tshare_set *s, const char *name) {

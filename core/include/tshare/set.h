@@ -127,6 +127,9 @@ TSHARE_API size_t tshare_set_count(const tshare_set *set);
 TSHARE_API const char *tshare_set_name(const tshare_set *set, size_t i);
 TSHARE_API const tshare_tensor_desc *tshare_set_desc(const tshare_set *set, size_t i);
 TSHARE_API void *tshare_set_data(const tshare_set *set, size_t i);
+/* The CUDA device tensor i lives on, as this process numbers its devices;
+ * -1 for host memory (and past the end). Its data is a device address then. */
+TSHARE_API int tshare_set_cuda_device(const tshare_set *set, size_t i);
 /* The index of the tensor called name, or -1. */
 TSHARE_API long tshare_set_find(const tshare_set *set, const char *name);
 /* The metadata (NULL with *len 0 when the set has none); valid while the set
