@@ -123,16 +123,20 @@ static ts_release_done release_device_memories(tshare_channel *ch, tshare_set *s
   const ts_backend *device = NULL;
   void **memories = NULL;
   size_t n = 0;
+  bool no_room = false;
   for (uint32_t i = 0; i < s->mems_got; i++) {
     if (!s->mems[i].backend->set_release) continue;
-    if (!memories && !(memories = malloc(s->mems_got * sizeof *memories))) break;
+    if (!memories && !(memories = malloc(s->mems_got * sizeof *memories))) {
+      no_room = true;
+      break;
+    }
     device = s->mems[i].backend;
     memories[n++] = s->mems[i].memory;
   }
   ts_release_done done = TS_RELEASE_NOW;
   if (n) {
     done = device->set_release(ch, memories, n, s->set_id);
-  } else if (device || (!memories && s->mems_got)) { /* out of memory for the list: one by one */
+  } else if (no_room) { /* out of memory for the list: one by one, not waiting for the GPU */
     pthread_mutex_lock(&ch->lock);
     for (uint32_t i = 0; i < s->mems_got; i++)
       if (s->mems[i].backend->set_release) s->mems[i].backend->memory_unref_locked(ch, s->mems[i].memory);
@@ -263,7 +267,7 @@ static int add_mem(tshare_channel *ch, tshare_set *s, const tshare_set_mem_frame
   tshare_frame share = share_of_mem(s->set_id, m);
   struct tshare_view probe;
   memset(&probe, 0, sizeof probe);
-  int rc = !host && be->on_share ? be->on_share(ch, &share) : TSHARE_OK;
+  int rc = ts_backends_on_share(ch, &share); /* as for a share: chunks that came for it, or stray ones */
   if (rc == TSHARE_OK) rc = be->import(ch, &share, fd, NULL, &probe);
   if (rc != TSHARE_OK) return refuse_set(ch, rc, true, "memory %u: %s", m->index, ch->err);
   set_mem *sm = &s->mems[s->mems_got++];
@@ -277,10 +281,8 @@ static int add_mem(tshare_channel *ch, tshare_set *s, const tshare_set_mem_frame
 
 /* A memory frame of a set refused before it: what came for it goes. */
 static void skip_mem(tshare_channel *ch, const tshare_set_frame *f) {
-  const ts_backend *be = ts_backend_for_mem_kind(f->u.mem.mem_kind);
-  if (!be || !be->on_share || f->u.mem.mem_kind == TSHARE_MEM_HOST_MEMFD) return;
   tshare_frame share = share_of_mem(f->set_id, &f->u.mem);
-  if (be->on_share(ch, &share) == TSHARE_OK && be->share_dropped) be->share_dropped(ch, f->set_id);
+  if (ts_backends_on_share(ch, &share) == TSHARE_OK) ts_backends_share_dropped(ch, f->set_id);
 }
 
 static const char *set_name_at(const void *owner, size_t i) {
@@ -410,12 +412,20 @@ void ts_set_peer_gone(tshare_channel *ch) {
     refuse_set(ch, TSHARE_E_PEER_CLOSED, false, "cut off: the peer closed the channel in the middle of it");
 }
 
+static tshare_set *drop_device_mappings(tshare_channel *ch, tshare_set *s) {
+  for (uint32_t i = 0; i < s->mems_got; i++)
+    if (s->mems[i].backend->set_release) s->mems[i].backend->memory_unref_locked(ch, s->mems[i].memory);
+  return s;
+}
+
 void ts_set_free_queued(tshare_channel *ch) {
   ts_set_rx *rx = ch->set_rx;
   if (!rx) return;
-  /* Their mappings are the channel's, unmapped with it. */
-  if (rx->partial) set_free(rx->partial);
-  for (size_t i = 0; i < rx->len; i++) set_free(rx->waiting[(rx->head + i) % TS_SETS_WAITING_MAX]);
+  /* Their host mappings are the channel's, unmapped with it; device ones
+   * live in a process-wide cache and are let go of here. */
+  if (rx->partial) set_free(drop_device_mappings(ch, rx->partial));
+  for (size_t i = 0; i < rx->len; i++)
+    set_free(drop_device_mappings(ch, rx->waiting[(rx->head + i) % TS_SETS_WAITING_MAX]));
   free(rx);
   ch->set_rx = NULL;
 }
