@@ -742,6 +742,96 @@ TS_TEST(malformed_set_fields) {
   CHECK_RC(decode(buf, len, &g), TSHARE_E_MALFORMED, "");
 }
 
+static tshare_frame set_mem_cuda(uint8_t kind, uint32_t flags) {
+  tshare_frame f = set_frame(TSHARE_SET_MEM);
+  f.flags = kind == TSHARE_MEM_CUDA_FD ? TSHARE_FRAME_FLAG_FD_ATTACHED : 0;
+  tshare_set_mem_frame *m = &f.u.set.u.mem;
+  *m = (tshare_set_mem_frame){.index = 2, .alloc_id = 1234, .mem_kind = kind, .device_type = TSHARE_DEVICE_CUDA,
+                              .alloc_size = 2 << 20, .share_flags = flags};
+  for (int i = 0; i < 16; i++) m->device_uuid[i] = (uint8_t)(0xa0 + i);
+  if (kind == TSHARE_MEM_CUDA_IPC) {
+    m->handle_len = TSHARE_HANDLE_MAX;
+    for (int i = 0; i < TSHARE_HANDLE_MAX; i++) m->handle[i] = (uint8_t)(i * 7 + 1);
+  }
+  return f;
+}
+
+static tshare_frame set_end_with_event(uint32_t slot, uint32_t generation) {
+  tshare_frame f = set_frame(TSHARE_SET_END);
+  f.flags = TSHARE_FRAME_FLAG_HAS_EVENT;
+  f.u.set.u.end = (tshare_set_end_frame){slot, generation};
+  return f;
+}
+
+TS_TEST(roundtrip_set_cuda_memories_and_the_end_frames_event) {
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  tshare_frame f = set_mem_cuda(TSHARE_MEM_CUDA_IPC, TSHARE_SHARE_FLAG_RETIRE_NOTICE), g;
+  CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
+  CHECK_EQ(g.flags, 0);
+  CHECK(memcmp(&g.u.set.u.mem, &f.u.set.u.mem, sizeof f.u.set.u.mem) == 0);
+  f = set_mem_cuda(TSHARE_MEM_CUDA_FD, TSHARE_SHARE_FLAG_RETIRE_NOTICE | TSHARE_SHARE_FLAG_CHUNKS);
+  CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
+  CHECK_EQ(g.flags, TSHARE_FRAME_FLAG_FD_ATTACHED);
+  CHECK(memcmp(&g.u.set.u.mem, &f.u.set.u.mem, sizeof f.u.set.u.mem) == 0);
+  f = set_mem_cuda(TSHARE_MEM_CUDA_HELD, 0);
+  CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.set.u.mem.mem_kind, TSHARE_MEM_CUDA_HELD);
+  /* A host memory's frame is the one wire 1.3 had: no flags field. */
+  f = set_mem();
+  size_t host_len = encode(&f, buf);
+  f = set_mem_cuda(TSHARE_MEM_CUDA_FD, 0);
+  CHECK_EQ(encode(&f, buf), host_len + 4);
+
+  f = set_end_with_event(TSHARE_EVENT_SLOTS_MAX - 1, 0xfffffffeu);
+  CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
+  CHECK_EQ(g.flags, TSHARE_FRAME_FLAG_HAS_EVENT);
+  CHECK_EQ(g.u.set.u.end.event_slot, TSHARE_EVENT_SLOTS_MAX - 1);
+  CHECK_EQ(g.u.set.u.end.event_generation, 0xfffffffeu);
+  f = set_frame(TSHARE_SET_END); /* without an event: nothing after the set id */
+  size_t plain = encode(&f, buf);
+  CHECK_EQ(plain, TSHARE_WIRE_HEADER_SIZE + 9);
+  CHECK_RC(decode(buf, plain, &g), TSHARE_OK, "");
+  CHECK_EQ(g.flags, 0);
+}
+
+TS_TEST(malformed_set_cuda_fields) {
+  tshare_frame f = set_mem_cuda(TSHARE_MEM_CUDA_IPC, 0);
+  f.u.set.u.mem.handle_len = 8;
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* a legacy handle is 64 bytes */
+  f = set_mem_cuda(TSHARE_MEM_CUDA_FD, 0);
+  f.u.set.u.mem.handle_len = TSHARE_HANDLE_MAX;
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* a VMM fd has no handle */
+  f = set_mem_cuda(TSHARE_MEM_CUDA_IPC, TSHARE_SHARE_FLAG_CHUNKS);
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* only VMM fds come in chunks */
+  f = set_mem_cuda(TSHARE_MEM_CUDA_FD, TSHARE_SHARE_FLAG_HOLD_OFFER);
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* a set memory is never offered to be held */
+  f = set_mem();
+  f.u.set.u.mem.share_flags = TSHARE_SHARE_FLAG_RETIRE_NOTICE;
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* host memory has no flags */
+  f = set_end_with_event(TSHARE_EVENT_SLOTS_MAX, 1);
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* a slot past the pool */
+  f = set_mem_cuda(TSHARE_MEM_CUDA_IPC, 0);
+  f.flags = TSHARE_FRAME_FLAG_HAS_EVENT;
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* only the end frame carries the event */
+
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  tshare_frame g;
+  f = set_mem_cuda(TSHARE_MEM_CUDA_FD, TSHARE_SHARE_FLAG_CHUNKS);
+  size_t len = encode(&f, buf);
+  put_u32(buf + len - 4, 1u << 9); /* an unknown flag */
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_MALFORMED, "");
+  len = encode(&f, buf);
+  put_u32(buf + 8, (uint32_t)(len - TSHARE_WIRE_HEADER_SIZE - 2)); /* the flags cut off */
+  CHECK_RC(decode(buf, len - 2, &g), TSHARE_E_TRUNCATED, "");
+  f = set_end_with_event(5, 9);
+  len = encode(&f, buf);
+  put_u32(buf + SET_AT(9), TSHARE_EVENT_SLOTS_MAX + 7); /* the slot */
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_MALFORMED, "");
+  len = encode(&f, buf);
+  put_u32(buf + 8, (uint32_t)(len - TSHARE_WIRE_HEADER_SIZE - 4)); /* the generation cut off */
+  CHECK_RC(decode(buf, len - 4, &g), TSHARE_E_TRUNCATED, "");
+}
+
 TS_TEST(decoder_error_is_sticky) {
   tshare_frame f = sample_share(), g;
   uint8_t buf[TSHARE_WIRE_FRAME_MAX];

@@ -34,11 +34,35 @@
 #include "tshare/tensor.h"
 #include "tshare/wire.h"
 
+#include "tshare/share.h"
+
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
 struct tshare_view;
 struct ts_export;
+struct ts_backend;
+
+/* Something a producer keeps alive for a share: retain adds a reference,
+ * drop lets one go (drop NULL: nothing to keep). */
+typedef struct ts_keep_ref {
+  void (*retain)(void *keep);
+  tshare_drop_fn drop;
+  void *keep;
+} ts_keep_ref;
+
+/* A tensor set's memory on a producer, described by the backend that owns
+ * its kind (set_source_new): members with the same backend and alloc_id
+ * share it. The backend's own fields follow this head; refs counts the
+ * builder and the sent sets that hold it (set_source_free at the last). */
+typedef struct ts_set_source {
+  const struct ts_backend *backend;
+  atomic_int refs;
+  uint64_t alloc_id;
+  uint64_t size;   /* bytes of the memory */
+  int device;      /* the device ordinal it lives on */
+} ts_set_source;
 
 /* What a release hook did with the view's memory. */
 typedef enum ts_release_done {
@@ -138,6 +162,43 @@ typedef struct ts_backend {
   void (*memory_unref_locked)(tshare_channel *ch, void *memory);
   /* The same in a forked child: only its own copy of the mapping goes. */
   void (*memory_unref_in_child)(tshare_channel *ch, void *memory);
+
+  /* ---- device memories of tensor sets, optional ----
+   * A backend without them has its memory refused in sets. Host memory
+   * goes the sets' own way (session_set*.c), through the hooks above. */
+  /* Producer: the memory holding a member: foreign memory at ptr (buf NULL)
+   * or the backend's own buffer buf, laid out as desc from there (checked
+   * to lie inside buf). *out is new (refs 1), *offset where ptr or buf
+   * starts in it; user_keep (optional)
+   * is what keeps foreign memory alive (the source takes a reference for
+   * the memory's own use); *member_keep gets what keeps this member alive
+   * (a reference taken: own buffers), or a zeroed one. */
+  int (*set_source_new)(void *ptr, void *buf, const tshare_tensor_desc *desc, const ts_keep_ref *user_keep, ts_set_source **out,
+                        uint64_t *offset, ts_keep_ref *member_keep, char *err, size_t cap);
+  void (*set_source_free)(ts_set_source *src);
+  /* Producer: whether ch's peer takes this memory in a set, before any
+   * frame of the set goes (an error in ch->err). */
+  int (*set_check)(tshare_channel *ch, const ts_set_source *src);
+  /* Producer: send src as memory frame f (type, op, set_id and index set;
+   * the rest filled here), after what must precede it (chunk frames).
+   * *hold gets what the set keeps until its release (zeroed: nothing). */
+  int (*set_send_mem)(tshare_channel *ch, const ts_set_source *src, tshare_frame *f, ts_keep_ref *hold,
+                      int timeout_ms);
+  /* Producer: after the last member: the set's one ordering point on stream
+   * (NULL: the default stream) of src's device, into the end frame (flags
+   * and event) and e (what it holds, given back by export_done). */
+  int (*set_order)(tshare_channel *ch, const ts_set_source *src, void *stream, tshare_frame *end,
+                   struct ts_export *e, int timeout_ms);
+  /* Consumer: a set's memory is mapped through on_share and import as a
+   * share of the set's id (stream NULL) would be, one memory at a time. */
+  /* Consumer: the end frame's event: work on the default stream of
+   * memory's device waits for it. */
+  int (*set_wait)(tshare_channel *ch, const tshare_frame *end, void *memory);
+  /* Consumer: the set's n memories of this backend are done with (its last
+   * reference went; any thread, never blocks). TS_RELEASE_NOW: let go of
+   * here, the session queues the release; TS_RELEASE_LATER: work queued on
+   * them still runs, and the backend queues set_id's release once it ran. */
+  ts_release_done (*set_release)(tshare_channel *ch, void *const *memories, size_t n, uint64_t set_id);
 } ts_backend;
 
 /* ---- the registry (backends.c) ---- */

@@ -56,7 +56,7 @@ struct ts_cuda_chan *ts_cuda_chan_of(tshare_channel *ch) {
 
 static uint64_t cuda_hello_caps(uint32_t transport_caps) {
   (void)transport_caps; /* fd handles need fd passing: the sender checks the channel before it sends one */
-  return TSHARE_CAP_CUDA_IPC | TSHARE_CAP_CUDA_FD | TSHARE_CAP_CUDA_HELD;
+  return TSHARE_CAP_CUDA_IPC | TSHARE_CAP_CUDA_FD | TSHARE_CAP_CUDA_HELD | TSHARE_CAP_SET_CUDA;
 }
 
 static void cuda_hello_devices(tshare_hello *h) {
@@ -107,7 +107,7 @@ static void cuda_chan_free(tshare_channel *ch) {
       cu->cuEventSynchronize(c->drains.items[i].done);
       ts_cuda_event_destroy(cu, c->drains.items[i].done);
     }
-    ts_cuda_import_put(c->drains.items[i].imp);
+    ts_cuda_drain_put(&c->drains.items[i]);
   }
   ts_cuda_chunk_set_free(ch, c->gathering);
   c->gathering = NULL;
@@ -168,5 +168,14 @@ const ts_backend ts_cuda_backend = {
     .import = ts_cuda_import_view,
     .release = ts_cuda_view_release,
     .share_view = ts_cuda_share_view,
+    .memory_ref_locked = ts_cuda_memory_ref_locked,
+    .memory_unref_locked = ts_cuda_memory_unref_locked,
+    .set_source_new = ts_cuda_set_source_new,
+    .set_source_free = ts_cuda_set_source_free,
+    .set_check = ts_cuda_set_check,
+    .set_send_mem = ts_cuda_set_send_mem,
+    .set_order = ts_cuda_set_order,
+    .set_wait = ts_cuda_set_wait,
+    .set_release = ts_cuda_set_release,
 };
 

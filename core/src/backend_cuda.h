@@ -47,6 +47,8 @@ typedef struct drain {
   CUcontext ctx;
   ts_cuda_mapping *imp;
   int64_t queued_us;
+  ts_cuda_mapping **more; /* a tensor set's other mappings (malloc'd), let go of with imp */
+  size_t nmore;
 } drain;
 
 /* A release event to record again: one per release would cost a create and
@@ -145,18 +147,54 @@ void ts_cuda_event_destroy(const ts_cuda_api *cu, CUevent ev);
 
 /* backend_cuda_send.c */
 void ts_cuda_export_done(tshare_channel *ch, const ts_export *e);
+bool ts_cuda_fds_travel(const tshare_channel *ch); /* GPU memory that travels as fds can reach the peer */
+/* Chunks 1..n-1 of VMM memory alloc_id, each with its fd, before the frame
+ * that carries chunk 0. */
+int ts_cuda_send_chunks(tshare_channel *ch, uint64_t alloc_id, const ts_vmm_chunks *chunks, int64_t deadline);
+/* Order the consumer after the work queued on stream of ctx (see there). */
+int ts_cuda_order_after(tshare_channel *ch, CUcontext ctx, void *stream, int timeout_ms, ts_export *e,
+                        uint8_t *frame_flags, uint32_t *slot, uint32_t *generation);
+/* Lend owned allocation a to ch's peer, which may keep it mapped while idle. */
+int ts_cuda_lend(tshare_channel *ch, ts_cuda_alloc *a);
 int ts_cuda_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_desc *desc, void *stream,
                        const char *tag, ts_export *e, int timeout_ms, uint64_t *share_id);
 
 /* backend_cuda_recv.c */
 void ts_cuda_chunk_set_free(tshare_channel *ch, struct chunk_set *set);
 int ts_cuda_import_view(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v);
+/* Share f mapped into v, with its chunks (set) or the reference to memory
+ * this end keeps mapped (*held, taken when it is used). */
+int ts_cuda_import_share(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v,
+                         const struct chunk_set *set, ts_cuda_mapping **held);
+/* The view's stream waits on the producer's event named in share frame f. */
+int ts_cuda_wait_on_producer_event(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cuda_api *cu,
+                                   const tshare_frame *f, CUcontext ctx, void *stream);
+/* A release of share_id that waits for the GPU: done recorded on the
+ * stream; the mappings go when it completed (ch->lock held). */
+bool ts_cuda_push_drain_locked(struct ts_cuda_chan *c, uint64_t share_id, CUevent done, CUcontext ctx,
+                               ts_cuda_mapping *imp, ts_cuda_mapping **more, size_t nmore);
+CUevent ts_cuda_spare_take_locked(struct ts_cuda_chan *c, CUcontext ctx);
+void ts_cuda_drain_put(drain *d); /* a finished drain's mappings go */
 ts_release_done ts_cuda_view_release(tshare_view *v);
 int ts_cuda_on_event(tshare_channel *ch, const tshare_frame *f);
 int ts_cuda_on_chunk(tshare_channel *ch, const tshare_frame *f, int fd, int fd_lost);
 int ts_cuda_on_share(tshare_channel *ch, const tshare_frame *f);
 void ts_cuda_share_dropped(tshare_channel *ch, uint64_t share_id);
 void ts_cuda_finish_drains(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cuda_api *cu, ts_backend_wait *busy);
+
+/* backend_cuda_set.c: the memories of tensor sets */
+int ts_cuda_set_source_new(void *ptr, void *buf, const tshare_tensor_desc *desc, const ts_keep_ref *user_keep, ts_set_source **out,
+                           uint64_t *offset, ts_keep_ref *member_keep, char *err, size_t cap);
+void ts_cuda_set_source_free(ts_set_source *src);
+int ts_cuda_set_check(tshare_channel *ch, const ts_set_source *src);
+int ts_cuda_set_send_mem(tshare_channel *ch, const ts_set_source *src, tshare_frame *f, ts_keep_ref *hold,
+                         int timeout_ms);
+int ts_cuda_set_order(tshare_channel *ch, const ts_set_source *src, void *stream, tshare_frame *end, ts_export *e,
+                      int timeout_ms);
+int ts_cuda_set_wait(tshare_channel *ch, const tshare_frame *end, void *memory);
+ts_release_done ts_cuda_set_release(tshare_channel *ch, void *const *memories, size_t n, uint64_t set_id);
+void ts_cuda_memory_ref_locked(tshare_channel *ch, void *memory);
+void ts_cuda_memory_unref_locked(tshare_channel *ch, void *memory);
 
 /* backend_cuda_keep.c */
 /* The fds of a VMM run's chunks for a share, watching the run (see there). */

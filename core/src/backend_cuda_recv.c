@@ -55,14 +55,11 @@ static int gather_chunks(tshare_channel *ch, const tshare_share_frame *s, int fd
   return TSHARE_OK;
 }
 
-static int cuda_import_set(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v,
-                           const struct chunk_set *set, ts_cuda_mapping **held);
-
 int ts_cuda_import_view(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v) {
   struct ts_cuda_chan *c = ts_cuda_chan_of(ch);
   struct chunk_set *set = c ? ts_u64map_remove(&c->chunk_sets, f->u.share.share_id + 1) : NULL;
   ts_cuda_mapping *held = c ? ts_u64map_remove(&c->held_shares, f->u.share.share_id + 1) : NULL;
-  int status = cuda_import_set(ch, f, fdp, stream, v, set, &held);
+  int status = ts_cuda_import_share(ch, f, fdp, stream, v, set, &held);
   ts_cuda_chunk_set_free(ch, set); /* mapped or not, their fds are done with */
   if (held) ts_cuda_import_put(held); /* not taken by a view */
   return status;
@@ -118,7 +115,7 @@ static int open_mapping(tshare_channel *ch, struct ts_cuda_chan *c, const tshare
 
 /* The share waits on the producer's event in its slot: the view's stream
  * waits for it on the GPU (nothing to wait for when it already passed). */
-static int wait_on_producer_event(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cuda_api *cu,
+int ts_cuda_wait_on_producer_event(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cuda_api *cu,
                                   const tshare_frame *f, CUcontext ctx, void *stream) {
   const tshare_share_frame *s = &f->u.share;
   int status = TSHARE_OK;
@@ -154,7 +151,7 @@ static int wait_on_producer_event(tshare_channel *ch, struct ts_cuda_chan *c, co
   return status;
 }
 
-static int cuda_import_set(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v,
+int ts_cuda_import_share(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v,
                            const struct chunk_set *set, ts_cuda_mapping **held) {
   const tshare_share_frame *s = &f->u.share;
   int status = TSHARE_OK;
@@ -208,7 +205,7 @@ static int cuda_import_set(tshare_channel *ch, const tshare_frame *f, int *fdp, 
                                                : open_mapping(ch, c, s, ctx, fdp, set, &imp);
   if (status != TSHARE_OK) return status;
   if (f->flags & TSHARE_FRAME_FLAG_HAS_EVENT) {
-    status = wait_on_producer_event(ch, c, cu, f, ctx, stream);
+    status = ts_cuda_wait_on_producer_event(ch, c, cu, f, ctx, stream);
     if (status != TSHARE_OK) {
       ts_cuda_import_put(imp);
       return status;
@@ -222,12 +219,19 @@ static int cuda_import_set(tshare_channel *ch, const tshare_frame *f, int *fdp, 
   return TSHARE_OK;
 }
 
-static bool push_drain_locked(struct ts_cuda_chan *c, uint64_t share_id, CUevent done, CUcontext ctx,
-                              ts_cuda_mapping *imp) {
-  return drain_list_push(&c->drains, (drain){share_id, done, ctx, imp, ts_now_us()}) == TSHARE_OK;
+bool ts_cuda_push_drain_locked(struct ts_cuda_chan *c, uint64_t share_id, CUevent done, CUcontext ctx,
+                               ts_cuda_mapping *imp, ts_cuda_mapping **more, size_t nmore) {
+  return drain_list_push(&c->drains, (drain){share_id, done, ctx, imp, ts_now_us(), more, nmore}) == TSHARE_OK;
 }
 
-static CUevent spare_take_locked(struct ts_cuda_chan *c, CUcontext ctx) {
+/* A finished drain's mappings go. */
+void ts_cuda_drain_put(drain *d) {
+  ts_cuda_import_put(d->imp);
+  for (size_t i = 0; i < d->nmore; i++) ts_cuda_import_put(d->more[i]);
+  free(d->more);
+}
+
+CUevent ts_cuda_spare_take_locked(struct ts_cuda_chan *c, CUcontext ctx) {
   for (size_t i = c->nspares; i-- > 0;)
     if (c->spares[i].ctx == ctx) {
       CUevent ev = c->spares[i].ev;
@@ -255,7 +259,7 @@ ts_release_done ts_cuda_view_release(tshare_view *v) {
     idle = cu->cuStreamQuery((CUstream)v->stream) == CUDA_SUCCESS;
     if (!idle) {
       pthread_mutex_lock(&ch->lock);
-      done = c ? spare_take_locked(c, v->ctx) : NULL;
+      done = c ? ts_cuda_spare_take_locked(c, v->ctx) : NULL;
       pthread_mutex_unlock(&ch->lock);
       if (!done && ts_cuda_event_create(cu, &done, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) done = NULL;
       if (done && cu->cuEventRecord(done, (CUstream)v->stream) != CUDA_SUCCESS) {
@@ -266,7 +270,7 @@ ts_release_done ts_cuda_view_release(tshare_view *v) {
     ts_cuda_pop();
   }
   pthread_mutex_lock(&ch->lock);
-  bool queued = !idle && !ch->closed && c && done && push_drain_locked(c, v->share_id, done, v->ctx, v->memory);
+  bool queued = !idle && !ch->closed && c && done && ts_cuda_push_drain_locked(c, v->share_id, done, v->ctx, v->memory, NULL, 0);
   if (queued) {
     ts_conn_wake(&ch->conn);
   } else {
@@ -405,7 +409,7 @@ void ts_cuda_finish_drains(tshare_channel *ch, struct ts_cuda_chan *c, const ts_
       continue;
     }
     if (cu) spare_put_locked(c, cu, d.ctx, d.done);
-    ts_cuda_import_put(d.imp);
+    ts_cuda_drain_put(&d);
     ts_share_queue_release_locked(ch, d.share_id);
   }
   c->drains.len = keep;

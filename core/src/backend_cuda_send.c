@@ -75,19 +75,19 @@ static int check_can_share(tshare_channel *ch, const char *tag) {
 }
 
 /* Whether GPU memory that travels as fds can reach the peer. */
-static bool fds_travel(const tshare_channel *ch) {
+bool ts_cuda_fds_travel(const tshare_channel *ch) {
   return (ts_conn_caps(&ch->conn) & TS_TRANSPORT_PASSES_FDS) && (ch->conn.peer.capabilities & TSHARE_CAP_CUDA_FD);
 }
 
 /* Chunks 1..n-1 of VMM memory, each with its fd, before the share that
  * carries chunk 0: the consumer maps them side by side. */
-static int send_chunks(tshare_channel *ch, const ts_cuda_export *x, const ts_vmm_chunks *chunks, int64_t deadline) {
+int ts_cuda_send_chunks(tshare_channel *ch, uint64_t alloc_id, const ts_vmm_chunks *chunks, int64_t deadline) {
   for (int i = 1; i < chunks->n; i++) {
     tshare_frame f;
     memset(&f, 0, sizeof f);
     f.type = TSHARE_FRAME_CHUNK;
     f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
-    f.u.chunk.alloc_id = x->buffer_id;
+    f.u.chunk.alloc_id = alloc_id;
     f.u.chunk.index = (uint32_t)i;
     f.u.chunk.count = (uint32_t)chunks->n;
     f.u.chunk.size = chunks->size[i];
@@ -97,17 +97,18 @@ static int send_chunks(tshare_channel *ch, const ts_cuda_export *x, const ts_vmm
   return TSHARE_OK;
 }
 
-/* Order the consumer after the work queued on stream so far: nothing when
- * it is idle, else an event of the pool (recorded, its slot in e and f),
- * else a host sync. Returns the status. */
-static int order_after_stream(tshare_channel *ch, const ts_cuda_api *cu, const ts_cuda_export *x, void *stream,
-                              int timeout_ms, ts_export *e, tshare_frame *f) {
+/* Order the consumer after the work queued on stream (of ctx) so far:
+ * nothing when it is idle, else an event of the pool (recorded; its slot in
+ * e, the frame's flags and *slot / *generation), else a host sync. Returns
+ * the status. */
+int ts_cuda_order_after(tshare_channel *ch, CUcontext ctx, void *stream, int timeout_ms, ts_export *e,
+                        uint8_t *frame_flags, uint32_t *slot_out, uint32_t *generation) {
+  const ts_cuda_api *cu = ts_cuda_if_loaded();
   e->backend = NULL;
   int status = TSHARE_OK;
   struct ts_cuda_chan *c = ts_cuda_chan_if_used(ch);
-  tshare_share_frame *s = &f->u.share;
   CUresult rc = CUDA_SUCCESS;
-  if (!ts_cuda_push(x->ctx)) {
+  if (!cu || !ts_cuda_push(ctx)) {
     status = ts_errf(ch->err, sizeof ch->err, TSHARE_E_CUDA, "share: cannot enter the memory's context");
   } else if ((rc = cu->cuStreamQuery((CUstream)stream)) == CUDA_SUCCESS) {
     /* The work that wrote the tensor has finished: nothing to order the
@@ -115,7 +116,7 @@ static int order_after_stream(tshare_channel *ch, const ts_cuda_api *cu, const t
     ts_cuda_pop();
   } else {
     rc = CUDA_SUCCESS;
-    int slot = pool_take(ch, c, x->ctx, timeout_ms, &status);
+    int slot = pool_take(ch, c, ctx, timeout_ms, &status);
     if (status == TSHARE_OK && slot >= 0) {
       /* The consumer's stream waits for this point of ours: no host sync. */
       rc = cu->cuEventRecord(c->pool[slot], (CUstream)stream);
@@ -123,9 +124,9 @@ static int order_after_stream(tshare_channel *ch, const ts_cuda_api *cu, const t
         c->busy[slot] = true;
         e->backend = &ts_cuda_backend; /* its export_done frees the slot */
         e->backend_slot = slot;
-        f->flags |= TSHARE_FRAME_FLAG_HAS_EVENT;
-        s->event_slot = (uint32_t)slot;
-        s->event_generation = ++c->gen[slot];
+        *frame_flags |= TSHARE_FRAME_FLAG_HAS_EVENT;
+        *slot_out = (uint32_t)slot;
+        *generation = ++c->gen[slot];
       }
     } else if (status == TSHARE_OK) {
       rc = cu->cuStreamSynchronize((CUstream)stream);
@@ -148,8 +149,7 @@ static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, const ts
                            uint64_t offset, uint32_t origin_pid, uint32_t flags, const tshare_tensor_desc *desc,
                            void *stream, const char *tag, ts_export *e, int timeout_ms, uint64_t *share_id) {
   struct ts_cuda_chan *c = ts_cuda_chan_if_used(ch);
-  const ts_cuda_api *cu = ts_cuda_if_loaded();
-  if ((chunks || x->fd >= 0) && !fds_travel(ch)) {
+  if ((chunks || x->fd >= 0) && !ts_cuda_fds_travel(ch)) {
     ts_export_drop(e);
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED, "share: this GPU memory travels as %s, and %s; %s",
                    chunks ? "fds (VMM memory another allocator mapped: PyTorch's expandable segments)"
@@ -197,8 +197,8 @@ static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, const ts
     s->tag_len = (uint8_t)strlen(tag);
     memcpy(s->tag, tag, s->tag_len);
   }
-  int status = order_after_stream(ch, cu, x, stream, timeout_ms, e, &f);
-  if (status == TSHARE_OK && several) status = send_chunks(ch, x, chunks, deadline);
+  int status = ts_cuda_order_after(ch, x->ctx, stream, timeout_ms, e, &f.flags, &s->event_slot, &s->event_generation);
+  if (status == TSHARE_OK && several) status = ts_cuda_send_chunks(ch, x->buffer_id, chunks, deadline);
   if (status != TSHARE_OK) {
     if (e->backend) c->busy[e->backend_slot] = false;
     ts_export_drop(e);
@@ -236,7 +236,7 @@ static int share_foreign(tshare_channel *ch, const void *data, const tshare_tens
     /* VMM chunks stay alive in the consumer's mapping whatever their owner
      * does, so it may keep them mapped while idle: this end watches them
      * and says when they change (a retire notice). */
-    if (rc == TSHARE_OK && fds_travel(ch))
+    if (rc == TSHARE_OK && ts_cuda_fds_travel(ch))
       rc = ts_cuda_vmm_fds(ch, c, x.buffer_id, &chunks, &owned, &watched, &held); /* else refused below */
     if (rc == TSHARE_OK) x.fd = chunks.fd[0];
   } else if (rc == TSHARE_OK) {
@@ -290,6 +290,22 @@ int tshare_share_cuda_keep(tshare_channel *ch, const void *data, const tshare_te
   return ts_channel_leave(ch, share_foreign(ch, data, desc, stream, tag, drop, keep, user_data, timeout_ms, share_id));
 }
 
+/* The peer may keep owned allocation a mapped while idle: the memory is
+ * freed only after it said it closed it (retire handshake). */
+int ts_cuda_lend(tshare_channel *ch, ts_cuda_alloc *a) {
+  struct ts_cuda_chan *c = ts_cuda_chan_if_used(ch);
+  uint64_t id = ts_cuda_alloc_export(a)->buffer_id;
+  if (ts_u64map_get(&c->lent, MAPKEY(id))) return TSHARE_OK;
+  lent_alloc *pm = calloc(1, sizeof *pm);
+  if (!pm || ts_u64map_put(&c->lent, MAPKEY(id), pm) != 0) {
+    free(pm);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
+  }
+  pm->alloc = a;
+  ts_cuda_alloc_peer_retain(a);
+  return TSHARE_OK;
+}
+
 static int share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const tshare_tensor_desc *desc, void *stream,
                              const char *tag, void *user_data, int timeout_ms, uint64_t *share_id) {
   if (!buf || !desc) return ch ? ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "share: NULL argument")
@@ -302,21 +318,11 @@ static int share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const 
   if (rc != TSHARE_OK) return ts_errf(ch->err, sizeof ch->err, rc, "share: %s", why);
   ts_cuda_alloc *a = ts_cuda_buffer_alloc(buf);
   const ts_cuda_export *x = ts_cuda_alloc_export(a);
-  struct ts_cuda_chan *c = ts_cuda_chan_if_used(ch);
   uint32_t flags = 0;
   if (ch->conn.minor >= 1) {
-    /* The peer may keep this allocation mapped while idle; the memory is
-     * freed only after it said it closed it (retire handshake). */
     flags = TSHARE_SHARE_FLAG_RETIRE_NOTICE;
-    if (!ts_u64map_get(&c->lent, MAPKEY(x->buffer_id))) {
-      lent_alloc *pm = calloc(1, sizeof *pm);
-      if (!pm || ts_u64map_put(&c->lent, MAPKEY(x->buffer_id), pm) != 0) {
-        free(pm);
-        return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
-      }
-      pm->alloc = a;
-      ts_cuda_alloc_peer_retain(a);
-    }
+    rc = ts_cuda_lend(ch, a);
+    if (rc != TSHARE_OK) return rc;
   }
   ts_export *e = calloc(1, sizeof *e);
   if (!e) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");

@@ -1,9 +1,11 @@
 /* Tensor sets (set.h) on the consumer side: the assembly of a set's frames
  * (wire.h: begin, memories, members, metadata, end) into a set whose
  * tensors stay valid until the set and every view taken from it are
- * released, in one release of its id. The memory is the host backend's:
- * each memory of a set is mapped once through it, like a share's
- * allocation. The producer's side: session_set_send.c. */
+ * released, in one release of its id. Each memory of a set is mapped once
+ * through the backend of its kind, like a share's allocation; device
+ * memories are let go of together through its set_release hook, which may
+ * hold the release until the GPU work on them ran. The producer's side:
+ * session_set_send.c. */
 #include "tshare/set.h"
 
 #include "backend.h"
@@ -60,11 +62,19 @@ typedef struct set_entry {
   void *data;
 } set_entry;
 
-/* One memory of a set, mapped by the host backend. */
+/* One memory of a set, mapped by the backend of its kind. */
 typedef struct set_mem {
+  const ts_backend *backend;
   void *memory; /* the backend's mapping, one reference of the set's */
   void *base;   /* its first byte; NULL when empty */
   uint64_t alloc_id, size;
+  /* device memory: where it is mapped, and what a view shared on names */
+  void *ctx;
+  int device;
+  uint8_t mem_kind, device_type, handle_len;
+  uint32_t share_flags;
+  uint8_t handle[TSHARE_HANDLE_MAX];
+  uint8_t device_uuid[16];
 } set_mem;
 
 struct tshare_set {
@@ -84,6 +94,7 @@ struct tshare_set {
 typedef struct set_view {
   struct tshare_view view; /* first: freed through its address */
   tshare_set *set;
+  const ts_backend *mem_backend; /* of its memory */
 } set_view;
 
 /* The channel's sets: the one being received, and those complete but not yet
@@ -98,10 +109,42 @@ typedef struct ts_set_rx {
   char refusal_msg[TSHARE_ERROR_MSG_MAX];
 } ts_set_rx;
 
-/* Drop the set's mappings (ch->lock held). */
-static void drop_mappings_locked(tshare_channel *ch, tshare_set *s) {
-  for (uint32_t i = 0; i < s->mems_got; i++) ts_set_host_backend()->memory_unref_locked(ch, s->mems[i].memory);
+/* Drop the set's mappings (ch->lock held): all of them, or the host ones
+ * only (the device ones went through the backend's set_release). */
+static void drop_mappings_locked(tshare_channel *ch, tshare_set *s, bool device_too) {
+  for (uint32_t i = 0; i < s->mems_got; i++)
+    if (device_too || !s->mems[i].backend->set_release) s->mems[i].backend->memory_unref_locked(ch, s->mems[i].memory);
   s->mems_got = 0;
+}
+
+/* The set's device memories (of one backend: the producer's builder sends
+ * no other) let go of through it: TS_RELEASE_LATER when it queues the
+ * set's release itself, once the GPU work on them ran. */
+static ts_release_done release_device_memories(tshare_channel *ch, tshare_set *s) {
+  const ts_backend *device = NULL;
+  void **memories = NULL;
+  size_t n = 0;
+  bool no_room = false;
+  for (uint32_t i = 0; i < s->mems_got; i++) {
+    if (!s->mems[i].backend->set_release) continue;
+    if (!memories && !(memories = malloc(s->mems_got * sizeof *memories))) {
+      no_room = true;
+      break;
+    }
+    device = s->mems[i].backend;
+    memories[n++] = s->mems[i].memory;
+  }
+  ts_release_done done = TS_RELEASE_NOW;
+  if (n) {
+    done = device->set_release(ch, memories, n, s->set_id);
+  } else if (no_room) { /* out of memory for the list: one by one, not waiting for the GPU */
+    pthread_mutex_lock(&ch->lock);
+    for (uint32_t i = 0; i < s->mems_got; i++)
+      if (s->mems[i].backend->set_release) s->mems[i].backend->memory_unref_locked(ch, s->mems[i].memory);
+    pthread_mutex_unlock(&ch->lock);
+  }
+  free(memories);
+  return done;
 }
 
 static void set_free(tshare_set *s) {
@@ -119,11 +162,13 @@ static void set_unref(tshare_set *s) {
   if (atomic_fetch_sub(&s->refs, 1) != 1) return;
   tshare_channel *ch = s->ch;
   if (ts_channel_foreign(ch)) { /* a forked child's copy: only its own mappings go */
-    for (uint32_t i = 0; i < s->mems_got; i++) ts_set_host_backend()->memory_unref_in_child(ch, s->mems[i].memory);
+    for (uint32_t i = 0; i < s->mems_got; i++)
+      if (s->mems[i].backend->memory_unref_in_child) s->mems[i].backend->memory_unref_in_child(ch, s->mems[i].memory);
   } else {
+    ts_release_done device = release_device_memories(ch, s);
     pthread_mutex_lock(&ch->lock);
-    drop_mappings_locked(ch, s);
-    ts_share_queue_release_locked(ch, s->set_id);
+    drop_mappings_locked(ch, s, false);
+    if (device == TS_RELEASE_NOW) ts_share_queue_release_locked(ch, s->set_id);
     pthread_mutex_unlock(&ch->lock);
     ts_share_send_releases_now(ch);
     TS_LOG(TS_LOG_INFO, "released tensor set %llu of %s", (unsigned long long)s->set_id, ch->conn.peer_label);
@@ -150,7 +195,7 @@ TS_PRINTF(4, 5) static int refuse_set(tshare_channel *ch, int status, bool tell_
   rx->partial = NULL;
   rx->refused_id = s->set_id;
   pthread_mutex_lock(&ch->lock);
-  drop_mappings_locked(ch, s);
+  drop_mappings_locked(ch, s, true);
   if (tell_peer) ts_share_queue_release_locked(ch, s->set_id);
   pthread_mutex_unlock(&ch->lock);
   rx->refusal = status;
@@ -189,28 +234,56 @@ static int begin_set(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *
   return TSHARE_OK;
 }
 
-/* Map one memory of the set through the host backend, as a share's. */
+/* Memory frame m as the share of the set's id its backend imports. */
+static tshare_frame share_of_mem(uint64_t set_id, const tshare_set_mem_frame *m) {
+  tshare_frame share;
+  memset(&share, 0, sizeof share);
+  share.type = TSHARE_FRAME_SHARE;
+  tshare_share_frame *f = &share.u.share;
+  f->share_id = set_id;
+  f->alloc_id = m->alloc_id;
+  f->alloc_size = m->alloc_size;
+  f->mem_kind = m->mem_kind;
+  f->device_type = m->device_type;
+  f->handle_len = m->handle_len;
+  memcpy(f->handle, m->handle, m->handle_len);
+  memcpy(f->device_uuid, m->device_uuid, 16);
+  f->share_flags = m->share_flags;
+  return share;
+}
+
+/* Map one memory of the set through the backend of its kind, as a share of
+ * the set's id: what came before it for it (chunk frames) is taken by the
+ * backend's on_share, and its import maps it (once per allocation: the
+ * backend's mappings are shared). */
 static int add_mem(tshare_channel *ch, tshare_set *s, const tshare_set_mem_frame *m, int *fd) {
   if (m->index != s->mems_got || m->index >= s->mem_count || s->members_got)
     return refuse_set(ch, TSHARE_E_PROTOCOL, true, "memory %u out of order (%u of %u came)", m->index, s->mems_got,
                       s->mem_count);
-  if (m->mem_kind != TSHARE_MEM_HOST_MEMFD)
-    return refuse_set(ch, TSHARE_E_UNSUPPORTED, true,
-                      "memory %u is %s memory, and tensor sets carry host memory only in this version", m->index,
-                      m->device_type == TSHARE_DEVICE_CUDA ? "CUDA" : "non-host");
-  tshare_frame share;
-  memset(&share, 0, sizeof share);
-  share.type = TSHARE_FRAME_SHARE;
-  share.u.share.share_id = s->set_id;
-  share.u.share.alloc_id = m->alloc_id;
-  share.u.share.alloc_size = m->alloc_size;
-  share.u.share.mem_kind = TSHARE_MEM_HOST_MEMFD;
+  const ts_backend *be = ts_backend_for_mem_kind(m->mem_kind);
+  bool host = m->mem_kind == TSHARE_MEM_HOST_MEMFD;
+  if (!be || (!host && !be->set_release))
+    return refuse_set(ch, TSHARE_E_UNSUPPORTED, true, "memory %u is %s memory, which this end does not take in sets",
+                      m->index, be ? be->mem_kind_name(m->mem_kind) : "unknown");
+  tshare_frame share = share_of_mem(s->set_id, m);
   struct tshare_view probe;
   memset(&probe, 0, sizeof probe);
-  int rc = ts_set_host_backend()->import(ch, &share, fd, NULL, &probe);
+  int rc = ts_backends_on_share(ch, &share); /* as for a share: chunks that came for it, or stray ones */
+  if (rc == TSHARE_OK) rc = be->import(ch, &share, fd, NULL, &probe);
   if (rc != TSHARE_OK) return refuse_set(ch, rc, true, "memory %u: %s", m->index, ch->err);
-  s->mems[s->mems_got++] = (set_mem){probe.memory, probe.data, m->alloc_id, m->alloc_size};
+  set_mem *sm = &s->mems[s->mems_got++];
+  *sm = (set_mem){.backend = be, .memory = probe.memory, .base = probe.data, .alloc_id = m->alloc_id,
+                  .size = m->alloc_size, .ctx = probe.ctx, .device = probe.device, .mem_kind = m->mem_kind,
+                  .device_type = m->device_type, .handle_len = m->handle_len, .share_flags = m->share_flags};
+  memcpy(sm->handle, m->handle, m->handle_len);
+  memcpy(sm->device_uuid, m->device_uuid, 16);
   return TSHARE_OK;
+}
+
+/* A memory frame of a set refused before it: what came for it goes. */
+static void skip_mem(tshare_channel *ch, const tshare_set_frame *f) {
+  tshare_frame share = share_of_mem(f->set_id, &f->u.mem);
+  if (ts_backends_on_share(ch, &share) == TSHARE_OK) ts_backends_share_dropped(ch, f->set_id);
 }
 
 static const char *set_name_at(const void *owner, size_t i) {
@@ -256,11 +329,24 @@ static int add_meta(tshare_channel *ch, tshare_set *s, const tshare_set_meta_fra
   return TSHARE_OK;
 }
 
-static int end_set(tshare_channel *ch, ts_set_rx *rx, tshare_set *s) {
+/* The end frame's event: the work on the set's device memory waits for the
+ * producer's, through that memory's backend (false: ch->err says why not). */
+static bool wait_for_producer(tshare_channel *ch, tshare_set *s, const tshare_frame *end) {
+  for (uint32_t i = 0; i < s->mems_got; i++) {
+    const set_mem *m = &s->mems[i];
+    if (m->backend->set_wait) return m->backend->set_wait(ch, end, m->memory) == TSHARE_OK;
+  }
+  snprintf(ch->err, sizeof ch->err, "an event came with a set of no device memory");
+  return false;
+}
+
+static int end_set(tshare_channel *ch, ts_set_rx *rx, tshare_set *s, const tshare_frame *end) {
   if (s->members_got != s->count || s->meta_got != s->meta_len || s->names_got != s->names_bytes)
     return refuse_set(ch, TSHARE_E_PROTOCOL, true,
                       "ended with %u of %u tensors, %u of %u bytes of names and %u of %u bytes of metadata",
                       s->members_got, s->count, s->names_got, s->names_bytes, s->meta_got, s->meta_len);
+  if ((end->flags & TSHARE_FRAME_FLAG_HAS_EVENT) && !wait_for_producer(ch, s, end))
+    return refuse_set(ch, TSHARE_E_PROTOCOL, true, "ordering after the producer's stream: %s", ch->err);
   if (rx->len == TS_SETS_WAITING_MAX)
     return refuse_set(ch, TSHARE_E_LIMIT, true, "%d sets already wait for tshare_set_recv()", TS_SETS_WAITING_MAX);
   rx->partial = NULL;
@@ -290,14 +376,18 @@ static void release_stray_set(tshare_channel *ch, ts_set_rx *rx, uint64_t set_id
   pthread_mutex_unlock(&ch->lock);
 }
 
-static int on_step(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *f, int *fd, int fd_lost) {
+static int on_step(tshare_channel *ch, ts_set_rx *rx, const tshare_frame *frame, int *fd, int fd_lost) {
+  const tshare_set_frame *f = &frame->u.set;
   tshare_set *s = rx->partial;
   if (f->op == TSHARE_SET_BEGIN) {
     if (s) refuse_set(ch, TSHARE_E_PROTOCOL, true, "cut off by the beginning of set %llu", (unsigned long long)f->set_id);
     return begin_set(ch, rx, f);
   }
   if (!s || s->set_id != f->set_id) {
-    if (f->set_id == rx->refused_id) return TSHARE_OK; /* the rest of a refused set */
+    if (f->set_id == rx->refused_id) { /* the rest of a refused set */
+      if (f->op == TSHARE_SET_MEM) skip_mem(ch, f);
+      return TSHARE_OK;
+    }
     if (s) refuse_set(ch, TSHARE_E_PROTOCOL, true, "cut off by a frame of set %llu", (unsigned long long)f->set_id);
     else /* reported once, released back once: the set's other frames are dropped as a refused set's */
       release_stray_set(ch, rx, f->set_id);
@@ -307,19 +397,20 @@ static int on_step(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *f,
   }
   switch (f->op) {
   case TSHARE_SET_MEM:
+    if (fd_lost) skip_mem(ch, f);
     return fd_lost ? lost_fd(ch, fd_lost) : add_mem(ch, s, &f->u.mem, fd);
   case TSHARE_SET_MEMBER:
     return add_member(ch, s, &f->u.member);
   case TSHARE_SET_META:
     return add_meta(ch, s, &f->u.meta);
   default:
-    return end_set(ch, rx, s);
+    return end_set(ch, rx, s, frame);
   }
 }
 
 int ts_set_on_frame(tshare_channel *ch, const tshare_frame *f, int fd, int fd_lost) {
   ts_set_rx *rx = set_rx(ch);
-  int rc = rx ? on_step(ch, rx, &f->u.set, &fd, fd_lost)
+  int rc = rx ? on_step(ch, rx, f, &fd, fd_lost)
               : ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "receive: out of memory for a tensor set");
   if (fd >= 0) close(fd); /* a new mapping keeps its fd; the rest go */
   return rc;
@@ -327,7 +418,10 @@ int ts_set_on_frame(tshare_channel *ch, const tshare_frame *f, int fd, int fd_lo
 
 void ts_set_on_other_frame(tshare_channel *ch, int type) {
   if (!ch->set_rx || !ch->set_rx->partial) return;
-  if (type == TSHARE_FRAME_RELEASE || type == TSHARE_FRAME_EVENT || type == TSHARE_FRAME_RETIRE) return;
+  /* The peer's own traffic, and the chunk frames of a memory that follows. */
+  if (type == TSHARE_FRAME_RELEASE || type == TSHARE_FRAME_EVENT || type == TSHARE_FRAME_RETIRE ||
+      type == TSHARE_FRAME_CHUNK)
+    return;
   refuse_set(ch, TSHARE_E_PROTOCOL, true, "cut off by a %s frame", tshare_frame_type_name(type));
 }
 
@@ -336,12 +430,20 @@ void ts_set_peer_gone(tshare_channel *ch) {
     refuse_set(ch, TSHARE_E_PEER_CLOSED, false, "cut off: the peer closed the channel in the middle of it");
 }
 
+static tshare_set *drop_device_mappings(tshare_channel *ch, tshare_set *s) {
+  for (uint32_t i = 0; i < s->mems_got; i++)
+    if (s->mems[i].backend->set_release) s->mems[i].backend->memory_unref_locked(ch, s->mems[i].memory);
+  return s;
+}
+
 void ts_set_free_queued(tshare_channel *ch) {
   ts_set_rx *rx = ch->set_rx;
   if (!rx) return;
-  /* Their mappings are the channel's, unmapped with it. */
-  if (rx->partial) set_free(rx->partial);
-  for (size_t i = 0; i < rx->len; i++) set_free(rx->waiting[(rx->head + i) % TS_SETS_WAITING_MAX]);
+  /* Their host mappings are the channel's, unmapped with it; device ones
+   * live in a process-wide cache and are let go of here. */
+  if (rx->partial) set_free(drop_device_mappings(ch, rx->partial));
+  for (size_t i = 0; i < rx->len; i++)
+    set_free(drop_device_mappings(ch, rx->waiting[(rx->head + i) % TS_SETS_WAITING_MAX]));
   free(rx);
   ch->set_rx = NULL;
 }
@@ -410,6 +512,12 @@ const char *tshare_set_name(const tshare_set *s, size_t i) {
 const tshare_tensor_desc *tshare_set_desc(const tshare_set *s, size_t i) {
   return s && i < s->count ? &s->entries[i].desc : NULL;
 }
+int tshare_set_cuda_device(const tshare_set *s, size_t i) {
+  if (!s || i >= s->count) return -1;
+  const set_mem *m = &s->mems[s->entries[i].mem];
+  return m->device_type == TSHARE_DEVICE_CUDA ? m->device : -1;
+}
+
 void *tshare_set_data(const tshare_set *s, size_t i) { return s && i < s->count ? s->entries[i].data : NULL; }
 
 long tshare_set_find(const tshare_set *s, const char *name) {
@@ -429,28 +537,47 @@ void tshare_set_release(tshare_set *s) {
 static ts_release_done member_release(tshare_view *v) {
   tshare_channel *ch = v->ch;
   pthread_mutex_lock(&ch->lock);
-  ts_set_host_backend()->memory_unref_locked(ch, v->memory);
+  ((set_view *)v)->mem_backend->memory_unref_locked(ch, v->memory);
   pthread_mutex_unlock(&ch->lock);
   set_unref(((set_view *)v)->set);
   return TS_RELEASE_LATER; /* the set is released as a whole */
 }
 
 /* A member view a forked child inherited: only its copy of the mapping goes. */
-static void member_release_in_child(tshare_view *v) { ts_set_host_backend()->memory_unref_in_child(v->ch, v->memory); }
-
-/* A member shares on as any host view: its mapping's memfd travels. */
-static int member_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_desc *desc, void *stream,
-                             const char *tag, ts_export *e, int timeout_ms, uint64_t *share_id) {
-  return ts_set_host_backend()->share_view(ch, v, desc, stream, tag, e, timeout_ms, share_id);
+static void member_release_in_child(tshare_view *v) {
+  const ts_backend *be = ((set_view *)v)->mem_backend;
+  if (be->memory_unref_in_child) be->memory_unref_in_child(v->ch, v->memory);
 }
 
-/* The host backend with a member's own release. */
+/* A member shares on as any view of its memory's kind. */
+static int member_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_desc *desc, void *stream,
+                             const char *tag, ts_export *e, int timeout_ms, uint64_t *share_id) {
+  return ((set_view *)v)->mem_backend->share_view(ch, v, desc, stream, tag, e, timeout_ms, share_id);
+}
+
+/* The memory's backend with a member's own release. */
 static const ts_backend member_backend = {
-    .name = "host (tensor set)",
+    .name = "tensor set member",
     .release = member_release,
     .release_in_child = member_release_in_child,
     .share_view = member_share_view,
 };
+
+/* What the view says of its memory: as a share of it would. */
+static void describe_member(tshare_view *v, const set_mem *mem, uint64_t set_id) {
+  v->ctx = mem->ctx;
+  v->device = mem->device;
+  v->device_type = mem->device_type;
+  v->frame.share_id = set_id;
+  v->frame.alloc_id = mem->alloc_id;
+  v->frame.alloc_size = mem->size;
+  v->frame.mem_kind = mem->mem_kind;
+  v->frame.device_type = mem->device_type;
+  v->frame.handle_len = mem->handle_len;
+  memcpy(v->frame.handle, mem->handle, mem->handle_len);
+  memcpy(v->frame.device_uuid, mem->device_uuid, 16);
+  v->frame.share_flags = mem->share_flags;
+}
 
 int tshare_set_view(tshare_set *s, size_t i, tshare_view **out) {
   if (!out) return TSHARE_E_INVALID_ARG;
@@ -466,20 +593,16 @@ int tshare_set_view(tshare_set *s, size_t i, tshare_view **out) {
   atomic_fetch_add(&ch->refs, 1);
   pthread_mutex_lock(&ch->lock);
   const set_mem *mem = &s->mems[e->mem];
-  ts_set_host_backend()->memory_ref_locked(ch, mem->memory);
+  mem->backend->memory_ref_locked(ch, mem->memory);
   v->memory = mem->memory;
   pthread_mutex_unlock(&ch->lock);
+  sv->mem_backend = mem->backend;
   v->ch = ch;
   v->backend = &member_backend;
   v->share_id = s->set_id;
-  v->device_type = TSHARE_DEVICE_CPU;
   v->data = e->data;
   v->desc = e->desc;
-  v->frame.share_id = s->set_id;
-  v->frame.alloc_id = mem->alloc_id;
-  v->frame.alloc_size = mem->size;
-  v->frame.mem_kind = TSHARE_MEM_HOST_MEMFD;
-  v->frame.device_type = TSHARE_DEVICE_CPU;
+  describe_member(v, mem, s->set_id);
   v->frame.tensor = e->desc;
   *out = v;
   return TSHARE_OK;

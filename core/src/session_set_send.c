@@ -1,6 +1,7 @@
-/* Tensor sets (set.h) on the producer side: the builder of named host
- * tensors and metadata, and the sending of a set as its frames (wire.h:
- * begin, memories, members, metadata, end) under one share id. */
+/* Tensor sets (set.h) on the producer side: the builder of named tensors
+ * (host buffers, and device memory described by its backend's set hooks)
+ * and metadata, and the sending of a set as its frames (wire.h: begin,
+ * memories, members, metadata, end) under one share id. */
 #include "tshare/set.h"
 
 #include "backend.h"
@@ -36,32 +37,58 @@ static int check_member(const char *name, size_t name_len, const tshare_tensor_d
 typedef struct builder_entry {
   char *name;
   uint32_t mem;
-  tshare_tensor_desc desc;
+  tshare_tensor_desc desc; /* byte_offset relative to its memory */
+  ts_keep_ref keep;        /* device memory: what keeps this member alive, a reference; else zeroed */
 } builder_entry;
+
+/* One memory of the set: a host buffer, or device memory a backend describes. */
+typedef struct builder_mem {
+  tshare_host_buffer *host; /* a reference */
+  ts_set_source *device;    /* a reference */
+} builder_mem;
 
 struct tshare_set_builder {
   builder_entry *entries;
   size_t count, cap;
   size_t names_bytes;
-  ts_u64map names;          /* name hash -> entry index + 1 */
-  tshare_host_buffer **mems; /* one reference each */
-  size_t mem_count, mem_cap;
-  ts_u64map mem_by_id; /* buffer id -> mems index + 1 */
+  ts_u64map names;   /* name hash -> entry index + 1 */
+  builder_mem *mems;
+  size_t mem_count, mem_cap, host_count;
+  ts_u64map mem_by_id;    /* host buffer id -> mems index + 1 */
+  ts_u64map device_by_id; /* device allocation id + 1 -> mems index + 1 */
+  const ts_backend *device_backend; /* of every device memory: one kind, one device */
+  int device;
+  void *stream; /* the device stream the members were written on */
   uint8_t *meta;
   size_t meta_len;
 };
 
 tshare_set_builder *tshare_set_builder_create(void) { return calloc(1, sizeof(tshare_set_builder)); }
 
+static void source_unref(ts_set_source *src) {
+  if (atomic_fetch_sub(&src->refs, 1) == 1) src->backend->set_source_free(src);
+}
+
+static void drop_keep(ts_keep_ref *k) {
+  if (k->drop) k->drop(k->keep);
+}
+
 void tshare_set_builder_destroy(tshare_set_builder *b) {
   if (!b) return;
-  for (size_t i = 0; i < b->count; i++) free(b->entries[i].name);
-  for (size_t i = 0; i < b->mem_count; i++) ts_set_host_backend()->source_release(b->mems[i]);
+  for (size_t i = 0; i < b->count; i++) {
+    free(b->entries[i].name);
+    drop_keep(&b->entries[i].keep);
+  }
+  for (size_t i = 0; i < b->mem_count; i++) {
+    if (b->mems[i].host) ts_set_host_backend()->source_release(b->mems[i].host);
+    if (b->mems[i].device) source_unref(b->mems[i].device);
+  }
   free(b->entries);
   free(b->mems);
   free(b->meta);
   ts_u64map_free(&b->names);
   ts_u64map_free(&b->mem_by_id);
+  ts_u64map_free(&b->device_by_id);
   free(b);
 }
 
@@ -82,22 +109,24 @@ static bool grow(void **array, size_t *cap, size_t need, size_t elem) {
   return true;
 }
 
-/* The index of buf among the builder's memories, added with a reference
- * the first time; -1 when out of memory. */
-static long builder_mem(tshare_set_builder *b, tshare_host_buffer *buf) {
-  uint64_t id = tshare_host_buffer_id(buf);
-  void *hit = ts_u64map_get(&b->mem_by_id, id);
+/* The index of mem among the builder's memories (found by id in map, or
+ * added with the reference the caller gives: then *added); -1 when out of
+ * memory. */
+static long find_or_add_mem(tshare_set_builder *b, ts_u64map *map, uint64_t key, builder_mem mem, bool *added) {
+  *added = false;
+  void *hit = ts_u64map_get(map, key);
   if (hit) return (long)((uintptr_t)hit - 1);
   if (!grow((void **)&b->mems, &b->mem_cap, b->mem_count + 1, sizeof *b->mems) ||
-      ts_u64map_put(&b->mem_by_id, id, (void *)(uintptr_t)(b->mem_count + 1)) != 0)
+      ts_u64map_put(map, key, (void *)(uintptr_t)(b->mem_count + 1)) != 0)
     return -1;
-  ts_set_host_backend()->source_retain(buf);
-  b->mems[b->mem_count] = buf;
+  *added = true;
+  b->mems[b->mem_count] = mem;
   return (long)b->mem_count++;
 }
 
-static int builder_add(tshare_set_builder *b, const char *name, tshare_host_buffer *buf,
-                       const tshare_tensor_desc *desc, char *err, size_t cap) {
+/* What every member is checked for: its name and layout, the bounds. */
+static int check_new_member(tshare_set_builder *b, const char *name, const tshare_tensor_desc *desc, char *err,
+                            size_t cap) {
   size_t name_len = strlen(name);
   int rc = check_member(name, name_len, desc, err, cap);
   if (rc != TSHARE_OK) return rc;
@@ -109,21 +138,38 @@ static int builder_add(tshare_set_builder *b, const char *name, tshare_host_buff
                    b->names_bytes + name_len, TSHARE_SET_NAMES_MAX);
   if (ts_set_name_lookup(&b->names, name, builder_name_at, b, b->count) >= 0)
     return ts_errf(err, cap, TSHARE_E_INVALID_ARG, "set: a tensor named '%s' is already in the set", name);
-  char why[160];
-  rc = ts_tensor_check(desc, tshare_host_buffer_size(buf), NULL, NULL, why, sizeof why);
-  if (rc != TSHARE_OK) return ts_errf(err, cap, rc, "set: tensor '%s': %s", name, why);
-  char *copy = strdup(name);
-  long mem = copy && grow((void **)&b->entries, &b->cap, b->count + 1, sizeof *b->entries) &&
-                     ts_set_name_insert(&b->names, name, b->count) == 0
-                 ? builder_mem(b, buf)
-                 : -1;
-  if (mem < 0) {
+  return TSHARE_OK;
+}
+
+/* Append member name (checked) in memory mem; keep is taken over. */
+static int append_member(tshare_set_builder *b, const char *name, long mem, const tshare_tensor_desc *desc,
+                         const ts_keep_ref *keep, char *err, size_t cap) {
+  char *copy = mem >= 0 ? strdup(name) : NULL;
+  if (!copy || !grow((void **)&b->entries, &b->cap, b->count + 1, sizeof *b->entries) ||
+      ts_set_name_insert(&b->names, name, b->count) != 0) {
     free(copy);
     return ts_errf(err, cap, TSHARE_E_NOMEM, "set: out of memory");
   }
-  b->entries[b->count++] = (builder_entry){copy, (uint32_t)mem, *desc};
-  b->names_bytes += name_len;
+  b->entries[b->count++] = (builder_entry){copy, (uint32_t)mem, *desc, *keep};
+  b->names_bytes += strlen(name);
   return TSHARE_OK;
+}
+
+static int builder_add(tshare_set_builder *b, const char *name, tshare_host_buffer *buf,
+                       const tshare_tensor_desc *desc, char *err, size_t cap) {
+  int rc = check_new_member(b, name, desc, err, cap);
+  if (rc != TSHARE_OK) return rc;
+  char why[160];
+  rc = ts_tensor_check(desc, tshare_host_buffer_size(buf), NULL, NULL, why, sizeof why);
+  if (rc != TSHARE_OK) return ts_errf(err, cap, rc, "set: tensor '%s': %s", name, why);
+  bool added;
+  long mem = find_or_add_mem(b, &b->mem_by_id, tshare_host_buffer_id(buf), (builder_mem){buf, NULL}, &added);
+  if (added) {
+    ts_set_host_backend()->source_retain(buf);
+    b->host_count++;
+  }
+  ts_keep_ref none = {NULL, NULL, NULL};
+  return append_member(b, name, mem, desc, &none, err, cap);
 }
 
 int tshare_set_builder_add_host(tshare_set_builder *b, const char *name, tshare_host_buffer *buf,
@@ -136,16 +182,102 @@ int tshare_set_builder_add_host(tshare_set_builder *b, const char *name, tshare_
   return rc;
 }
 
-int tshare_set_builder_add_cuda(tshare_set_builder *b, const char *name, void *ptr, const tshare_tensor_desc *desc,
-                                tshare_error *err) {
-  (void)b, (void)ptr, (void)desc;
-  char msg[TSHARE_ERROR_MSG_MAX];
-  int rc = ts_errf(msg, sizeof msg, TSHARE_E_UNSUPPORTED,
-                   "set: tensor '%s' is CUDA memory, and tensor sets carry host memory only in this version: share "
-                   "CUDA tensors one by one (tshare_share_cuda)",
-                   name ? name : "");
+/* The memory of a device member, found or added (src's reference taken
+ * over either way). */
+static int device_mem(tshare_set_builder *b, const char *name, ts_set_source *src, long *mem, char *err, size_t cap) {
+  if (b->device_backend && (b->device_backend != src->backend || b->device != src->device)) {
+    int rc = ts_errf(err, cap, TSHARE_E_UNSUPPORTED,
+                     "set: tensor '%s' lives on %s device %d and the set's other device tensors on device %d: a set "
+                     "carries one device's memory (send a set per device)",
+                     name, src->backend->name, src->device, b->device);
+    source_unref(src);
+    return rc;
+  }
+  bool added;
+  *mem = find_or_add_mem(b, &b->device_by_id, src->alloc_id + 1, (builder_mem){NULL, src}, &added);
+  if (!added) source_unref(src); /* the memory is in the set already, or none was added */
+  if (*mem < 0) return ts_errf(err, cap, TSHARE_E_NOMEM, "set: out of memory");
+  b->device_backend = src->backend;
+  b->device = src->device;
+  return TSHARE_OK;
+}
+
+/* A device member: foreign memory at ptr (with user_keep, or none) or the
+ * backend's buffer buf. user_keep's reference is the builder's from here on. */
+static int builder_add_device(tshare_set_builder *b, const char *name, void *ptr, void *buf,
+                              const tshare_tensor_desc *desc, const ts_keep_ref *user_keep, char *err, size_t cap) {
+  const ts_backend *be = ts_backend_for_mem_kind(TSHARE_MEM_CUDA_IPC);
+  int rc = check_new_member(b, name, desc, err, cap);
+  if (rc == TSHARE_OK && (!be || !be->set_source_new))
+    rc = ts_errf(err, cap, TSHARE_E_UNSUPPORTED, "set: tensor '%s' is device memory, which this build of tshare "
+                 "does not carry in sets", name);
+  ts_set_source *src = NULL;
+  uint64_t offset = 0;
+  ts_keep_ref member_keep = {NULL, NULL, NULL};
+  if (rc == TSHARE_OK) rc = be->set_source_new(ptr, buf, desc, user_keep, &src, &offset, &member_keep, err, cap);
+  if (rc != TSHARE_OK) {
+    if (user_keep) user_keep->drop(user_keep->keep);
+    return rc;
+  }
+  if (user_keep) member_keep = *user_keep;
+  tshare_tensor_desc in_mem = *desc;
+  in_mem.byte_offset += offset;
+  char why[160];
+  uint64_t size = src->size;
+  long mem = -1;
+  rc = ts_tensor_check(&in_mem, size, NULL, NULL, why, sizeof why);
+  if (rc != TSHARE_OK) {
+    ts_errf(err, cap, rc, "set: tensor '%s' reaches past its allocation of %llu bytes: %s", name,
+            (unsigned long long)size, why);
+    source_unref(src);
+  } else if ((rc = device_mem(b, name, src, &mem, err, cap)) == TSHARE_OK) {
+    rc = append_member(b, name, mem, &in_mem, &member_keep, err, cap);
+  }
+  if (rc != TSHARE_OK) drop_keep(&member_keep);
+  return rc;
+}
+
+/* keep (optional) is dropped on failure, also when refused here. */
+static int add_device_call(tshare_set_builder *b, const char *name, void *ptr, void *buf,
+                           const tshare_tensor_desc *desc, const ts_keep_ref *keep, tshare_error *err) {
+  char msg[TSHARE_ERROR_MSG_MAX] = "";
+  int rc;
+  if (b && name && (ptr || buf) && desc) {
+    rc = builder_add_device(b, name, ptr, buf, desc, keep, msg, sizeof msg);
+  } else {
+    rc = ts_errf(msg, sizeof msg, TSHARE_E_INVALID_ARG, "set: NULL builder, name, pointer or descriptor");
+    if (keep) keep->drop(keep->keep);
+  }
   ts_error_fill(err, rc, msg);
   return rc;
+}
+
+int tshare_set_builder_add_cuda(tshare_set_builder *b, const char *name, void *ptr, const tshare_tensor_desc *desc,
+                                tshare_error *err) {
+  return add_device_call(b, name, ptr, NULL, desc, NULL, err);
+}
+
+int tshare_set_builder_add_cuda_keep(tshare_set_builder *b, const char *name, void *ptr,
+                                     const tshare_tensor_desc *desc, void (*retain)(void *keep), tshare_drop_fn drop,
+                                     void *keep, tshare_error *err) {
+  if (!retain || !drop) {
+    if (drop) drop(keep);
+    char msg[TSHARE_ERROR_MSG_MAX];
+    int rc = ts_errf(msg, sizeof msg, TSHARE_E_INVALID_ARG, "set: NULL retain or drop function");
+    ts_error_fill(err, rc, msg);
+    return rc;
+  }
+  ts_keep_ref k = {retain, drop, keep};
+  return add_device_call(b, name, ptr, NULL, desc, &k, err);
+}
+
+int tshare_set_builder_add_cuda_buffer(tshare_set_builder *b, const char *name, tshare_cuda_buffer *buf,
+                                       const tshare_tensor_desc *desc, tshare_error *err) {
+  return add_device_call(b, name, NULL, buf, desc, NULL, err);
+}
+
+void tshare_set_builder_set_stream(tshare_set_builder *b, void *stream) {
+  if (b) b->stream = stream;
 }
 
 int tshare_set_builder_set_meta(tshare_set_builder *b, const void *meta, size_t len, tshare_error *err) {
@@ -171,30 +303,55 @@ int tshare_set_builder_set_meta(tshare_set_builder *b, const void *meta, size_t 
 
 /* ---- producer: sending -------------------------------------------------- */
 
-/* What a sent set keeps alive until its release: a reference on each buffer. */
+/* What a sent set keeps alive until its release: a reference on each host
+ * buffer and device memory, each device member's keep, and what the
+ * backend holds for a memory while the peer may keep it mapped. */
 typedef struct set_keep {
-  size_t count;
-  tshare_host_buffer *bufs[];
+  size_t nmems, nkeeps, nholds;
+  builder_mem *mems;
+  ts_keep_ref *keeps; /* nkeeps member keeps, then nholds holds (up to nmems) */
 } set_keep;
 
 static void set_keep_release(void *owner) {
   set_keep *k = owner;
-  for (size_t i = 0; i < k->count; i++) ts_set_host_backend()->source_release(k->bufs[i]);
+  for (size_t i = 0; i < k->nmems; i++) {
+    if (k->mems[i].host) ts_set_host_backend()->source_release(k->mems[i].host);
+    if (k->mems[i].device) source_unref(k->mems[i].device);
+  }
+  for (size_t i = 0; i < k->nkeeps + k->nholds; i++) drop_keep(&k->keeps[i]);
   free(k);
 }
 
+static size_t device_keeps(const tshare_set_builder *b) {
+  size_t n = 0;
+  for (size_t i = 0; i < b->count; i++) n += b->entries[i].keep.drop != NULL;
+  return n;
+}
+
 static ts_export *set_export(const tshare_set_builder *b, void *user_data) {
+  size_t nkeeps = device_keeps(b);
   ts_export *e = malloc(sizeof *e);
-  set_keep *k = malloc(sizeof *k + b->mem_count * sizeof k->bufs[0]);
+  set_keep *k = malloc(sizeof *k + b->mem_count * sizeof(builder_mem) + (nkeeps + b->mem_count) * sizeof(ts_keep_ref));
   if (!e || !k) {
     free(e);
     free(k);
     return NULL;
   }
-  k->count = b->mem_count;
+  k->mems = (builder_mem *)(k + 1);
+  k->keeps = (ts_keep_ref *)(k->mems + b->mem_count);
+  k->nmems = b->mem_count;
+  k->nholds = 0;
+  k->nkeeps = 0;
   for (size_t i = 0; i < b->mem_count; i++) {
-    k->bufs[i] = b->mems[i];
-    ts_set_host_backend()->source_retain(b->mems[i]);
+    k->mems[i] = b->mems[i];
+    if (b->mems[i].host) ts_set_host_backend()->source_retain(b->mems[i].host);
+    if (b->mems[i].device) atomic_fetch_add(&b->mems[i].device->refs, 1);
+  }
+  for (size_t i = 0; i < b->count; i++) {
+    const ts_keep_ref *m = &b->entries[i].keep;
+    if (!m->drop) continue;
+    if (m->retain) m->retain(m->keep);
+    k->keeps[k->nkeeps++] = *m;
   }
   *e = (ts_export){.user_data = user_data, .release = set_keep_release, .owner = k};
   return e;
@@ -203,7 +360,7 @@ static ts_export *set_export(const tshare_set_builder *b, void *user_data) {
 static int check_can_send(tshare_channel *ch, const tshare_set_builder *b) {
   if (ch->closed || ch->conn.wfd < 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "set: channel is closed");
   if (b->count == 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "set: the set has no tensors");
-  if (!(ts_conn_caps(&ch->conn) & TS_TRANSPORT_PASSES_FDS))
+  if (b->host_count && !(ts_conn_caps(&ch->conn) & TS_TRANSPORT_PASSES_FDS))
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
                    "set: host memory travels as fds, which a pipe channel cannot carry: open a socket channel");
   if (ch->conn.minor < 3 || !(ch->conn.peer.capabilities & TSHARE_CAP_TENSOR_SETS))
@@ -212,6 +369,11 @@ static int check_can_send(tshare_channel *ch, const tshare_set_builder *b) {
                    "upgrade it, or share the tensors one by one",
                    ch->conn.peer_label, (unsigned)ch->conn.peer.major, (unsigned)ch->conn.peer.minor,
                    TSHARE_WIRE_MAJOR);
+  for (size_t i = 0; i < b->mem_count; i++) {
+    const ts_set_source *src = b->mems[i].device;
+    int rc = src ? src->backend->set_check(ch, src) : TSHARE_OK;
+    if (rc != TSHARE_OK) return rc;
+  }
   return TSHARE_OK;
 }
 
@@ -228,18 +390,34 @@ static int send_step(tshare_channel *ch, const tshare_frame *f, int fd, int64_t 
   return ts_channel_send(ch, f, fd, ts_remaining(deadline));
 }
 
+/* Memory i: a host buffer's memfd, or what its backend sends for it (what
+ * it holds for the set goes with the set's export, or at once where the
+ * peer already released the set). */
+static int send_mem(tshare_channel *ch, const tshare_set_builder *b, size_t i, uint64_t id, int64_t deadline) {
+  tshare_frame f = set_step(TSHARE_SET_MEM, id);
+  const builder_mem *m = &b->mems[i];
+  if (m->device) {
+    f.u.set.u.mem.index = (uint32_t)i;
+    ts_keep_ref hold = {NULL, NULL, NULL};
+    int rc = m->device->backend->set_send_mem(ch, m->device, &f, &hold, ts_remaining(deadline));
+    ts_export *e = ts_u64map_get(&ch->exports, id);
+    set_keep *k = e ? e->owner : NULL;
+    if (hold.drop && k) k->keeps[k->nkeeps + k->nholds++] = hold;
+    else drop_keep(&hold);
+    return rc;
+  }
+  f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+  f.u.set.u.mem = (tshare_set_mem_frame){.index = (uint32_t)i,
+                                         .alloc_id = tshare_host_buffer_id(m->host),
+                                         .mem_kind = TSHARE_MEM_HOST_MEMFD,
+                                         .device_type = TSHARE_DEVICE_CPU,
+                                         .alloc_size = tshare_host_buffer_size(m->host)};
+  return send_step(ch, &f, tshare_host_buffer_fd(m->host), deadline);
+}
+
 static int send_members(tshare_channel *ch, const tshare_set_builder *b, uint64_t id, int64_t deadline) {
   int rc = TSHARE_OK;
-  for (size_t i = 0; i < b->mem_count && rc == TSHARE_OK; i++) {
-    tshare_frame f = set_step(TSHARE_SET_MEM, id);
-    f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
-    f.u.set.u.mem = (tshare_set_mem_frame){.index = (uint32_t)i,
-                                     .alloc_id = tshare_host_buffer_id(b->mems[i]),
-                                     .mem_kind = TSHARE_MEM_HOST_MEMFD,
-                                     .device_type = TSHARE_DEVICE_CPU,
-                                     .alloc_size = tshare_host_buffer_size(b->mems[i])};
-    rc = send_step(ch, &f, tshare_host_buffer_fd(b->mems[i]), deadline);
-  }
+  for (size_t i = 0; i < b->mem_count && rc == TSHARE_OK; i++) rc = send_mem(ch, b, i, id, deadline);
   for (size_t i = 0; i < b->count && rc == TSHARE_OK; i++) {
     tshare_frame f = set_step(TSHARE_SET_MEMBER, id);
     tshare_set_member_frame *m = &f.u.set.u.member;
@@ -259,6 +437,19 @@ static int send_members(tshare_channel *ch, const tshare_set_builder *b, uint64_
     rc = send_step(ch, &f, -1, deadline);
   }
   return rc;
+}
+
+/* The set's one ordering point: after every member was written on the
+ * builder's stream, recorded once (its event on the end frame). */
+static int order_after_members(tshare_channel *ch, const tshare_set_builder *b, tshare_frame *end, uint64_t id,
+                               int64_t deadline) {
+  ts_export *e = ts_u64map_get(&ch->exports, id);
+  if (!e) return TSHARE_OK; /* the peer released what came of it already */
+  for (size_t i = 0; i < b->mem_count; i++) {
+    const ts_set_source *src = b->mems[i].device;
+    if (src) return src->backend->set_order(ch, src, b->stream, end, e, ts_remaining(deadline));
+  }
+  return TSHARE_OK;
 }
 
 static int set_send(tshare_channel *ch, const tshare_set_builder *b, void *user_data, int timeout_ms,
@@ -287,6 +478,7 @@ static int set_send(tshare_channel *ch, const tshare_set_builder *b, void *user_
   if (set_id) *set_id = id;
   rc = send_members(ch, b, id, deadline);
   f = set_step(TSHARE_SET_END, id);
+  if (rc == TSHARE_OK && b->device_backend) rc = order_after_members(ch, b, &f, id, deadline);
   if (rc == TSHARE_OK) rc = send_step(ch, &f, -1, deadline);
   if (rc == TSHARE_OK)
     TS_LOG(TS_LOG_INFO, "sent tensor set %llu (%zu tensors in %zu memories, %zu bytes of metadata) to %s",

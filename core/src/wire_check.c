@@ -65,6 +65,28 @@ static int check_set_begin(const tshare_set_begin_frame *b, char *err, size_t ca
   return TSHARE_OK;
 }
 
+/* What a CUDA memory of a set adds: a handle exactly where legacy IPC needs
+ * one, and only the share flags a set memory can carry. */
+static int check_set_mem_cuda(const tshare_set_mem_frame *m, char *err, size_t cap) {
+  const uint32_t known = TSHARE_SHARE_FLAG_RETIRE_NOTICE | TSHARE_SHARE_FLAG_CHUNKS;
+  if (!ts_wire_set_mem_has_flags(m->mem_kind)) {
+    if (m->share_flags)
+      return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: memory %u: host memory with share flags %#x", m->index,
+                     m->share_flags);
+    return TSHARE_OK;
+  }
+  if ((m->mem_kind == TSHARE_MEM_CUDA_IPC) != (m->handle_len == TSHARE_HANDLE_MAX))
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: memory %u: mem_kind %u with %u handle bytes", m->index,
+                   (unsigned)m->mem_kind, (unsigned)m->handle_len);
+  if (m->share_flags & ~known)
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: memory %u: share flags %#x (a set memory knows %#x)",
+                   m->index, m->share_flags, known);
+  if ((m->share_flags & TSHARE_SHARE_FLAG_CHUNKS) && m->mem_kind != TSHARE_MEM_CUDA_FD)
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: memory %u: chunks of mem_kind %u (only VMM fds come in chunks)",
+                   m->index, (unsigned)m->mem_kind);
+  return TSHARE_OK;
+}
+
 static int check_set_mem(const tshare_set_mem_frame *m, uint8_t flags, const tshare_wire_limits *limits, char *err,
                          size_t cap) {
   if (m->index >= TSHARE_SET_MEMBERS_MAX)
@@ -85,7 +107,7 @@ static int check_set_mem(const tshare_set_mem_frame *m, uint8_t flags, const tsh
   if (m->alloc_size > limits->max_alloc_size)
     return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "set: memory %u: alloc_size %llu over max_alloc_size %llu", m->index,
                    (unsigned long long)m->alloc_size, (unsigned long long)limits->max_alloc_size);
-  return TSHARE_OK;
+  return check_set_mem_cuda(m, err, cap);
 }
 
 static int check_set_member(const tshare_set_member_frame *m, const tshare_wire_limits *limits, char *err, size_t cap) {
@@ -113,8 +135,8 @@ int ts_wire_check_set(const tshare_set_frame *f, uint8_t flags, const tshare_wir
   if (f->set_id == 0) return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: set_id is 0");
   if (f->op != TSHARE_SET_MEM && (flags & TSHARE_FRAME_FLAG_FD_ATTACHED))
     return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: only a memory frame carries an fd");
-  if (flags & TSHARE_FRAME_FLAG_HAS_EVENT)
-    return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: a set frame has no event");
+  if ((flags & TSHARE_FRAME_FLAG_HAS_EVENT) && f->op != TSHARE_SET_END)
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: only the end frame carries an event");
   switch (f->op) {
   case TSHARE_SET_BEGIN:
     return check_set_begin(&f->u.begin, err, cap);
@@ -129,6 +151,9 @@ int ts_wire_check_set(const tshare_set_frame *f, uint8_t flags, const tshare_wir
                      (unsigned)f->u.meta.len, f->u.meta.offset, TSHARE_SET_META_CHUNK_MAX, TSHARE_SET_META_MAX);
     return TSHARE_OK;
   case TSHARE_SET_END:
+    if ((flags & TSHARE_FRAME_FLAG_HAS_EVENT) && f->u.end.event_slot >= TSHARE_EVENT_SLOTS_MAX)
+      return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: end frame's event slot %u over %d", f->u.end.event_slot,
+                     TSHARE_EVENT_SLOTS_MAX - 1);
     return TSHARE_OK;
   default:
     return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: unknown op %u", (unsigned)f->op);

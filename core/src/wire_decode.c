@@ -185,8 +185,15 @@ static int decode_set(tshare_decoder *d, ts_reader *r, uint8_t flags, tshare_set
     if (m->handle_len > TSHARE_HANDLE_MAX)
       return fail(d, TSHARE_E_TOO_LARGE, "set: handle_len %u over %d", m->handle_len, TSHARE_HANDLE_MAX);
     ts_get_bytes(r, m->handle, m->handle_len);
+    if (ts_wire_set_mem_has_flags(m->mem_kind)) m->share_flags = ts_get_u32(r);
     break;
   }
+  case TSHARE_SET_END:
+    if (flags & TSHARE_FRAME_FLAG_HAS_EVENT) {
+      f->u.end.event_slot = ts_get_u32(r);
+      f->u.end.event_generation = ts_get_u32(r);
+    }
+    break;
   case TSHARE_SET_MEMBER: {
     tshare_set_member_frame *m = &f->u.member;
     m->index = ts_get_u32(r);

@@ -43,8 +43,15 @@ static int encode_set(const tshare_set_frame *f, uint8_t flags, ts_writer *w, ch
     ts_put_u64(w, m->alloc_size);
     ts_put_bytes(w, m->device_uuid, 16);
     ts_put_bytes(w, m->handle, m->handle_len);
+    if (ts_wire_set_mem_has_flags(m->mem_kind)) ts_put_u32(w, m->share_flags);
     break;
   }
+  case TSHARE_SET_END:
+    if (flags & TSHARE_FRAME_FLAG_HAS_EVENT) {
+      ts_put_u32(w, f->u.end.event_slot);
+      ts_put_u32(w, f->u.end.event_generation);
+    }
+    break;
   case TSHARE_SET_MEMBER:
     ts_put_u32(w, f->u.member.index);
     ts_put_u32(w, f->u.member.mem_index);

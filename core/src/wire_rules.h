@@ -25,6 +25,12 @@ static inline bool ts_wire_kind_is_host(int kind) {
   return kind == TSHARE_MEM_HOST_MEMFD || kind == TSHARE_MEM_HOST_KEPT;
 }
 
+/* A set memory of this kind carries share_flags (the CUDA kinds): a host
+ * memory's frame stays as wire 1.3 first had it. */
+static inline bool ts_wire_set_mem_has_flags(int kind) {
+  return kind == TSHARE_MEM_CUDA_IPC || kind == TSHARE_MEM_CUDA_FD || kind == TSHARE_MEM_CUDA_HELD;
+}
+
 int ts_wire_check_ring(const tshare_ring_frame *ring, uint8_t flags, char *err, size_t err_cap);
 int ts_wire_check_chunk(const tshare_chunk_frame *chunk, uint8_t flags, uint64_t max_alloc_size, char *err,
                         size_t err_cap);

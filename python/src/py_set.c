@@ -1,5 +1,6 @@
 /* py_set.c - tensor sets for the Python package: Channel._send_set hands
- * many named host tensors and metadata over in one set (tshare/set.h), and
+ * many named host and CUDA tensors and metadata over in one set
+ * (tshare/set.h), and
  * recv takes sets as well as single shares, in the order they were sent.
  *
  * The C library queues received sets apart from single shares. Both kinds
@@ -59,21 +60,71 @@ static const char *member_name(PyObject *name) {
   return len >= 1 && len <= TSHARE_SET_NAME_MAX && strlen(utf8) == (size_t)len ? utf8 : NULL;
 }
 
-/* Add item (name, data_ptr, dtype, shape, strides, lazy): 1 added; 0 the
- * Python side must look at it (an odd name, dtype or layout, a lazily
+/* What keeps a CUDA member's memory alive: the Python tensor, a reference
+ * per holder (the builder, each sent set). Called inside tshare calls that
+ * run with the GIL released, and at the builder's with it held. */
+static void retain_python_object(void *keep) {
+  PyGILState_STATE gil = PyGILState_Ensure();
+  Py_INCREF((PyObject *)keep);
+  PyGILState_Release(gil);
+}
+
+static void drop_python_object(void *keep) {
+  PyGILState_STATE gil = PyGILState_Ensure();
+  Py_DECREF((PyObject *)keep);
+  PyGILState_Release(gil);
+}
+
+/* A CUDA member (storage_key, storage_base, tensor, device after the common
+ * fields): 1 added, 0 the Python side must look at it (a received tensor),
+ * -1 with a Python error. An empty storage has no allocation to export: a
+ * small owned buffer carries the (empty) layout, as a single send does. */
+static int add_cuda_member(tshare_set_builder *b, const char *name, uintptr_t data, PyObject *cuda,
+                           tshare_tensor_desc *d) {
+  unsigned long long storage_key, base;
+  PyObject *tensor;
+  int device;
+  if (!PyArg_ParseTuple(cuda, "KKOi", &storage_key, &base, &tensor, &device)) return -1;
+  void *memory;
+  if (py_memory_lookup((uintptr_t)storage_key, &memory) != PY_MEM_NONE) return 0;
+  tshare_error err;
+  int rc;
+  if (base == 0) {
+    tshare_cuda_buffer *buffer = NULL;
+    rc = tshare_cuda_buffer_create_kind(device, 256, TSHARE_CUDA_HANDLE_LEGACY, &buffer, &err);
+    d->byte_offset = 0;
+    if (rc == TSHARE_OK) rc = tshare_set_builder_add_cuda_buffer(b, name, buffer, d, &err);
+    tshare_cuda_buffer_release(buffer); /* the builder holds it */
+  } else {
+    d->byte_offset = tshare_tensor_numel(d) == 0 ? 0 : data - base;
+    Py_INCREF(tensor); /* the builder's reference */
+    rc = tshare_set_builder_add_cuda_keep(b, name, (void *)(uintptr_t)base, d, retain_python_object,
+                                          drop_python_object, tensor, &err);
+  }
+  if (rc != TSHARE_OK) {
+    py_raise_fmt(rc, "tshare: send: tensor '%.200s': %s", name, err.message);
+    return -1;
+  }
+  return 1;
+}
+
+/* Add item (name, data_ptr, dtype, shape, strides, lazy[, cuda]): 1 added;
+ * 0 the Python side must look at it (an odd name, dtype or layout, a lazily
  * negated or conjugated view, memory that is no host buffer); -1 with a
- * Python error. */
+ * Python error. cuda, for a CUDA tensor: (storage_key, storage_base,
+ * tensor, device). */
 static int add_member(tshare_set_builder *b, PyObject *dtype_codes, PyObject *item, tshare_host_buffer **spare) {
-  PyObject *name_obj, *dtype, *shape, *strides;
+  PyObject *name_obj, *dtype, *shape, *strides, *cuda = NULL;
   unsigned long long data;
   int lazy;
-  if (!PyArg_ParseTuple(item, "OKOO!O!p", &name_obj, &data, &dtype, &PyTuple_Type, &shape, &PyTuple_Type, &strides,
-                        &lazy))
+  if (!PyArg_ParseTuple(item, "OKOO!O!p|O!", &name_obj, &data, &dtype, &PyTuple_Type, &shape, &PyTuple_Type,
+                        &strides, &lazy, &PyTuple_Type, &cuda))
     return -1;
   const char *name = member_name(name_obj);
   tshare_tensor_desc d;
   int r = name && !lazy ? fill_member_desc(dtype_codes, dtype, shape, strides, &d) : 0;
   if (r <= 0) return r;
+  if (cuda) return add_cuda_member(b, name, (uintptr_t)data, cuda, &d);
   tshare_host_buffer *buf = member_buffer((uintptr_t)data, tshare_tensor_numel(&d) == 0, spare, &d.byte_offset);
   if (!buf) return 0;
   tshare_error err;
@@ -118,16 +169,20 @@ static PyObject *send_built(PyChannel *self, tshare_set_builder *b, int timeout_
   return rc == TSHARE_OK ? PyLong_FromUnsignedLongLong(id) : NULL;
 }
 
-/* _send_set(items, dtype_codes, meta, timeout_ms) -> (set_id, None), or
- * (None, index) when the Python side must look at items[index] (nothing was
- * sent). items: a list of (name, data_ptr, dtype, shape, strides, lazy: a
- * lazily negated or conjugated view), read straight off the tensors;
- * dtype_codes: {torch dtype: (DLPack code, bits)}; meta: bytes-like. */
+/* _send_set(items, dtype_codes, meta, timeout_ms[, stream]) -> (set_id,
+ * None), or (None, index) when the Python side must look at items[index]
+ * (nothing was sent). items: a list of (name, data_ptr, dtype, shape,
+ * strides, lazy: a lazily negated or conjugated view[, cuda]), read straight
+ * off the tensors; dtype_codes: {torch dtype: (DLPack code, bits)}; meta:
+ * bytes-like; stream: the CUDA stream that wrote the CUDA members (0: the
+ * default stream). */
 PyObject *py_channel_send_set(PyChannel *self, PyObject *args) {
   PyObject *items, *dtype_codes;
   Py_buffer meta;
   int timeout_ms;
-  if (!PyArg_ParseTuple(args, "O!O!y*i", &PyList_Type, &items, &PyDict_Type, &dtype_codes, &meta, &timeout_ms))
+  unsigned long long stream = 0;
+  if (!PyArg_ParseTuple(args, "O!O!y*i|K", &PyList_Type, &items, &PyDict_Type, &dtype_codes, &meta, &timeout_ms,
+                        &stream))
     return NULL;
   PyObject *result = NULL;
   tshare_host_buffer *spare = NULL;
@@ -135,6 +190,7 @@ PyObject *py_channel_send_set(PyChannel *self, PyObject *args) {
   if (!b) {
     PyErr_NoMemory();
   } else if (py_channel_get(self)) {
+    tshare_set_builder_set_stream(b, (void *)(uintptr_t)stream);
     Py_ssize_t missing = build_set(b, dtype_codes, items, &meta, &spare);
     if (missing > 0) result = Py_BuildValue("(On)", Py_None, missing - 1);
     else if (missing == 0) result = send_built(self, b, timeout_ms);

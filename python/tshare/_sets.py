@@ -2,13 +2,16 @@
 metadata; share_model_, which puts a module's CPU tensors in shared memory in
 place.
 
-A set carries host memory in this version. Every CPU tensor of a set must
-already live in tshare's shared memory (share_model_, empty_shared,
-share_memory_): send never moves a state_dict's tensors behind the caller's
-back, since a state_dict holds aliases of the model's parameters and moving
-an alias would leave the model on its private memory. copy=True makes a
-one-off copy instead. Tensors on one storage (views, tied weights) travel
-with their memory once: the C library sends each buffer once per set.
+A set carries host and CUDA memory. Every CPU tensor of a set must already
+live in tshare's shared memory (share_model_, empty_shared, share_memory_):
+send never moves a state_dict's tensors behind the caller's back, since a
+state_dict holds aliases of the model's parameters and moving an alias would
+leave the model on its private memory. copy=True makes a one-off copy
+instead. CUDA tensors travel as they are (the caching allocator's segments,
+in either allocator mode), all of one device, ordered after the current
+stream of that device; the set holds each tensor until it is released.
+Tensors on one storage or segment (views, tied weights) travel with their
+memory once: the C library sends each allocation once per set.
 """
 from collections.abc import Mapping
 
@@ -92,12 +95,6 @@ def _check_member(name, t):
         _torch._check_shareable(t)
     except _tshare.Error as e:
         raise _tshare._error(e.code, "%s (tensor %r)" % (e, name)) from None
-    if t.is_cuda:
-        _fail(
-            _tshare.E_UNSUPPORTED,
-            "send: tensor %r is CUDA memory, which tensor sets do not carry in this version: send CUDA "
-            "tensors one by one with tshare.send(ch, tensor, tag=name)" % name,
-        )
 
 
 def _not_shared(name, t):
@@ -109,6 +106,8 @@ def _not_shared(name, t):
             "send: tensor %r is a received tensor, which a tensor set cannot share on in this version: pass "
             "copy=True for a one-off copy, or send it alone with tshare.send()" % name,
         )
+    if t.is_cuda:  # the C side raises its own errors for CUDA memory
+        _fail(_tshare.E_INVALID_ARG, "send: tensor %r: CUDA memory the set could not take" % name)
     _fail(
         _tshare.E_UNSUPPORTED,
         "send: tensor %r is not in tshare's shared memory, and a set never moves it (a state_dict holds aliases "
@@ -129,11 +128,37 @@ def send_set(ch, tensors, meta, timeout_ms, copy):
         raise
     if not items:
         _fail(_tshare.E_INVALID_ARG, "send: the tensor set is empty (a set carries 1 to 65536 tensors)")
-    set_id, look_at = ch._c._send_set(items, _TO_DLPACK, _meta_bytes(meta), timeout_ms)
+    meta = _meta_bytes(meta)
+    set_id, look_at = ch._c._send_set(items, _TO_DLPACK, meta, timeout_ms)
     if set_id is None:
         name, t = list(tensors.items())[look_at]
-        _refuse(name, t)
+        if isinstance(t, torch.Tensor) and t.is_cuda:  # CUDA members: what the C side needs of them too
+            set_id, look_at = ch._c._send_set(_with_cuda(items, tensors), _TO_DLPACK, meta, timeout_ms,
+                                              _cuda_stream(tensors))
+            if set_id is None:
+                name, t = list(tensors.items())[look_at]
+        if set_id is None:
+            _refuse(name, t)
     return set_id
+
+
+def _with_cuda(items, tensors):
+    """items with (storage_key, storage_base, tensor, device) added to each
+    CUDA tensor's: the set holds the tensor, and with it its memory."""
+    out = list(items)
+    for i, t in enumerate(tensors.values()):
+        if t.is_cuda:
+            storage = _torch._storage_of(t)
+            out[i] = items[i] + ((storage._cdata, storage.data_ptr(), t, t.device.index),)
+    return out
+
+
+def _cuda_stream(tensors):
+    """The current stream of the first CUDA tensor's device (a set carries one device's memory)."""
+    for t in tensors.values():
+        if t.is_cuda:
+            return _torch._current_stream(t.device.index)
+    return 0
 
 
 def _copied(tensors):
@@ -233,13 +258,28 @@ def received_set(box):
     tensors = {}
     from_dlpack, bind, storage = _torch._from_dlpack, _tshare._bind, _torch._storage
     as_bool = _torch._BOOL_AS_UINT8
+    cuda = None
     for name, capsule, code, bits in members:
         t = from_dlpack(capsule)
         bind(capsule, storage(t)._cdata)
         if as_bool and code == _BOOL:
             t = t.view(torch.bool)
+        if cuda is None and t.is_cuda:
+            cuda = t.device
         tensors[name] = t
+    if cuda is not None:
+        _after_default_stream(cuda)
     return set_id, meta, tensors
+
+
+def _after_default_stream(device):
+    """A set's CUDA tensors are ready for work on the default stream (the
+    producer's event is waited for there): the current stream waits for it
+    too, on the GPU, where it is another one."""
+    current = torch.cuda.current_stream(device)
+    default = torch.cuda.default_stream(device)
+    if current != default:
+        current.wait_stream(default)
 
 
 _BOOL = 6

@@ -7,6 +7,8 @@ import asyncio
 import gc
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -250,9 +252,6 @@ def bad_sets_get_clear_errors_and_the_channel_stays_usable():
     expect_error(E.E_UNSUPPORTED, "meta tensor", tshare.send, p, {"m": torch.empty(2, device="meta")})
     expect_error(E.E_UNSUPPORTED, "quantized", tshare.send, p,
                  {"q": torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)})
-    if torch.cuda.is_available():
-        expect_error(E.E_UNSUPPORTED, "CUDA memory, which tensor sets do not carry", tshare.send, p,
-                     {"g": torch.ones(2, device="cuda")})
     assert p.outstanding() == 0, "a refused set left a share behind"
     # The largest metadata goes, and the channel carries on.
     join = recv_in_thread(c)
@@ -368,5 +367,104 @@ def received_sets_as_parameters():
     p.wait_released(timeout=5)
 
 
+# ---- CUDA tensors in sets: the consumer is another process (an IPC mapping
+# of this process's own memory is refused), started fresh (CUDA and fork do
+# not mix). Member k of a numbered CUDA set holds 3k, 3k+1, 3k+2.
+
+
+def need_cuda():
+    if not torch.cuda.is_available() or tshare.cuda_device_count() < 1:
+        print("skipped: no CUDA device")
+        sys.exit(77)
+
+
+def cuda_consumer(fd, mode):
+    """The consumer process: each set checked against its numbering (one
+    line each: "n=N ok" or what is wrong); "write" fills the first tensor
+    with -1 before letting go; "hold" keeps the first set until killed."""
+    ch = tshare.open_socket(fd, name="cuda consumer")
+    for r in ch:
+        bad = [name for k, (name, t) in enumerate(r.tensors.items())
+               if t.is_cuda and not torch.equal(t.cpu(), torch.arange(3.0 * k, 3.0 * k + 3))]
+        devices = sorted({str(t.device) for t in r.tensors.values()})
+        print("n=%d %s %s" % (len(r.tensors), "ok" if not bad else "bad:" + ",".join(bad[:5]), "+".join(devices)),
+              flush=True)
+        if mode == "write":
+            next(iter(r.tensors.values())).fill_(-1)
+        if mode == "hold":
+            time.sleep(60)
+        del r
+    ch.close()
+
+
+def start_cuda_consumer(mode):
+    a, b = tshare.socketpair()
+    proc = subprocess.Popen([sys.executable, __file__, "--cuda-consumer", str(b), mode], pass_fds=(b,),
+                            stdout=subprocess.PIPE, text=True)
+    os.close(b)
+    return tshare.open_socket(a, name="cuda producer"), proc
+
+
+def send_cuda_and_expect(p, proc, tensors, want, **kw):
+    """Send tensors as a set; the consumer's line must be want; its release comes."""
+    set_id = tshare.send(p, tensors, timeout=60, **kw)
+    line = proc.stdout.readline().strip()
+    assert line == want, line
+    p.wait_released(set_id, timeout=30)
+
+
+def end_cuda_consumer(p, proc):
+    p.send_bye()
+    assert proc.wait(timeout=30) == 0
+    p.close()
+
+
+def numbered_cuda_set(n):
+    base = torch.arange(3.0 * n, device="cuda").view(n, 3)
+    return {"t%d" % k: base[k] for k in range(n)}, base
+
+
+@test
+def cuda_sets_of_1_290_and_10000_tensors_round_trip():
+    need_cuda()
+    p, proc = start_cuda_consumer("check")
+    for n in (1, 290, 10000):
+        sent, _ = numbered_cuda_set(n)
+        send_cuda_and_expect(p, proc, sent, "n=%d ok cuda:0" % n, meta=b"n=%d" % n)
+    end_cuda_consumer(p, proc)
+
+
+@test
+def cuda_writes_through_a_received_set_reach_the_producer_and_cpu_rides_along():
+    need_cuda()
+    p, proc = start_cuda_consumer("write")
+    sent, base = numbered_cuda_set(4)
+    cpu = tshare.empty_shared(3)
+    cpu += torch.arange(3.0)  # a CPU member: checked by the consumer's numbering only on CUDA
+    send_cuda_and_expect(p, proc, dict(sent, cpu=cpu), "n=5 ok cpu+cuda:0")
+    torch.cuda.synchronize()
+    assert torch.equal(base[0].cpu(), torch.full((3,), -1.0)), "the consumer's write missed the producer"
+    assert torch.equal(base[1].cpu(), torch.tensor([3.0, 4, 5]))
+    end_cuda_consumer(p, proc)
+
+
+@test
+def cuda_a_consumer_killed_while_holding_a_set_frees_everything():
+    need_cuda()
+    p, proc = start_cuda_consumer("hold")
+    sent, base = numbered_cuda_set(290)
+    set_id = tshare.send(p, sent, timeout=30)
+    assert proc.stdout.readline().strip() == "n=290 ok cuda:0"
+    assert p.outstanding() == 1
+    proc.kill()
+    proc.wait()
+    p.wait_released(set_id, timeout=30)
+    assert p.outstanding() == 0
+    p.close()
+
+
 if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--cuda-consumer":
+        cuda_consumer(int(sys.argv[2]), sys.argv[3])
+        sys.exit(0)
     test.main()

@@ -354,6 +354,44 @@ static int role_killed_while_keeping(tshare_channel *ch) {
   return 1;
 }
 
+// Tensor sets: each member k of a set holds 3k, 3k+1, 3k+2 (CPU members
+// too); read on this process's own pool stream (recv_set orders the current
+// stream after the set's event). The metadata says what else to do: "again"
+// (every allocation is mapped already: no new opens), "write" (-1 into the
+// first tensor before letting go).
+static int role_set_reader(tshare_channel *ch) {
+  c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
+  int sets = 0;
+  tshare_cuda_export_stats st0, st;
+  for (;;) {
+    tshare_cuda_stats(&st0);
+    auto r = tt::recv_set(ch, {TIMEOUT});
+    if (!r) break;
+    tshare_cuda_stats(&st);
+    int64_t k = 0, wrong = 0;
+    for (auto &item : r->tensors) {
+      at::Tensor want = at::arange(3 * k, 3 * k + 3, item.value().options().dtype(at::kFloat));
+      wrong += (item.value().to(at::kFloat) != want).sum().item<int64_t>();
+      k++;
+    }
+    unsigned long long opens = (st.imports + st.fd_imports) - (st0.imports + st0.fd_imports);
+    printf("consumer: set %d (%s): %zu tensors, %lld elements wrong, %llu mappings opened\n", sets, r->meta.c_str(),
+           r->tensors.size(), (long long)wrong, opens);
+    CHECK_EQ(wrong, 0);
+    if (r->meta == "again") CHECK_EQ(opens, 0);
+    if (r->meta == "write") r->tensors[0].value().fill_(-1.0f);
+    sets++;
+  }
+  return 0;
+}
+
+static int role_set_killed(tshare_channel *ch) {
+  auto r = tt::recv_set(ch, {TIMEOUT});
+  CHECK(r && r->tensors.size() == 290);
+  raise(SIGKILL);
+  return 1;
+}
+
 static int role_main(int argc, char **argv) {
   if (argc < 3) return 2;
   if (std::string(argv[2]) == "held_reader") return role_held_reader();
@@ -370,6 +408,8 @@ static int role_main(int argc, char **argv) {
            : role == "holder"             ? role_holder(ch)
            : role == "repeat_reader"      ? role_repeat_reader(ch)
            : role == "killed_while_keeping" ? role_killed_while_keeping(ch)
+           : role == "set_reader"         ? role_set_reader(ch)
+           : role == "set_killed"         ? role_set_killed(ch)
                                           : 2;
   tshare_channel_close(ch);
   fflush(stdout);
@@ -615,14 +655,81 @@ TS_TEST(cuda_memory_freed_by_the_producer_returns_after_release) {
   tshare_channel_close(ch);
 }
 
-// A tensor set carries host memory in this version: a CUDA tensor in one is
-// refused before anything is sent, naming the tensor.
-TS_TEST(cuda_tensor_in_a_set_is_refused_clearly) {
+// n numbered tensors (member k holds 3k, 3k+1, 3k+2): views of one tensor,
+// or each its own caching-allocator block.
+static tt::NamedTensors numbered_set(int64_t n, bool blocks) {
+  at::Tensor base = at::arange(3 * n, on_gpu.dtype(at::kFloat)).view({n, 3});
+  tt::NamedTensors set;
+  for (int64_t k = 0; k < n; k++)
+    set.emplace_back("layer." + std::to_string(k), blocks ? base[k].clone() : base[k]);
+  return set;
+}
+
+static void send_set_and_wait(tshare_channel *ch, const tt::NamedTensors &set, const std::string &meta) {
+  uint64_t id = tt::send_set(ch, set, {meta, TIMEOUT});
+  CHECK_RC(tshare_channel_wait_released(ch, id, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+}
+
+// Sets of 1, 290 (each its own block, the last written on a pool stream
+// behind a long sleep: only the set's event orders the consumer after it)
+// and 10,000 CUDA tensors; the same set again maps nothing new; a CPU member
+// rides along; the consumer's writes are the producer's memory.
+TS_TEST(cuda_sets_of_1_290_and_10000_tensors) {
   need_gpu();
-  at::Tensor gpu = at::ones({4}, at::TensorOptions().device(at::kCUDA));
-  at::Tensor cpu = tt::empty_shared({4});
-  CHECK_THROWS_CODE(tt::send_set_all({}, {{"cpu", cpu}, {"gpu", gpu}}), TSHARE_E_UNSUPPORTED, "tensor 1 ('gpu')");
-  CHECK_THROWS_CODE(tt::send_set_all({}, {{"gpu", gpu}}), TSHARE_E_UNSUPPORTED, "CUDA memory");
+  int fd;
+  tshare_process *p = start("set_reader", &fd);
+  tshare_channel *ch = open_channel(fd, "producer");
+  send_set_and_wait(ch, numbered_set(1, false), "one");
+  tt::NamedTensors blocks = numbered_set(290, true);
+  {
+    c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
+    at::Tensor last = blocks.back().second;
+    last.fill_(0.0f);
+    at::cuda::sleep(200 * 1000 * 1000); // about 0.1 s of the GPU's time before the right values land
+    last.copy_(at::arange(867, 870, on_gpu.dtype(at::kFloat)));
+    send_set_and_wait(ch, blocks, "blocks");
+  }
+  send_set_and_wait(ch, blocks, "again");
+  send_set_and_wait(ch, blocks, "again");
+  send_set_and_wait(ch, numbered_set(10000, false), "ten thousand");
+  tt::NamedTensors mixed = numbered_set(2, false);
+  at::Tensor cpu = tt::empty_shared({3});
+  cpu.copy_(at::arange(6, 9, at::kFloat));
+  mixed.emplace_back("cpu", cpu);
+  send_set_and_wait(ch, mixed, "write");
+  CHECK(at::equal(mixed[0].second.cpu(), at::full({3}, -1.0f)));
+  CHECK(at::equal(mixed[1].second.cpu(), at::arange(3, 6, at::kFloat)));
+  bye_and_wait_released(ch, TIMEOUT);
+  finish(p, "consumer");
+  tshare_channel_close(ch);
+}
+
+// A consumer killed while it holds a set: released as one, nothing left.
+TS_TEST(cuda_set_consumer_killed_frees_everything) {
+  need_gpu();
+  int fd;
+  tshare_process *p = start("set_killed", &fd);
+  tshare_channel *ch = open_channel(fd, "producer");
+  uint64_t id = tt::send_set(ch, numbered_set(290, true), {"", TIMEOUT});
+  CHECK_RC(tshare_channel_wait_released(ch, id, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(tshare_channel_outstanding(ch), 0);
+  tshare_exit_status st;
+  CHECK_RC(tshare_process_wait(p, TIMEOUT, &st), TSHARE_OK, "wait");
+  CHECK(st.kind == TSHARE_EXIT_SIGNAL && st.value == SIGKILL);
+  tshare_process_destroy(p);
+  tshare_channel_close(ch);
+}
+
+// What a set refuses of CUDA tensors, before anything is sent.
+TS_TEST(cuda_set_refusals_name_the_tensor) {
+  need_gpu();
+  at::Tensor gpu = at::ones({4}, on_gpu);
+  CHECK_THROWS_CODE(tt::send_set(nullptr, {{"gpu", gpu}}), TSHARE_E_INVALID_ARG, "no channel");
+  if (c10::cuda::device_count() > 1) {
+    at::Tensor other = at::ones({4}, at::TensorOptions().device(at::kCUDA, 1));
+    CHECK_THROWS_CODE(tt::send_set_all({}, {{"gpu", gpu}, {"other", other}}), TSHARE_E_UNSUPPORTED,
+                      "tensor 1 ('other')");
+  }
 }
 
 TS_TEST_MAIN

@@ -1,6 +1,7 @@
 // Tensor sets through the bridge: named tensors in, one tensor set out (a C
-// builder filled with each tensor's host buffer and layout); a received set
-// in, one tensor per member, each holding a view of the set.
+// builder filled with each CPU tensor's host buffer and each CUDA tensor's
+// memory and storage, with its layout); a received set in, one tensor per
+// member, each holding a view of the set.
 //
 // Every tensor is checked before anything moves or goes out, so a refused
 // set names the tensor at fault and leaves the channel as it was; names and
@@ -12,7 +13,14 @@
 #include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
 
+#ifdef TSHARE_TORCH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <unordered_map>
@@ -67,17 +75,56 @@ void check_member(size_t i, const std::string &name, const at::Tensor &t, bool m
   }
   if (name.find('\0') != std::string::npos)
     fail(TSHARE_E_INVALID_ARG, "set: " + member_label(i, name) + ": a name cannot hold a NUL byte");
-  if (!t.is_cpu()) return; // CUDA: the core decides (refused in this version)
   if (detail::is_received(t))
     fail(TSHARE_E_UNSUPPORTED, "set: " + member_label(i, name) +
                                    " was received from a peer: a set carries this process's own shared memory; "
                                    "send it on alone with send(), or copy it into empty_shared() first");
+  if (t.is_cuda()) {
+#ifndef TSHARE_TORCH_CUDA
+    fail(TSHARE_E_UNSUPPORTED,
+         "set: " + member_label(i, name) + " is a CUDA tensor and this build of the bridge has no CUDA");
+#endif
+    return; // the caching allocator's memory travels as it is: the core describes it
+  }
   if (!detail::host_buffer_of(t) && !move)
     fail(TSHARE_E_UNSUPPORTED, "set: " + member_label(i, name) +
                                    " is not in shared memory: call tshare::torch::share_module_(module) once (the "
                                    "module's parameters and buffers move there in place), share_memory_() the "
                                    "tensor, or set SetOptions::move_to_shared_memory");
 }
+
+#ifdef TSHARE_TORCH_CUDA
+// What keeps a CUDA member's memory alive: its storage, counted, as the
+// builder and each sent set take their own reference (from any thread).
+struct StorageKeep {
+  std::atomic<int> refs{1};
+  c10::Storage storage;
+  explicit StorageKeep(c10::Storage s) : storage(std::move(s)) {}
+};
+void retain_storage(void *keep) { static_cast<StorageKeep *>(keep)->refs.fetch_add(1); }
+void drop_storage(void *keep) {
+  auto *k = static_cast<StorageKeep *>(keep);
+  if (k->refs.fetch_sub(1) == 1) delete k;
+}
+
+int add_cuda_member(tshare_set_builder *b, const std::string &name, const at::Tensor &t, tshare_error *err) {
+  if (t.storage().data() == nullptr) {
+    // An empty storage has no allocation to export: a small owned buffer
+    // carries the (empty) layout instead, as send() does.
+    tshare_cuda_buffer *buffer = nullptr;
+    int rc = tshare_cuda_buffer_create_kind(t.device().index(), 256, TSHARE_CUDA_HANDLE_LEGACY, &buffer, err);
+    if (rc != TSHARE_OK) return rc;
+    tshare_tensor_desc d = detail::describe(t, nullptr);
+    rc = tshare_set_builder_add_cuda_buffer(b, name.c_str(), buffer, &d, err);
+    tshare_cuda_buffer_release(buffer); // the builder holds it
+    return rc;
+  }
+  const void *base = t.storage().data();
+  tshare_tensor_desc d = detail::describe(t, base);
+  return tshare_set_builder_add_cuda_keep(b, name.c_str(), const_cast<void *>(base), &d, retain_storage,
+                                          drop_storage, new StorageKeep(t.storage()), err);
+}
+#endif
 
 void add_member(tshare_set_builder *b, size_t i, const std::string &name, const at::Tensor &t, bool move) {
   tshare_error err;
@@ -88,15 +135,33 @@ void add_member(tshare_set_builder *b, size_t i, const std::string &name, const 
     tshare_tensor_desc d = detail::describe(t, tshare_host_buffer_data(buffer));
     rc = tshare_set_builder_add_host(b, name.c_str(), buffer, &d, &err);
   } else {
-    const void *base = t.storage().data();
-    tshare_tensor_desc d = detail::describe(t, base);
-    rc = tshare_set_builder_add_cuda(b, name.c_str(), const_cast<void *>(base), &d, &err);
+#ifdef TSHARE_TORCH_CUDA
+    rc = add_cuda_member(b, name, t, &err);
+#else
+    rc = TSHARE_E_UNSUPPORTED; // refused by check_member already
+    std::snprintf(err.message, sizeof err.message, "set: no CUDA in this build");
+#endif
   }
   if (rc != TSHARE_OK) {
     std::string why = err.message;
     if (why.rfind("set: ", 0) == 0) why.erase(0, 5);
     fail(rc, "set: " + member_label(i, name) + ": " + why);
   }
+}
+
+// The CUDA members are ordered after the work queued so far on the current
+// stream of their device (a set carries one device's memory: the core
+// refuses a second device, naming the tensor).
+void order_after_current_stream(tshare_set_builder *b, const MemberRefs &members) {
+#ifdef TSHARE_TORCH_CUDA
+  for (const auto &m : members)
+    if (m.second->is_cuda()) {
+      tshare_set_builder_set_stream(b, c10::cuda::getCurrentCUDAStream(m.second->device().index()).stream());
+      return;
+    }
+#else
+  (void)b, (void)members;
+#endif
 }
 
 BuilderPtr build(const MemberRefs &members, const SetOptions &o) {
@@ -110,6 +175,7 @@ BuilderPtr build(const MemberRefs &members, const SetOptions &o) {
   if (rc != TSHARE_OK) fail(rc, err.message);
   for (size_t i = 0; i < members.size(); i++)
     add_member(b.get(), i, *members[i].first, *members[i].second, o.move_to_shared_memory);
+  order_after_current_stream(b.get(), members);
   return b;
 }
 
@@ -203,6 +269,25 @@ std::vector<SendResult> send_set_all(const std::vector<tshare_channel *> &channe
   return send_all_built(channels, refs_of(tensors), options, release_timeout_ms);
 }
 
+namespace {
+// A set's CUDA tensors are ready for work on the default stream (the set's
+// event is waited for there): a current stream of another kind waits for it
+// too, on the GPU.
+void order_current_after_default(int device) {
+#ifdef TSHARE_TORCH_CUDA
+  auto index = static_cast<c10::DeviceIndex>(device);
+  c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(index);
+  c10::cuda::CUDAStream fallback = c10::cuda::getDefaultCUDAStream(index);
+  if (current == fallback) return;
+  at::cuda::CUDAEvent ready;
+  ready.record(fallback);
+  ready.block(current);
+#else
+  (void)device;
+#endif
+}
+} // namespace
+
 std::optional<ReceivedSet> recv_set(tshare_channel *ch, const RecvOptions &options) {
   if (!ch) fail(TSHARE_E_INVALID_ARG, "recv_set: no channel");
   tshare_set *set = nullptr;
@@ -228,7 +313,10 @@ std::optional<ReceivedSet> recv_set(tshare_channel *ch, const RecvOptions &optio
     tshare_set_release(set); // r's tensors go with the exception: the set is released back
     throw;
   }
+  int device = -1;
+  for (size_t i = 0; i < count && device < 0; i++) device = tshare_set_cuda_device(set, i);
   tshare_set_release(set); // the tensors hold the set from here
+  if (device >= 0) order_current_after_default(device);
   return r;
 }
 

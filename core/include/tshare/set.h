@@ -19,14 +19,27 @@
  * set's tensors are the producer's memory: writes through them are visible to
  * the producer.
  *
- * This version carries host memory (tshare host buffers, sent as memfds over a
- * socket channel) and needs a peer of wire 1.3 or newer; CUDA members are
- * refused with TSHARE_E_UNSUPPORTED.
+ * A set carries host memory (tshare host buffers, sent as memfds over a
+ * socket channel) and CUDA memory of one device (tshare CUDA buffers, and
+ * another allocator's memory: cudaMalloc segments as legacy IPC handles, VMM
+ * memory as fds), mixed as needed, and needs a peer of wire 1.3 or newer
+ * (for CUDA members one with TSHARE_CAP_SET_CUDA: an older peer is refused
+ * with TSHARE_E_PEER_MISMATCH before anything is sent). Each CUDA allocation
+ * travels once however many members point into it, and the consumer maps it
+ * once (its import cache: a set sent again maps nothing new where the
+ * producer keeps the memory alive for it: tshare buffers, and members added
+ * with a keep). The consumer's work on the set is ordered after the
+ * producer's stream (tshare_set_builder_set_stream) by one event per set:
+ * tensors received are ready for work on the default stream of their device
+ * (the legacy stream 0, and every stream that synchronizes with it); the
+ * set's release waits for the work queued there when the last reference
+ * goes.
  */
 #ifndef TSHARE_SET_H
 #define TSHARE_SET_H
 
 #include "tshare/channel.h"
+#include "tshare/cuda.h"
 #include "tshare/errors.h"
 #include "tshare/hostmem.h"
 #include "tshare/share.h"
@@ -55,10 +68,32 @@ TSHARE_API void tshare_set_builder_destroy(tshare_set_builder *b);
  * until it is destroyed. On failure nothing is added and err says why. */
 TSHARE_API int tshare_set_builder_add_host(tshare_set_builder *b, const char *name, tshare_host_buffer *buf,
                                            const tshare_tensor_desc *desc, tshare_error *err);
-/* A CUDA tensor in a set: refused (TSHARE_E_UNSUPPORTED) in this version;
- * share CUDA tensors one by one with tshare_share_cuda(). */
+/* A CUDA tensor another allocator made (cudaMalloc, a caching allocator's
+ * segment, VMM memory), at ptr (desc->byte_offset relative to ptr). The
+ * caller keeps the memory alive until every set sent with it is released:
+ * the consumer maps such memory anew for each set (nothing tells this end
+ * when the caller frees it). All CUDA members of a set live on one device. */
 TSHARE_API int tshare_set_builder_add_cuda(tshare_set_builder *b, const char *name, void *ptr,
                                            const tshare_tensor_desc *desc, tshare_error *err);
+/* The same, with what keeps the memory alive: the builder takes over the
+ * caller's reference on keep (dropped when it is destroyed), each sent set
+ * takes its own with retain(keep) and drops it at its release, and a
+ * segment may be held a while longer so the consumer keeps it mapped between
+ * sets (docs/cuda.md: the caching allocator's segments). drop(keep) runs at
+ * once when the call fails. What a binding uses for a tensor's storage. */
+TSHARE_API int tshare_set_builder_add_cuda_keep(tshare_set_builder *b, const char *name, void *ptr,
+                                                const tshare_tensor_desc *desc, void (*retain)(void *keep),
+                                                tshare_drop_fn drop, void *keep, tshare_error *err);
+/* A tensor in a tshare CUDA buffer (desc->byte_offset relative to the
+ * buffer's start; the layout must lie inside it). The builder holds a
+ * reference on buf until it is destroyed, each sent set one until its
+ * release. */
+TSHARE_API int tshare_set_builder_add_cuda_buffer(tshare_set_builder *b, const char *name, tshare_cuda_buffer *buf,
+                                                  const tshare_tensor_desc *desc, tshare_error *err);
+/* The CUDA stream (a CUstream / cudaStream_t of the members' device) whose
+ * work wrote the CUDA members: each send orders the consumer after the work
+ * queued on it so far. NULL (the default): the legacy default stream. */
+TSHARE_API void tshare_set_builder_set_stream(tshare_set_builder *b, void *stream);
 /* Set the metadata (copied; at most TSHARE_SET_META_MAX bytes; len 0 clears it). */
 TSHARE_API int tshare_set_builder_set_meta(tshare_set_builder *b, const void *meta, size_t len, tshare_error *err);
 TSHARE_API size_t tshare_set_builder_count(const tshare_set_builder *b);
@@ -92,6 +127,9 @@ TSHARE_API size_t tshare_set_count(const tshare_set *set);
 TSHARE_API const char *tshare_set_name(const tshare_set *set, size_t i);
 TSHARE_API const tshare_tensor_desc *tshare_set_desc(const tshare_set *set, size_t i);
 TSHARE_API void *tshare_set_data(const tshare_set *set, size_t i);
+/* The CUDA device tensor i lives on, as this process numbers its devices;
+ * -1 for host memory (and past the end). Its data is a device address then. */
+TSHARE_API int tshare_set_cuda_device(const tshare_set *set, size_t i);
 /* The index of the tensor called name, or -1. */
 TSHARE_API long tshare_set_find(const tshare_set *set, const char *name);
 /* The metadata (NULL with *len 0 when the set has none); valid while the set

@@ -89,6 +89,9 @@ typedef enum tshare_frame_type {
   (1u << 7) /* minor 4: may keep host memfd mappings of shares sent with TSHARE_SHARE_FLAG_RETIRE_NOTICE, says so in  \
                a retire frame (closed = 2, mem_kind TSHARE_MEM_HOST_MEMFD) and takes TSHARE_MEM_HOST_KEPT shares of    \
                them until their owner retires them */
+#define TSHARE_CAP_SET_CUDA                                                                                            \
+  (1u << 8) /* minor 3: receives CUDA memories in tensor sets (set MEM frames of TSHARE_MEM_CUDA_IPC or _FD with      \
+               their share_flags, chunk frames before them, the END frame's event) */
 
 /* Share flags (share_flags, minor 1). Unknown bits are ignored. */
 #define TSHARE_SHARE_FLAG_RETIRE_NOTICE                                                                                \
@@ -205,7 +208,11 @@ typedef struct tshare_chunk_frame {
  *   END      the set is complete
  *
  * The sender sends a set's frames back to back; only the peer's own release,
- * event and retire frames may come between them. Anything else inside a set,
+ * event and retire frames may come between them, and, before a MEM frame of
+ * CUDA VMM memory in several chunks, that memory's chunk frames. CUDA
+ * memories (to a peer with TSHARE_CAP_SET_CUDA only) carry share_flags; the
+ * END frame carries the set's one stream-ordering event (HAS_EVENT), recorded
+ * once after all members were written. Anything else inside a set,
  * a total that does not add up, a duplicate name or a member outside its
  * memory makes the receiver refuse the set (released back at once). */
 #define TSHARE_SET_MEMBERS_MAX 65536u             /* tensors in one set */
@@ -229,9 +236,12 @@ typedef struct tshare_set_begin_frame {
   uint32_t meta_bytes;  /* 0..TSHARE_SET_META_MAX */
 } tshare_set_begin_frame;
 
-/* One memory of the set, described as a share frame describes its memory.
- * Host memory only for now (TSHARE_MEM_HOST_MEMFD, its fd attached); the
- * fields are those a CUDA memory will need. */
+/* One memory of the set, described as a share frame describes its memory:
+ * TSHARE_MEM_HOST_MEMFD (its fd attached), TSHARE_MEM_CUDA_IPC (its handle),
+ * TSHARE_MEM_CUDA_FD (its first chunk's fd attached; with
+ * TSHARE_SHARE_FLAG_CHUNKS the others came in chunk frames just before) or
+ * TSHARE_MEM_CUDA_HELD (a run the receiver said it keeps mapped). share_flags
+ * travel only for the CUDA kinds: a host memory's frame is that of 1.3. */
 typedef struct tshare_set_mem_frame {
   uint32_t index;    /* 0..mem_count-1, in order */
   uint64_t alloc_id; /* identity of the allocation in the sender's process */
@@ -241,7 +251,16 @@ typedef struct tshare_set_mem_frame {
   uint8_t handle[TSHARE_HANDLE_MAX];
   uint8_t device_uuid[16];
   uint64_t alloc_size;
+  uint32_t share_flags; /* CUDA kinds: TSHARE_SHARE_FLAG_RETIRE_NOTICE, TSHARE_SHARE_FLAG_CHUNKS; 0 for host */
 } tshare_set_mem_frame;
+
+/* The END frame: with TSHARE_FRAME_FLAG_HAS_EVENT, the event slot (announced
+ * by an event frame) recorded once on the producer's stream after all CUDA
+ * members: the receiver orders its work after it. */
+typedef struct tshare_set_end_frame {
+  uint32_t event_slot; /* < TSHARE_EVENT_SLOTS_MAX */
+  uint32_t event_generation;
+} tshare_set_end_frame;
 
 typedef struct tshare_set_member_frame {
   uint32_t index;     /* 0..count-1, in order */
@@ -265,6 +284,7 @@ typedef struct tshare_set_frame {
     tshare_set_mem_frame mem;
     tshare_set_member_frame member;
     tshare_set_meta_frame meta;
+    tshare_set_end_frame end;
   } u;
 } tshare_set_frame;
 

@@ -26,8 +26,11 @@
 // alive; the set is released to the producer, once, when the last of them is
 // gone. Writes through them are the producer's memory.
 //
-// This version carries CPU tensors; a CUDA tensor in a set is refused with
-// the core's TSHARE_E_UNSUPPORTED (send CUDA tensors one by one with send()).
+// CUDA tensors (of one device, either allocator mode) go as they are: the set
+// holds each storage until its release and is ordered after the current
+// stream of their device; recv_set gives CUDA tensors ready for work on the
+// current stream. The set's release waits for the work queued on the default
+// stream: synchronize work on other streams before dropping the tensors.
 #ifndef TSHARE_TORCH_SET_H
 #define TSHARE_TORCH_SET_H
 
