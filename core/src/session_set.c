@@ -194,7 +194,7 @@ static int add_mem(tshare_channel *ch, tshare_set *s, const tshare_set_mem_frame
   if (m->index != s->mems_got || m->index >= s->mem_count || s->members_got)
     return refuse_set(ch, TSHARE_E_PROTOCOL, true, "memory %u out of order (%u of %u came)", m->index, s->mems_got,
                       s->mem_count);
-  if (m->mem_kind != TSHARE_MEM_HOST_MEMFD)
+  if (m->mem_kind != TSHARE_MEM_HOST_MEMFD && m->mem_kind != TSHARE_MEM_HOST_FD)
     return refuse_set(ch, TSHARE_E_UNSUPPORTED, true,
                       "memory %u is %s memory, and tensor sets carry host memory only in this version", m->index,
                       m->device_type == TSHARE_DEVICE_CUDA ? "CUDA" : "non-host");
@@ -204,7 +204,7 @@ static int add_mem(tshare_channel *ch, tshare_set *s, const tshare_set_mem_frame
   share.u.share.share_id = s->set_id;
   share.u.share.alloc_id = m->alloc_id;
   share.u.share.alloc_size = m->alloc_size;
-  share.u.share.mem_kind = TSHARE_MEM_HOST_MEMFD;
+  share.u.share.mem_kind = m->mem_kind; /* an unsealed file (HOST_FD) gets the backend's checks of one */
   struct tshare_view probe;
   memset(&probe, 0, sizeof probe);
   int rc = ts_set_host_backend()->import(ch, &share, fd, NULL, &probe);

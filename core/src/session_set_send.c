@@ -212,6 +212,12 @@ static int check_can_send(tshare_channel *ch, const tshare_set_builder *b) {
                    "upgrade it, or share the tensors one by one",
                    ch->conn.peer_label, (unsigned)ch->conn.peer.major, (unsigned)ch->conn.peer.minor,
                    TSHARE_WIRE_MAJOR);
+  for (size_t i = 0; i < b->mem_count; i++)
+    if (!tshare_host_buffer_is_sealed(b->mems[i]) && !(ch->conn.peer.capabilities & TSHARE_CAP_HOST_FD))
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_MISMATCH,
+                     "set: memory %zu is an unsealed file (torch's shared memory) and peer %s does not take such "
+                     "files: copy it into tshare's shared memory",
+                     i, ch->conn.peer_label);
   return TSHARE_OK;
 }
 
@@ -235,7 +241,8 @@ static int send_members(tshare_channel *ch, const tshare_set_builder *b, uint64_
     f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
     f.u.set.u.mem = (tshare_set_mem_frame){.index = (uint32_t)i,
                                      .alloc_id = tshare_host_buffer_id(b->mems[i]),
-                                     .mem_kind = TSHARE_MEM_HOST_MEMFD,
+                                     .mem_kind = tshare_host_buffer_is_sealed(b->mems[i]) ? TSHARE_MEM_HOST_MEMFD
+                                                                                          : TSHARE_MEM_HOST_FD,
                                      .device_type = TSHARE_DEVICE_CPU,
                                      .alloc_size = tshare_host_buffer_size(b->mems[i])};
     rc = send_step(ch, &f, tshare_host_buffer_fd(b->mems[i]), deadline);
