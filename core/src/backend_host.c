@@ -209,17 +209,14 @@ static int check_unsealed_locked(tshare_channel *ch, const tshare_share_frame *s
   return TSHARE_OK;
 }
 
-/* A new mapping of the fd (checked: a memfd sealed against shrinking, or
- * for TSHARE_MEM_HOST_FD a regular file of a same-uid peer), in the
- * channel's mappings (ch->lock held). */
+/* A new mapping of the fd (checked: a memfd sealed against shrinking; a
+ * TSHARE_MEM_HOST_FD file was checked by the caller), in the channel's
+ * mappings (ch->lock held). */
 static int map_new_locked(tshare_channel *ch, const tshare_share_frame *s, int fd, const struct stat *st,
                           ts_mapping **out) {
   bool unsealed = s->mem_kind == TSHARE_MEM_HOST_FD;
   int seals = fcntl(fd, F_GET_SEALS);
-  if (unsealed) {
-    int rc = check_unsealed_locked(ch, s, st);
-    if (rc != TSHARE_OK) return rc;
-  } else if (seals < 0 || !(seals & F_SEAL_SHRINK))
+  if (!unsealed && (seals < 0 || !(seals & F_SEAL_SHRINK)))
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
                    "import: share %llu: fd is not a memfd sealed against shrinking", (unsigned long long)s->share_id);
   ts_mapping *m = calloc(1, sizeof *m);
@@ -256,6 +253,10 @@ static int map_new_locked(tshare_channel *ch, const tshare_share_frame *s, int f
 static int map_memfd_locked(tshare_channel *ch, const tshare_share_frame *s, int *fdp, ts_mapping **out) {
   struct stat st;
   if (fstat(*fdp, &st) != 0) return ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "import: fstat");
+  if (s->mem_kind == TSHARE_MEM_HOST_FD) { /* before the size: a pipe or socket has none */
+    int rc = check_unsealed_locked(ch, s, &st);
+    if (rc != TSHARE_OK) return rc;
+  }
   if ((uint64_t)st.st_size < s->alloc_size)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_OUT_OF_BOUNDS,
                    "import: share %llu claims %llu bytes, the memfd has %lld", (unsigned long long)s->share_id,
