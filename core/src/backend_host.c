@@ -26,9 +26,9 @@ static ts_u64map *mappings_of(tshare_channel *ch) { return &ts_host_chan(ch)->ma
 /* A memfd share: the one frame both a producer's buffer and a forwarded host
  * view travel as; fd -1 for memory the peer keeps mapped (TSHARE_MEM_HOST_KEPT).
  * tag is checked; e is consumed. */
-static int send_memfd_share(tshare_channel *ch, uint64_t alloc_id, uint64_t alloc_size, int fd, uint32_t share_flags,
-                            const tshare_tensor_desc *desc, const char *tag, ts_export *e, int timeout_ms,
-                            uint64_t *share_id) {
+static int send_memfd_share(tshare_channel *ch, uint64_t alloc_id, uint64_t alloc_size, int fd, bool unsealed,
+                            uint32_t share_flags, const tshare_tensor_desc *desc, const char *tag, ts_export *e,
+                            int timeout_ms, uint64_t *share_id) {
   if (!(ts_conn_caps(&ch->conn) & TS_TRANSPORT_PASSES_FDS)) {
     ts_export_drop(e);
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
@@ -43,13 +43,20 @@ static int send_memfd_share(tshare_channel *ch, uint64_t alloc_id, uint64_t allo
                    "share: peer %s does not import host memory (no memfd capability in its hello)",
                    ch->conn.peer_label);
   }
+  if (unsealed && !(ch->conn.peer.capabilities & TSHARE_CAP_HOST_FD)) {
+    ts_export_drop(e);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_MISMATCH,
+                   "share: the memory is an unsealed file (not a tshare memfd) and peer %s does not take such files "
+                   "(no host-fd capability in its hello): copy it into tshare_host_buffer_create() memory",
+                   ch->conn.peer_label);
+  }
   tshare_frame f;
   memset(&f, 0, sizeof f);
   f.type = TSHARE_FRAME_SHARE;
   f.flags = fd >= 0 ? TSHARE_FRAME_FLAG_FD_ATTACHED : 0;
   tshare_share_frame *s = &f.u.share;
   s->alloc_id = alloc_id;
-  s->mem_kind = fd >= 0 ? TSHARE_MEM_HOST_MEMFD : TSHARE_MEM_HOST_KEPT;
+  s->mem_kind = fd < 0 ? TSHARE_MEM_HOST_KEPT : unsealed ? TSHARE_MEM_HOST_FD : TSHARE_MEM_HOST_MEMFD;
   s->share_flags = share_flags;
   s->device_type = TSHARE_DEVICE_CPU;
   s->alloc_size = alloc_size;
@@ -67,9 +74,11 @@ static int share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_
   if (tag_len > TSHARE_TAG_MAX)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TOO_LARGE, "share: tag of %zu bytes over %d", tag_len,
                    TSHARE_TAG_MAX);
-  bool kept;
-  uint32_t share_flags;
-  int rc = ts_host_lend(ch, buf, &kept, &share_flags);
+  bool kept = false, unsealed = ts_host_buffer_unsealed(buf);
+  uint32_t share_flags = 0;
+  /* An unsealed file is never lent: a consumer keeping it mapped would stay
+   * exposed to a truncation long after the share. */
+  int rc = unsealed ? TSHARE_OK : ts_host_lend(ch, buf, &kept, &share_flags);
   if (rc != TSHARE_OK) return rc;
   ts_export *e = malloc(sizeof *e);
   if (!e) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
@@ -79,7 +88,8 @@ static int share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_
   e->backend = &ts_host_backend; /* its export_done retires a buffer the release leaves unused */
   ts_host_buffer_retain(buf);
   return send_memfd_share(ch, tshare_host_buffer_id(buf), tshare_host_buffer_size(buf),
-                          kept ? -1 : tshare_host_buffer_fd(buf), share_flags, desc, tag, e, timeout_ms, share_id);
+                          kept ? -1 : tshare_host_buffer_fd(buf), unsealed, share_flags, desc, tag, e, timeout_ms,
+                          share_id);
 }
 
 int tshare_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_tensor_desc *desc, const char *tag,
@@ -103,7 +113,7 @@ static int host_share_view(tshare_channel *ch, tshare_view *v, const tshare_tens
                        "cannot be shared on"
                      : "share: the view has no mapped memory to share on");
   }
-  return send_memfd_share(ch, m->forward_id, m->size, m->fd, 0, desc, tag, e, timeout_ms, share_id);
+  return send_memfd_share(ch, m->forward_id, m->size, m->fd, m->unsealed, 0, desc, tag, e, timeout_ms, share_id);
 }
 
 /* ---- consumer side ------------------------------------------------------ */
@@ -182,12 +192,31 @@ static void host_chan_free(tshare_channel *ch) {
   *slot = NULL;
 }
 
-/* A new mapping of the memfd fd (checked: a memfd sealed against
- * shrinking), in the channel's mappings (ch->lock held). */
+/* What an unsealed file (TSHARE_MEM_HOST_FD) must be: its owner could
+ * shrink it under the mapping (SIGBUS here), so it is taken only from a peer
+ * of this process's uid, who could as well ptrace it. */
+static int check_unsealed_locked(tshare_channel *ch, const tshare_share_frame *s, const struct stat *st) {
+  if (ch->conn.peer.uid != (uint32_t)getuid())
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PERMISSION,
+                   "import: share %llu is an unsealed file, taken only from a peer of this uid (%ld); %s runs as "
+                   "uid %lu",
+                   (unsigned long long)s->share_id, (long)getuid(), ch->conn.peer_label,
+                   (unsigned long)ch->conn.peer.uid);
+  if (!S_ISREG(st->st_mode))
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                   "import: share %llu: the fd is not a regular file (a pipe, socket or device)",
+                   (unsigned long long)s->share_id);
+  return TSHARE_OK;
+}
+
+/* A new mapping of the fd (checked: a memfd sealed against shrinking; a
+ * TSHARE_MEM_HOST_FD file was checked by the caller), in the channel's
+ * mappings (ch->lock held). */
 static int map_new_locked(tshare_channel *ch, const tshare_share_frame *s, int fd, const struct stat *st,
                           ts_mapping **out) {
+  bool unsealed = s->mem_kind == TSHARE_MEM_HOST_FD;
   int seals = fcntl(fd, F_GET_SEALS);
-  if (seals < 0 || !(seals & F_SEAL_SHRINK))
+  if (!unsealed && (seals < 0 || !(seals & F_SEAL_SHRINK)))
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
                    "import: share %llu: fd is not a memfd sealed against shrinking", (unsigned long long)s->share_id);
   ts_mapping *m = calloc(1, sizeof *m);
@@ -197,6 +226,7 @@ static int map_new_locked(tshare_channel *ch, const tshare_share_frame *s, int f
   m->size = (size_t)s->alloc_size;
   m->ino = (unsigned long)st->st_ino;
   m->dev = (unsigned long)st->st_dev;
+  m->unsealed = unsealed;
   if (m->size) {
     m->base = mmap(NULL, m->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (m->base == MAP_FAILED) {
@@ -223,6 +253,10 @@ static int map_new_locked(tshare_channel *ch, const tshare_share_frame *s, int f
 static int map_memfd_locked(tshare_channel *ch, const tshare_share_frame *s, int *fdp, ts_mapping **out) {
   struct stat st;
   if (fstat(*fdp, &st) != 0) return ts_errsys(ch->err, sizeof ch->err, TSHARE_E_SYSTEM, errno, "import: fstat");
+  if (s->mem_kind == TSHARE_MEM_HOST_FD) { /* before the size: a pipe or socket has none */
+    int rc = check_unsealed_locked(ch, s, &st);
+    if (rc != TSHARE_OK) return rc;
+  }
   if ((uint64_t)st.st_size < s->alloc_size)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_OUT_OF_BOUNDS,
                    "import: share %llu claims %llu bytes, the memfd has %lld", (unsigned long long)s->share_id,
@@ -257,7 +291,7 @@ static int host_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void
   ts_mapping *m = NULL;
   int rc = kept_share ? ts_host_kept_mapping_locked(ch, s, &m) : map_memfd_locked(ch, s, fdp, &m);
   if (rc == TSHARE_OK) {
-    if (!kept_share) ts_host_maybe_keep_locked(ch, m, s->share_flags);
+    if (!kept_share && !m->unsealed) ts_host_maybe_keep_locked(ch, m, s->share_flags);
     m->views++;
   }
   pthread_mutex_unlock(&ch->lock);
@@ -269,17 +303,21 @@ static int host_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void
 
 static uint64_t host_hello_caps(uint32_t transport_caps) {
   return transport_caps & TS_TRANSPORT_PASSES_FDS
-             ? (TSHARE_CAP_FD_PASSING | TSHARE_CAP_HOST_MEMFD | TSHARE_CAP_TENSOR_SETS | TSHARE_CAP_HOST_KEPT)
+             ? (TSHARE_CAP_FD_PASSING | TSHARE_CAP_HOST_MEMFD | TSHARE_CAP_TENSOR_SETS | TSHARE_CAP_HOST_KEPT |
+                TSHARE_CAP_HOST_FD)
              : 0;
 }
 
 static const char *host_mem_kind_name(int mem_kind) {
-  return mem_kind == TSHARE_MEM_HOST_KEPT ? "host memfd kept mapped" : "host memfd";
+  return mem_kind == TSHARE_MEM_HOST_KEPT ? "host memfd kept mapped"
+         : mem_kind == TSHARE_MEM_HOST_FD ? "host unsealed file"
+                                          : "host memfd";
 }
 
 const ts_backend ts_host_backend = {
     .name = "host",
-    .mem_kinds = TS_MEM_KIND_BIT(TSHARE_MEM_HOST_MEMFD) | TS_MEM_KIND_BIT(TSHARE_MEM_HOST_KEPT),
+    .mem_kinds = TS_MEM_KIND_BIT(TSHARE_MEM_HOST_MEMFD) | TS_MEM_KIND_BIT(TSHARE_MEM_HOST_KEPT) |
+                 TS_MEM_KIND_BIT(TSHARE_MEM_HOST_FD),
     .mem_kind_name = host_mem_kind_name,
     .hello_caps = host_hello_caps,
     .chan_init = host_chan_init,

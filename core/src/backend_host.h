@@ -25,6 +25,7 @@ typedef struct ts_mapping {
   uint64_t forward_id;    /* this process's alloc id for it when shared on */
   bool kept;              /* kept mapped while idle, until its owner retires it */
   bool fd_budgeted;       /* its fd counts against the kept mappings' fd budget */
+  bool unsealed;          /* came as TSHARE_MEM_HOST_FD: shared on as such */
 } ts_mapping;
 
 /* This backend's state in a channel. */
@@ -55,6 +56,8 @@ bool ts_host_buffer_only_lent(const struct tshare_host_buffer *buf);
 /* The same, but for one reference more (a share's, about to be let go). */
 bool ts_host_buffer_only_lent_but_one(const struct tshare_host_buffer *buf);
 uint64_t ts_host_buffers_unused_generation(void);
+/* A wrapped file not sealed against shrinking: it travels as TSHARE_MEM_HOST_FD, never lent. */
+bool ts_host_buffer_unsealed(const struct tshare_host_buffer *buf);
 
 /* backend_host.c: one view of m went (ch->lock held); the last one of a
  * mapping not kept unmaps it. */

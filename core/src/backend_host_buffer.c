@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 struct tshare_host_buffer {
@@ -19,6 +20,10 @@ struct tshare_host_buffer {
   void *data;
   size_t size;
   uint64_t id;
+  bool unsealed;          /* a wrapped file that can be shrunk (TSHARE_MEM_HOST_FD) */
+  bool foreign_mapping;   /* data is the wrapper's mapping: not ours to unmap */
+  void (*on_last)(void *); /* a wrapped file's owner hears when the last reference went */
+  void *on_last_ctx;
 };
 
 /* Allocation ids only need to be unique within this process; a counter is the
@@ -80,6 +85,66 @@ int tshare_host_buffer_create(size_t size, const char *name, tshare_host_buffer 
   return TSHARE_OK;
 }
 
+/* The checks a wrapped fd passes: a regular file (tmpfs, /dev/shm, memfd)
+ * of at least size bytes. Anything else (a pipe, a socket, a device) could
+ * not be mapped by a consumer the way the producer does. */
+static int check_wrappable(int fd, size_t size, bool *unsealed, char *msg, size_t cap) {
+  struct stat st;
+  if (fd < 0 || fstat(fd, &st) != 0) return ts_errsys(msg, cap, TSHARE_E_INVALID_ARG, errno, "host buffer: fstat(fd %d)", fd);
+  if (!S_ISREG(st.st_mode))
+    return ts_errf(msg, cap, TSHARE_E_INVALID_ARG, "host buffer: fd %d is not a regular file (a pipe, socket or device)",
+                   fd);
+  if (size == 0 || (uint64_t)st.st_size < size)
+    return ts_errf(msg, cap, TSHARE_E_OUT_OF_BOUNDS, "host buffer: fd %d has %lld bytes, %zu claimed", fd,
+                   (long long)st.st_size, size);
+  int seals = fcntl(fd, F_GET_SEALS);
+  *unsealed = seals < 0 || !(seals & F_SEAL_SHRINK);
+  return TSHARE_OK;
+}
+
+int tshare_host_buffer_wrap_fd(int fd, size_t size, void *data, void (*on_last)(void *ctx), void *ctx,
+                               tshare_host_buffer **out, tshare_error *err) {
+  char msg[TSHARE_ERROR_MSG_MAX];
+  if (!out) return TSHARE_E_INVALID_ARG;
+  *out = NULL;
+  bool unsealed = true;
+  int rc = check_wrappable(fd, size, &unsealed, msg, sizeof msg);
+  tshare_host_buffer *b = rc == TSHARE_OK ? calloc(1, sizeof *b) : NULL;
+  if (rc == TSHARE_OK && !b) rc = ts_errf(msg, sizeof msg, TSHARE_E_NOMEM, "host buffer: out of memory");
+  if (rc == TSHARE_OK) {
+    b->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (b->fd < 0) rc = ts_errsys(msg, sizeof msg, TSHARE_E_SYSTEM, errno, "host buffer: dup(fd %d)", fd);
+  }
+  if (rc == TSHARE_OK && !data) {
+    b->data = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, b->fd, 0);
+    if (b->data == MAP_FAILED) {
+      b->data = NULL;
+      rc = ts_errsys(msg, sizeof msg, TSHARE_E_SYSTEM, errno, "host buffer: mmap(%zu)", size);
+    }
+  }
+  if (rc != TSHARE_OK) {
+    if (b && b->fd >= 0) close(b->fd);
+    free(b);
+    ts_error_fill(err, rc, msg);
+    return rc;
+  }
+  if (data) b->data = data, b->foreign_mapping = true;
+  b->size = size;
+  b->unsealed = unsealed;
+  b->on_last = on_last;
+  b->on_last_ctx = ctx;
+  b->id = ts_host_next_alloc_id();
+  atomic_init(&b->refs, 1);
+  atomic_init(&b->outstanding, 0);
+  atomic_init(&b->lent, 0);
+  ts_error_fill(err, TSHARE_OK, "");
+  *out = b;
+  return TSHARE_OK;
+}
+
+bool ts_host_buffer_unsealed(const tshare_host_buffer *b) { return b->unsealed; }
+int tshare_host_buffer_is_sealed(const tshare_host_buffer *b) { return b && !b->unsealed; }
+
 void *tshare_host_buffer_data(const tshare_host_buffer *b) { return b ? b->data : NULL; }
 size_t tshare_host_buffer_size(const tshare_host_buffer *b) { return b ? b->size : 0; }
 uint64_t tshare_host_buffer_id(const tshare_host_buffer *b) { return b ? b->id : 0; }
@@ -92,8 +157,9 @@ static void unref(tshare_host_buffer *b) {
     if (left == atomic_load(&b->lent)) atomic_fetch_add(&unused_generation, 1);
     return;
   }
-  munmap(b->data, b->size);
+  if (!b->foreign_mapping && b->data) munmap(b->data, b->size);
   close(b->fd);
+  if (b->on_last) b->on_last(b->on_last_ctx);
   free(b);
 }
 

@@ -261,7 +261,7 @@ static int add_mem(tshare_channel *ch, tshare_set *s, const tshare_set_mem_frame
     return refuse_set(ch, TSHARE_E_PROTOCOL, true, "memory %u out of order (%u of %u came)", m->index, s->mems_got,
                       s->mem_count);
   const ts_backend *be = ts_backend_for_mem_kind(m->mem_kind);
-  bool host = m->mem_kind == TSHARE_MEM_HOST_MEMFD;
+  bool host = m->mem_kind == TSHARE_MEM_HOST_MEMFD || m->mem_kind == TSHARE_MEM_HOST_FD;
   if (!be || (!host && !be->set_release))
     return refuse_set(ch, TSHARE_E_UNSUPPORTED, true, "memory %u is %s memory, which this end does not take in sets",
                       m->index, be ? be->mem_kind_name(m->mem_kind) : "unknown");

@@ -373,6 +373,11 @@ static int check_can_send(tshare_channel *ch, const tshare_set_builder *b) {
     const ts_set_source *src = b->mems[i].device;
     int rc = src ? src->backend->set_check(ch, src) : TSHARE_OK;
     if (rc != TSHARE_OK) return rc;
+    if (!src && !tshare_host_buffer_is_sealed(b->mems[i].host) && !(ch->conn.peer.capabilities & TSHARE_CAP_HOST_FD))
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_MISMATCH,
+                     "set: memory %zu is an unsealed file (torch's shared memory) and peer %s does not take such "
+                     "files: copy it into tshare's shared memory",
+                     i, ch->conn.peer_label);
   }
   return TSHARE_OK;
 }
@@ -409,7 +414,8 @@ static int send_mem(tshare_channel *ch, const tshare_set_builder *b, size_t i, u
   f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
   f.u.set.u.mem = (tshare_set_mem_frame){.index = (uint32_t)i,
                                          .alloc_id = tshare_host_buffer_id(m->host),
-                                         .mem_kind = TSHARE_MEM_HOST_MEMFD,
+                                         .mem_kind = tshare_host_buffer_is_sealed(m->host) ? TSHARE_MEM_HOST_MEMFD
+                                                                                           : TSHARE_MEM_HOST_FD,
                                          .device_type = TSHARE_DEVICE_CPU,
                                          .alloc_size = tshare_host_buffer_size(m->host)};
   return send_step(ch, &f, tshare_host_buffer_fd(m->host), deadline);

@@ -166,6 +166,7 @@ int ts_wire_check_share(const tshare_share_frame *s, const tshare_wire_limits *l
   switch (s->mem_kind) {
   case TSHARE_MEM_HOST_MEMFD:
   case TSHARE_MEM_HOST_KEPT:
+  case TSHARE_MEM_HOST_FD:
     if (s->device_type != TSHARE_DEVICE_CPU)
       return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: host memfd with device_type %u", (unsigned)s->device_type);
     if (s->handle_len != 0)

@@ -17,12 +17,12 @@ tshare_wire_limits ts_wire_limits_clamp(const tshare_wire_limits *in);
 
 /* A share or set memory of this kind carries its memory as an attached fd. */
 static inline bool ts_wire_kind_takes_fd(int kind) {
-  return kind == TSHARE_MEM_HOST_MEMFD || kind == TSHARE_MEM_CUDA_FD;
+  return kind == TSHARE_MEM_HOST_MEMFD || kind == TSHARE_MEM_CUDA_FD || kind == TSHARE_MEM_HOST_FD;
 }
 
-/* Host memory: a memfd, attached or already mapped by the receiver. */
+/* Host memory: a memfd or an unsealed file, attached, or a memfd already mapped by the receiver. */
 static inline bool ts_wire_kind_is_host(int kind) {
-  return kind == TSHARE_MEM_HOST_MEMFD || kind == TSHARE_MEM_HOST_KEPT;
+  return kind == TSHARE_MEM_HOST_MEMFD || kind == TSHARE_MEM_HOST_KEPT || kind == TSHARE_MEM_HOST_FD;
 }
 
 /* A set memory of this kind carries share_flags (the CUDA kinds): a host

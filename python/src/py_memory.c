@@ -258,3 +258,54 @@ int py_memory_bind(PyObject *capsule, uintptr_t storage_key) {
   table_insert(m);
   return 0;
 }
+
+/* ---- torch's own shared memory, lent to one set send ---------------------- */
+
+#define ADOPTED_CAPSULE "tshare.adopted_file"
+
+/* What a buffer over torch's shared memory holds: the storage object. */
+static void drop_storage_object(void *storage) {
+  PyGILState_STATE gil = PyGILState_Ensure();
+  Py_DECREF((PyObject *)storage);
+  PyGILState_Release(gil);
+}
+
+static void adopted_destructor(PyObject *capsule) {
+  py_mem *m = PyCapsule_GetPointer(capsule, ADOPTED_CAPSULE);
+  if (!m) {
+    PyErr_Clear();
+    return;
+  }
+  address_remove(m);
+  tshare_host_buffer_destroy(m->buffer); /* the set's shares hold their own references */
+  free(m);
+}
+
+PyObject *py_memory_adopt_file(int fd, size_t size, uintptr_t base, PyObject *storage) {
+  tshare_host_buffer *buffer = NULL;
+  tshare_error err;
+  Py_INCREF(storage);
+  int rc = tshare_host_buffer_wrap_fd(fd, size, (void *)base, drop_storage_object, storage, &buffer, &err);
+  if (rc != TSHARE_OK) {
+    Py_DECREF(storage);
+    PyErr_Format(PyExc_OSError, "tshare: torch shared memory: %s", err.message);
+    return NULL;
+  }
+  py_mem *m = calloc(1, sizeof *m);
+  if (m) {
+    m->kind = PY_MEM_HOST_BUFFER;
+    m->buffer = buffer;
+  }
+  if (!m || address_insert(m) < 0) {
+    free(m);
+    tshare_host_buffer_destroy(buffer);
+    return PyErr_NoMemory();
+  }
+  PyObject *capsule = PyCapsule_New(m, ADOPTED_CAPSULE, adopted_destructor);
+  if (!capsule) {
+    address_remove(m);
+    tshare_host_buffer_destroy(buffer);
+    free(m);
+  }
+  return capsule;
+}

@@ -44,4 +44,10 @@ py_mem_kind py_memory_lookup(uintptr_t storage_key, void **memory);
  * a tensor on that memory. */
 tshare_host_buffer *py_memory_host_buffer_at(uintptr_t addr);
 
+/* A host buffer over the file of torch's shared memory (fd of size bytes,
+ * mapped here at base), found by address like the others (a tensor set's
+ * members) while the capsule returned lives; the buffer holds storage until
+ * its last share is released. NULL with a Python error on failure. */
+PyObject *py_memory_adopt_file(int fd, size_t size, uintptr_t base, PyObject *storage);
+
 #endif /* TSHARE_PY_MEMORY_H */

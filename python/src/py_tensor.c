@@ -97,17 +97,43 @@ static int send_empty_cuda(send_call *s, int device, int timeout_ms) {
   return r;
 }
 
+/* A CPU tensor in torch's own shared memory: a host buffer over its file
+ * (fd, size bytes, mapped here at file_base) that holds keep (the storage)
+ * until the last share of it is released, so nothing is copied. */
+static int send_torch_file(send_call *s, PyObject *keep, int fd, unsigned long long size, uintptr_t file_base,
+                           uintptr_t data, int empty, int timeout_ms) {
+  tshare_host_buffer *buffer = NULL;
+  tshare_error err;
+  Py_INCREF(keep);
+  int rc = tshare_host_buffer_wrap_fd(fd, (size_t)size, (void *)file_base, drop_python_object, keep, &buffer, &err);
+  if (rc != TSHARE_OK) {
+    Py_DECREF(keep);
+    py_raise_fmt(rc, "tshare: send (CPU tensor in torch shared memory): %s", err.message);
+    return -1;
+  }
+  s->how = SEND_HOST;
+  s->memory = buffer;
+  s->d.byte_offset = empty ? 0 : data - file_base;
+  int r = send_in_slices(s, "send (CPU tensor)", timeout_ms);
+  tshare_host_buffer_destroy(buffer); /* the share holds its own reference, and through it the storage */
+  return r;
+}
+
 /* _send(keep, storage_key, base, data, is_cuda, device, code, bits, shape,
- *       strides, stream, tag, timeout_ms) -> share id, or None when a CPU
- * tensor's memory is not shared memory (the caller moves it and retries). */
+ *       strides, stream, tag, timeout_ms[, file_fd, file_size, file_base])
+ * -> share id, or None when a CPU tensor's memory is not shared memory (the
+ * caller moves it and retries). file_fd >= 0: the tensor is in torch's
+ * shared memory, the file of file_size bytes mapped at file_base. */
 PyObject *py_channel_send(PyChannel *self, PyObject *args) {
   PyObject *keep, *shape, *strides;
   unsigned long long storage_key, base, data, stream;
-  int is_cuda, device, code, bits, timeout_ms;
+  unsigned long long file_size = 0, file_base = 0;
+  int is_cuda, device, code, bits, timeout_ms, file_fd = -1;
   const char *tag;
   Py_ssize_t tag_len;
-  if (!PyArg_ParseTuple(args, "OKKKpiiiO!O!Ks#i", &keep, &storage_key, &base, &data, &is_cuda, &device, &code, &bits,
-                        &PyTuple_Type, &shape, &PyTuple_Type, &strides, &stream, &tag, &tag_len, &timeout_ms))
+  if (!PyArg_ParseTuple(args, "OKKKpiiiO!O!Ks#i|iKK", &keep, &storage_key, &base, &data, &is_cuda, &device, &code,
+                        &bits, &PyTuple_Type, &shape, &PyTuple_Type, &strides, &stream, &tag, &tag_len, &timeout_ms,
+                        &file_fd, &file_size, &file_base))
     return NULL;
   if (!py_channel_get(self)) return NULL;
   if (tag_len > TSHARE_TAG_MAX)
@@ -126,6 +152,8 @@ PyObject *py_channel_send(PyChannel *self, PyObject *args) {
     s.how = SEND_HOST; /* the share holds the memfd itself: the tensor may go before the consumer */
     s.d.byte_offset = empty ? 0 : data - (uintptr_t)tshare_host_buffer_data(s.memory);
     r = send_in_slices(&s, "send (CPU tensor)", timeout_ms);
+  } else if (!is_cuda && file_fd >= 0) {
+    r = send_torch_file(&s, keep, file_fd, file_size, (uintptr_t)file_base, (uintptr_t)data, empty, timeout_ms);
   } else if (!is_cuda) {
     Py_RETURN_NONE;
   } else if (base == 0) {

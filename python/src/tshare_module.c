@@ -19,6 +19,17 @@ static PyObject *host_capsule(PyObject *module, PyObject *args) {
   return py_memory_host_capsule((size_t)nbytes);
 }
 
+/* _adopt_file(fd, size, base, storage) -> a capsule: the file of torch's
+ * shared memory, found by address by a set's send while the capsule lives. */
+static PyObject *adopt_file(PyObject *module, PyObject *args) {
+  (void)module;
+  int fd;
+  unsigned long long size, base;
+  PyObject *storage;
+  if (!PyArg_ParseTuple(args, "iKKO", &fd, &size, &base, &storage)) return NULL;
+  return py_memory_adopt_file(fd, (size_t)size, (uintptr_t)base, storage);
+}
+
 static PyObject *bind(PyObject *module, PyObject *args) {
   (void)module;
   PyObject *capsule;
@@ -65,6 +76,7 @@ static PyMethodDef module_methods[] = {
   {"_configure", configure, METH_VARARGS, NULL},
   {"_host_capsule", host_capsule, METH_VARARGS, NULL},
   {"_bind", bind, METH_VARARGS, NULL},
+  {"_adopt_file", adopt_file, METH_VARARGS, NULL},
   {"_memory_kind", memory_kind, METH_VARARGS, NULL},
   {"_error", make_error, METH_VARARGS, NULL},
   {"_open_socket", (PyCFunction)(void (*)(void))py_open_socket, METH_VARARGS | METH_KEYWORDS, NULL},

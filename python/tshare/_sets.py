@@ -130,6 +130,11 @@ def send_set(ch, tensors, meta, timeout_ms, copy):
         _fail(_tshare.E_INVALID_ARG, "send: the tensor set is empty (a set carries 1 to 65536 tensors)")
     meta = _meta_bytes(meta)
     set_id, look_at = ch._c._send_set(items, _TO_DLPACK, meta, timeout_ms)
+    if set_id is None:  # members in torch's own shared memory go as that memory: tried once more with them
+        adopted = _torch.adopt_torch_shared(tensors.values())
+        if adopted:
+            set_id, look_at = ch._c._send_set(items, _TO_DLPACK, meta, timeout_ms)
+            del adopted
     if set_id is None:
         name, t = list(tensors.items())[look_at]
         if isinstance(t, torch.Tensor) and t.is_cuda:  # CUDA members: what the C side needs of them too
@@ -168,7 +173,7 @@ def _copied(tensors):
     for name, t in out.items():
         if not isinstance(t, torch.Tensor):
             _check_member(name, t)
-        if t.is_cpu and _torch._memory_kind_of(t) != "host":
+        if t.is_cpu and _torch._memory_kind_of(t) != "host" and not t.is_shared():  # torch's shared memory goes as is
             private.append(name)
     for name, copy in zip(private, _packed([out[n] for n in private])):
         out[name] = copy

@@ -10,6 +10,7 @@ of the original producer's memory. Received tensors are built through DLPack
 one); their deleter releases the share exactly once, from any thread.
 """
 import functools
+import os
 import sys
 from typing import Dict, NamedTuple, Optional
 
@@ -168,6 +169,8 @@ def send(ch, tensor, tag="", timeout=None, move_to_shared_memory=True, meta=None
     stream = _current_stream(device) if cuda else 0
     args = (cuda, device, code, bits, tensor.shape, tensor.stride(), stream, tag, ms)
     share_id = c._send(tensor, storage._cdata, storage.data_ptr(), tensor.data_ptr(), *args)
+    if share_id is None and tensor.is_shared():  # torch's own shared memory: its file travels
+        share_id = _send_torch_shared(c, tensor, storage, args)
     if share_id is None:  # CPU memory that is not shared memory
         if not move_to_shared_memory:
             _fail(
@@ -179,6 +182,82 @@ def send(ch, tensor, tag="", timeout=None, move_to_shared_memory=True, meta=None
         storage = _storage(tensor)
         share_id = c._send(tensor, storage._cdata, storage.data_ptr(), tensor.data_ptr(), *args)
     return share_id
+
+
+def _mapping_of(addr):
+    """(start, file offset, path) of this process's mapping holding addr, or None."""
+    with open("/proc/self/maps", "rb") as f:
+        for line in f:
+            fields = line.split(None, 5)
+            lo, _, hi = fields[0].partition(b"-")
+            if int(lo, 16) <= addr < int(hi, 16):
+                path = fields[5].strip().decode("utf-8", "surrogateescape") if len(fields) > 5 else ""
+                return int(lo, 16), int(fields[2], 16), path
+    return None
+
+
+def torch_shared_file(storage):
+    """(fd, size, base, owned) of the file under a storage in torch's shared
+    CPU memory (share_memory_(), torch.multiprocessing), or None.
+
+    With the file_descriptor strategy the file is unlinked and the storage
+    keeps its fd (owned False: not to be closed); with file_system it is a
+    named /dev/shm file, opened here (owned True). base is the address the
+    file's first byte is mapped at: torch's mapping, whose start may hold a
+    header before the data (file_system's refcount).
+    """
+    addr = storage.data_ptr()
+    if not addr:
+        return None
+    found = _mapping_of(addr)
+    if found is None or not found[2].startswith("/"):
+        return None
+    start, offset, path = found
+    base = start - offset
+    if path.endswith(" (deleted)"):  # file_descriptor: asking for the fd copies nothing for such a storage
+        fd, _ = storage._share_fd_cpu_()
+        owned = False
+    else:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        owned = True
+    return fd, os.fstat(fd).st_size, base, owned
+
+
+def adopt_torch_shared(tensors):
+    """For a set's send: capsules that make the CPU tensors in torch's own
+    shared memory found as tshare memory while they live; [] when none is."""
+    adopted, seen = [], set()
+    for t in tensors:
+        if not (isinstance(t, torch.Tensor) and t.is_cpu and t.is_shared()):
+            continue
+        storage = _storage_of(t)
+        if storage._cdata in seen or _memory_kind_of(t) is not None:
+            continue
+        seen.add(storage._cdata)
+        found = torch_shared_file(storage)
+        if found is None:
+            continue
+        fd, size, base, owned = found
+        try:
+            adopted.append(_tshare._adopt_file(fd, size, base, storage))
+        finally:
+            if owned:
+                os.close(fd)
+    return adopted
+
+
+def _send_torch_shared(c, tensor, storage, args):
+    """Send a CPU tensor in torch's shared memory as that memory: the share
+    holds the storage until its release; None when its file is not found."""
+    found = torch_shared_file(storage)
+    if found is None:
+        return None
+    fd, size, base, owned = found
+    try:
+        return c._send(storage, storage._cdata, storage.data_ptr(), tensor.data_ptr(), *args, fd, size, base)
+    finally:
+        if owned:
+            os.close(fd)
 
 
 class _ReceivedFields(NamedTuple):
@@ -347,11 +426,14 @@ def _memory_kind_of(tensor):
 
 def is_shared(tensor):
     """True when tensor can be sent without a copy: CUDA memory, a received
-    tensor, or CPU memory from empty_shared()/share_memory_()."""
+    tensor, CPU memory from empty_shared()/share_memory_(), or CPU memory in
+    torch's own shared memory (Tensor.share_memory_(), torch.multiprocessing)."""
     if tensor.is_cuda:
         return True
     if not tensor.is_cpu:
         return False
+    if tensor.is_shared():
+        return True
     try:
         return _tshare._memory_kind(_storage(tensor)._cdata) is not None
     except (RuntimeError, NotImplementedError):

@@ -4,6 +4,8 @@
 // to a third process, and the errors for what cannot be shared.
 #include "torch_test_util.h"
 
+#include <ATen/MapAllocator.h>
+
 #include <thread>
 
 // ---- every dtype ------------------------------------------------------------
@@ -110,6 +112,53 @@ TS_TEST(share_memory_moves_storage_in_place) {
   view.reset();
   z.reset();
   CHECK_EQ(count_mappings("tshare-torch"), 0);
+}
+
+// ---- torch's own shared memory: its file travels, nothing copied ----------
+
+// A tensor in torch's shared memory as Tensor.share_memory_() makes it under
+// the file_descriptor strategy: an unlinked /dev/shm file kept open by fd.
+static at::Tensor in_torch_shared_memory(int64_t n) {
+  size_t bytes = static_cast<size_t>(n) * sizeof(float);
+  std::string name = "/tshare_test_" + std::to_string(getpid());
+  int flags = at::ALLOCATOR_MAPPED_SHAREDMEM | at::ALLOCATOR_MAPPED_EXCLUSIVE | at::ALLOCATOR_MAPPED_KEEPFD |
+              at::ALLOCATOR_MAPPED_UNLINK;
+  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes,
+                       at::MapAllocator::makeDataPtr(name, flags, bytes, nullptr), nullptr, false);
+  at::Tensor t = at::empty({0}, at::kFloat);
+  t.set_(storage, 0, {n}, {1});
+  t.copy_(at::arange(n, at::kFloat));
+  return t;
+}
+
+static void writes_minus_one(int fd) {
+  tshare_channel *ch = open_channel(fd, "torch shm consumer");
+  auto r = tt::recv(ch, {5000});
+  CHECK(r && at::equal(r->tensor, at::arange(10, 20, at::kFloat)));
+  r->tensor.fill_(-1.0f);
+  r.reset();
+  CHECK(!tt::recv(ch, {5000}));
+  tshare_channel_close(ch);
+}
+
+TS_TEST(a_tensor_in_torch_shared_memory_travels_as_that_memory) {
+  int sock;
+  pid_t pid = fork_with_socket(writes_minus_one, &sock);
+  tshare_channel *ch = open_channel(sock, "torch shm producer");
+  at::Tensor t = in_torch_shared_memory(64);
+  void *before = t.data_ptr();
+  CHECK(tt::is_shared(t));
+  tt::SendOptions o;
+  o.move_to_shared_memory = false; // nothing to move: it is shared memory already
+  tt::send(ch, t.narrow(0, 10, 10), o);
+  CHECK(t.data_ptr() == before);
+  CHECK_EQ(count_mappings("tshare-torch"), 0); // no memfd was made
+  bye_and_wait_released(ch, 10000);
+  CHECK_EQ(t[10].item<float>(), -1);
+  CHECK_EQ(t[19].item<float>(), -1);
+  CHECK_EQ(t[20].item<float>(), 20);
+  CHECK_CHILD_OK(pid);
+  tshare_channel_close(ch);
 }
 
 // ---- lifetime: kept until released, released exactly once -----------------

@@ -7,6 +7,7 @@
 // CUDA IPC export of the allocation around the pointer.
 #include "bridge_internal.h"
 
+#include <ATen/MapAllocator.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/core/Storage.h>
 
@@ -58,8 +59,22 @@ uint64_t send_received(tshare_channel *ch, const at::Tensor &t, void *stream, co
   return id;
 }
 
+// Torch's own shared memory (Tensor::share_memory_(), torch.multiprocessing's
+// file_descriptor strategy) is an at::MapAllocator over a file it keeps open:
+// that file travels as itself, the share holding the storage until released.
+uint64_t send_torch_shared(tshare_channel *ch, const at::Tensor &t, at::MapAllocator *map, const SendOptions &o) {
+  tshare_host_buffer *buffer = detail::wrap_torch_shared(t, map);
+  tshare_tensor_desc d = describe(t, tshare_host_buffer_data(buffer));
+  uint64_t id = 0;
+  int rc = tshare_share_host(ch, buffer, &d, o.tag.c_str(), nullptr, o.timeout_ms, &id);
+  tshare_host_buffer_destroy(buffer); // the share holds its own reference, and through it the storage
+  if (rc != TSHARE_OK) fail_channel(ch, rc, "send (CPU tensor in torch shared memory)");
+  return id;
+}
+
 uint64_t send_cpu(tshare_channel *ch, const at::Tensor &t, const SendOptions &o) {
   if (deleter_of(t) == &release_view) return send_received(ch, t, nullptr, o);
+  if (at::MapAllocator *map = detail::torch_shared_map(t)) return send_torch_shared(ch, t, map, o);
   if (deleter_of(t) != &free_host_buffer) {
     if (!o.move_to_shared_memory)
       fail(TSHARE_E_UNSUPPORTED, "the CPU tensor is not in shared memory: allocate it with empty_shared(), call "
@@ -163,6 +178,26 @@ tshare_tensor_desc describe(const at::Tensor &t, const void *base) {
   if (t.numel() > 0)
     d.byte_offset = static_cast<uint64_t>(static_cast<const char *>(t.data_ptr()) - static_cast<const char *>(base));
   return d;
+}
+
+tshare_host_buffer *wrap_torch_shared(const at::Tensor &t, at::MapAllocator *map) {
+  tshare_host_buffer *buffer = nullptr;
+  tshare_error err;
+  auto *keep = new c10::Storage(t.storage());
+  int rc = tshare_host_buffer_wrap_fd(map->fd(), static_cast<size_t>(map->size()), map->data(), drop_storage, keep,
+                                      &buffer, &err);
+  if (rc != TSHARE_OK) {
+    delete keep;
+    fail(rc, std::string("CPU tensor in torch shared memory: ") + err.message);
+  }
+  return buffer;
+}
+
+at::MapAllocator *torch_shared_map(const at::Tensor &t) {
+  if (!t.defined() || !t.unsafeGetTensorImpl()->has_storage() || !t.is_cpu() || t.storage().data() == nullptr)
+    return nullptr;
+  at::MapAllocator *map = at::MapAllocator::fromDataPtr(t.storage().data_ptr());
+  return map && map->fd() >= 0 && map->size() > 0 ? map : nullptr;
 }
 
 tshare_host_buffer *host_buffer_of(const at::Tensor &t) {
@@ -295,7 +330,7 @@ bool is_shared(const at::Tensor &t) {
   if (!t.defined() || !t.unsafeGetTensorImpl()->has_storage()) return false;
   if (t.is_cuda()) return true;
   c10::DeleterFnPtr d = deleter_of(t);
-  return d == &free_host_buffer || d == &release_view;
+  return d == &free_host_buffer || d == &release_view || detail::torch_shared_map(t) != nullptr;
 }
 
 } // namespace torch

@@ -6,6 +6,8 @@
 
 #include "tshare/torch.h"
 
+#include <ATen/MapAllocator.h>
+
 #include <string>
 
 namespace tshare {
@@ -24,6 +26,11 @@ tshare_tensor_desc describe(const at::Tensor &t, const void *base);
 
 // The tshare host buffer (memfd) t's storage lives in, or nullptr.
 tshare_host_buffer *host_buffer_of(const at::Tensor &t);
+// The at::MapAllocator of a CPU tensor in torch's own shared memory with its
+// fd kept open (Tensor::share_memory_(), the file_descriptor strategy), else null.
+at::MapAllocator *torch_shared_map(const at::Tensor &t);
+// A host buffer over that file (the caller's reference), holding the storage until its last share goes.
+tshare_host_buffer *wrap_torch_shared(const at::Tensor &t, at::MapAllocator *map);
 // True when t's storage is a tensor received from a peer.
 bool is_received(const at::Tensor &t);
 

@@ -86,7 +86,7 @@ void check_member(size_t i, const std::string &name, const at::Tensor &t, bool m
 #endif
     return; // the caching allocator's memory travels as it is: the core describes it
   }
-  if (!detail::host_buffer_of(t) && !move)
+  if (!detail::host_buffer_of(t) && !detail::torch_shared_map(t) && !move)
     fail(TSHARE_E_UNSUPPORTED, "set: " + member_label(i, name) +
                                    " is not in shared memory: call tshare::torch::share_module_(module) once (the "
                                    "module's parameters and buffers move there in place), share_memory_() the "
@@ -130,10 +130,17 @@ void add_member(tshare_set_builder *b, size_t i, const std::string &name, const 
   tshare_error err;
   int rc;
   if (t.is_cpu()) {
-    if (move) share_memory_(t); // a no-op where it is shared already
-    tshare_host_buffer *buffer = detail::host_buffer_of(t);
-    tshare_tensor_desc d = detail::describe(t, tshare_host_buffer_data(buffer));
-    rc = tshare_set_builder_add_host(b, name.c_str(), buffer, &d, &err);
+    if (at::MapAllocator *map = detail::torch_shared_map(t)) { // torch's own shared memory: its file, no copy
+      tshare_host_buffer *buffer = detail::wrap_torch_shared(t, map);
+      tshare_tensor_desc d = detail::describe(t, tshare_host_buffer_data(buffer));
+      rc = tshare_set_builder_add_host(b, name.c_str(), buffer, &d, &err);
+      tshare_host_buffer_destroy(buffer); // the builder holds its own reference
+    } else {
+      if (move) share_memory_(t); // a no-op where it is shared already
+      tshare_host_buffer *buffer = detail::host_buffer_of(t);
+      tshare_tensor_desc d = detail::describe(t, tshare_host_buffer_data(buffer));
+      rc = tshare_set_builder_add_host(b, name.c_str(), buffer, &d, &err);
+    }
   } else {
 #ifdef TSHARE_TORCH_CUDA
     rc = add_cuda_member(b, name, t, &err);

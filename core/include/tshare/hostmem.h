@@ -45,6 +45,28 @@ TSHARE_API int tshare_host_buffer_fd(const tshare_host_buffer *buf); /* the memf
 /* Shares of this buffer, on all channels, that are not yet released. */
 TSHARE_API size_t tshare_host_buffer_outstanding(const tshare_host_buffer *buf);
 
+/* A buffer over an existing fd's file instead of a new memfd: size bytes
+ * from offset 0 of fd, a regular file (a memfd, or a tmpfs or /dev/shm file
+ * such as torch's shared CPU memory) of at least size bytes; anything else
+ * is refused with TSHARE_E_INVALID_ARG or TSHARE_E_OUT_OF_BOUNDS. fd is
+ * duplicated (the caller keeps its own). data is the caller's mapping of the
+ * file, used as the buffer's data and never unmapped by tshare; NULL maps it
+ * here. on_last(ctx), when not NULL, runs once the last reference went (the
+ * creator's and every share's), on whatever thread released it: the caller's
+ * mapping must stay valid until then.
+ *
+ * A file not sealed against shrinking (anything but a sealed memfd) travels
+ * as TSHARE_MEM_HOST_FD, only to a peer that takes it (TSHARE_CAP_HOST_FD)
+ * and is never kept mapped past its shares. Its owner can still truncate it,
+ * and a consumer touching the lost pages gets SIGBUS: consumers accept such
+ * files only from a peer of their own uid (docs/security.md). */
+TSHARE_API int tshare_host_buffer_wrap_fd(int fd, size_t size, void *data, void (*on_last)(void *ctx), void *ctx,
+                                          tshare_host_buffer **out, tshare_error *err);
+
+/* 1 for a sealed memfd (tshare_host_buffer_create), 0 for a wrapped file
+ * not sealed against shrinking (it travels as TSHARE_MEM_HOST_FD). */
+TSHARE_API int tshare_host_buffer_is_sealed(const tshare_host_buffer *buf);
+
 /* Drop the creator's reference. NULL is a no-op. */
 TSHARE_API void tshare_host_buffer_destroy(tshare_host_buffer *buf);
 

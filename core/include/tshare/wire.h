@@ -92,6 +92,9 @@ typedef enum tshare_frame_type {
 #define TSHARE_CAP_SET_CUDA                                                                                            \
   (1u << 8) /* minor 3: receives CUDA memories in tensor sets (set MEM frames of TSHARE_MEM_CUDA_IPC or _FD with      \
                their share_flags, chunk frames before them, the END frame's event) */
+#define TSHARE_CAP_HOST_FD                                                                                             \
+  (1u << 9) /* takes TSHARE_MEM_HOST_FD shares: host memory in an unsealed regular file (a tmpfs or /dev/shm file, \
+               as torch's shared CPU memory), accepted from a peer of its own uid only */
 
 /* Share flags (share_flags, minor 1). Unknown bits are ignored. */
 #define TSHARE_SHARE_FLAG_RETIRE_NOTICE                                                                                \
@@ -112,10 +115,12 @@ typedef enum tshare_mem_kind {
   TSHARE_MEM_CUDA_FD = 3,    /* a CUDA VMM POSIX-fd handle; the fd is attached */
   TSHARE_MEM_CUDA_HELD = 4,  /* CUDA VMM memory the receiver said it keeps mapped (retire frame, closed = 2): no fd,
                                 no handle; alloc_id names it. Sent only to a peer with TSHARE_CAP_CUDA_HELD */
-  TSHARE_MEM_HOST_KEPT = 5   /* minor 4: a host memfd the receiver said it keeps mapped (retire frame, closed = 2,
+  TSHARE_MEM_HOST_KEPT = 5,  /* minor 4: a host memfd the receiver said it keeps mapped (retire frame, closed = 2,
                                 mem_kind 1): no fd; alloc_id names it. Sent only to a peer with TSHARE_CAP_HOST_KEPT */
+  TSHARE_MEM_HOST_FD = 6     /* host memory in an unsealed regular file (not sealed against shrinking); the fd is
+                                attached. Sent only to a peer with TSHARE_CAP_HOST_FD, never kept mapped */
 } tshare_mem_kind;
-#define TSHARE_MEM_KIND_LAST TSHARE_MEM_HOST_KEPT
+#define TSHARE_MEM_KIND_LAST TSHARE_MEM_HOST_FD
 
 typedef struct tshare_hello {
   uint8_t major, minor; /* the sender's own versions (copied from the header) */
