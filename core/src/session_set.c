@@ -5,7 +5,9 @@
  * through the backend of its kind, like a share's allocation; device
  * memories are let go of together through its set_release hook, which may
  * hold the release until the GPU work on them ran. The producer's side:
- * session_set_send.c. */
+ * session_set_send.c.
+ * One concern: a received set, from its first frame to its release; its
+ * steps share the set under assembly, which no other file needs to see. */
 #include "tshare/set.h"
 
 #include "backend.h"
