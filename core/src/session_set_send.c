@@ -193,12 +193,15 @@ static int device_mem(tshare_set_builder *b, const char *name, ts_set_source *sr
     source_unref(src);
     return rc;
   }
+  /* Read before src may go: the set's one device from here on. */
+  const ts_backend *backend = src->backend;
+  int device = src->device;
   bool added;
   *mem = find_or_add_mem(b, &b->device_by_id, src->alloc_id + 1, (builder_mem){NULL, src}, &added);
   if (!added) source_unref(src); /* the memory is in the set already, or none was added */
   if (*mem < 0) return ts_errf(err, cap, TSHARE_E_NOMEM, "set: out of memory");
-  b->device_backend = src->backend;
-  b->device = src->device;
+  b->device_backend = backend;
+  b->device = device;
   return TSHARE_OK;
 }
 
