@@ -379,7 +379,10 @@ static int role_set_reader(tshare_channel *ch) {
            r->tensors.size(), (long long)wrong, opens);
     CHECK_EQ(wrong, 0);
     if (r->meta == "again") CHECK_EQ(opens, 0);
-    if (r->meta == "write") r->tensors[0].value().fill_(-1.0f);
+    if (r->meta == "write") { // on this pool stream: synchronized before the set goes, as docs/torch.md asks
+      r->tensors[0].value().fill_(-1.0f);
+      c10::cuda::getCurrentCUDAStream().synchronize();
+    }
     sets++;
   }
   return 0;
