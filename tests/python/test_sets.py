@@ -374,7 +374,7 @@ def received_sets_as_parameters():
 
 def need_cuda():
     if not torch.cuda.is_available() or tshare.cuda_device_count() < 1:
-        print("skipped: no CUDA device")
+        print("SKIP: no CUDA device")
         sys.exit(77)
 
 
