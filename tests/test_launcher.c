@@ -455,8 +455,8 @@ TS_TEST(timeout_holds_while_nobody_reads_the_output) {
   double t0 = seconds_now();
   launched l = start_launcher(args);
   pid_t roles[2] = {pid_from_file(paths[0]), pid_from_file(paths[1])};
-  while (!(pid_gone(roles[0]) && pid_gone(roles[1])) && seconds_now() - t0 < 6.0) usleep(20000);
-  bool stopped = pid_gone(roles[0]) && pid_gone(roles[1]);
+  bool stopped; /* looked at once a turn: the answer the loop ended on is the one reported */
+  while (!(stopped = pid_gone(roles[0]) && pid_gone(roles[1])) && seconds_now() - t0 < 6.0) usleep(20000);
   double at = seconds_now() - t0;
   finish_launcher(&l, 0, 0); /* now read, so that the launcher can finish */
   unlink(paths[0]);
