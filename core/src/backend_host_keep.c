@@ -81,6 +81,16 @@ int ts_host_lend(tshare_channel *ch, tshare_host_buffer *buf, bool *kept, uint32
   return TSHARE_OK;
 }
 
+/* Retire lent buffer l (under key): its notice queued, the channel's hold
+ * let go. False when the notice could not be queued (nothing changed). */
+static bool retire_lent(host_chan *h, uint64_t key, lent_buffer *l) {
+  if (ts_id_vec_push(&h->freed_notices, key - 1) != TSHARE_OK) return false;
+  ts_u64map_remove(&h->lent, key);
+  ts_host_buffer_lend_end(l->buf);
+  free(l);
+  return true;
+}
+
 /* Lent buffers nobody else holds: retired (their notices queued) and let go. */
 static int retire_unused(tshare_channel *ch, host_chan *h) {
   uint64_t generation = ts_host_buffers_unused_generation();
@@ -89,12 +99,8 @@ static int retire_unused(tshare_channel *ch, host_chan *h) {
   void *value;
   for (size_t pos = 0; ts_u64map_next(&h->lent, &pos, &key, &value);) {
     lent_buffer *l = value;
-    if (!ts_host_buffer_only_lent(l->buf)) continue;
-    if (ts_id_vec_push(&h->freed_notices, key - 1) != TSHARE_OK)
+    if (ts_host_buffer_only_lent(l->buf) && !retire_lent(h, key, l))
       return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "retire: out of memory");
-    ts_u64map_remove(&h->lent, key);
-    ts_host_buffer_lend_end(l->buf);
-    free(l);
   }
   h->unused_seen = generation; /* only once every one was looked at */
   return TSHARE_OK;
@@ -110,10 +116,7 @@ void ts_host_export_done(tshare_channel *ch, const ts_export *e) {
   tshare_host_buffer *buf = e->owner;
   uint64_t key = LENT_KEY(tshare_host_buffer_id(buf));
   lent_buffer *l = ts_u64map_get(&h->lent, key);
-  if (!l || !ts_host_buffer_only_lent_but_one(buf) || ts_id_vec_push(&h->freed_notices, key - 1) != TSHARE_OK) return;
-  ts_u64map_remove(&h->lent, key);
-  ts_host_buffer_lend_end(buf);
-  free(l);
+  if (l && ts_host_buffer_only_lent_but_one(buf)) (void)retire_lent(h, key, l); /* else at the next housekeeping */
 }
 
 static void lent_free_all(host_chan *h) {
@@ -157,6 +160,15 @@ static void unkeep_locked(host_chan *h, ts_mapping *m) {
   m->fd_budgeted = false;
 }
 
+/* Kept mapping m is kept no more (ch->lock held): unmapped now if idle,
+ * else with its last view. */
+static void stop_keeping_locked(host_chan *h, ts_mapping *m) {
+  unkeep_locked(h, m);
+  if (m->views != 0) return;
+  ts_u64map_remove(&h->mappings, m->alloc_id);
+  ts_host_unmap(m);
+}
+
 int ts_host_kept_mapping_locked(tshare_channel *ch, const tshare_share_frame *s, ts_mapping **out) {
   ts_mapping *m = ts_u64map_get(&ts_host_chan(ch)->mappings, s->alloc_id);
   if (!m || !m->kept)
@@ -180,12 +192,7 @@ static void on_freed(tshare_channel *ch, host_chan *h, const tshare_retire_frame
   pthread_mutex_lock(&ch->lock);
   for (uint32_t i = 0; i < r->count; i++) {
     ts_mapping *m = ts_u64map_get(&h->mappings, r->alloc_ids[i]);
-    if (!m || !m->kept) continue;
-    unkeep_locked(h, m);
-    if (m->views == 0) {
-      ts_u64map_remove(&h->mappings, m->alloc_id);
-      ts_host_unmap(m);
-    }
+    if (m && m->kept) stop_keeping_locked(h, m);
   }
   pthread_mutex_unlock(&ch->lock);
 }
@@ -242,12 +249,7 @@ void ts_host_peer_gone(tshare_channel *ch) {
   void *value;
   for (size_t pos = 0; ts_u64map_next(&h->mappings, &pos, &key, &value);) {
     ts_mapping *m = value;
-    if (!m->kept) continue;
-    unkeep_locked(h, m);
-    if (m->views == 0) {
-      ts_u64map_remove(&h->mappings, key);
-      ts_host_unmap(m);
-    }
+    if (m->kept) stop_keeping_locked(h, m);
   }
   h->kept_notices.len = 0;
   pthread_mutex_unlock(&ch->lock);
