@@ -8,7 +8,7 @@
 // in the set's metadata, as a trainer does).
 //
 //   bench_torch_sets [--device cpu|cuda] [--consumers N] [--way set|loop]
-//                    [--hidden H] [--iters N] [--warmup W]
+//                    [--hidden H] [--iters N] [--warmup W] [--first-iters N]
 //
 // Prints one line per measurement, then, last, the line tshare-bench reads:
 // "result first_p50_us=... first_p99_us=... update_p50_us=... update_p99_us=...
@@ -107,6 +107,10 @@ static void wait_all(const std::vector<tshare_channel *> &chs) {
       throw tt::Error(TSHARE_E_TIMEOUT, tshare_channel_last_error(ch));
 }
 
+// The part of the last hand-off spent in the send call(s), before waiting
+// for the releases: where a hand-off's time goes, printed beside the total.
+static double last_send_us;
+
 // One hand-off to every consumer and back, in microseconds.
 static double handoff_us(const std::vector<tshare_channel *> &chs, const tt::NamedTensors &state, bool as_set,
                          long version) {
@@ -117,6 +121,7 @@ static double handoff_us(const std::vector<tshare_channel *> &chs, const tt::Nam
     o.timeout_ms = TIMEOUT;
     if (chs.size() == 1) {
       tt::send_set(chs[0], state, o);
+      last_send_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
       wait_all(chs);
     } else {
       for (const tt::SendResult &r : tt::send_set_all(chs, state, o, TIMEOUT))
@@ -126,6 +131,7 @@ static double handoff_us(const std::vector<tshare_channel *> &chs, const tt::Nam
     for (tshare_channel *ch : chs)
       for (size_t i = 0; i < state.size(); i++)
         tt::send(ch, state[i].second, {i + 1 == state.size() ? "last" : "", TIMEOUT});
+    last_send_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
     wait_all(chs);
   }
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
@@ -150,9 +156,9 @@ static void settle(const tt::NamedTensors &state) { (void)state.back().second.su
 
 // The first hand-offs (a new model each) and the repeated updates.
 static void measure(const std::vector<tshare_channel *> &chs, bool cuda, int64_t hidden, bool as_set, long iters,
-                    long warmup, Stats *first, Stats *update, double *mib) {
-  std::vector<double> us;
-  for (long i = 0; i < warmup + iters; i++) {
+                    long first_iters, long warmup, Stats *first, Stats *update, Stats *update_send, double *mib) {
+  std::vector<double> us, send_us;
+  for (long i = 0; i < warmup + first_iters; i++) {
     tt::NamedTensors fresh = transformer_state(hidden, cuda); // not timed: the model's own allocation
     if (cuda) settle(fresh);
     double t = handoff_us(chs, fresh, as_set, i);
@@ -167,15 +173,19 @@ static void measure(const std::vector<tshare_channel *> &chs, bool cuda, int64_t
   for (long i = 0; i < warmup + iters; i++) {
     for (auto &e : state) e.second.add_(1); // the trainer's in-place step (not timed)
     if (cuda) settle(state);
+    last_send_us = NAN; // fan-out to several consumers: sending and waiting are one call
     double t = handoff_us(chs, state, as_set, i);
-    if (i >= warmup) us.push_back(t);
+    if (i >= warmup) us.push_back(t), send_us.push_back(last_send_us);
   }
   *update = stats(us);
+  *update_send = stats(send_us);
 }
 
 int main(int argc, char **argv) {
   std::string device = arg_str(argc, argv, "--device", "cpu"), way = arg_str(argc, argv, "--way", "set");
   long iters = arg_long(argc, argv, "--iters", 200), warmup = arg_long(argc, argv, "--warmup", 20);
+  // Each first hand-off allocates a model: fewer of them keep a profile of the updates short.
+  long first_iters = std::max(1L, arg_long(argc, argv, "--first-iters", iters));
   long consumers = std::max(1L, std::min(16L, arg_long(argc, argv, "--consumers", 1)));
   bool cuda = device == "cuda", as_set = way == "set";
   int64_t hidden = arg_long(argc, argv, "--hidden", cuda ? 1232 : 256);
@@ -204,7 +214,7 @@ int main(int argc, char **argv) {
     chs.push_back(ch);
   }
   int status = 0;
-  Stats first{}, update{};
+  Stats first{}, update{}, update_send{};
   double mib = 0;
   tshare_error err;
   if (cuda && (tshare_cuda_init(&err) != TSHARE_OK || !at::hasCUDA())) {
@@ -212,7 +222,7 @@ int main(int argc, char **argv) {
     status = 77;
   }
   try {
-    if (!status) measure(chs, cuda, hidden, as_set, iters, warmup, &first, &update, &mib);
+    if (!status) measure(chs, cuda, hidden, as_set, iters, first_iters, warmup, &first, &update, &update_send, &mib);
   } catch (const tt::Error &e) {
     // Tensor sets of CUDA memory, where this version refuses them.
     std::printf("%s: %s\n", e.code() == TSHARE_E_UNSUPPORTED ? "skip" : "error", e.what());
@@ -234,9 +244,10 @@ int main(int argc, char **argv) {
     }
   }
   if (status) return status;
-  std::printf("%s, %s, %ld consumer(s), 290 bf16 tensors, %.1f MiB (hidden %lld): first p50 %.1f us, update p50 %.1f us\n",
+  std::printf("%s, %s, %ld consumer(s), 290 bf16 tensors, %.1f MiB (hidden %lld): first p50 %.1f us, update p50 %.1f us "
+              "(of which in the send call %.1f us)\n",
               as_set ? "one set" : "one send() per tensor", device.c_str(), consumers, mib, (long long)hidden,
-              first.p50, update.p50);
+              first.p50, update.p50, update_send.p50);
   std::printf("result first_p50_us=%.2f first_p99_us=%.2f update_p50_us=%.2f update_p99_us=%.2f n=%ld tensors=290 "
               "mib=%.1f hidden=%lld torch=%s\n",
               first.p50, first.p99, update.p50, update.p99, iters, mib, (long long)hidden, TORCH_VERSION);

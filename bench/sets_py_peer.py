@@ -193,13 +193,16 @@ def main():
     except ImportError as e:
         print(f"skip: {sys.executable} cannot import torch and tshare ({e})", flush=True)
         return 77
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("skip: torch sees no CUDA device", flush=True)
-        return 77
     args.hidden = args.hidden or (1232 if args.device == "cuda" else 256)
     torch.set_num_threads(1)  # the consumers need the cores more than the update does
+    # The consumers are forked first: asking torch whether it sees a GPU
+    # initializes CUDA, and a child forked after that cannot use it.
     way = TorchMpWay(args.consumers, args.device) if args.impl == "torch-mp" else \
         TshareWay(args.consumers, args.impl == "tshare-loop")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        way.close()
+        print("skip: torch sees no CUDA device", flush=True)
+        return 77
     try:
         first, update, mib = measure(way, args, args.impl)
     except tshare.Error as e:
