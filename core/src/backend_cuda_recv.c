@@ -164,8 +164,7 @@ int ts_cuda_import_share(tshare_channel *ch, const tshare_frame *f, int *fdp, vo
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
                    "import: share %llu is memory of this very process, forwarded back to its owner",
                    (unsigned long long)s->share_id);
-  char uuid[48];
-  tshare_cuda_uuid_format(s->device_uuid, uuid, sizeof uuid);
+  char uuid[48]; /* for the errors only */
   int owner_dev = tshare_cuda_device_from_uuid(s->device_uuid);
   CUcontext ctx = NULL;
   CUresult rc;
@@ -179,6 +178,7 @@ int ts_cuda_import_share(tshare_channel *ch, const tshare_frame *f, int *fdp, vo
   }
   if (!ctx) {
     const char *cvd = getenv("CUDA_VISIBLE_DEVICES");
+    tshare_cuda_uuid_format(s->device_uuid, uuid, sizeof uuid);
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NO_DEVICE,
                    "import: share %llu lives on %s, which this process does not see (CUDA_VISIBLE_DEVICES=%s); "
                    "receive it on a stream of a GPU that can reach it",
@@ -194,6 +194,7 @@ int ts_cuda_import_share(tshare_channel *ch, const tshare_frame *f, int *fdp, vo
     CUdevice a, b;
     if (cu->cuDeviceGet(&a, here) == CUDA_SUCCESS && cu->cuDeviceGet(&b, owner_dev) == CUDA_SUCCESS)
       cu->cuDeviceCanAccessPeer(&can, a, b);
+    if (!can) tshare_cuda_uuid_format(s->device_uuid, uuid, sizeof uuid);
     if (!can)
       return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
                      "import: share %llu lives on GPU %d (%s) and GPU %d cannot access it: no peer access between "

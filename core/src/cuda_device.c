@@ -4,6 +4,8 @@
 
 #include <ctype.h>
 #include <stdatomic.h>
+#include <stdbool.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,21 +38,48 @@ int tshare_cuda_init(tshare_error *err) {
   return TSHARE_OK;
 }
 
-int tshare_cuda_device_count(void) {
-  const ts_cuda_api *cu = ts_cuda(NULL, NULL);
-  int n = 0;
-  if (!cu || cu->cuDeviceGetCount(&n) != CUDA_SUCCESS) return 0;
-  return n;
-}
+/* The devices this process sees and their UUIDs, read from the driver once:
+ * the set is fixed when the driver initializes (CUDA_VISIBLE_DEVICES), and
+ * asking it for a UUID again costs a call into the kernel on every share. */
+#define DEVICES_CACHED 64
+static struct {
+  int count;
+  uint8_t uuid[DEVICES_CACHED][16];
+  bool known[DEVICES_CACHED];
+} devices;
+static pthread_once_t devices_once = PTHREAD_ONCE_INIT;
 
-int tshare_cuda_device_uuid(int ordinal, uint8_t uuid[16]) {
-  const ts_cuda_api *cu = ts_cuda(NULL, NULL);
-  if (!cu) return TSHARE_E_NO_DEVICE;
+static int driver_uuid(const ts_cuda_api *cu, int ordinal, uint8_t uuid[16]) {
   CUdevice dev;
   CUuuid u;
   if (cu->cuDeviceGet(&dev, ordinal) != CUDA_SUCCESS || cu->cuDeviceGetUuid(&u, dev) != CUDA_SUCCESS)
     return TSHARE_E_INVALID_ARG;
   memcpy(uuid, u.bytes, 16);
+  return TSHARE_OK;
+}
+
+static void read_devices(void) {
+  const ts_cuda_api *cu = ts_cuda(NULL, NULL);
+  int n = 0;
+  if (!cu || cu->cuDeviceGetCount(&n) != CUDA_SUCCESS) return;
+  devices.count = n;
+  for (int i = 0; i < n && i < DEVICES_CACHED; i++) devices.known[i] = driver_uuid(cu, i, devices.uuid[i]) == TSHARE_OK;
+}
+
+int tshare_cuda_device_count(void) {
+  pthread_once(&devices_once, read_devices);
+  return devices.count;
+}
+
+int tshare_cuda_device_uuid(int ordinal, uint8_t uuid[16]) {
+  int n = tshare_cuda_device_count();
+  if (ordinal < 0 || ordinal >= n) return n ? TSHARE_E_INVALID_ARG : TSHARE_E_NO_DEVICE;
+  if (ordinal >= DEVICES_CACHED) {
+    const ts_cuda_api *cu = ts_cuda(NULL, NULL);
+    return cu ? driver_uuid(cu, ordinal, uuid) : TSHARE_E_NO_DEVICE;
+  }
+  if (!devices.known[ordinal]) return TSHARE_E_INVALID_ARG;
+  memcpy(uuid, devices.uuid[ordinal], 16);
   return TSHARE_OK;
 }
 

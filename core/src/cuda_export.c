@@ -101,18 +101,19 @@ int ts_cuda_export_of(CUdeviceptr ptr, ts_cuda_export *out, char *err, size_t ca
   x.fd = -1;
   unsigned long long id = 0;
   int ordinal = -1;
-  CUuuid uuid;
-  CUdevice dev;
   if ((rc = cu->cuMemGetAddressRange(&x.base, &x.size, ptr)) != CUDA_SUCCESS ||
       (rc = cu->cuPointerGetAttribute(&id, CU_POINTER_ATTRIBUTE_BUFFER_ID, x.base)) != CUDA_SUCCESS ||
-      (rc = cu->cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, x.base)) != CUDA_SUCCESS ||
-      (rc = cu->cuDeviceGet(&dev, ordinal)) != CUDA_SUCCESS || (rc = cu->cuDeviceGetUuid(&uuid, dev)) != CUDA_SUCCESS) {
+      (rc = cu->cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, x.base)) != CUDA_SUCCESS) {
     status = ts_cuda_fail(err, cap, "export: looking up the allocation", rc);
+    goto out;
+  }
+  if (tshare_cuda_device_uuid(ordinal, x.uuid) != TSHARE_OK) {
+    status = ts_errf(err, cap, TSHARE_E_CUDA, "export: the UUID of device %d, where %p lives, is unknown", ordinal,
+                     (void *)(uintptr_t)ptr);
     goto out;
   }
   x.buffer_id = id;
   x.ordinal = ordinal;
-  memcpy(x.uuid, uuid.bytes, 16);
   cache_entry *e = cache_find(x.base);
   if (e && e->x.buffer_id == x.buffer_id) {
     /* Exported before: never call the driver's export twice on one
@@ -222,11 +223,10 @@ int ts_cuda_export_vmm(CUdeviceptr ptr, uint64_t extent, ts_cuda_export *x, ts_v
   x->fd = -1;
   int ordinal = -1;
   CUresult rc = cu->cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr);
-  CUdevice dev;
-  CUuuid uuid;
-  if (rc == CUDA_SUCCESS) rc = cu->cuDeviceGet(&dev, ordinal);
-  if (rc == CUDA_SUCCESS) rc = cu->cuDeviceGetUuid(&uuid, dev);
   if (rc != CUDA_SUCCESS) return ts_cuda_fail(err, cap, "export (VMM memory): its device", rc);
+  uint8_t uuid[16];
+  if (tshare_cuda_device_uuid(ordinal, uuid) != TSHARE_OK)
+    return ts_errf(err, cap, TSHARE_E_CUDA, "export (VMM memory): the UUID of device %d is unknown", ordinal);
   /* An identity of this exact run of chunks: their buffer ids (unique per
    * allocation in this process, new when an address is mapped again). */
   uint64_t id = 0xcbf29ce484222325ull;
@@ -256,7 +256,7 @@ int ts_cuda_export_vmm(CUdeviceptr ptr, uint64_t extent, ts_cuda_export *x, ts_v
    * memory; a run of several gets the hash, kept apart by its top bit. */
   x->buffer_id = chunks->n == 1 ? chunks->id[0] : (id | (1ull << 63));
   x->ordinal = ordinal;
-  memcpy(x->uuid, uuid.bytes, 16);
+  memcpy(x->uuid, uuid, 16);
   x->ctx = ts_cuda_primary_ctx(ordinal);
   return TSHARE_OK;
 }
