@@ -81,6 +81,7 @@ DEFAULT_LAYER = UTILITY
 # backend_X* file is family X.
 FAMILY_BY_NAME = [
     ("backend_host*", "host"),
+    ("backend_ucx*", "host"),  # host memory read across hosts: the host buffers' references are its own
     ("backend_cuda*", "cuda"),
     ("cuda_*", "cuda"),
 ]
@@ -104,6 +105,8 @@ TEST_MODULES = {
     "tests/test_session_loopback.c": "session",  # channels over the in-process transport
     # the policy, and the ring receives that follow it in real channels (read through the session's channel)
     "tests/test_spin_policy.c": ("transport_ring", "session"),
+    # remote host memory over UCX, and a hostile producer's registrations made with UCP's own calls
+    "tests/test_ucx_mem.c": ("backend_ucx", "ucx_api"),
 }
 
 # Functions allowed over 80 lines: "path:function": "why". Keep it empty.

@@ -33,7 +33,31 @@ TS_TEST(struct_offsets_match_ucp_h) {
   SAME_OFFSET(ts_ucp_am_handler_param, ucp_am_handler_param_t, arg);
   SAME_OFFSET(ts_ucp_am_recv_param, ucp_am_recv_param_t, recv_attr);
   SAME_OFFSET(ts_ucp_am_recv_param, ucp_am_recv_param_t, reply_ep);
+  SAME_OFFSET(ts_ucp_mem_map_params, ucp_mem_map_params_t, field_mask);
+  SAME_OFFSET(ts_ucp_mem_map_params, ucp_mem_map_params_t, address);
+  SAME_OFFSET(ts_ucp_mem_map_params, ucp_mem_map_params_t, length);
 }
+
+/* The calls' declarations: each member of the table has the type of UCP's
+ * own function once tshare's opaque handle types are read as UCP's. */
+#define ts_ucs_status ucs_status_t
+#define ts_ucp_context_h ucp_context_h
+#define ts_ucp_worker_h ucp_worker_h
+#define ts_ucp_ep_h ucp_ep_h
+#define ts_ucp_config ucp_config_t
+#define ts_ucp_address ucp_address_t
+#define ts_ucp_mem_h ucp_mem_h
+#define ts_ucp_rkey_h ucp_rkey_h
+#define ts_ucp_worker_params ucp_worker_params_t
+#define ts_ucp_ep_params ucp_ep_params_t
+#define ts_ucp_request_param ucp_request_param_t
+#define ts_ucp_am_handler_param ucp_am_handler_param_t
+#define ts_ucp_mem_map_params ucp_mem_map_params_t
+#define ts_ucp_params ucp_params_t
+#define SAME_DECLARATION(fn, ret, args)                                                                                \
+  _Static_assert(__builtin_types_compatible_p(__typeof__(&fn), ret(*) args), #fn " is declared as in ucp.h");
+TS_UCX_FUNCS(SAME_DECLARATION)
+#undef SAME_DECLARATION
 
 TS_TEST(constants_match_ucp_h) {
   CHECK_EQ(TS_UCS_OK, UCS_OK);
@@ -62,6 +86,8 @@ TS_TEST(constants_match_ucp_h) {
   CHECK_EQ(TS_UCP_AM_HANDLER_PARAM_FIELD_CB, UCP_AM_HANDLER_PARAM_FIELD_CB);
   CHECK_EQ(TS_UCP_AM_HANDLER_PARAM_FIELD_ARG, UCP_AM_HANDLER_PARAM_FIELD_ARG);
   CHECK_EQ(TS_UCP_AM_FLAG_WHOLE_MSG, UCP_AM_FLAG_WHOLE_MSG);
+  CHECK_EQ(TS_UCP_MEM_MAP_PARAM_FIELD_ADDRESS, UCP_MEM_MAP_PARAM_FIELD_ADDRESS);
+  CHECK_EQ(TS_UCP_MEM_MAP_PARAM_FIELD_LENGTH, UCP_MEM_MAP_PARAM_FIELD_LENGTH);
   CHECK(TS_UCP_API_MAJOR == UCP_API_MAJOR && TS_UCP_API_MINOR <= UCP_API_MINOR);
 }
 

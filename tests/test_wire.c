@@ -832,6 +832,98 @@ TS_TEST(malformed_set_cuda_fields) {
   CHECK_RC(decode(buf, len - 4, &g), TSHARE_E_TRUNCATED, "");
 }
 
+/* Minor 5: the rkey frame (a region and its packed key, the key bounded)
+ * and the remote-memory share that names it (no fd, no handle, host). */
+static tshare_frame sample_rkey(void) {
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_RKEY;
+  f.u.rkey.alloc_id = 42;
+  f.u.rkey.address = 0x7f0000001000ull;
+  f.u.rkey.length = 64u << 20;
+  f.u.rkey.key_len = TSHARE_RKEY_MAX;
+  for (int i = 0; i < TSHARE_RKEY_MAX; i++) f.u.rkey.key[i] = (uint8_t)(i * 7 + 1);
+  return f;
+}
+
+TS_TEST(roundtrip_rkey_frames_and_remote_shares) {
+  tshare_frame f = sample_rkey(), g;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
+  CHECK_EQ(g.type, TSHARE_FRAME_RKEY);
+  CHECK(g.u.rkey.alloc_id == 42 && g.u.rkey.address == 0x7f0000001000ull && g.u.rkey.length == 64u << 20);
+  CHECK_EQ(g.u.rkey.key_len, TSHARE_RKEY_MAX);
+  CHECK(memcmp(g.u.rkey.key, f.u.rkey.key, TSHARE_RKEY_MAX) == 0);
+  CHECK(strcmp(tshare_frame_type_name(TSHARE_FRAME_RKEY), "rkey") == 0);
+
+  f = sample_share();
+  f.flags = 0;
+  f.u.share.mem_kind = TSHARE_MEM_UCX_REMOTE;
+  CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.share.mem_kind, TSHARE_MEM_UCX_REMOTE);
+  f.u.share.handle_len = 8; /* the key travels in its own frame, never in the share */
+  expect_encode_refused(&f, TSHARE_E_MALFORMED);
+  f.u.share.handle_len = 0;
+  f.u.share.device_type = TSHARE_DEVICE_CUDA;
+  expect_encode_refused(&f, TSHARE_E_MALFORMED);
+
+  tshare_frame r;
+  memset(&r, 0, sizeof r);
+  r.type = TSHARE_FRAME_RETIRE;
+  r.u.retire.count = 1;
+  r.u.retire.alloc_ids[0] = 42;
+  r.u.retire.mem_kind = TSHARE_MEM_UCX_REMOTE;
+  CHECK_RC(decode(buf, encode(&r, buf), &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.retire.mem_kind, TSHARE_MEM_UCX_REMOTE);
+}
+
+TS_TEST(malformed_rkey_frames) {
+  tshare_frame f = sample_rkey(), g;
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  f.u.rkey.key_len = 0;
+  expect_encode_refused(&f, TSHARE_E_TOO_LARGE);
+  f.u.rkey.key_len = TSHARE_RKEY_MAX + 1;
+  expect_encode_refused(&f, TSHARE_E_TOO_LARGE);
+  f = sample_rkey();
+  f.u.rkey.length = 0;
+  expect_encode_refused(&f, TSHARE_E_TOO_LARGE);
+  f.u.rkey.length = UINT64_MAX - 10; /* wraps past the end of the address space */
+  expect_encode_refused(&f, TSHARE_E_TOO_LARGE);
+  f = sample_rkey();
+  f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+  expect_encode_refused(&f, TSHARE_E_MALFORMED);
+
+  /* The decoder's own checks, on bytes a peer could send: the key's length
+   * is bounded before its bytes are read, and a region over max_alloc_size
+   * (2^48 by default) is refused. */
+  f = sample_rkey();
+  size_t len = encode(&f, buf);
+  uint8_t *key_len = buf + TSHARE_WIRE_HEADER_SIZE + 24;
+  key_len[0] = (uint8_t)((TSHARE_RKEY_MAX + 1) & 0xff), key_len[1] = (uint8_t)((TSHARE_RKEY_MAX + 1) >> 8);
+  CHECK_EQ(decode(buf, len, &g), TSHARE_E_TOO_LARGE);
+  key_len[0] = 0xff, key_len[1] = 0xff;
+  CHECK_EQ(decode(buf, len, &g), TSHARE_E_TOO_LARGE);
+  key_len[0] = 0, key_len[1] = 0;
+  CHECK_EQ(decode(buf, len, &g), TSHARE_E_TOO_LARGE);
+  len = encode(&f, buf);
+  put_u32(buf + TSHARE_WIRE_HEADER_SIZE + 16 + 4, 1u << 17); /* length 2^49 */
+  CHECK_EQ(decode(buf, len, &g), TSHARE_E_TOO_LARGE);
+  len = encode(&f, buf);
+  CHECK_EQ(decode(buf, len - 1, &g), TSHARE_AGAIN); /* a key cut short waits for its bytes */
+  put_u32(buf + 8, (uint32_t)(len - TSHARE_WIRE_HEADER_SIZE - 1)); /* ... or, when the payload ends, is truncated */
+  CHECK_EQ(decode(buf, len - 1, &g), TSHARE_E_TRUNCATED);
+
+  /* Remote memory travels in shares only, never in a set. */
+  tshare_frame m;
+  memset(&m, 0, sizeof m);
+  m.type = TSHARE_FRAME_SET;
+  m.u.set.op = TSHARE_SET_MEM;
+  m.u.set.set_id = 9;
+  m.u.set.u.mem = (tshare_set_mem_frame){.index = 0, .alloc_id = 77, .mem_kind = TSHARE_MEM_UCX_REMOTE,
+                                         .device_type = TSHARE_DEVICE_CPU, .alloc_size = 4096};
+  expect_encode_refused(&m, TSHARE_E_MALFORMED);
+}
+
 TS_TEST(decoder_error_is_sticky) {
   tshare_frame f = sample_share(), g;
   uint8_t buf[TSHARE_WIRE_FRAME_MAX];

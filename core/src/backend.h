@@ -91,6 +91,7 @@ typedef struct ts_backend {
   const char *name;
   uint32_t mem_kinds;   /* TS_MEM_KIND_BIT of each TSHARE_MEM_* it imports */
   uint32_t frame_types; /* TS_FRAME_TYPE_BIT of each frame type on_frame takes */
+  bool views_are_copies; /* its views hold a copy of the producer's memory (tshare_view_is_copy) */
   /* What a memory kind of its own is, for logs ("host memfd"). */
   const char *(*mem_kind_name)(int mem_kind);
   /* Optional: the local device ordinal a share of its memory lives on, -1

@@ -3,6 +3,7 @@
  * their views make later shares of them a frame alone (backend_host_keep.c). */
 #include "backend.h"
 #include "backend_host.h"
+#include "backend_ucx.h"
 #include "error_detail.h"
 #include "log.h"
 #include "session.h"
@@ -70,6 +71,9 @@ static int share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_
                       void *user_data, int timeout_ms, uint64_t *share_id) {
   if (ch->closed || ch->conn.wfd < 0)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: channel is closed");
+  /* Across hosts the memory cannot travel as an fd: the peer reads it. */
+  if (!(ts_conn_caps(&ch->conn) & TS_TRANSPORT_PASSES_FDS) && ts_ucx_carries_host(ch))
+    return ts_ucx_share_host(ch, buf, desc, tag, user_data, timeout_ms, share_id);
   size_t tag_len = tag ? strlen(tag) : 0;
   if (tag_len > TSHARE_TAG_MAX)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TOO_LARGE, "share: tag of %zu bytes over %d", tag_len,

@@ -13,9 +13,10 @@
 
 extern const ts_backend ts_host_backend; /* backend_host.c */
 extern const ts_backend ts_cuda_backend; /* backend_cuda.c, or backend_cuda_none.c */
+extern const ts_backend ts_ucx_backend;  /* backend_ucx.c */
 
-#define BUILT_IN 2
-static const ts_backend *backends[TS_BACKENDS_MAX] = {&ts_host_backend, &ts_cuda_backend};
+#define BUILT_IN 3
+static const ts_backend *backends[TS_BACKENDS_MAX] = {&ts_host_backend, &ts_cuda_backend, &ts_ucx_backend};
 /* Published after its entry is written: a reader sees whole entries only. */
 static atomic_size_t backend_count = BUILT_IN;
 
@@ -134,3 +135,5 @@ void ts_backends_before_close(tshare_channel *ch, int timeout_ms) {
 void ts_backends_export_done(tshare_channel *ch, const struct ts_export *e) {
   if (e->backend && e->backend->export_done) e->backend->export_done(ch, e);
 }
+
+int tshare_view_is_copy(const tshare_view *v) { return v && v->backend && v->backend->views_are_copies ? 1 : 0; }

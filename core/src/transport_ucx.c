@@ -415,6 +415,18 @@ static void ucx_close(ts_conn *c, bool fork_copy) {
   ts_stream_close(c, fork_copy);
 }
 
+bool ts_ucx_link_of(const ts_conn *c, ts_ucx_link *out) {
+  ts_ucx_endpoint *e = c->stream == &ts_transport_ucx ? c->stream_data : NULL;
+  if (!e || !e->ep) return false;
+  *out = (ts_ucx_link){e->worker, e->ep, &e->lock};
+  return true;
+}
+
+bool ts_ucx_peer_failed_locked(const ts_conn *c) {
+  const ts_ucx_endpoint *e = c->stream == &ts_transport_ucx ? c->stream_data : NULL;
+  return !e || e->peer_failed || e->broken;
+}
+
 const ts_transport ts_transport_ucx = {
     .name = "ucx",
     .caps = 0, /* no fds, no kernel word on the peer, not necessarily this host, no shared memory */

@@ -11,6 +11,8 @@
 #ifndef TSHARE_TRANSPORT_UCX_H
 #define TSHARE_TRANSPORT_UCX_H
 
+#include <pthread.h>
+#include <stdbool.h>
 #include <stddef.h>
 
 typedef struct ts_ucx_endpoint ts_ucx_endpoint;
@@ -29,5 +31,20 @@ int ts_ucx_endpoint_connect(ts_ucx_endpoint *e, const void *peer_address, size_t
 
 /* Free an endpoint that was never connected. NULL is a no-op. */
 void ts_ucx_endpoint_free(ts_ucx_endpoint *e);
+
+/* What remote memory (backend_ucx*.c) reads through: the worker and the
+ * endpoint of a connection over UCX, and the lock every UCP call on that
+ * worker takes (the transport's own calls take it too). */
+struct ts_conn;
+typedef struct ts_ucx_link {
+  struct ts_ucp_worker *worker;
+  struct ts_ucp_ep *ep;
+  pthread_mutex_t *lock;
+} ts_ucx_link;
+
+/* c's link, or false when c is not a connection over UCX (or is closed). */
+bool ts_ucx_link_of(const struct ts_conn *c, ts_ucx_link *out);
+/* Whether UCX said the peer failed or its bootstrap socket ended (lock held). */
+bool ts_ucx_peer_failed_locked(const struct ts_conn *c);
 
 #endif

@@ -29,6 +29,8 @@ typedef struct ts_ucp_worker *ts_ucp_worker_h;
 typedef struct ts_ucp_ep *ts_ucp_ep_h;
 typedef struct ts_ucp_config ts_ucp_config;
 typedef struct ts_ucp_address ts_ucp_address;
+typedef struct ts_ucp_mem *ts_ucp_mem_h;   /* a registration (ucp_mem_map) */
+typedef struct ts_ucp_rkey *ts_ucp_rkey_h; /* an unpacked remote key, of one endpoint */
 
 #define TS_UCP_API_MAJOR 1u
 #define TS_UCP_API_MINOR 13u /* the oldest UCP whose calls tshare uses (Debian 12's) */
@@ -107,6 +109,15 @@ typedef struct ts_ucp_am_handler_param {
   void *arg;
 } ts_ucp_am_handler_param;
 
+/* Registering memory for remote reads (ucp_mem_map): an existing range. */
+#define TS_UCP_MEM_MAP_PARAM_FIELD_ADDRESS (1ull << 0)
+#define TS_UCP_MEM_MAP_PARAM_FIELD_LENGTH (1ull << 1)
+typedef struct ts_ucp_mem_map_params {
+  uint64_t field_mask;
+  void *address;
+  size_t length;
+} ts_ucp_mem_map_params;
+
 /* The calls: X(name, return type, arguments). */
 #define TS_UCX_FUNCS(X)                                                                                                \
   X(ucp_config_read, ts_ucs_status, (const char *prefix, const char *file, ts_ucp_config **config))                   \
@@ -131,6 +142,15 @@ typedef struct ts_ucp_am_handler_param {
     (ts_ucp_ep_h ep, unsigned id, const void *header, size_t header_length, const void *buffer, size_t count,         \
      const ts_ucp_request_param *param))                                                                               \
   X(ucp_request_check_status, ts_ucs_status, (void *request))                                                          \
+  X(ucp_mem_map, ts_ucs_status, (ts_ucp_context_h context, const ts_ucp_mem_map_params *params, ts_ucp_mem_h *memh))  \
+  X(ucp_mem_unmap, ts_ucs_status, (ts_ucp_context_h context, ts_ucp_mem_h memh))                                      \
+  X(ucp_rkey_pack, ts_ucs_status, (ts_ucp_context_h context, ts_ucp_mem_h memh, void **buffer, size_t *size))         \
+  X(ucp_rkey_buffer_release, void, (void *buffer))                                                                     \
+  X(ucp_ep_rkey_unpack, ts_ucs_status, (ts_ucp_ep_h ep, const void *buffer, ts_ucp_rkey_h *rkey))                     \
+  X(ucp_rkey_destroy, void, (ts_ucp_rkey_h rkey))                                                                      \
+  X(ucp_get_nbx, void *,                                                                                               \
+    (ts_ucp_ep_h ep, void *buffer, size_t count, uint64_t remote_addr, ts_ucp_rkey_h rkey,                             \
+     const ts_ucp_request_param *param))                                                                               \
   X(ucp_request_free, void, (void *request))                                                                           \
   X(ucs_status_string, const char *, (ts_ucs_status status))
 

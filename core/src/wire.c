@@ -49,6 +49,8 @@ const char *tshare_frame_type_name(int type) {
     return "chunk";
   case TSHARE_FRAME_SET:
     return "set";
+  case TSHARE_FRAME_RKEY:
+    return "rkey";
   default:
     return "unknown";
   }

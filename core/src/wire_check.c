@@ -28,6 +28,17 @@ int ts_wire_check_chunk(const tshare_chunk_frame *k, uint8_t flags, uint64_t max
   return TSHARE_OK;
 }
 
+int ts_wire_check_rkey(const tshare_rkey_frame *k, uint8_t flags, uint64_t max_alloc_size, char *err, size_t cap) {
+  if (k->key_len == 0 || k->key_len > TSHARE_RKEY_MAX)
+    return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "rkey: a key of %u bytes (1..%d)", (unsigned)k->key_len,
+                   TSHARE_RKEY_MAX);
+  if (k->length == 0 || k->length > max_alloc_size || k->address + k->length < k->address)
+    return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "rkey: a region of %llu bytes at %#llx (1..%llu, not wrapping)",
+                   (unsigned long long)k->length, (unsigned long long)k->address, (unsigned long long)max_alloc_size);
+  if (flags & TSHARE_FRAME_FLAG_FD_ATTACHED) return ts_errf(err, cap, TSHARE_E_MALFORMED, "rkey: an rkey frame carries no fd");
+  return TSHARE_OK;
+}
+
 /* Well-formed UTF-8 (no overlong forms, surrogates or code points past
  * U+10FFFF) without NUL: what a member's name must be. */
 static bool utf8_name_ok(const char *s, size_t n) {
@@ -94,6 +105,9 @@ static int check_set_mem(const tshare_set_mem_frame *m, uint8_t flags, const tsh
   if (m->mem_kind < TSHARE_MEM_HOST_MEMFD || m->mem_kind > TSHARE_MEM_KIND_LAST)
     return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: memory %u of unknown mem_kind %u", m->index,
                    (unsigned)m->mem_kind);
+  if (m->mem_kind == TSHARE_MEM_UCX_REMOTE)
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: memory %u: remote memory (mem_kind %u) travels in shares only",
+                   m->index, (unsigned)m->mem_kind);
   if (m->handle_len > TSHARE_HANDLE_MAX)
     return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "set: memory %u: handle_len %u over %d", m->index,
                    (unsigned)m->handle_len, TSHARE_HANDLE_MAX);
@@ -188,6 +202,14 @@ int ts_wire_check_share(const tshare_share_frame *s, const tshare_wire_limits *l
                      (unsigned)s->device_type);
     if (s->handle_len != 0)
       return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: CUDA fd memory carries %u handle bytes",
+                     (unsigned)s->handle_len);
+    break;
+  case TSHARE_MEM_UCX_REMOTE:
+    if (s->device_type != TSHARE_DEVICE_CPU)
+      return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: remote host memory with device_type %u",
+                     (unsigned)s->device_type);
+    if (s->handle_len != 0)
+      return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: remote host memory carries %u handle bytes",
                      (unsigned)s->handle_len);
     break;
   default:

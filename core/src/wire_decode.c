@@ -281,6 +281,19 @@ static int decode_chunk(tshare_decoder *d, ts_reader *r, uint8_t flags, tshare_c
   return rc == TSHARE_OK ? TSHARE_OK : fail(d, rc, "%s", why);
 }
 
+static int decode_rkey(tshare_decoder *d, ts_reader *r, uint8_t flags, tshare_rkey_frame *k) {
+  k->alloc_id = ts_get_u64(r);
+  k->address = ts_get_u64(r);
+  k->length = ts_get_u64(r);
+  k->key_len = ts_get_u16(r);
+  if (r->short_read) return TSHARE_OK;
+  char why[TSHARE_ERROR_MSG_MAX];
+  int rc = ts_wire_check_rkey(k, flags, d->limits.max_alloc_size, why, sizeof why);
+  if (rc != TSHARE_OK) return fail(d, rc, "%s", why); /* before the key's bytes: key_len is bounded first */
+  ts_get_bytes(r, k->key, k->key_len);
+  return TSHARE_OK;
+}
+
 static int decode_ring(tshare_decoder *d, ts_reader *r, uint8_t flags, tshare_ring_frame *g) {
   g->op = ts_get_u8(r);
   g->capacity = ts_get_u32(r);
@@ -295,7 +308,7 @@ typedef struct frame_header {
   uint32_t length;
 } frame_header;
 
-static bool type_known(int type) { return type >= TSHARE_FRAME_HELLO && type <= TSHARE_FRAME_SET; }
+static bool type_known(int type) { return type >= TSHARE_FRAME_HELLO && type <= TSHARE_FRAME_RKEY; }
 
 /* TSHARE_OK once the header and its whole payload are buffered, TSHARE_AGAIN
  * while bytes are missing, or the header's fault (the decoder failed). */
@@ -361,6 +374,8 @@ static int decode_payload(tshare_decoder *d, ts_reader *r, const frame_header *f
     return decode_set(d, r, fh->flags, &out->u.set);
   case TSHARE_FRAME_RING:
     return decode_ring(d, r, fh->flags, &out->u.ring);
+  case TSHARE_FRAME_RKEY:
+    return decode_rkey(d, r, fh->flags, &out->u.rkey);
   }
   return TSHARE_OK;
 }

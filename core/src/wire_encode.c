@@ -153,6 +153,17 @@ static int encode_chunk(const tshare_chunk_frame *k, uint8_t flags, ts_writer *w
   return TSHARE_OK;
 }
 
+static int encode_rkey(const tshare_rkey_frame *k, uint8_t flags, ts_writer *w, char *err, size_t cap) {
+  int rc = ts_wire_check_rkey(k, flags, UINT64_MAX, err, cap);
+  if (rc != TSHARE_OK) return rc;
+  ts_put_u64(w, k->alloc_id);
+  ts_put_u64(w, k->address);
+  ts_put_u64(w, k->length);
+  ts_put_u16(w, k->key_len);
+  ts_put_bytes(w, k->key, k->key_len);
+  return TSHARE_OK;
+}
+
 static int encode_release(const tshare_release_frame *r, ts_writer *w, char *err, size_t cap) {
   if (r->count == 0 || r->count > TSHARE_RELEASE_MAX)
     return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "release: count %u outside 1..%d", r->count, TSHARE_RELEASE_MAX);
@@ -185,6 +196,8 @@ static int encode_payload(const tshare_frame *f, ts_writer *w, char *err, size_t
     return encode_chunk(&f->u.chunk, f->flags, w, err, cap);
   case TSHARE_FRAME_SET:
     return encode_set(&f->u.set, f->flags, w, err, cap);
+  case TSHARE_FRAME_RKEY:
+    return encode_rkey(&f->u.rkey, f->flags, w, err, cap);
   case TSHARE_FRAME_RELEASE:
     return encode_release(&f->u.release, w, err, cap);
   case TSHARE_FRAME_BYE:

@@ -1,6 +1,6 @@
 /* What the wire's own files share and nothing else includes: the limits as a
  * caller's tshare_wire_limits may lower them, which memory kinds travel as an
- * fd, and the ring and chunk frames' rules, which the encoder and the decoder
+ * fd, and the ring, chunk and rkey frames' rules, which the encoder and the decoder
  * apply alike. Checks the library calls elsewhere are in wire_checks.h. */
 #ifndef TSHARE_WIRE_RULES_H
 #define TSHARE_WIRE_RULES_H
@@ -34,5 +34,7 @@ static inline bool ts_wire_set_mem_has_flags(int kind) {
 int ts_wire_check_ring(const tshare_ring_frame *ring, uint8_t flags, char *err, size_t err_cap);
 int ts_wire_check_chunk(const tshare_chunk_frame *chunk, uint8_t flags, uint64_t max_alloc_size, char *err,
                         size_t err_cap);
+int ts_wire_check_rkey(const tshare_rkey_frame *rkey, uint8_t flags, uint64_t max_alloc_size, char *err,
+                       size_t err_cap);
 
 #endif

@@ -195,6 +195,25 @@ int main(int argc, char **argv) {
   write_seed(argv[1], "share_host", f, 1, 5);
   write_seed(argv[1], "share_cuda", f + 1, 1, 200);
   write_seed(argv[1], "stream", f, 4, 3);
+  /* Remote memory over UCX: an rkey frame, then a share naming it. */
+  memset(f, 0, sizeof f);
+  f[0].type = TSHARE_FRAME_RKEY;
+  f[0].u.rkey.alloc_id = 9;
+  f[0].u.rkey.address = 0x7f0000000000ull;
+  f[0].u.rkey.length = 1 << 20;
+  f[0].u.rkey.key_len = 48;
+  memset(f[0].u.rkey.key, 0x5a, 48);
+  f[1].type = TSHARE_FRAME_SHARE;
+  f[1].u.share.share_id = 1;
+  f[1].u.share.alloc_id = 9;
+  f[1].u.share.mem_kind = TSHARE_MEM_UCX_REMOTE;
+  f[1].u.share.device_type = TSHARE_DEVICE_CPU;
+  f[1].u.share.alloc_size = 1 << 20;
+  f[1].u.share.tensor.dtype = (tshare_dtype){TSHARE_DTYPE_FLOAT, 32, 1};
+  f[1].u.share.tensor.ndim = 1;
+  f[1].u.share.tensor.shape[0] = 1024;
+  f[1].u.share.tensor.strides[0] = 1;
+  write_seed(argv[1], "rkey_share", f, 2, 7);
   memset(f, 0, sizeof f);
   f[0].type = TSHARE_FRAME_ERROR;
   f[0].u.error.code = -7;

@@ -79,6 +79,11 @@ TSHARE_API const tshare_tensor_desc *tshare_view_desc(const tshare_view *view);
 TSHARE_API const char *tshare_view_tag(const tshare_view *view); /* "" when none */
 TSHARE_API uint64_t tshare_view_share_id(const tshare_view *view);
 TSHARE_API int tshare_view_device_type(const tshare_view *view); /* TSHARE_DEVICE_* */
+/* 1 when the view holds a copy of the producer's memory, not the memory
+ * itself: a share that came over UCX from another host (its bytes were read
+ * into this process and the share released at once), 0 otherwise. Writes to
+ * a copy stay in this process. */
+TSHARE_API int tshare_view_is_copy(const tshare_view *view);
 
 /* Share a received view on to another channel: the producer's memory
  * travels, not a copy (host views need a socket channel, and a channel that

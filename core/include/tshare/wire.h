@@ -42,8 +42,9 @@ extern "C" {
 #define TSHARE_WIRE_MAGIC_3 0x52 /* 'R' */
 #define TSHARE_WIRE_MAJOR 1
 #define TSHARE_WIRE_MINOR                                                                                              \
-  4 /* 1: event and retire frames; origin_pid and share_flags appended to share; 2: ring frames; 3: tensor sets;      \
-       4: kept host mappings (TSHARE_MEM_HOST_KEPT, the retire frame's mem_kind) */
+  5 /* 1: event and retire frames; origin_pid and share_flags appended to share; 2: ring frames; 3: tensor sets;      \
+       4: kept host mappings (TSHARE_MEM_HOST_KEPT, the retire frame's mem_kind); 5: remote memory over UCX          \
+       (TSHARE_MEM_UCX_REMOTE, the rkey frame) */
 #define TSHARE_WIRE_HEADER_SIZE 12
 
 /* Hard maxima of the frame structs below; tshare_wire_limits can only lower them. */
@@ -65,8 +66,10 @@ typedef enum tshare_frame_type {
                               kept mapped by it until retired (closed = 2, TSHARE_CAP_CUDA_HELD) */
   TSHARE_FRAME_RING = 8,   /* minor 2: the ring transport's own frames (never seen above the connection) */
   TSHARE_FRAME_CHUNK = 9,  /* minor 2: one more chunk of the VMM memory of the share that follows, its fd attached */
-  TSHARE_FRAME_SET = 10    /* minor 3: one step of a tensor set (tshare_set_op), sent only to a peer with
+  TSHARE_FRAME_SET = 10,   /* minor 3: one step of a tensor set (tshare_set_op), sent only to a peer with
                               TSHARE_CAP_TENSOR_SETS */
+  TSHARE_FRAME_RKEY = 11   /* minor 5: where the TSHARE_MEM_UCX_REMOTE allocation named by the shares that follow
+                              lies in the sender's memory, and the packed UCX remote key that reads it */
 } tshare_frame_type;
 
 /* Header flags. */
@@ -95,6 +98,8 @@ typedef enum tshare_frame_type {
 #define TSHARE_CAP_HOST_FD                                                                                             \
   (1u << 9) /* takes TSHARE_MEM_HOST_FD shares: host memory in an unsealed regular file (a tmpfs or /dev/shm file, \
                as torch's shared CPU memory), accepted from a peer of its own uid only */
+#define TSHARE_CAP_UCX_REMOTE                                                                                          \
+  (1u << 10) /* minor 5: takes TSHARE_MEM_UCX_REMOTE shares (an rkey frame first) and reads them with UCX */
 
 /* Share flags (share_flags, minor 1). Unknown bits are ignored. */
 #define TSHARE_SHARE_FLAG_RETIRE_NOTICE                                                                                \
@@ -117,10 +122,13 @@ typedef enum tshare_mem_kind {
                                 no handle; alloc_id names it. Sent only to a peer with TSHARE_CAP_CUDA_HELD */
   TSHARE_MEM_HOST_KEPT = 5,  /* minor 4: a host memfd the receiver said it keeps mapped (retire frame, closed = 2,
                                 mem_kind 1): no fd; alloc_id names it. Sent only to a peer with TSHARE_CAP_HOST_KEPT */
-  TSHARE_MEM_HOST_FD = 6     /* host memory in an unsealed regular file (not sealed against shrinking); the fd is
+  TSHARE_MEM_HOST_FD = 6,    /* host memory in an unsealed regular file (not sealed against shrinking); the fd is
                                 attached. Sent only to a peer with TSHARE_CAP_HOST_FD, never kept mapped */
+  TSHARE_MEM_UCX_REMOTE = 7  /* minor 5: host memory the receiver reads over UCX (ucp_get): no fd, no handle;
+                                alloc_id names the region of the last rkey frame for it. Sent only to a peer with
+                                TSHARE_CAP_UCX_REMOTE */
 } tshare_mem_kind;
-#define TSHARE_MEM_KIND_LAST TSHARE_MEM_HOST_FD
+#define TSHARE_MEM_KIND_LAST TSHARE_MEM_UCX_REMOTE
 
 typedef struct tshare_hello {
   uint8_t major, minor; /* the sender's own versions (copied from the header) */
@@ -197,6 +205,19 @@ typedef struct tshare_chunk_frame {
   uint32_t count;    /* 2..TSHARE_CHUNKS_MAX */
   uint64_t size;     /* bytes of this chunk */
 } tshare_chunk_frame;
+
+/* Rkey frames (TSHARE_FRAME_RKEY, minor 5): the registered region of a
+ * TSHARE_MEM_UCX_REMOTE allocation, sent before the first share of it on a
+ * channel (again whenever the region changes). A share's bytes must lie in
+ * [0, length) of the region; key is what ucp_rkey_pack gave, opaque here. */
+#define TSHARE_RKEY_MAX 1024 /* bytes of a packed remote key (UCX's are tens to a few hundred) */
+typedef struct tshare_rkey_frame {
+  uint64_t alloc_id; /* the shares' alloc_id */
+  uint64_t address;  /* the region's first byte in the sender's address space */
+  uint64_t length;   /* bytes of the region, 1..max_alloc_size */
+  uint16_t key_len;  /* 1..TSHARE_RKEY_MAX */
+  uint8_t key[TSHARE_RKEY_MAX];
+} tshare_rkey_frame;
 
 /* Tensor sets (TSHARE_FRAME_SET, minor 3): N named tensors and an opaque
  * metadata blob in one hand-off, released as one unit. A set is a run of set
@@ -322,6 +343,7 @@ typedef struct tshare_frame {
     tshare_ring_frame ring;
     tshare_chunk_frame chunk;
     tshare_set_frame set;
+    tshare_rkey_frame rkey;
   } u;
 } tshare_frame;
 

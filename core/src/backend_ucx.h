@@ -1,0 +1,87 @@
+/* Remote host memory over UCX (TSHARE_MEM_UCX_REMOTE), the backend's own
+ * declarations, shared by its files:
+ *   backend_ucx.c        the table, the channel's state, the producer: host
+ *                        buffers registered (ucp_mem_map) once per channel,
+ *                        their rkeys sent once, held until retired
+ *   backend_ucx_fetch.c  the consumer's "fetch" mode: rkeys unpacked once
+ *                        per allocation, each share read (ucp_get_nbx) into a
+ *                        pooled registered buffer and released at once
+ *
+ * Lifetime: a share holds its host buffer until the peer's release, and the
+ * channel holds every buffer it registered (lent, as kept host mappings
+ * are) until nothing else holds it, or until the channel is freed, after
+ * its worker is gone: over TCP the peer's reads are served by this
+ * process's worker, so memory is never let go while a read could come. */
+#ifndef TSHARE_BACKEND_UCX_H
+#define TSHARE_BACKEND_UCX_H
+
+#include "session.h"
+#include "transport_ucx.h"
+#include "u64map.h"
+#include "ucx_api.h"
+#include "vec.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct tshare_host_buffer;
+
+/* Producer: a host buffer registered for this channel's peer. */
+typedef struct ucx_region {
+  struct tshare_host_buffer *buf; /* lent to the channel until retired */
+  ts_ucp_mem_h memh;
+  void *packed; /* ucp_rkey_pack's key */
+  size_t packed_len;
+  bool key_sent; /* the peer has its rkey frame */
+} ucx_region;
+
+/* Consumer: a remote region whose rkey came (an rkey frame). */
+typedef struct ucx_remote {
+  ts_ucp_rkey_h rkey;
+  uint64_t address, length;
+} ucx_remote;
+
+/* Consumer: a registered local buffer fetches land in, a view's `memory`. */
+typedef struct ucx_landing {
+  void *base;
+  size_t size;
+  ts_ucp_mem_h memh;
+} ucx_landing;
+
+TS_VEC_DEFINE(ucx_landing_vec, ucx_landing *)
+
+typedef struct ucx_chan {
+  const ts_ucx_api *ucx;
+  /* producer */
+  ts_u64map regions;  /* buffer id -> ucx_region */
+  ts_id_vec retired;  /* buffer ids whose region went: the peer hears so (retire, FREED) */
+  uint64_t unused_seen; /* ts_host_buffers_unused_generation() when regions were last looked at */
+  /* consumer */
+  ts_u64map remotes;      /* alloc_id -> ucx_remote, until retired or the peer is gone */
+  ucx_landing_vec idle;   /* landing buffers free for the next fetch, under ch->lock */
+  ucx_landing_vec stranded; /* a fetch that never finished may still write into these: freed with the channel */
+} ucx_chan;
+
+extern const ts_backend ts_ucx_backend;
+
+/* The backend's state in ch, NULL before its init. */
+ucx_chan *ts_ucx_chan(tshare_channel *ch);
+
+/* backend_ucx.c: share buf over ch's UCX connection (tshare_share_host on a
+ * channel that passes no fds, to a peer with TSHARE_CAP_UCX_REMOTE). */
+int ts_ucx_share_host(tshare_channel *ch, struct tshare_host_buffer *buf, const tshare_tensor_desc *desc,
+                      const char *tag, void *user_data, int timeout_ms, uint64_t *share_id);
+/* Whether a host share over ch goes as remote memory. */
+bool ts_ucx_carries_host(tshare_channel *ch);
+
+/* backend_ucx_fetch.c */
+int ts_ucx_on_rkey(tshare_channel *ch, const tshare_frame *f);
+void ts_ucx_drop_remote_locked(ucx_chan *u, const ts_ucx_link *link, uint64_t alloc_id);
+int ts_ucx_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, struct tshare_view *v);
+ts_release_done ts_ucx_release(struct tshare_view *v);
+void ts_ucx_fetch_peer_gone(tshare_channel *ch, ucx_chan *u);
+void ts_ucx_fetch_trim(tshare_channel *ch, ucx_chan *u);
+void ts_ucx_fetch_free(ucx_chan *u);
+
+#endif

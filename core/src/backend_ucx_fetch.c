@@ -1,0 +1,279 @@
+/* Remote host memory over UCX, the consumer's "fetch" mode
+ * (backend_ucx.h): the rkey frame's key is unpacked once per allocation;
+ * each share's bytes are read with ucp_get_nbx into a landing buffer of
+ * this process's (registered, pooled per channel), and the share is
+ * released at once: the view is a copy, and the producer's memory is free
+ * for its next use as soon as the bytes are here.
+ *
+ * Trust: what the peer says of its memory (the region, the share's layout)
+ * only decides what is read from the peer; what is written here is bounded
+ * by the landing buffer, sized from the share's checked layout. */
+#include "backend_ucx.h"
+
+#include "error_detail.h"
+#include "log.h"
+#include "wire_checks.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#define UCX_FETCH_TIMEOUT_MS 30000 /* a read the peer's worker does not serve in this time fails the share */
+#define UCX_IDLE_LANDINGS 4        /* landing buffers kept for reuse per channel */
+/* ucp_ep_rkey_unpack takes no length: it reads as far as the key's own
+ * fields say. A key is unpacked from a zeroed copy this much longer than
+ * any key, so that what a malformed one makes UCX read is ours. */
+#define UCX_KEY_READ_MAX (64u << 10)
+
+/* ---- keys ------------------------------------------------------------------ */
+
+void ts_ucx_drop_remote_locked(ucx_chan *u, const ts_ucx_link *link, uint64_t alloc_id) {
+  (void)link; /* held: rkeys belong to its endpoint */
+  ucx_remote *r = ts_u64map_remove(&u->remotes, alloc_id);
+  if (!r) return;
+  if (r->rkey) u->ucx->ucp_rkey_destroy(r->rkey);
+  free(r);
+}
+
+int ts_ucx_on_rkey(tshare_channel *ch, const tshare_frame *f) {
+  const tshare_rkey_frame *k = &f->u.rkey;
+  ucx_chan *u = ts_ucx_chan(ch);
+  ts_ucx_link link;
+  if (!u || !ts_ucx_link_of(&ch->conn, &link))
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "receive: an rkey frame on a channel not over UCX");
+  ucx_remote *r = calloc(1, sizeof *r);
+  if (!r) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "receive: out of memory");
+  r->address = k->address;
+  r->length = k->length;
+  uint8_t *key = calloc(1, UCX_KEY_READ_MAX);
+  if (!key) {
+    free(r);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "receive: out of memory");
+  }
+  memcpy(key, k->key, k->key_len);
+  pthread_mutex_lock(link.lock);
+  ts_ucx_drop_remote_locked(u, &link, k->alloc_id); /* a region that changed replaces the old one */
+  ts_ucs_status st = u->ucx->ucp_ep_rkey_unpack(link.ep, key, &r->rkey);
+  if (st == TS_UCS_OK && ts_u64map_put(&u->remotes, k->alloc_id, r) != 0) {
+    u->ucx->ucp_rkey_destroy(r->rkey);
+    st = TS_UCS_ERR_LAST; /* out of memory, said below */
+  }
+  pthread_mutex_unlock(link.lock);
+  free(key);
+  if (st == TS_UCS_OK) return TSHARE_OK;
+  free(r);
+  /* The shares that name this allocation are refused when they come: the
+   * channel goes on. */
+  TS_LOG(TS_LOG_WARN, "%s sent an rkey for allocation %llu that UCX cannot unpack (%u bytes): %s", ch->conn.peer_label,
+         (unsigned long long)k->alloc_id, (unsigned)k->key_len,
+         st == TS_UCS_ERR_LAST ? "out of memory" : ts_ucx_strerror(st));
+  return TSHARE_OK;
+}
+
+/* ---- landing buffers ------------------------------------------------------ */
+
+static void landing_free(const ts_ucx_api *ucx, ucx_landing *l) {
+  if (l->memh) ucx->ucp_mem_unmap(ucx->context, l->memh);
+  if (l->base) munmap(l->base, l->size);
+  free(l);
+}
+
+/* An idle landing buffer of at least size bytes (and not wastefully more),
+ * or a new one, registered so that UCX reads straight into it. */
+static int landing_take(tshare_channel *ch, ucx_chan *u, size_t size, ucx_landing **out) {
+  size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  size_t want = size ? (size + page - 1) / page * page : page;
+  pthread_mutex_lock(&ch->lock);
+  for (size_t i = 0; i < u->idle.len; i++) {
+    ucx_landing *l = u->idle.items[i];
+    if (l->size >= want && l->size / 2 <= want) {
+      ucx_landing_vec_remove(&u->idle, i, 1);
+      pthread_mutex_unlock(&ch->lock);
+      *out = l;
+      return TSHARE_OK;
+    }
+  }
+  pthread_mutex_unlock(&ch->lock);
+  ucx_landing *l = calloc(1, sizeof *l);
+  if (!l) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
+  l->base = mmap(NULL, want, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (l->base == MAP_FAILED) {
+    int e = errno;
+    free(l);
+    return ts_errsys(ch->err, sizeof ch->err, e == ENOMEM ? TSHARE_E_NOMEM : TSHARE_E_SYSTEM, e,
+                     "import: a landing buffer of %zu bytes", want);
+  }
+  l->size = want;
+  ts_ucp_mem_map_params mp = {.field_mask = TS_UCP_MEM_MAP_PARAM_FIELD_ADDRESS | TS_UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+                              .address = l->base,
+                              .length = l->size};
+  if (u->ucx->ucp_mem_map(u->ucx->context, &mp, &l->memh) != TS_UCS_OK) l->memh = NULL; /* UCX copies then */
+  *out = l;
+  return TSHARE_OK;
+}
+
+static void landing_give_back_locked(ucx_chan *u, ucx_landing *l) {
+  if (ucx_landing_vec_push(&u->idle, l) != TSHARE_OK) landing_free(u->ucx, l);
+}
+
+void ts_ucx_fetch_trim(tshare_channel *ch, ucx_chan *u) {
+  for (;;) {
+    pthread_mutex_lock(&ch->lock);
+    ucx_landing *l = NULL;
+    if (u->idle.len > UCX_IDLE_LANDINGS) {
+      l = u->idle.items[0];
+      ucx_landing_vec_remove(&u->idle, 0, 1);
+    }
+    pthread_mutex_unlock(&ch->lock);
+    if (!l) return;
+    landing_free(u->ucx, l);
+  }
+}
+
+/* ---- the read ------------------------------------------------------------- */
+
+static int64_t now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Read len bytes at the peer's address into dst (link's lock held).
+ * TS_UCS_OK, UCX's error, or TS_UCS_INPROGRESS when the peer did not serve
+ * it in time: dst may then still be written, and must be kept. */
+static ts_ucs_status get_locked(tshare_channel *ch, const ts_ucx_api *ucx, const ts_ucx_link *link, void *dst,
+                                size_t len, uint64_t address, ts_ucp_rkey_h rkey) {
+  ts_ucp_request_param p = {0};
+  void *req = ucx->ucp_get_nbx(link->ep, dst, len, address, rkey, &p);
+  if (!req) return TS_UCS_OK;
+  if (TS_UCS_PTR_IS_ERR(req)) return TS_UCS_PTR_STATUS(req);
+  int64_t until = now_ms() + UCX_FETCH_TIMEOUT_MS;
+  ts_ucs_status st;
+  while ((st = ucx->ucp_request_check_status(req)) == TS_UCS_INPROGRESS) {
+    if (ts_ucx_peer_failed_locked(&ch->conn) || now_ms() > until) break;
+    if (!ucx->ucp_worker_progress(link->worker)) {
+      pthread_mutex_unlock(link->lock); /* writers of other threads get their turn */
+      sched_yield();
+      pthread_mutex_lock(link->lock);
+    }
+  }
+  ucx->ucp_request_free(req); /* a request still in progress completes on its own, into dst */
+  return st;
+}
+
+/* The bytes of share s that its layout touches, [*begin, *end) of the
+ * allocation, and the region its key reads: checked against each other. */
+static int fetch_span(tshare_channel *ch, const tshare_share_frame *s, const ucx_remote *r, uint64_t *begin,
+                      uint64_t *end) {
+  char why[160];
+  int rc = ts_tensor_check(&s->tensor, s->alloc_size, begin, end, why, sizeof why);
+  if (rc != TSHARE_OK)
+    return ts_errf(ch->err, sizeof ch->err, rc, "import: share %llu: %s", (unsigned long long)s->share_id, why);
+  if (s->alloc_size > r->length)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_OUT_OF_BOUNDS,
+                   "import: share %llu claims %llu bytes of allocation %llu, whose registered region has %llu",
+                   (unsigned long long)s->share_id, (unsigned long long)s->alloc_size,
+                   (unsigned long long)s->alloc_id, (unsigned long long)r->length);
+  if (*end - *begin > SIZE_MAX / 2)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TOO_LARGE, "import: share %llu spans %llu bytes",
+                   (unsigned long long)s->share_id, (unsigned long long)(*end - *begin));
+  return TSHARE_OK;
+}
+
+/* The share's bytes into a landing buffer: v->memory, v->data. */
+static int fetch(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, const tshare_share_frame *s,
+                 tshare_view *v) {
+  pthread_mutex_lock(link->lock);
+  ucx_remote *r = ts_u64map_get(&u->remotes, s->alloc_id);
+  ucx_remote copy = r ? *r : (ucx_remote){0};
+  pthread_mutex_unlock(link->lock);
+  if (!r)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                   "import: share %llu names allocation %llu, for which no usable rkey came",
+                   (unsigned long long)s->share_id, (unsigned long long)s->alloc_id);
+  uint64_t begin = 0, end = 0;
+  int rc = fetch_span(ch, s, &copy, &begin, &end);
+  ucx_landing *l = NULL;
+  if (rc == TSHARE_OK) rc = landing_take(ch, u, (size_t)(end - begin), &l);
+  if (rc != TSHARE_OK) return rc;
+  ts_ucs_status st = TS_UCS_OK;
+  if (end > begin) {
+    pthread_mutex_lock(link->lock);
+    r = ts_u64map_get(&u->remotes, s->alloc_id); /* still there: only this thread drops keys */
+    st = get_locked(ch, u->ucx, link, l->base, (size_t)(end - begin), copy.address + begin, r->rkey);
+    pthread_mutex_unlock(link->lock);
+  }
+  if (st == TS_UCS_INPROGRESS) {
+    if (ucx_landing_vec_push(&u->stranded, l) != TSHARE_OK) TS_LOG(TS_LOG_WARN, "a landing buffer is leaked");
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED,
+                   "import: reading share %llu from %s did not finish in %d ms (the peer's process must drive its "
+                   "channel for its memory to be read over TCP)",
+                   (unsigned long long)s->share_id, ch->conn.peer_label, UCX_FETCH_TIMEOUT_MS);
+  }
+  if (st != TS_UCS_OK) {
+    pthread_mutex_lock(&ch->lock);
+    landing_give_back_locked(u, l);
+    pthread_mutex_unlock(&ch->lock);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED, "import: reading share %llu from %s failed: %s",
+                   (unsigned long long)s->share_id, ch->conn.peer_label, ts_ucx_strerror(st));
+  }
+  v->memory = l;
+  v->data = end > begin ? (char *)l->base + (s->tensor.byte_offset - begin) : l->base; /* an empty tensor: no byte */
+  return TSHARE_OK;
+}
+
+int ts_ucx_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v) {
+  (void)fdp, (void)stream;
+  const tshare_share_frame *s = &f->u.share;
+  ucx_chan *u = ts_ucx_chan(ch);
+  ts_ucx_link link;
+  if (!u || !ts_ucx_link_of(&ch->conn, &link))
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                   "import: share %llu is remote memory on a channel not over UCX", (unsigned long long)s->share_id);
+  int rc = fetch(ch, u, &link, s, v);
+  if (rc != TSHARE_OK) return rc;
+  /* The bytes are here: the producer may reuse its memory now. */
+  ts_share_release_back(ch, s->share_id);
+  (void)ts_share_flush_pending(ch, 0);
+  return TSHARE_OK;
+}
+
+ts_release_done ts_ucx_release(tshare_view *v) {
+  tshare_channel *ch = v->ch;
+  ucx_chan *u = ts_ucx_chan(ch);
+  pthread_mutex_lock(&ch->lock);
+  if (v->memory) landing_give_back_locked(u, v->memory);
+  pthread_mutex_unlock(&ch->lock);
+  return TS_RELEASE_LATER; /* released when it was fetched */
+}
+
+/* ---- the channel ---------------------------------------------------------- */
+
+void ts_ucx_fetch_peer_gone(tshare_channel *ch, ucx_chan *u) {
+  ts_ucx_link link;
+  bool linked = ts_ucx_link_of(&ch->conn, &link);
+  if (linked) pthread_mutex_lock(link.lock);
+  uint64_t key;
+  void *value;
+  for (size_t pos = 0; ts_u64map_next(&u->remotes, &pos, &key, &value);) {
+    ucx_remote *r = value;
+    if (linked && r->rkey) u->ucx->ucp_rkey_destroy(r->rkey);
+    free(r);
+  }
+  ts_u64map_free(&u->remotes);
+  if (linked) pthread_mutex_unlock(link.lock);
+}
+
+void ts_ucx_fetch_free(ucx_chan *u) {
+  for (size_t i = 0; i < u->idle.len; i++) landing_free(u->ucx, u->idle.items[i]);
+  for (size_t i = 0; i < u->stranded.len; i++) landing_free(u->ucx, u->stranded.items[i]);
+  ucx_landing_vec_free(&u->idle);
+  ucx_landing_vec_free(&u->stranded);
+  uint64_t key;
+  void *value;
+  for (size_t pos = 0; ts_u64map_next(&u->remotes, &pos, &key, &value);) free(value); /* their endpoint went */
+  ts_u64map_free(&u->remotes);
+}
