@@ -6,6 +6,8 @@
  *                throughput, bandwidth, GPU memory over a long stream
  * bench_contention.c  the same hand-offs with both ends on one CPU, and
  *                with a busy loop on every CPU: ring against socket
+ * bench_ucx.c    host memory across two network namespaces over UCX, beside
+ *                raw UCP
  * bench_peer.c   baselines run as other programs (torch.multiprocessing,
  *                the LibTorch bridge) and read back as result lines
  * bench_main.c   options, the consumers, targets, output */
@@ -91,6 +93,8 @@ void bench_peers_external(bench *b);
 void bench_contention(bench *b); /* one CPU for both ends; a busy loop on every CPU */
 void bench_sets(bench *b);         /* a model's state_dict: the bridge, Python, torch.mp */
 void bench_sets_targets(bench *b); /* their four targets */
+/* Host memory over UCX across a veth pair beside raw UCP, with its two targets (bench_ucx.c). */
+void bench_ucx(bench *b);
 
 /* Run argv (another program), keep the last line it printed: 0 when it ran
  * to exit 0 and that line starts with "result"; else why says what it said. */

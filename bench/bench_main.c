@@ -4,7 +4,7 @@
  *
  *   tshare-bench [--quick] [--out DIR] [--iters N] [--warmup N]
  *                [--pipelined N] [--memory-shares N] [--bw-mib N]
- *                [--python PATH] [--no-peers]
+ *                [--python PATH] [--no-peers] [--ucx-only]
  */
 #include "bench.h"
 
@@ -82,6 +82,7 @@ static void stop_consumers(bench *b) {
 static void usage(FILE *out) {
   fprintf(out, "usage: tshare-bench [--quick] [--out DIR] [--iters N] [--warmup N] [--pipelined N]\n"
                "                    [--memory-shares N] [--bw-mib N] [--python PATH] [--no-peers]\n"
+               "                    [--ucx-only]\n"
                "  --quick           few iterations: checks that every row runs, numbers are rough\n"
                "  --out DIR         write bench.json and bench.csv there (default: bench-results)\n"
                "  --iters N         timed hand-offs per latency row (default 20000)\n"
@@ -90,7 +91,8 @@ static void usage(FILE *out) {
                "  --memory-shares N shares between the memory snapshots (default 1000000)\n"
                "  --bw-mib N        size of the bandwidth tensor (default 1024)\n"
                "  --python PATH     interpreter for the torch.multiprocessing peer (default python3)\n"
-               "  --no-peers        skip the rows run by other programs\n");
+               "  --no-peers        skip the rows run by other programs\n"
+               "  --ucx-only        only the UCX rows (host memory across a veth pair; root)\n");
 }
 
 static int parse_long(const char *s, long *out) {
@@ -235,7 +237,7 @@ int main(int argc, char **argv) {
   b.opt.torch_sets_bench = TSHARE_BENCH_TORCH_SETS;
 #endif
   const char *out_dir = "bench-results";
-  int peers = 1;
+  int peers = 1, ucx_only = 0;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -254,6 +256,8 @@ int main(int argc, char **argv) {
       b.opt.set_hidden_cpu = 64;
     } else if (strcmp(a, "--no-peers") == 0) {
       peers = 0;
+    } else if (strcmp(a, "--ucx-only") == 0) {
+      ucx_only = 1;
     } else if (v && strcmp(a, "--out") == 0) {
       out_dir = v, i++;
     } else if (v && strcmp(a, "--python") == 0) {
@@ -287,6 +291,11 @@ int main(int argc, char **argv) {
            "between memory snapshots",
            TSHARE_BENCH_VERSION, host, date, b.opt.iters, b.opt.pipelined, b.opt.memory_shares);
 
+  if (ucx_only) {
+    bench_ucx(&b);
+    br_print(&b.rep, stdout);
+    return 0;
+  }
   if (start_consumers(&b, "ring", -1) != 0) return 1;
   fprintf(stderr, "tshare-bench: %s\n", b.rep.device);
   snprintf(b.rep.label_suffix, sizeof b.rep.label_suffix, " [ring]");
@@ -325,6 +334,7 @@ int main(int argc, char **argv) {
   }
   b.rep.key_suffix[0] = b.rep.label_suffix[0] = '\0';
   bench_contention(&b);
+  bench_ucx(&b);
   if (peers) {
     bench_peers_external(&b);
     bench_sets(&b);

@@ -155,8 +155,9 @@ static ts_ucs_status get_locked(tshare_channel *ch, const ts_ucx_api *ucx, const
   while ((st = ucx->ucp_request_check_status(req)) == TS_UCS_INPROGRESS) {
     if (ts_ucx_peer_failed_locked(&ch->conn) || now_ms() > until) break;
     if (!ucx->ucp_worker_progress(link->worker)) {
-      pthread_mutex_unlock(link->lock); /* writers of other threads get their turn */
-      sched_yield();
+      /* Writers of other threads get their turn; no yield: a read of a few
+       * KiB takes microseconds, a yield on a busy machine a time slice. */
+      pthread_mutex_unlock(link->lock);
       pthread_mutex_lock(link->lock);
     }
   }
