@@ -6,48 +6,7 @@
  * pair (made here, unique names, removed on every exit path; skipped when
  * `ip netns` is not permitted); the others talk over 127.0.0.1. UCX_TLS is
  * tcp unless the environment sets it. Without UCX the exchanges skip. */
-#include "harness.h"
 #include "ucx_pair.h"
-#include "tshare/rendezvous.h"
-#include "tshare/share.h"
-
-#include <dirent.h>
-#include <errno.h>
-#include <fcntl.h>
-#include <poll.h>
-#include <sched.h>
-#include <signal.h>
-#include <stdbool.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/mount.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
-#include <time.h>
-#include <unistd.h>
-
-static void send_release(tshare_channel *ch, uint64_t id) {
-  tshare_frame f;
-  memset(&f, 0, sizeof f);
-  f.type = TSHARE_FRAME_RELEASE;
-  f.u.release.count = 3;
-  for (uint32_t i = 0; i < 3; i++) f.u.release.share_ids[i] = id + i;
-  CHECK_RC(tshare_channel_send_frame(ch, &f, -1, 5000), TSHARE_OK, tshare_channel_last_error(ch));
-}
-
-static uint64_t recv_release(tshare_channel *ch) {
-  tshare_frame f;
-  int fd;
-  CHECK_RC(tshare_channel_recv_frame(ch, &f, &fd, 5000), TSHARE_OK, tshare_channel_last_error(ch));
-  CHECK_EQ(f.type, TSHARE_FRAME_RELEASE);
-  CHECK_EQ(fd, -1);
-  CHECK_EQ(f.u.release.count, 3);
-  for (uint32_t i = 1; i < 3; i++) CHECK_EQ(f.u.release.share_ids[i], f.u.release.share_ids[0] + i);
-  return f.u.release.share_ids[0];
-}
 
 /* ---- the exchanges ------------------------------------------------------- */
 

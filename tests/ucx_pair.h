@@ -1,26 +1,33 @@
-/* Two processes over a ucx:// channel, for the UCX tests: a listener and a
- * connector, each forked, over 127.0.0.1 (use_loopback) or in two network
- * namespaces joined by a veth pair (make_namespaces: made here with unique
- * names, removed on every exit path, skipped when `ip netns` is not
- * permitted). UCX_TLS is tcp unless the environment sets it; the whole
- * exchange is bounded by an alarm. Include once per test program. */
+/* Two processes that meet over a ucx:// address, for the UCX tests: a
+ * listener and a connector forked from the test, over 127.0.0.1 or in two
+ * network namespaces joined by a veth pair (made here, unique names,
+ * removed on every exit path; skipped when `ip netns` is not permitted).
+ * UCX_TLS is tcp unless the environment sets it. Without UCX the exchanges
+ * skip. Include once, from a test file. */
 #ifndef TSHARE_TEST_UCX_PAIR_H
 #define TSHARE_TEST_UCX_PAIR_H
 
 #include "harness.h"
-#include "tshare/channel.h"
+#include "tshare/hostmem.h"
 #include "tshare/rendezvous.h"
+#include "tshare/share.h"
 
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/mount.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #define TOKEN "s3cret-shared-token"
@@ -31,12 +38,12 @@ static char listen_address[96], connect_address[96];
 
 /* ---- namespaces -------------------------------------------------------- */
 
-static int sh(const char *cmd) {
+static inline int sh(const char *cmd) {
   int rc = system(cmd);
   return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
 }
 
-static void remove_namespaces(void) {
+static inline void remove_namespaces(void) {
   char cmd[128];
   for (int i = 0; i < 2; i++)
     if (ns_name[i][0]) {
@@ -48,7 +55,7 @@ static void remove_namespaces(void) {
 
 /* Namespaces an earlier run left behind (killed before its cleanup):
  * tsucx-PID-x whose PID is gone. */
-static void remove_stale_namespaces(void) {
+static inline void remove_stale_namespaces(void) {
   DIR *d = opendir("/var/run/netns");
   if (!d) return;
   struct dirent *de;
@@ -63,7 +70,7 @@ static void remove_stale_namespaces(void) {
   closedir(d);
 }
 
-static void on_alarm(int sig) {
+static inline void on_alarm(int sig) {
   (void)sig;
   remove_namespaces();
   static const char msg[] = "FAILED: the exchange did not end in time\n";
@@ -72,7 +79,7 @@ static void on_alarm(int sig) {
 }
 
 /* Two namespaces joined by a veth pair: 10.77.N.1 (listener), 10.77.N.2. */
-static void make_namespaces(void) {
+static inline void make_namespaces(void) {
   if (geteuid() != 0) TS_SKIP("network namespaces need root (ip netns); run the loopback cases instead");
   remove_stale_namespaces();
   long id = (long)getpid();
@@ -103,13 +110,18 @@ static void make_namespaces(void) {
   snprintf(connect_address, sizeof connect_address, "ucx://10.77.%d.1:7700/weights", net);
 }
 
-static void use_loopback(void) {
+/* The veth end in a side's namespace, as a child of the test names it. */
+static inline void veth_of(int side, char *out, size_t cap) {
+  snprintf(out, cap, "tsv%c%ld", side ? 'b' : 'a', (long)getppid() % 100000);
+}
+
+static inline void use_loopback(void) {
   unsigned port = 20000u + (unsigned)getpid() % 40000u;
   snprintf(listen_address, sizeof listen_address, "ucx://127.0.0.1:%u/weights", port);
   snprintf(connect_address, sizeof connect_address, "ucx://127.0.0.1:%u/weights", port);
 }
 
-static void enter_namespace(int side) {
+static inline void enter_namespace(int side) {
   if (!ns_name[side][0]) return;
   char path[96];
   snprintf(path, sizeof path, "/var/run/netns/%s", ns_name[side]);
@@ -128,7 +140,7 @@ static void enter_namespace(int side) {
 
 typedef void (*side_fn)(void);
 
-static pid_t start_side(int side, side_fn fn) {
+static inline pid_t start_side(int side, side_fn fn) {
   pid_t pid = fork();
   CHECK(pid >= 0);
   if (pid == 0) {
@@ -145,14 +157,19 @@ static pid_t start_side(int side, side_fn fn) {
 }
 
 /* The listener and the connector, each in its own process: both must exit
- * 0, or the connector die of connector_signal where it is not 0. */
-static void run_pair_ending(side_fn listener, side_fn connector, int connector_signal) {
+ * 0, or the connector die of connector_signal where it is not 0. A
+ * connector that stops itself (SIGSTOP) is killed once the listener is done. */
+static inline void run_pair_ending(side_fn listener, side_fn connector, int connector_signal) {
   if (!getenv("UCX_TLS")) setenv("UCX_TLS", "tcp", 1);
   signal(SIGALRM, on_alarm);
   alarm(PAIR_LIMIT_S);
   pid_t a = start_side(0, listener), b = start_side(1, connector);
   int status_a, status_b;
   CHECK(waitpid(a, &status_a, 0) == a);
+  if (connector_signal == SIGSTOP) {
+    kill(b, SIGKILL);
+    connector_signal = SIGKILL;
+  }
   CHECK(waitpid(b, &status_b, 0) == b);
   alarm(0);
   if (WIFEXITED(status_a) && WEXITSTATUS(status_a) == 77) TS_SKIP("UCX is not installed (libucp.so.0)");
@@ -163,9 +180,9 @@ static void run_pair_ending(side_fn listener, side_fn connector, int connector_s
     CHECK(WIFEXITED(status_b) && WEXITSTATUS(status_b) == 0);
 }
 
-static void run_pair(side_fn listener, side_fn connector) { run_pair_ending(listener, connector, 0); }
+static inline void run_pair(side_fn listener, side_fn connector) { run_pair_ending(listener, connector, 0); }
 
-static tshare_channel_options options(const char *name, const char *token) {
+static inline tshare_channel_options options(const char *name, const char *token) {
   tshare_channel_options o;
   tshare_channel_options_init(&o);
   o.name = name;
@@ -174,7 +191,7 @@ static tshare_channel_options options(const char *name, const char *token) {
   return o;
 }
 
-static tshare_listener *listen_or_skip(void) {
+static inline tshare_listener *listen_or_skip(void) {
   tshare_listener *l;
   tshare_error err;
   int rc = tshare_listen(listen_address, &l, &err);
@@ -186,7 +203,7 @@ static tshare_listener *listen_or_skip(void) {
   return l;
 }
 
-static tshare_channel *accept_one(const char *token) {
+static inline tshare_channel *accept_one(const char *token) {
   tshare_listener *l = listen_or_skip();
   tshare_channel_options o = options("listener", token);
   tshare_channel *ch;
@@ -196,7 +213,7 @@ static tshare_channel *accept_one(const char *token) {
   return ch;
 }
 
-static tshare_channel *connect_one(const char *token) {
+static inline tshare_channel *connect_one(const char *token) {
   tshare_channel_options o = options("connector", token);
   tshare_channel *ch;
   tshare_error err;
@@ -204,6 +221,26 @@ static tshare_channel *connect_one(const char *token) {
   if (rc == TSHARE_E_UNSUPPORTED) _exit(0); /* the listener reports the skip */
   CHECK_RC(rc, TSHARE_OK, err.message);
   return ch;
+}
+
+static inline void send_release(tshare_channel *ch, uint64_t id) {
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_RELEASE;
+  f.u.release.count = 3;
+  for (uint32_t i = 0; i < 3; i++) f.u.release.share_ids[i] = id + i;
+  CHECK_RC(tshare_channel_send_frame(ch, &f, -1, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+}
+
+static inline uint64_t recv_release(tshare_channel *ch) {
+  tshare_frame f;
+  int fd;
+  CHECK_RC(tshare_channel_recv_frame(ch, &f, &fd, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(f.type, TSHARE_FRAME_RELEASE);
+  CHECK_EQ(fd, -1);
+  CHECK_EQ(f.u.release.count, 3);
+  for (uint32_t i = 1; i < 3; i++) CHECK_EQ(f.u.release.share_ids[i], f.u.release.share_ids[0] + i);
+  return f.u.release.share_ids[0];
 }
 
 #endif
