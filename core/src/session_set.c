@@ -263,11 +263,16 @@ static int add_mem(tshare_channel *ch, tshare_set *s, const tshare_set_mem_frame
     return refuse_set(ch, TSHARE_E_PROTOCOL, true, "memory %u out of order (%u of %u came)", m->index, s->mems_got,
                       s->mem_count);
   const ts_backend *be = ts_backend_for_mem_kind(m->mem_kind);
-  bool host = m->mem_kind == TSHARE_MEM_HOST_MEMFD || m->mem_kind == TSHARE_MEM_HOST_FD;
+  /* Host memory goes the sets' own way: a memfd, an unsealed file, or a
+   * memfd this end keeps mapped (TSHARE_MEM_HOST_KEPT: its import checks
+   * that it does, with the same size). */
+  bool host = m->mem_kind == TSHARE_MEM_HOST_MEMFD || m->mem_kind == TSHARE_MEM_HOST_FD ||
+              m->mem_kind == TSHARE_MEM_HOST_KEPT;
   if (!be || (!host && !be->set_release))
     return refuse_set(ch, TSHARE_E_UNSUPPORTED, true, "memory %u is %s memory, which this end does not take in sets",
                       m->index, be ? be->mem_kind_name(m->mem_kind) : "unknown");
   tshare_frame share = share_of_mem(s->set_id, m);
+  if (host) share.u.share.share_flags = 0; /* kept only once the set is taken whole (keep_host_memories) */
   struct tshare_view probe;
   memset(&probe, 0, sizeof probe);
   int rc = ts_backends_on_share(ch, &share); /* as for a share: chunks that came for it, or stray ones */
@@ -342,6 +347,18 @@ static bool wait_for_producer(tshare_channel *ch, tshare_set *s, const tshare_fr
   return false;
 }
 
+/* The set is taken: host memories it offered to keep are kept now, so that a
+ * refused set leaves no mapping behind. */
+static void keep_host_memories(tshare_channel *ch, tshare_set *s) {
+  pthread_mutex_lock(&ch->lock);
+  for (uint32_t i = 0; i < s->mems_got; i++) {
+    const set_mem *m = &s->mems[i];
+    if (m->share_flags && !m->backend->set_release && m->backend->memory_keep_locked)
+      m->backend->memory_keep_locked(ch, m->memory, m->share_flags);
+  }
+  pthread_mutex_unlock(&ch->lock);
+}
+
 static int end_set(tshare_channel *ch, ts_set_rx *rx, tshare_set *s, const tshare_frame *end) {
   if (s->members_got != s->count || s->meta_got != s->meta_len || s->names_got != s->names_bytes)
     return refuse_set(ch, TSHARE_E_PROTOCOL, true,
@@ -351,6 +368,7 @@ static int end_set(tshare_channel *ch, ts_set_rx *rx, tshare_set *s, const tshar
     return refuse_set(ch, TSHARE_E_PROTOCOL, true, "ordering after the producer's stream: %s", ch->err);
   if (rx->len == TS_SETS_WAITING_MAX)
     return refuse_set(ch, TSHARE_E_LIMIT, true, "%d sets already wait for tshare_set_recv()", TS_SETS_WAITING_MAX);
+  keep_host_memories(ch, s);
   rx->partial = NULL;
   rx->waiting[(rx->head + rx->len++) % TS_SETS_WAITING_MAX] = s;
   return TSHARE_OK;

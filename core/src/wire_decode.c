@@ -185,7 +185,8 @@ static int decode_set(tshare_decoder *d, ts_reader *r, uint8_t flags, tshare_set
     if (m->handle_len > TSHARE_HANDLE_MAX)
       return fail(d, TSHARE_E_TOO_LARGE, "set: handle_len %u over %d", m->handle_len, TSHARE_HANDLE_MAX);
     ts_get_bytes(r, m->handle, m->handle_len);
-    if (ts_wire_set_mem_has_flags(m->mem_kind)) m->share_flags = ts_get_u32(r);
+    if (ts_wire_set_mem_has_flags(m->mem_kind) || (ts_wire_kind_is_host(m->mem_kind) && r->left >= 4))
+      m->share_flags = ts_get_u32(r); /* a host memory's: minor 5, when not 0 */
     break;
   }
   case TSHARE_SET_END:
