@@ -224,10 +224,6 @@ static void child_both_ways(int fd) {
 }
 
 TS_TEST(one_thread_sends_sets_while_another_receives_them_at_both_ends) {
-#ifdef __SANITIZE_THREAD__
-  TS_SKIP("ThreadSanitizer reports a set send racing a concurrent receive's release handling on the channel's "
-          "exports (an open defect); the test runs in every other build");
-#endif
   int sock;
   pid_t pid = fork_with_socket(child_both_ways, &sock);
   tshare_channel *ch = open_socket_channel(sock, "parent", NULL, NULL);

@@ -89,9 +89,14 @@ static void check_set(tshare_set *s, const set_plan *p) {
   CHECK(len || meta == NULL);
 }
 
+/* This process keeps no host mapping past its views (TSHARE_HOST_KEPT_MAX,
+ * read once, before its first channel). */
+static void keep_no_host_mappings(void) { CHECK(setenv("TSHARE_HOST_KEPT_MAX", "0", 1) == 0); }
+
 /* Receives each plan's set; each memory came with one fd however many tensors
  * it holds; the set stays until its last view goes. */
 static void consumer_receives_sets(int fd) {
+  keep_no_host_mappings(); /* a set's memory goes with its last view (test_set_kept: kept ones) */
   tshare_channel *ch = open_socket_channel(fd, "consumer", NULL, NULL);
   for (size_t k = 0; k < NPLANS; k++) {
     int fds_before = count_open_fds();
@@ -196,6 +201,7 @@ static void *release_views(void *arg) {
  * while this one lets go of the handle and drives the channel: one release
  * goes out when the last view went, whichever thread that was. */
 static void consumer_releases_from_threads(int fd) {
+  keep_no_host_mappings(); /* a set's memory goes with its last view (test_set_kept: kept ones) */
   tshare_channel *ch = open_socket_channel(fd, "consumer", NULL, NULL);
   tshare_set *s;
   CHECK_RC(tshare_set_recv(ch, 10000, &s), TSHARE_OK, tshare_channel_last_error(ch));
@@ -246,6 +252,7 @@ static void consumer_out_of_fds(int fd) {
   if (rl.rlim_max != RLIM_INFINITY && rl.rlim_max < LOW_FD_LIMIT) TS_SKIP("hard fd limit %lu", rl.rlim_max);
   rl.rlim_cur = LOW_FD_LIMIT;
   CHECK(setrlimit(RLIMIT_NOFILE, &rl) == 0);
+  keep_no_host_mappings(); /* every fd it held goes with the set */
   tshare_channel *ch = open_socket_channel(fd, "consumer", NULL, NULL);
   int fds_before = count_open_fds();
   expect_refused(ch, TSHARE_E_LIMIT, "EMFILE, RLIMIT_NOFILE 48"); /* the cause and the limit, by name */

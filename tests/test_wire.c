@@ -794,6 +794,31 @@ TS_TEST(roundtrip_set_cuda_memories_and_the_end_frames_event) {
   CHECK_EQ(g.flags, 0);
 }
 
+/* Minor 5: a host memfd of a set offered to be kept carries its share flags
+ * after the 1.3 fields; one with none is the 1.3 frame byte for byte, and a
+ * memfd the receiver keeps comes without its fd. */
+TS_TEST(host_set_memories_carry_the_retire_notice_and_kept_ones_no_fd) {
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  tshare_frame f = set_mem(), g;
+  size_t plain = encode(&f, buf);
+  f.u.set.u.mem.share_flags = TSHARE_SHARE_FLAG_RETIRE_NOTICE;
+  size_t offered = encode(&f, buf);
+  CHECK_EQ(offered, plain + 4);
+  CHECK_RC(decode(buf, offered, &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.set.u.mem.share_flags, TSHARE_SHARE_FLAG_RETIRE_NOTICE);
+  CHECK_EQ(g.u.set.u.mem.mem_kind, TSHARE_MEM_HOST_MEMFD);
+  f = set_mem();
+  f.flags = 0;
+  f.u.set.u.mem.mem_kind = TSHARE_MEM_HOST_KEPT;
+  size_t kept = encode(&f, buf);
+  CHECK_EQ(kept, plain);
+  CHECK_RC(decode(buf, kept, &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.set.u.mem.mem_kind, TSHARE_MEM_HOST_KEPT);
+  CHECK_EQ(g.flags & TSHARE_FRAME_FLAG_FD_ATTACHED, 0);
+  CHECK_EQ(g.u.set.u.mem.alloc_id, 77);
+  CHECK_EQ(g.u.set.u.mem.share_flags, 0);
+}
+
 TS_TEST(malformed_set_cuda_fields) {
   tshare_frame f = set_mem_cuda(TSHARE_MEM_CUDA_IPC, 0);
   f.u.set.u.mem.handle_len = 8;
@@ -806,8 +831,20 @@ TS_TEST(malformed_set_cuda_fields) {
   f = set_mem_cuda(TSHARE_MEM_CUDA_FD, TSHARE_SHARE_FLAG_HOLD_OFFER);
   expect_encode_refused(&f, TSHARE_E_MALFORMED); /* a set memory is never offered to be held */
   f = set_mem();
+  f.u.set.u.mem.share_flags = TSHARE_SHARE_FLAG_CHUNKS;
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* a host memfd knows only the retire notice */
+  f = set_mem();
+  f.u.set.u.mem.mem_kind = TSHARE_MEM_HOST_FD;
   f.u.set.u.mem.share_flags = TSHARE_SHARE_FLAG_RETIRE_NOTICE;
-  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* host memory has no flags */
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* an unsealed file is never kept */
+  f = set_mem();
+  f.flags = 0;
+  f.u.set.u.mem.mem_kind = TSHARE_MEM_HOST_KEPT;
+  f.u.set.u.mem.share_flags = TSHARE_SHARE_FLAG_RETIRE_NOTICE;
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* nor offered again once kept */
+  f = set_mem();
+  f.u.set.u.mem.mem_kind = TSHARE_MEM_HOST_KEPT;
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* a kept memfd travels without its fd */
   f = set_end_with_event(TSHARE_EVENT_SLOTS_MAX, 1);
   expect_encode_refused(&f, TSHARE_E_MALFORMED); /* a slot past the pool */
   f = set_mem_cuda(TSHARE_MEM_CUDA_IPC, 0);

@@ -157,12 +157,21 @@ typedef struct ts_backend {
    * one more share, and let go of by it. */
   void (*source_retain)(void *source);
   void (*source_release)(void *source);
+  /* Optional: how the producer's memory object goes to ch in a set: *kept
+   * when the peer keeps it mapped (no fd travels); else with its fd, and
+   * *share_flags say whether the peer may keep it (it is then lent to ch).
+   * Without the hook it always travels with its fd. */
+  int (*source_lend)(tshare_channel *ch, void *source, bool *kept, uint32_t *share_flags);
   /* One more or one less reference on a view's `memory` (ch->lock held);
    * the last one unmaps it. */
   void (*memory_ref_locked)(tshare_channel *ch, void *memory);
   void (*memory_unref_locked)(tshare_channel *ch, void *memory);
   /* The same in a forked child: only its own copy of the mapping goes. */
   void (*memory_unref_in_child)(tshare_channel *ch, void *memory);
+  /* Optional: a set this end took whole (not refused) offered to let it
+   * keep memory mapped (its memory frame's share_flags): kept as a share's
+   * would be (ch->lock held). A refused set keeps nothing new. */
+  void (*memory_keep_locked)(tshare_channel *ch, void *memory, uint32_t share_flags);
 
   /* ---- device memories of tensor sets, optional ----
    * A backend without them has its memory refused in sets. Host memory

@@ -175,6 +175,11 @@ static void host_memory_ref_locked(tshare_channel *ch, void *memory) {
 
 static void host_memory_unref_locked(tshare_channel *ch, void *memory) { ts_host_drop_mapping_locked(ch, memory); }
 
+static void host_memory_keep_locked(tshare_channel *ch, void *memory, uint32_t share_flags) {
+  ts_mapping *m = memory;
+  if (!m->unsealed) ts_host_maybe_keep_locked(ch, m, share_flags);
+}
+
 static void host_memory_unref_in_child(tshare_channel *ch, void *memory) { ts_host_drop_mapping_in_child(ch, memory); }
 
 static int host_chan_init(tshare_channel *ch) {
@@ -308,7 +313,7 @@ static int host_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void
 static uint64_t host_hello_caps(uint32_t transport_caps) {
   return transport_caps & TS_TRANSPORT_PASSES_FDS
              ? (TSHARE_CAP_FD_PASSING | TSHARE_CAP_HOST_MEMFD | TSHARE_CAP_TENSOR_SETS | TSHARE_CAP_HOST_KEPT |
-                TSHARE_CAP_HOST_FD)
+                TSHARE_CAP_HOST_FD | TSHARE_CAP_SET_HOST_KEPT)
              : 0;
 }
 
@@ -338,7 +343,9 @@ const ts_backend ts_host_backend = {
     .share_view = host_share_view,
     .source_retain = host_source_retain,
     .source_release = ts_host_buffer_release,
+    .source_lend = ts_host_lend_in_set,
     .memory_ref_locked = host_memory_ref_locked,
     .memory_unref_locked = host_memory_unref_locked,
     .memory_unref_in_child = host_memory_unref_in_child,
+    .memory_keep_locked = host_memory_keep_locked,
 };

@@ -71,6 +71,9 @@ void ts_host_unmap(ts_mapping *m);
  * TSHARE_MEM_HOST_KEPT); otherwise with its fd, and *share_flags says
  * whether the peer may keep it (the buffer is then lent to the channel). */
 int ts_host_lend(tshare_channel *ch, struct tshare_host_buffer *buf, bool *kept, uint32_t *share_flags);
+/* The same for a buffer of a tensor set (the source_lend hook): lent only to
+ * a peer with TSHARE_CAP_SET_HOST_KEPT, never an unsealed file. */
+int ts_host_lend_in_set(tshare_channel *ch, void *source, bool *kept, uint32_t *share_flags);
 /* A new or reused mapping m that came with share_flags (ch->lock held):
  * kept if the producer offers it and this end has room. */
 void ts_host_maybe_keep_locked(tshare_channel *ch, ts_mapping *m, uint32_t share_flags);

@@ -81,6 +81,16 @@ int ts_host_lend(tshare_channel *ch, tshare_host_buffer *buf, bool *kept, uint32
   return TSHARE_OK;
 }
 
+/* A set's host memory goes as a share's does, to a peer that keeps the
+ * memfds of sets too; an unsealed file is never lent (share_host says why). */
+int ts_host_lend_in_set(tshare_channel *ch, void *source, bool *kept, uint32_t *share_flags) {
+  *kept = false;
+  *share_flags = 0;
+  bool peer_keeps_sets = ch->conn.minor >= 5 && (ch->conn.peer.capabilities & TSHARE_CAP_SET_HOST_KEPT);
+  if (!peer_keeps_sets || ts_host_buffer_unsealed(source)) return TSHARE_OK;
+  return ts_host_lend(ch, source, kept, share_flags);
+}
+
 /* Retire lent buffer l (under key): its notice queued, the channel's hold
  * let go. False when the notice could not be queued (nothing changed). */
 static bool retire_lent(host_chan *h, uint64_t key, lent_buffer *l) {

@@ -402,7 +402,12 @@ int ts_conn_decode(ts_conn *c, tshare_decoder *dec, int (*fill)(ts_conn *, int64
                    int64_t deadline, bool may_read) {
   for (;;) {
     if (c->broken) return c->broken;
-    int rc = tshare_decoder_next(dec, f);
+    int refused;
+    int rc = ts_decoder_next(dec, f, &refused);
+    if (rc == TSHARE_OK && refused != TSHARE_OK) { /* one set frame refused; the stream goes on */
+      c->set_refused = refused;
+      ts_errf(c->err, c->err_cap, refused, "frame from %s%s: %s", c->peer_label, where, tshare_decoder_last_error(dec));
+    }
     if (rc == TSHARE_OK) return TSHARE_OK;
     if (rc < 0) return decode_failed(c, rc, dec, where);
     if (!may_read) return TSHARE_AGAIN;

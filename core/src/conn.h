@@ -40,6 +40,10 @@ typedef struct ts_conn {
   int rfd, wfd;               /* equal for sockets; -1 once closed */
   char *err;                  /* where failures are described (the channel's detail) */
   size_t err_cap;
+  /* The status of the set frame last handed up with op TS_SET_OP_REFUSED
+   * (wire_checks.h): the decoder refused it alone, framing intact; err
+   * says why. Read by the receiving thread right after that frame. */
+  int set_refused;
 
   pthread_mutex_t send_lock; /* one frame write at a time */
   /* Under send_lock: the end of a frame whose start went out before a send

@@ -68,7 +68,8 @@ struct tshare_channel {
   tshare_channel_options opts;
   char name[TSHARE_HELLO_NAME_MAX + 1];
 
-  /* producer side: shares sent and not yet released */
+  /* producer side: shares sent and not yet released; both under lock
+   * (ts_export_register and the other ts_export_* calls) */
   uint64_t next_share_id;
   ts_u64map exports;
 
@@ -164,10 +165,17 @@ void ts_share_send_releases_now(tshare_channel *ch);
 void ts_share_queue_release_locked(tshare_channel *ch, uint64_t share_id); /* with ch->lock held */
 void ts_share_release_back(tshare_channel *ch, uint64_t share_id);         /* a share released at once, unused */
 int ts_share_send_export(tshare_channel *ch, tshare_frame *f, int fd, ts_export *e, int timeout_ms, uint64_t *share_id);
+/* session_export.c: ch->exports and ch->next_share_id change and are read
+ * under ch->lock only (any thread may ask tshare_share_is_released). */
+int ts_export_register(tshare_channel *ch, ts_export *e); /* under the next share id (set in e) */
+void ts_export_sent(tshare_channel *ch);                  /* that id went out: the next one is new */
+ts_export *ts_export_take(tshare_channel *ch, uint64_t share_id); /* removed, or NULL */
+/* Found, or NULL; valid for the thread inside a call (only it removes exports). */
+ts_export *ts_export_find(tshare_channel *ch, uint64_t share_id);
 /* Handle one frame from the peer (after its bye too: TSHARE_END for the bye
  * itself); shares are queued for tshare_view_recv(). */
 int ts_share_drive(tshare_channel *ch, int timeout_ms);
-void ts_export_drop(ts_export *e); /* a share that never went out: release what it held, free it */
+void ts_export_drop(ts_export *e); /* session_export.c: a share that never went out: release what it held, free it */
 void ts_share_free_incoming(tshare_channel *ch);
 
 #endif

@@ -308,7 +308,7 @@ void ts_channel_unref(tshare_channel *ch) {
 static void close_now(tshare_channel *ch) {
   if (ch->conn.peer.major) /* it opened */
     TS_LOG(TS_LOG_INFO, "channel '%s' to %s closed; %zu shares it still held dropped", ch->name, ch->conn.peer_label,
-           (size_t)ch->exports.count);
+           tshare_channel_outstanding(ch));
   /* A clean end for the peer (TSHARE_END, not TSHARE_E_PEER_CLOSED): the
    * bye goes after the releases, best effort. */
   if (ch->conn.wfd >= 0 && !ch->conn.broken) {

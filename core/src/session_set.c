@@ -184,6 +184,14 @@ static ts_set_rx *set_rx(tshare_channel *ch) {
   return ch->set_rx;
 }
 
+/* The reason set_id was refused waits for tshare_set_recv(). */
+static void note_refusal(tshare_channel *ch, ts_set_rx *rx, int status, uint64_t set_id, bool told, const char *why) {
+  rx->refusal = status;
+  ts_errf(rx->refusal_msg, sizeof rx->refusal_msg, status, "receive: refused tensor set %llu from peer %s: %s%s",
+          (unsigned long long)set_id, ch->conn.peer_label, why, told ? "; released back" : "");
+  TS_LOG(TS_LOG_WARN, "%s", rx->refusal_msg);
+}
+
 /* The set in progress is refused: its mappings go, the peer gets its release
  * back (unless it is gone), and the reason waits for tshare_set_recv(). */
 TS_PRINTF(4, 5) static int refuse_set(tshare_channel *ch, int status, bool tell_peer, const char *fmt, ...) {
@@ -200,10 +208,7 @@ TS_PRINTF(4, 5) static int refuse_set(tshare_channel *ch, int status, bool tell_
   drop_mappings_locked(ch, s, true);
   if (tell_peer) ts_share_queue_release_locked(ch, s->set_id);
   pthread_mutex_unlock(&ch->lock);
-  rx->refusal = status;
-  ts_errf(rx->refusal_msg, sizeof rx->refusal_msg, status, "receive: refused tensor set %llu from peer %s: %s%s",
-          (unsigned long long)s->set_id, ch->conn.peer_label, why, tell_peer ? "; released back" : "");
-  TS_LOG(TS_LOG_WARN, "%s", rx->refusal_msg);
+  note_refusal(ch, rx, status, s->set_id, tell_peer, why);
   set_free(s);
   return TSHARE_OK;
 }
@@ -263,11 +268,16 @@ static int add_mem(tshare_channel *ch, tshare_set *s, const tshare_set_mem_frame
     return refuse_set(ch, TSHARE_E_PROTOCOL, true, "memory %u out of order (%u of %u came)", m->index, s->mems_got,
                       s->mem_count);
   const ts_backend *be = ts_backend_for_mem_kind(m->mem_kind);
-  bool host = m->mem_kind == TSHARE_MEM_HOST_MEMFD || m->mem_kind == TSHARE_MEM_HOST_FD;
+  /* Host memory goes the sets' own way: a memfd, an unsealed file, or a
+   * memfd this end keeps mapped (TSHARE_MEM_HOST_KEPT: its import checks
+   * that it does, with the same size). */
+  bool host = m->mem_kind == TSHARE_MEM_HOST_MEMFD || m->mem_kind == TSHARE_MEM_HOST_FD ||
+              m->mem_kind == TSHARE_MEM_HOST_KEPT;
   if (!be || (!host && !be->set_release))
     return refuse_set(ch, TSHARE_E_UNSUPPORTED, true, "memory %u is %s memory, which this end does not take in sets",
                       m->index, be ? be->mem_kind_name(m->mem_kind) : "unknown");
   tshare_frame share = share_of_mem(s->set_id, m);
+  if (host) share.u.share.share_flags = 0; /* kept only once the set is taken whole (keep_host_memories) */
   struct tshare_view probe;
   memset(&probe, 0, sizeof probe);
   int rc = ts_backends_on_share(ch, &share); /* as for a share: chunks that came for it, or stray ones */
@@ -342,6 +352,18 @@ static bool wait_for_producer(tshare_channel *ch, tshare_set *s, const tshare_fr
   return false;
 }
 
+/* The set is taken: host memories it offered to keep are kept now, so that a
+ * refused set leaves no mapping behind. */
+static void keep_host_memories(tshare_channel *ch, tshare_set *s) {
+  pthread_mutex_lock(&ch->lock);
+  for (uint32_t i = 0; i < s->mems_got; i++) {
+    const set_mem *m = &s->mems[i];
+    if (m->share_flags && !m->backend->set_release && m->backend->memory_keep_locked)
+      m->backend->memory_keep_locked(ch, m->memory, m->share_flags);
+  }
+  pthread_mutex_unlock(&ch->lock);
+}
+
 static int end_set(tshare_channel *ch, ts_set_rx *rx, tshare_set *s, const tshare_frame *end) {
   if (s->members_got != s->count || s->meta_got != s->meta_len || s->names_got != s->names_bytes)
     return refuse_set(ch, TSHARE_E_PROTOCOL, true,
@@ -351,6 +373,7 @@ static int end_set(tshare_channel *ch, ts_set_rx *rx, tshare_set *s, const tshar
     return refuse_set(ch, TSHARE_E_PROTOCOL, true, "ordering after the producer's stream: %s", ch->err);
   if (rx->len == TS_SETS_WAITING_MAX)
     return refuse_set(ch, TSHARE_E_LIMIT, true, "%d sets already wait for tshare_set_recv()", TS_SETS_WAITING_MAX);
+  keep_host_memories(ch, s);
   rx->partial = NULL;
   rx->waiting[(rx->head + rx->len++) % TS_SETS_WAITING_MAX] = s;
   return TSHARE_OK;
@@ -378,9 +401,27 @@ static void release_stray_set(tshare_channel *ch, ts_set_rx *rx, uint64_t set_id
   pthread_mutex_unlock(&ch->lock);
 }
 
+/* A frame of set f->set_id that the decoder refused alone (a count, name or
+ * metadata over the wire's bounds; ch->err says which): the framing held,
+ * so the set is refused, released back once and its other frames dropped,
+ * and the channel goes on. */
+static int refused_by_decoder(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *f) {
+  int status = ch->conn.set_refused;
+  char why[TSHARE_ERROR_MSG_MAX];
+  snprintf(why, sizeof why, "%s", ch->err);
+  tshare_set *s = rx->partial;
+  if (s && s->set_id == f->set_id) return refuse_set(ch, status, true, "%s", why);
+  if (f->set_id == rx->refused_id) return TSHARE_OK; /* the rest of a set refused already */
+  if (s) refuse_set(ch, TSHARE_E_PROTOCOL, true, "cut off by a frame of set %llu", (unsigned long long)f->set_id);
+  release_stray_set(ch, rx, f->set_id); /* its begin, or a frame before it */
+  note_refusal(ch, rx, status, f->set_id, true, why);
+  return TSHARE_OK;
+}
+
 static int on_step(tshare_channel *ch, ts_set_rx *rx, const tshare_frame *frame, int *fd, int fd_lost) {
   const tshare_set_frame *f = &frame->u.set;
   tshare_set *s = rx->partial;
+  if (f->op == TS_SET_OP_REFUSED) return refused_by_decoder(ch, rx, f);
   if (f->op == TSHARE_SET_BEGIN) {
     if (s) refuse_set(ch, TSHARE_E_PROTOCOL, true, "cut off by the beginning of set %llu", (unsigned long long)f->set_id);
     return begin_set(ch, rx, f);

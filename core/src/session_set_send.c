@@ -398,7 +398,27 @@ static int send_step(tshare_channel *ch, const tshare_frame *f, int fd, int64_t 
   return ts_channel_send(ch, f, fd, ts_remaining(deadline));
 }
 
-/* Memory i: a host buffer's memfd, or what its backend sends for it (what
+/* Host memory i: its memfd attached, or, where the peer keeps it mapped, a
+ * frame naming it (TSHARE_MEM_HOST_KEPT); lent to a peer that may keep it. */
+static int send_host_mem(tshare_channel *ch, tshare_host_buffer *buf, tshare_frame *f, int64_t deadline) {
+  const ts_backend *host = ts_set_host_backend();
+  bool kept = false;
+  uint32_t share_flags = 0;
+  int rc = host->source_lend ? host->source_lend(ch, buf, &kept, &share_flags) : TSHARE_OK;
+  if (rc != TSHARE_OK) return rc;
+  int kind = kept                                ? TSHARE_MEM_HOST_KEPT
+             : tshare_host_buffer_is_sealed(buf) ? TSHARE_MEM_HOST_MEMFD
+                                                 : TSHARE_MEM_HOST_FD;
+  f->flags = (uint8_t)(kept ? 0 : TSHARE_FRAME_FLAG_FD_ATTACHED);
+  f->u.set.u.mem.alloc_id = tshare_host_buffer_id(buf);
+  f->u.set.u.mem.mem_kind = (uint8_t)kind;
+  f->u.set.u.mem.device_type = TSHARE_DEVICE_CPU;
+  f->u.set.u.mem.alloc_size = tshare_host_buffer_size(buf);
+  f->u.set.u.mem.share_flags = share_flags;
+  return send_step(ch, f, kept ? -1 : tshare_host_buffer_fd(buf), deadline);
+}
+
+/* Memory i: a host buffer (above), or what its backend sends for it (what
  * it holds for the set goes with the set's export, or at once where the
  * peer already released the set). */
 static int send_mem(tshare_channel *ch, const tshare_set_builder *b, size_t i, uint64_t id, int64_t deadline) {
@@ -408,20 +428,14 @@ static int send_mem(tshare_channel *ch, const tshare_set_builder *b, size_t i, u
     f.u.set.u.mem.index = (uint32_t)i;
     ts_keep_ref hold = {NULL, NULL, NULL};
     int rc = m->device->backend->set_send_mem(ch, m->device, &f, &hold, ts_remaining(deadline));
-    ts_export *e = ts_u64map_get(&ch->exports, id);
+    ts_export *e = ts_export_find(ch, id);
     set_keep *k = e ? e->owner : NULL;
     if (hold.drop && k) k->keeps[k->nkeeps + k->nholds++] = hold;
     else drop_keep(&hold);
     return rc;
   }
-  f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
-  f.u.set.u.mem = (tshare_set_mem_frame){.index = (uint32_t)i,
-                                         .alloc_id = tshare_host_buffer_id(m->host),
-                                         .mem_kind = tshare_host_buffer_is_sealed(m->host) ? TSHARE_MEM_HOST_MEMFD
-                                                                                           : TSHARE_MEM_HOST_FD,
-                                         .device_type = TSHARE_DEVICE_CPU,
-                                         .alloc_size = tshare_host_buffer_size(m->host)};
-  return send_step(ch, &f, tshare_host_buffer_fd(m->host), deadline);
+  f.u.set.u.mem.index = (uint32_t)i;
+  return send_host_mem(ch, m->host, &f, deadline);
 }
 
 static int send_members(tshare_channel *ch, const tshare_set_builder *b, uint64_t id, int64_t deadline) {
@@ -452,7 +466,7 @@ static int send_members(tshare_channel *ch, const tshare_set_builder *b, uint64_
  * builder's stream, recorded once (its event on the end frame). */
 static int order_after_members(tshare_channel *ch, const tshare_set_builder *b, tshare_frame *end, uint64_t id,
                                int64_t deadline) {
-  ts_export *e = ts_u64map_get(&ch->exports, id);
+  ts_export *e = ts_export_find(ch, id);
   if (!e) return TSHARE_OK; /* the peer released what came of it already */
   for (size_t i = 0; i < b->mem_count; i++) {
     const ts_set_source *src = b->mems[i].device;
@@ -466,24 +480,23 @@ static int set_send(tshare_channel *ch, const tshare_set_builder *b, void *user_
   int rc = check_can_send(ch, b);
   if (rc != TSHARE_OK) return rc;
   ts_export *e = set_export(b, user_data);
-  uint64_t id = ch->next_share_id;
-  if (!e || ts_u64map_put(&ch->exports, id, e) != 0) {
+  if (!e || ts_export_register(ch, e) != TSHARE_OK) {
     if (e) ts_export_drop(e);
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "set: out of memory");
   }
-  e->share_id = id;
+  uint64_t id = e->share_id;
   int64_t deadline = ts_deadline(timeout_ms);
   tshare_frame f = set_step(TSHARE_SET_BEGIN, id);
   f.u.set.u.begin = (tshare_set_begin_frame){(uint32_t)b->count, (uint32_t)b->mem_count, (uint32_t)b->names_bytes,
                                        (uint32_t)b->meta_len};
   rc = send_step(ch, &f, -1, deadline);
   if (rc != TSHARE_OK) { /* nothing went: the set never existed */
-    ts_export_drop(ts_u64map_remove(&ch->exports, id));
+    ts_export_drop(ts_export_take(ch, id));
     return rc;
   }
   /* Registered before the first frame, and kept from here on whatever
    * happens: the peer releases a set it got only part of. */
-  ch->next_share_id++;
+  ts_export_sent(ch);
   if (set_id) *set_id = id;
   rc = send_members(ch, b, id, deadline);
   f = set_step(TSHARE_SET_END, id);

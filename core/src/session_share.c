@@ -21,11 +21,6 @@
 
 /* ---- producer side ------------------------------------------------------ */
 
-void ts_export_drop(ts_export *e) {
-  e->release(e->owner);
-  free(e);
-}
-
 static const char *mem_kind_name(int kind) {
   const ts_backend *b = ts_backend_for_mem_kind(kind);
   return b ? b->mem_kind_name(kind) : "unknown memory";
@@ -34,21 +29,21 @@ static const char *mem_kind_name(int kind) {
 int ts_share_send_export(tshare_channel *ch, tshare_frame *f, int fd, ts_export *e, int timeout_ms,
                          uint64_t *share_id) {
   tshare_share_frame *s = &f->u.share;
-  s->share_id = e->share_id = ch->next_share_id;
+  s->share_id = e->share_id = ch->next_share_id; /* only this thread changes it */
   int rc = ts_wire_check_share(s, &ch->conn.limits, ch->err, sizeof ch->err);
-  if (rc == TSHARE_OK && ts_u64map_put(&ch->exports, s->share_id, e) != 0)
+  if (rc == TSHARE_OK && ts_export_register(ch, e) != TSHARE_OK)
     rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
   else if (rc == TSHARE_OK) {
     /* Registered before the send: the peer may release before we return. */
     rc = ts_channel_send(ch, f, fd, timeout_ms);
-    if (rc != TSHARE_OK) ts_u64map_remove(&ch->exports, s->share_id);
+    if (rc != TSHARE_OK) ts_export_take(ch, s->share_id);
   }
   if (rc != TSHARE_OK) {
     ts_backends_export_done(ch, e);
     ts_export_drop(e);
     return rc;
   }
-  ch->next_share_id++;
+  ts_export_sent(ch);
   if (share_id) *share_id = s->share_id;
   TS_LOG(TS_LOG_INFO, "shared %llu (%s, allocation %llu of %llu bytes, tag '%s') with %s",
          (unsigned long long)s->share_id, mem_kind_name(s->mem_kind), (unsigned long long)s->alloc_id,
@@ -144,13 +139,6 @@ int tshare_share_view_part(tshare_channel *ch, tshare_view *v, const tshare_tens
   return ts_channel_leave(ch, share_view_part(ch, v, desc, stream, tag, drop, keep, user_data, timeout_ms, share_id));
 }
 
-size_t tshare_channel_outstanding(const tshare_channel *ch) { return ch ? ch->exports.count : 0; }
-
-int tshare_share_is_released(const tshare_channel *ch, uint64_t share_id) {
-  if (!ch || share_id == 0 || share_id >= ch->next_share_id) return -1;
-  return ts_u64map_get(&ch->exports, share_id) ? 0 : 1;
-}
-
 static void finish_export(tshare_channel *ch, ts_export *e, int status) {
   ts_backends_export_done(ch, e);
   if (ch->opts.on_release) ch->opts.on_release(ch->opts.cb_user, e->share_id, e->user_data, status);
@@ -161,7 +149,7 @@ static void finish_export(tshare_channel *ch, ts_export *e, int status) {
 int ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r, bool strict) {
   int rc = TSHARE_OK;
   for (uint32_t i = 0; i < r->count; i++) {
-    ts_export *e = ts_u64map_remove(&ch->exports, r->share_ids[i]);
+    ts_export *e = ts_export_take(ch, r->share_ids[i]);
     if (!e && !strict) continue;
     if (!e) {
       /* Keep going: the other ids in the frame are still real releases. */
@@ -179,10 +167,15 @@ int ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r, bo
 void ts_share_drop_all(tshare_channel *ch, int status) {
   ts_backends_peer_gone(ch);
   ts_set_peer_gone(ch);
+  /* Taken out whole under the lock, finished outside it. */
+  pthread_mutex_lock(&ch->lock);
+  ts_u64map gone = ch->exports;
+  memset(&ch->exports, 0, sizeof ch->exports);
+  pthread_mutex_unlock(&ch->lock);
   uint64_t key;
   void *value;
-  for (size_t pos = 0; ts_u64map_next(&ch->exports, &pos, &key, &value);) finish_export(ch, value, status);
-  ts_u64map_free(&ch->exports);
+  for (size_t pos = 0; ts_u64map_next(&gone, &pos, &key, &value);) finish_export(ch, value, status);
+  ts_u64map_free(&gone);
 }
 
 /* ---- consumer side ------------------------------------------------------ */
@@ -449,7 +442,7 @@ int tshare_channel_poll(tshare_channel *ch, int timeout_ms) {
 static int wait_released(tshare_channel *ch, uint64_t share_id, int timeout_ms) {
   int64_t deadline = ts_deadline(timeout_ms);
   for (;;) {
-    bool done = share_id ? tshare_share_is_released(ch, share_id) != 0 : ch->exports.count == 0;
+    bool done = share_id ? tshare_share_is_released(ch, share_id) != 0 : tshare_channel_outstanding(ch) == 0;
     if (done) return TSHARE_OK;
     bool got;
     int rc = drive_once(ch, ts_remaining(deadline), NULL, NULL, &got, true);
@@ -457,7 +450,7 @@ static int wait_released(tshare_channel *ch, uint64_t share_id, int timeout_ms) 
     if (rc == TSHARE_END) continue;                   /* a peer that said bye still sends its releases */
     if (rc != TSHARE_OK) {
       if (rc == TSHARE_E_TIMEOUT)
-        ts_errf(ch->err, sizeof ch->err, rc, "wait for release: %zu shares still held by %s", ch->exports.count,
+        ts_errf(ch->err, sizeof ch->err, rc, "wait for release: %zu shares still held by %s", tshare_channel_outstanding(ch),
                 ch->conn.peer_label);
       return rc;
     }

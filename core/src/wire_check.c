@@ -80,10 +80,11 @@ static int check_set_begin(const tshare_set_begin_frame *b, char *err, size_t ca
  * one, and only the share flags a set memory can carry. */
 static int check_set_mem_cuda(const tshare_set_mem_frame *m, char *err, size_t cap) {
   const uint32_t known = TSHARE_SHARE_FLAG_RETIRE_NOTICE | TSHARE_SHARE_FLAG_CHUNKS;
-  if (!ts_wire_set_mem_has_flags(m->mem_kind)) {
-    if (m->share_flags)
-      return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: memory %u: host memory with share flags %#x", m->index,
-                     m->share_flags);
+  if (!ts_wire_set_mem_has_flags(m->mem_kind)) { /* host memory: only a memfd may be offered to keep */
+    if (m->share_flags && (m->mem_kind != TSHARE_MEM_HOST_MEMFD || m->share_flags != TSHARE_SHARE_FLAG_RETIRE_NOTICE))
+      return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: memory %u: host memory of mem_kind %u with share flags %#x "
+                     "(a host memfd knows %#x)", m->index, (unsigned)m->mem_kind, m->share_flags,
+                     TSHARE_SHARE_FLAG_RETIRE_NOTICE);
     return TSHARE_OK;
   }
   if ((m->mem_kind == TSHARE_MEM_CUDA_IPC) != (m->handle_len == TSHARE_HANDLE_MAX))

@@ -12,6 +12,16 @@ int ts_wire_encode(const tshare_frame *frame, uint8_t *buf, size_t cap, size_t *
 int ts_wire_check_share(const tshare_share_frame *share, const tshare_wire_limits *limits, char *err, size_t err_cap);
 int ts_wire_check_set(const tshare_set_frame *set, uint8_t flags, const tshare_wire_limits *limits, char *err,
                       size_t err_cap);
+/* The library's decoder call: tshare_decoder_next, except that a set frame
+ * breaking a rule inside a sound frame (its header checked, its whole
+ * payload there, its op and a set_id other than 0 read) does not fail the
+ * stream. It is consumed and handed out with op TS_SET_OP_REFUSED, only its
+ * set_id and the header's fields kept, and *refused gets the status (the
+ * detail: tshare_decoder_last_error); the decoder goes on with the next
+ * frame. *refused is TSHARE_OK otherwise. Only broken framing sticks. */
+#define TS_SET_OP_REFUSED 0 /* never a set op on the wire */
+int ts_decoder_next(tshare_decoder *d, tshare_frame *out, int *refused);
+
 int ts_tensor_check(const tshare_tensor_desc *desc, uint64_t alloc_size, uint64_t *span_begin, uint64_t *span_end,
                     char *err, size_t err_cap);
 

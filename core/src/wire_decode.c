@@ -185,7 +185,8 @@ static int decode_set(tshare_decoder *d, ts_reader *r, uint8_t flags, tshare_set
     if (m->handle_len > TSHARE_HANDLE_MAX)
       return fail(d, TSHARE_E_TOO_LARGE, "set: handle_len %u over %d", m->handle_len, TSHARE_HANDLE_MAX);
     ts_get_bytes(r, m->handle, m->handle_len);
-    if (ts_wire_set_mem_has_flags(m->mem_kind)) m->share_flags = ts_get_u32(r);
+    if (ts_wire_set_mem_has_flags(m->mem_kind) || (ts_wire_kind_is_host(m->mem_kind) && r->left >= 4))
+      m->share_flags = ts_get_u32(r); /* a host memory's: minor 5, when not 0 */
     break;
   }
   case TSHARE_SET_END:
@@ -380,8 +381,22 @@ static int decode_payload(tshare_decoder *d, ts_reader *r, const frame_header *f
   return TSHARE_OK;
 }
 
-int tshare_decoder_next(tshare_decoder *d, tshare_frame *out) {
+/* A set frame whose payload broke a rule, though its header was sound and
+ * its whole payload is here: the frame is known to end where its length
+ * says, and the set it belongs to is named (op and a set_id read, not 0).
+ * Its fields are forgotten but for the set_id. */
+static bool refusable_alone(const frame_header *fh, tshare_frame *out) {
+  if (fh->type != TSHARE_FRAME_SET || fh->length < 1 + 8 || out->u.set.set_id == 0) return false;
+  uint64_t set_id = out->u.set.set_id;
+  memset(&out->u.set, 0, sizeof out->u.set);
+  out->u.set.op = TS_SET_OP_REFUSED;
+  out->u.set.set_id = set_id;
+  return true;
+}
+
+int ts_decoder_next(tshare_decoder *d, tshare_frame *out, int *refused) {
   if (!d || !out) return TSHARE_E_INVALID_ARG;
+  if (refused) *refused = TSHARE_OK;
   if (d->failed) return d->failed;
   frame_header fh = {0};
   int rc = read_header(d, &fh);
@@ -394,12 +409,18 @@ int tshare_decoder_next(tshare_decoder *d, tshare_frame *out) {
   out->major = fh.major;
   out->minor = fh.minor;
   rc = decode_payload(d, &r, &fh, out);
-  if (rc != TSHARE_OK) return rc;
-  if (r.short_read)
-    return fail(d, TSHARE_E_TRUNCATED, "%s: payload of %u bytes ends before its fields do",
-                tshare_frame_type_name(fh.type), fh.length);
+  if (rc == TSHARE_OK && r.short_read)
+    rc = fail(d, TSHARE_E_TRUNCATED, "%s: payload of %u bytes ends before its fields do",
+              tshare_frame_type_name(fh.type), fh.length);
+  if (rc != TSHARE_OK) {
+    if (!refused || !refusable_alone(&fh, out)) return rc;
+    *refused = rc; /* framing is intact: the decoder goes on after this frame */
+    d->failed = TSHARE_OK;
+  }
   /* Trailing bytes are fields of a newer minor version: ignored by rule. */
   d->start += TSHARE_WIRE_HEADER_SIZE + (size_t)fh.length;
   if (d->start == d->end) d->start = d->end = 0;
   return TSHARE_OK;
 }
+
+int tshare_decoder_next(tshare_decoder *d, tshare_frame *out) { return ts_decoder_next(d, out, NULL); }

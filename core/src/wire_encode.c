@@ -43,7 +43,8 @@ static int encode_set(const tshare_set_frame *f, uint8_t flags, ts_writer *w, ch
     ts_put_u64(w, m->alloc_size);
     ts_put_bytes(w, m->device_uuid, 16);
     ts_put_bytes(w, m->handle, m->handle_len);
-    if (ts_wire_set_mem_has_flags(m->mem_kind)) ts_put_u32(w, m->share_flags);
+    if (ts_wire_set_mem_has_flags(m->mem_kind) || ts_wire_set_mem_appends_flags(m->mem_kind, m->share_flags))
+      ts_put_u32(w, m->share_flags);
     break;
   }
   case TSHARE_SET_END:

@@ -31,6 +31,12 @@ static inline bool ts_wire_set_mem_has_flags(int kind) {
   return kind == TSHARE_MEM_CUDA_IPC || kind == TSHARE_MEM_CUDA_FD || kind == TSHARE_MEM_CUDA_HELD;
 }
 
+/* A host set memory's share_flags are appended (minor 5) only when not 0:
+ * with none, its frame is byte for byte that of 1.3. */
+static inline bool ts_wire_set_mem_appends_flags(int kind, uint32_t share_flags) {
+  return ts_wire_kind_is_host(kind) && share_flags != 0;
+}
+
 int ts_wire_check_ring(const tshare_ring_frame *ring, uint8_t flags, char *err, size_t err_cap);
 int ts_wire_check_chunk(const tshare_chunk_frame *chunk, uint8_t flags, uint64_t max_alloc_size, char *err,
                         size_t err_cap);

@@ -20,10 +20,12 @@
  * TSHARE_E_BUSY (its detail: tshare_channel_last_error() on the refused
  * thread). A callback run inside a call (on_release, a drop function) may
  * call the channel again. Releasing a view (share.h) is the exception: it is
- * safe from any thread at any time and never blocks. The accessors
- * (kind_of, peer, transport, last_error, tshare_channel_outstanding,
- * tshare_share_is_released) are never refused; they read what a call
- * changes, so they belong to the calling thread too.
+ * safe from any thread at any time and never blocks, and so are
+ * tshare_channel_outstanding and tshare_share_is_released (share.h), which
+ * read under the channel's lock: a thread may poll for a release while
+ * another is inside a call. The other accessors (kind_of, peer, transport,
+ * last_error) are never refused; they read what a call changes, so they
+ * belong to the calling thread too.
  *
  * fork(): a channel and its views belong to the process that opened it. In a
  * child forked while it was open, tshare_view_release() and

@@ -44,7 +44,8 @@ extern "C" {
 #define TSHARE_WIRE_MINOR                                                                                              \
   5 /* 1: event and retire frames; origin_pid and share_flags appended to share; 2: ring frames; 3: tensor sets;      \
        4: kept host mappings (TSHARE_MEM_HOST_KEPT, the retire frame's mem_kind); 5: remote memory over UCX          \
-       (TSHARE_MEM_UCX_REMOTE, the rkey frame) */
+       (TSHARE_MEM_UCX_REMOTE, the rkey frame) and kept host mappings in tensor sets (share_flags appended to a     \
+       host set memory, TSHARE_CAP_SET_HOST_KEPT) */
 #define TSHARE_WIRE_HEADER_SIZE 12
 
 /* Hard maxima of the frame structs below; tshare_wire_limits can only lower them. */
@@ -100,6 +101,10 @@ typedef enum tshare_frame_type {
                as torch's shared CPU memory), accepted from a peer of its own uid only */
 #define TSHARE_CAP_UCX_REMOTE                                                                                          \
   (1u << 10) /* minor 5: takes TSHARE_MEM_UCX_REMOTE shares (an rkey frame first) and reads them with UCX */
+#define TSHARE_CAP_SET_HOST_KEPT                                                                                       \
+  (1u << 11) /* minor 5, with TSHARE_CAP_HOST_KEPT: keeps host memfds of tensor sets as it keeps those of shares:     \
+                takes a host set memory with share_flags (TSHARE_SHARE_FLAG_RETIRE_NOTICE) and set memories of kind   \
+                TSHARE_MEM_HOST_KEPT (no fd) */
 
 /* Share flags (share_flags, minor 1). Unknown bits are ignored. */
 #define TSHARE_SHARE_FLAG_RETIRE_NOTICE                                                                                \
@@ -266,8 +271,12 @@ typedef struct tshare_set_begin_frame {
  * TSHARE_MEM_HOST_MEMFD (its fd attached), TSHARE_MEM_CUDA_IPC (its handle),
  * TSHARE_MEM_CUDA_FD (its first chunk's fd attached; with
  * TSHARE_SHARE_FLAG_CHUNKS the others came in chunk frames just before) or
- * TSHARE_MEM_CUDA_HELD (a run the receiver said it keeps mapped). share_flags
- * travel only for the CUDA kinds: a host memory's frame is that of 1.3. */
+ * TSHARE_MEM_CUDA_HELD (a run the receiver said it keeps mapped), or, to a
+ * peer with TSHARE_CAP_SET_HOST_KEPT, TSHARE_MEM_HOST_KEPT (a memfd the
+ * receiver said it keeps mapped: no fd). share_flags travel for the CUDA
+ * kinds; a host memory's frame is that of 1.3 with share_flags appended
+ * only when they are not 0 (minor 5: TSHARE_SHARE_FLAG_RETIRE_NOTICE on a
+ * TSHARE_MEM_HOST_MEMFD, to a peer with TSHARE_CAP_SET_HOST_KEPT). */
 typedef struct tshare_set_mem_frame {
   uint32_t index;    /* 0..mem_count-1, in order */
   uint64_t alloc_id; /* identity of the allocation in the sender's process */
@@ -277,7 +286,8 @@ typedef struct tshare_set_mem_frame {
   uint8_t handle[TSHARE_HANDLE_MAX];
   uint8_t device_uuid[16];
   uint64_t alloc_size;
-  uint32_t share_flags; /* CUDA kinds: TSHARE_SHARE_FLAG_RETIRE_NOTICE, TSHARE_SHARE_FLAG_CHUNKS; 0 for host */
+  uint32_t share_flags; /* CUDA kinds: TSHARE_SHARE_FLAG_RETIRE_NOTICE, TSHARE_SHARE_FLAG_CHUNKS; a host memfd:
+                           TSHARE_SHARE_FLAG_RETIRE_NOTICE or 0 */
 } tshare_set_mem_frame;
 
 /* The END frame: with TSHARE_FRAME_FLAG_HAS_EVENT, the event slot (announced
