@@ -54,8 +54,12 @@ struct ts_cuda_chan *ts_cuda_chan_of(tshare_channel *ch) {
 
 /* ---- hello ---------------------------------------------------------------- */
 
+/* The driver's inter-process handles open only on the machine that made
+ * them: a peer that may be on another host (UCX) is offered none. fd
+ * handles need fd passing too, which the sender checks on the channel
+ * before it sends one. */
 static uint64_t cuda_hello_caps(uint32_t transport_caps) {
-  (void)transport_caps; /* fd handles need fd passing: the sender checks the channel before it sends one */
+  if (!(transport_caps & TS_TRANSPORT_SAME_HOST)) return 0;
   return TSHARE_CAP_CUDA_IPC | TSHARE_CAP_CUDA_FD | TSHARE_CAP_CUDA_HELD | TSHARE_CAP_SET_CUDA;
 }
 
