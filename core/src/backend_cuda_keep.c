@@ -5,39 +5,25 @@
 #include "backend_cuda.h"
 #include "clock.h"
 #include "error_detail.h"
+#include "fd_budget.h"
 #include "log.h"
 #include "wire_checks.h"
 
 #include <errno.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
 #include <unistd.h>
 
 /* Fds kept by watched runs of every channel of this process: the fd table
  * is the process's, and a producer feeding several consumers watches each
  * run once per channel (four consumers of 200 tensors of expandable
  * segments would keep over 2000). */
-#define RUN_FDS_MAX 256
-static atomic_long run_fds_kept;
-
-/* The budget: RUN_FDS_MAX, or a quarter of the fd limit where that is less. */
-static long run_fds_budget(void) {
-  struct rlimit rl;
-  if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur / 4 < RUN_FDS_MAX)
-    return (long)(rl.rlim_cur / 4);
-  return RUN_FDS_MAX;
-}
+static ts_fd_budget run_fds = TS_FD_BUDGET_INIT(256);
 
 /* r keeps the fresh fds of chunks if the budget has room for them. */
 static bool run_keep_fds(struct watched_run *r, const ts_vmm_chunks *chunks) {
-  long n = r->n;
-  if (atomic_fetch_add(&run_fds_kept, n) + n > run_fds_budget()) {
-    atomic_fetch_sub(&run_fds_kept, n);
-    return false;
-  }
+  if (!ts_fd_budget_take(&run_fds, r->n)) return false;
   for (int i = 0; i < r->n; i++) r->fd[i] = chunks->fd[i];
   return true;
 }
@@ -48,7 +34,7 @@ static void run_close_fds(struct watched_run *r) {
     close(r->fd[i]);
     r->fd[i] = -1;
   }
-  atomic_fetch_sub(&run_fds_kept, r->n);
+  ts_fd_budget_give(&run_fds, r->n);
 }
 
 static void watched_run_free(struct watched_run *r) {
