@@ -177,34 +177,14 @@ int ts_cuda_on_retire(tshare_channel *ch, const tshare_frame *f) {
 }
 
 
-/* ids in retire frames (closed as given), in order; *sent (optional): how
- * many went before a frame could not, which the caller must not send again. */
-static int send_retire(tshare_channel *ch, uint8_t closed, const uint64_t *ids, size_t n, int timeout_ms,
-                       size_t *sent) {
-  int64_t deadline = ts_deadline(timeout_ms);
-  int rc = TSHARE_OK;
-  size_t at = 0;
-  while (at < n && rc == TSHARE_OK) {
-    tshare_frame f;
-    memset(&f, 0, sizeof f);
-    f.type = TSHARE_FRAME_RETIRE;
-    f.u.retire.closed = closed;
-    for (size_t i = at; i < n && f.u.retire.count < TSHARE_RELEASE_MAX; i++)
-      f.u.retire.alloc_ids[f.u.retire.count++] = ids[i];
-    rc = ts_channel_send(ch, &f, -1, ts_remaining(deadline));
-    if (rc == TSHARE_OK) at += f.u.retire.count;
-  }
-  if (sent) *sent = at;
-  return rc;
-}
+/* CUDA memory's retire frames carry mem_kind 0, as they did before host
+ * memory had any (session.h). */
+#define RETIRE_MEM_CUDA 0
 
 /* The ids of l in retire frames (closed as given); those that went leave l,
  * the rest go with a later flush. */
 static int send_ids(tshare_channel *ch, uint8_t closed, ts_id_vec *l, int timeout_ms) {
-  size_t sent = 0;
-  int rc = l->len ? send_retire(ch, closed, l->items, l->len, timeout_ms, &sent) : TSHARE_OK;
-  if (sent) ts_id_vec_remove(l, 0, sent);
-  return rc;
+  return ts_retire_send_ids(ch, closed, RETIRE_MEM_CUDA, l, timeout_ms);
 }
 
 /* Runs whose chunks were unmapped and segments idle long enough: their
