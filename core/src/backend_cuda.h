@@ -163,9 +163,10 @@ int ts_cuda_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_d
 void ts_cuda_chunk_set_free(tshare_channel *ch, struct chunk_set *set);
 int ts_cuda_import_view(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v);
 /* Share f mapped into v, with its chunks (set) or the reference to memory
- * this end keeps mapped (*held, taken when it is used). */
-int ts_cuda_import_share(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v,
-                         const struct chunk_set *set, ts_cuda_mapping **held);
+ * this end keeps mapped (*held, taken when it is used); c: ch's CUDA state
+ * (NULL: out of memory). */
+int ts_cuda_import_share(tshare_channel *ch, struct ts_cuda_chan *c, const tshare_frame *f, int *fdp, void *stream,
+                         tshare_view *v, const struct chunk_set *set, ts_cuda_mapping **held);
 /* The view's stream waits on the producer's event named in share frame f. */
 int ts_cuda_wait_on_producer_event(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cuda_api *cu,
                                    const tshare_frame *f, CUcontext ctx, void *stream);

@@ -59,7 +59,7 @@ int ts_cuda_import_view(tshare_channel *ch, const tshare_frame *f, int *fdp, voi
   struct ts_cuda_chan *c = ts_cuda_chan_of(ch);
   struct chunk_set *set = c ? ts_u64map_remove(&c->chunk_sets, f->u.share.share_id + 1) : NULL;
   ts_cuda_mapping *held = c ? ts_u64map_remove(&c->held_shares, f->u.share.share_id + 1) : NULL;
-  int status = ts_cuda_import_share(ch, f, fdp, stream, v, set, &held);
+  int status = ts_cuda_import_share(ch, c, f, fdp, stream, v, set, &held);
   ts_cuda_chunk_set_free(ch, set); /* mapped or not, their fds are done with */
   if (held) ts_cuda_import_put(held); /* not taken by a view */
   return status;
@@ -151,13 +151,12 @@ int ts_cuda_wait_on_producer_event(tshare_channel *ch, struct ts_cuda_chan *c, c
   return status;
 }
 
-int ts_cuda_import_share(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v,
-                           const struct chunk_set *set, ts_cuda_mapping **held) {
+int ts_cuda_import_share(tshare_channel *ch, struct ts_cuda_chan *c, const tshare_frame *f, int *fdp, void *stream,
+                         tshare_view *v, const struct chunk_set *set, ts_cuda_mapping **held) {
   const tshare_share_frame *s = &f->u.share;
   int status = TSHARE_OK;
   const ts_cuda_api *cu = ts_cuda_require(ch->err, sizeof ch->err, &status);
   if (!cu) return status;
-  struct ts_cuda_chan *c = ts_cuda_chan_of(ch);
   if (!c) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
   uint32_t origin = s->origin_pid ? s->origin_pid : ch->conn.peer.pid;
   if (origin == (uint32_t)getpid())
