@@ -3,6 +3,7 @@
  * consumer kernel's bandwidth on shared vs local memory and vs a copy
  * through host memory; GPU memory over a long stream. */
 #include "bench.h"
+#include "bench_cuda_profile.h"
 #include "cudakit.h"
 
 #include <math.h>
@@ -102,56 +103,110 @@ static int share_once(tshare_channel *ch, handoff_src *s, uint64_t *id, tshare_c
   return tshare_share_cuda_buffer(ch, *buf, &d, stream, NULL, NULL, BENCH_TIMEOUT_MS, id);
 }
 
-static void handoff_row(bench *b, handoff_kind kind, const char *key, const char *label) {
-  handoff_src src = {.kind = kind};
+/* The sources of a kind: 8 allocations, or a slab; false with why if they
+ * could not be made (what was made is left for src_close). */
+static bool src_open(handoff_src *src, handoff_kind kind, char *why, size_t cap) {
   tshare_error err;
+  src->kind = kind;
   for (int i = 0; i < 8; i++) {
-    if (kind == FOREIGN && !CU_OK(cu->cuMemAlloc(&src.foreign[i], 64 << 10))) {
-      br_skip(&b->rep, BR_LATENCY, "latency", key, label, "cuMemAlloc failed");
-      return;
+    if (kind == FOREIGN && !CU_OK(cu->cuMemAlloc(&src->foreign[i], 64 << 10))) {
+      snprintf(why, cap, "cuMemAlloc failed");
+      return false;
     }
-    if (kind == REUSED && tshare_cuda_buffer_create(0, 64 << 10, &src.owned[i], &err) != TSHARE_OK) {
-      br_skip(&b->rep, BR_LATENCY, "latency", key, label, err.message);
-      return;
+    if (kind == REUSED && tshare_cuda_buffer_create(0, 64 << 10, &src->owned[i], &err) != TSHARE_OK) {
+      bs_copy(why, cap, err.message);
+      return false;
     }
   }
-  if (kind == SLAB && tshare_cuda_slab_create(0, 64u << 20, &src.slab, &err) != TSHARE_OK) {
-    br_skip(&b->rep, BR_LATENCY, "latency", key, label, err.message);
-    return;
+  if (kind == SLAB && tshare_cuda_slab_create(0, 64u << 20, &src->slab, &err) != TSHARE_OK) {
+    bs_copy(why, cap, err.message);
+    return false;
   }
+  return true;
+}
+
+static void src_close(tshare_channel *ch, handoff_src *src) {
+  tshare_channel_wait_released(ch, 0, BENCH_TIMEOUT_MS);
+  tshare_channel_poll(ch, 10); /* retire handshakes of what (a) freed */
+  for (int i = 0; i < 8; i++) {
+    if (src->foreign[i]) cu->cuMemFree(src->foreign[i]);
+    tshare_cuda_buffer_release(src->owned[i]);
+  }
+  tshare_cuda_slab_release(src->slab);
+}
+
+/* Warmup and timed hand-offs of src to consumer 0, which answers cmd
+ * ("recvt" or "recvp"): each whole and its share call (ns, after the
+ * warmup); profiled: the timed share calls' driver calls are counted. The
+ * consumer's answer in reply; false with the reason there on failure. */
+static bool handoff_loop(bench *b, handoff_src *src, const char *cmd, bool profiled, bs_samples *ns,
+                         bs_samples *share_ns, char *reply, size_t cap) {
   long total = b->opt.warmup + b->opt.iters;
   tshare_channel *ch = b->peers[0].ch;
-  char reply[512] = "";
-  bs_samples ns = {0}, share_ns = {0};
-  int rc = bp_send(&b->peers[0], "recvt %ld", total) == 0 ? TSHARE_OK : TSHARE_E_PEER_CLOSED;
+  int rc = bp_send(&b->peers[0], "%s %ld %ld", cmd, total, b->opt.warmup) == 0 ? TSHARE_OK : TSHARE_E_PEER_CLOSED;
   for (long i = 0; i < total && rc == TSHARE_OK; i++) {
     uint64_t id;
     tshare_cuda_buffer *buf;
+    bool timed = i >= b->opt.warmup;
     uint64_t t0 = bs_now_ns();
-    rc = share_once(ch, &src, &id, &buf);
+    if (profiled && timed) bc_set_phase(BC_SHARE);
+    rc = share_once(ch, src, &id, &buf);
+    bc_set_phase(BC_OFF);
     uint64_t ts = bs_now_ns();
     if (rc == TSHARE_OK) rc = tshare_channel_wait_released(ch, id, BENCH_TIMEOUT_MS);
     tshare_cuda_buffer_release(buf);
     uint64_t t1 = bs_now_ns();
-    if (i >= b->opt.warmup) {
-      bs_add(&ns, (double)(t1 - t0));
-      bs_add(&share_ns, (double)(ts - t0));
+    if (timed) {
+      bs_add(ns, (double)(t1 - t0));
+      bs_add(share_ns, (double)(ts - t0));
     }
   }
-  int ok = bp_reply(&b->peers[0], reply, sizeof reply, BENCH_TIMEOUT_MS) == 0 && rc == TSHARE_OK;
-  if (!ok)
-    br_skip(&b->rep, BR_LATENCY, "latency", key, label, rc != TSHARE_OK ? tshare_channel_last_error(ch) : reply);
-  else
+  bool ok = bp_reply(&b->peers[0], reply, cap, BENCH_TIMEOUT_MS) == 0 && rc == TSHARE_OK;
+  if (!ok && rc != TSHARE_OK) bs_copy(reply, cap, tshare_channel_last_error(ch));
+  return ok;
+}
+
+/* The phases of the latency rows of (b) and (c), for the profile rows. */
+static bench_phases measured[SLAB + 1] = {{NAN, NAN, NAN}, {NAN, NAN, NAN}, {NAN, NAN, NAN}, {NAN, NAN, NAN}};
+
+static void handoff_row(bench *b, handoff_kind kind, const char *key, const char *label) {
+  handoff_src src = {.kind = kind};
+  char reply[512] = "";
+  bs_samples ns = {0}, share_ns = {0};
+  if (!src_open(&src, kind, reply, sizeof reply) || !handoff_loop(b, &src, "recvt", false, &ns, &share_ns, reply, sizeof reply)) {
+    br_skip(&b->rep, BR_LATENCY, "latency", key, label, reply);
+  } else {
     bench_breakdown(bench_latency_row(b, key, label, &ns, "floor", "torch_mp_cuda"), &share_ns, reply);
+    measured[kind] = (bench_phases){bs_percentile(&share_ns, 50) / 1000.0, bp_field(reply, "import_us"),
+                                    bp_field(reply, "release_us")};
+  }
   bs_free(&ns);
   bs_free(&share_ns);
-  tshare_channel_wait_released(ch, 0, BENCH_TIMEOUT_MS);
-  tshare_channel_poll(ch, 10); /* retire handshakes of what (a) freed */
-  for (int i = 0; i < 8; i++) {
-    if (src.foreign[i]) cu->cuMemFree(src.foreign[i]);
-    tshare_cuda_buffer_release(src.owned[i]);
+  src_close(b->peers[0].ch, &src);
+}
+
+/* The same hand-offs again, the driver calls of each phase counted and
+ * timed: what is left of the latency row's phases is tshare's own work. */
+static void profile_rows(bench *b, handoff_kind kind, const char *key, const char *label) {
+  handoff_src src = {.kind = kind};
+  char reply[512] = "", rowkey[48];
+  bs_samples ns = {0}, share_ns = {0};
+  snprintf(rowkey, sizeof rowkey, "own_%s", key);
+  if (!bc_active(cu, reply, sizeof reply)) {
+    br_skip(&b->rep, BR_VALUE, "profile", rowkey, label, reply);
+    return;
   }
-  tshare_cuda_slab_release(src.slab);
+  bc_reset();
+  if (!src_open(&src, kind, reply, sizeof reply) || !handoff_loop(b, &src, "recvp", true, &ns, &share_ns, reply, sizeof reply)) {
+    br_skip(&b->rep, BR_VALUE, "profile", rowkey, label, reply);
+  } else {
+    bc_tally share;
+    bc_tally_of(BC_SHARE, b->opt.iters, &share);
+    bench_cuda_profile_rows(b, key, label, &measured[kind], &share, reply, b->opt.iters);
+  }
+  bs_free(&ns);
+  bs_free(&share_ns);
+  src_close(b->peers[0].ch, &src);
 }
 
 /* The same hand-off with bare driver calls and a bare frame: what (a) cannot
@@ -421,6 +476,11 @@ void bench_cuda(bench *b) {
   handoff_row(b, REUSED, "cuda_reused", "cuda (b): reused allocations (import cache)");
   handoff_row(b, SLAB, "cuda_slab", "cuda (c): slab pieces, pooled events");
   handoff_row(b, FOREIGN, "cuda_foreign", "cuda: reused cudaMalloc memory (not tshare's)");
+  /* Where the time of (b) and (c) goes, measured in this same run. */
+  bench_cuda_driver_rows(b, stream);
+  printf("\n| hand-off | phase | p50 us | driver us | tshare's own us |\n|---|---|---|---|---|\n");
+  profile_rows(b, REUSED, "reused", "cuda (b)");
+  profile_rows(b, SLAB, "slab", "cuda (c)");
   throughput_rows(b);
   bandwidth_rows(b);
   memory_rows(b);
@@ -541,6 +601,11 @@ static int consume_and_read(tshare_channel *ch, int n, size_t staging, char *rep
 int bench_cuda_consumer(tshare_channel *ch, const char *cmd, char *reply, size_t cap) {
   long n = 0;
   size_t bytes = 0;
+  long warmup = 0;
+  if (sscanf(cmd, "recvp %ld %ld", &n, &warmup) == 2) {
+    if (!cu) return fail(reply, cap, "no GPU in the consumer");
+    return bench_cuda_consume_profiled(ch, stream, n, warmup, reply, cap);
+  }
   int is_raw = sscanf(cmd, "raw %ld", &n) == 1, is_bw = !is_raw && sscanf(cmd, "bw %ld", &n) == 1;
   int is_zc = sscanf(cmd, "zc %ld", &n) == 1, is_naive = sscanf(cmd, "naive %ld %zu", &n, &bytes) == 2;
   if (!is_raw && !is_bw && !is_zc && !is_naive) return 1;

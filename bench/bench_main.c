@@ -306,7 +306,8 @@ int main(int argc, char **argv) {
     const char *rows[][3] = {{"latency", "cuda_new_alloc", "cuda (a), (b), (c) hand-offs and raw CUDA IPC"},
                              {"throughput", "cuda_pipelined_1", "cuda: shares/s to 1 and 4 consumers"},
                              {"bandwidth", "bw_shared", "consumer kernel on shared vs local memory"},
-                             {"memory", "cuda_memory", "cuda: memory and handles"}};
+                             {"memory", "cuda_memory", "cuda: memory and handles"},
+                             {"profile", "drv_event_record", "cuda: driver calls alone, tshare's own work per phase"}};
     char why[sizeof b.no_gpu_why + 16];
     snprintf(why, sizeof why, "no GPU (%s)", b.no_gpu_why);
     for (size_t i = 0; i < sizeof rows / sizeof *rows; i++)

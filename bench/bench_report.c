@@ -96,13 +96,15 @@ static const char *group_title(const char *group) {
   if (strcmp(group, "sets") == 0)
     return "a model's state_dict (290 tensors), microseconds per model (sent, taken by every consumer, released)";
   if (strcmp(group, "idle") == 0) return "a consumer blocked in a receive, nothing coming";
+  if (strcmp(group, "profile") == 0)
+    return "where a CUDA hand-off's time goes: driver calls alone, and per phase what is not driver work";
   return group;
 }
 
 void br_print(const br_report *r, FILE *out) {
   say_done(r);
   fprintf(out, "\n%s\n%s\n", r->title, r->device);
-  const char *groups[] = {"latency", "sets", "throughput", "bandwidth", "idle", "memory"};
+  const char *groups[] = {"latency", "sets", "profile", "throughput", "bandwidth", "idle", "memory"};
   for (size_t g = 0; g < sizeof groups / sizeof *groups; g++) {
     int any = 0;
     for (int i = 0; i < r->nrows; i++) any |= strcmp(r->rows[i].group, groups[g]) == 0;

@@ -33,10 +33,15 @@ for key in ["host_pipelined_1", "host_pipelined_4", "host_pipelined_1_socket"]:
 mem = [r for r in doc["rows"] if r["group"] == "memory" and r["key"].startswith("host_")]
 if len(mem) != 5 or any(r["skipped"] or r["before"] is None for r in mem): fail(f"host memory rows: {mem}")
 gpu = not doc["device"].startswith(("no GPU", "built without"))
-for key in ["cuda_new_alloc", "cuda_pipelined_1", "bw_shared"]:
+for key in ["cuda_new_alloc", "cuda_pipelined_1", "bw_shared", "drv_event_record"]:
     r = rows.get(key) or fail(f"row {key} missing")
     if gpu: measured(key)
     elif not r["skipped"]: fail(f"{key} measured without a GPU?")
+if gpu:  # the profile of (b) and (c): a figure per phase, with the driver calls behind it
+    for kind in ["reused", "slab"]:
+        for phase in ["share", "import", "release"]:
+            r = measured(f"own_{kind}_{phase}")
+            if "driver" not in r["note"]: fail(f"own_{kind}_{phase} does not say its driver time: {r['note']}")
 for key in ["torch_mp_cuda", "torch_mp_cpu", "torch_bridge_cuda", "torch_bridge_cpu"]:
     r = rows.get(key) or fail(f"row {key} missing")
     if not r["skipped"]: measured(key)
