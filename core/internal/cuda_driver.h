@@ -102,6 +102,11 @@ const char *ts_cuda_strerror(CUresult rc);
  * process (the runtime's policy too). NULL on failure. */
 CUcontext ts_cuda_primary_ctx(int ordinal);
 
+/* The device ordinal of ctx if it is a primary context retained above
+ * (those are never destroyed, so the answer stays true), else -1: no driver
+ * call, where cuCtxGetDevice needs ctx made current and restored. */
+int ts_cuda_primary_ordinal(CUcontext ctx);
+
 /* Make ctx current for a few calls and restore the caller's context after. */
 bool ts_cuda_push(CUcontext ctx);
 void ts_cuda_pop(void);

@@ -183,8 +183,8 @@ int ts_cuda_import_share(tshare_channel *ch, struct ts_cuda_chan *c, const tshar
                    "receive it on a stream of a GPU that can reach it",
                    (unsigned long long)s->share_id, uuid, cvd ? cvd : "unset");
   }
-  CUdevice here = -1;
-  if (ts_cuda_push(ctx)) {
+  CUdevice here = ts_cuda_primary_ordinal(ctx);
+  if (here < 0 && ts_cuda_push(ctx)) {
     cu->cuCtxGetDevice(&here);
     ts_cuda_pop();
   }

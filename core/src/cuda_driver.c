@@ -96,6 +96,15 @@ CUcontext ts_cuda_primary_ctx(int ordinal) {
   return ctx;
 }
 
+int ts_cuda_primary_ordinal(CUcontext ctx) {
+  int ordinal = -1;
+  pthread_mutex_lock(&ctx_lock);
+  for (int i = 0; ctx && i < TS_MAX_DEVICES && ordinal < 0; i++)
+    if (primary[i] == ctx) ordinal = i;
+  pthread_mutex_unlock(&ctx_lock);
+  return ordinal;
+}
+
 bool ts_cuda_push(CUcontext ctx) { return ctx && api.cuCtxPushCurrent(ctx) == CUDA_SUCCESS; }
 
 void ts_cuda_pop(void) {
