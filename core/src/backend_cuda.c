@@ -38,16 +38,25 @@ void ts_cuda_event_destroy(const ts_cuda_api *cu, CUevent ev) {
   (void)count_event(cu->cuEventDestroy(ev), -1);
 }
 
-/* This backend's state in ch: NULL until the channel first uses CUDA. */
+/* This backend's state in ch: NULL until the channel first uses CUDA. The
+ * slot is set once (under the channel's lock) and cleared only when the
+ * channel is freed, so it is read without the lock; atomically, as another
+ * thread may be setting it. */
 struct ts_cuda_chan *ts_cuda_chan_if_used(tshare_channel *ch) {
-  return *ts_backend_data(ch, &ts_cuda_backend);
+  return __atomic_load_n(ts_backend_data(ch, &ts_cuda_backend), __ATOMIC_ACQUIRE);
 }
 
+/* The lock only on first use: every share and import asks. */
 struct ts_cuda_chan *ts_cuda_chan_of(tshare_channel *ch) {
   void **slot = ts_backend_data(ch, &ts_cuda_backend);
+  struct ts_cuda_chan *c = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+  if (c) return c;
   pthread_mutex_lock(&ch->lock);
-  if (!*slot) *slot = calloc(1, sizeof(struct ts_cuda_chan));
-  struct ts_cuda_chan *c = *slot;
+  c = *slot;
+  if (!c) {
+    c = calloc(1, sizeof(struct ts_cuda_chan));
+    __atomic_store_n(slot, c, __ATOMIC_RELEASE);
+  }
   pthread_mutex_unlock(&ch->lock);
   return c;
 }
