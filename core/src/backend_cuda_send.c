@@ -64,6 +64,11 @@ static int check_can_share(tshare_channel *ch, const char *tag) {
   if (!ch) return TSHARE_E_INVALID_ARG;
   if (ch->closed || ch->conn.wfd < 0)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: channel is closed");
+  if (!(ts_conn_caps(&ch->conn) & TS_TRANSPORT_SAME_HOST))
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
+                   "share: GPU memory cannot reach peer %s: its channel may cross hosts, and CUDA handles open only "
+                   "on the machine that made them",
+                   ch->conn.peer_label);
   if (!(ch->conn.peer.capabilities & TSHARE_CAP_CUDA_IPC))
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_MISMATCH,
                    "share: peer %s was built without CUDA and cannot import GPU memory", ch->conn.peer_label);
