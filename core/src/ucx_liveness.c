@@ -85,7 +85,8 @@ TS_VEC_DEFINE(watched_vec, watched)
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER; /* held through a round of ticks */
 static watched_vec items;
 static bool running; /* a thread is started and has not yet seen the list empty */
-static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+static bool exiting; /* the process is exiting: UCX's own teardown may run, no more ticks */
+static pthread_once_t handlers_once = PTHREAD_ONCE_INIT;
 
 /* A quarter of the shortest interval: a heartbeat leaves at most that late,
  * and a silence is found at most that late. */
@@ -107,7 +108,7 @@ static void *run(void *unused) {
       pthread_mutex_unlock(&lock);
       return NULL;
     }
-    for (size_t i = 0; i < items.len; i++) items.items[i].tick(items.items[i].item);
+    for (size_t i = 0; i < items.len && !exiting; i++) items.items[i].tick(items.items[i].item);
     int ms = tick_ms_locked();
     pthread_mutex_unlock(&lock);
     struct timespec ts = {0, (long)ms * 1000000L};
@@ -124,7 +125,18 @@ static void fork_child(void) {
   running = false;
   pthread_mutex_unlock(&lock);
 }
-static void register_fork_handlers(void) { pthread_atfork(fork_prepare, fork_parent, fork_child); }
+/* exit() of a process that did not close its channels: libucp's destructors
+ * run after this (registered once UCX was loaded), never beside a tick. */
+static void at_exit(void) {
+  pthread_mutex_lock(&lock);
+  exiting = true;
+  pthread_mutex_unlock(&lock);
+}
+
+static void register_handlers(void) {
+  pthread_atfork(fork_prepare, fork_parent, fork_child);
+  atexit(at_exit);
+}
 
 /* The thread, with every signal blocked: they are the application's. */
 static int start_locked(char *msg, size_t cap) {
@@ -144,7 +156,7 @@ static int start_locked(char *msg, size_t cap) {
 }
 
 int ts_ucx_liveness_watch(void *item, ts_ucx_tick_fn tick, int heartbeat_ms, char *msg, size_t cap) {
-  pthread_once(&fork_once, register_fork_handlers);
+  pthread_once(&handlers_once, register_handlers);
   pthread_mutex_lock(&lock);
   int rc = watched_vec_push(&items, (watched){item, tick, heartbeat_ms});
   if (rc != TSHARE_OK) {

@@ -8,7 +8,8 @@
  * dead. A process-wide thread does both for every UCX endpoint, so an end
  * answers while its application is blocked in a receive, busy elsewhere or
  * idle between calls, and the silence is found while nobody calls into
- * tshare (the channel's fd then wakes a poll loop).
+ * tshare (the channel's fd then wakes a poll loop). Once the process calls
+ * exit() the thread ticks no more (UCX's own teardown follows).
  *
  * Settings, read when an endpoint is made:
  *   TSHARE_UCX_HEARTBEAT_MS     10-60000, default 250
