@@ -9,7 +9,6 @@ import sys
 import threading
 
 import harness  # noqa: F401  exits 77 without torch
-import torch
 import tshare
 
 test = harness.Tests("test_ucx.py")
@@ -65,12 +64,6 @@ def connect_and_accept_with_a_token_argument():
         assert b.transport == "ucx", b.transport
         assert "over ucx" in repr(a), repr(a)
         assert a.peer_name == "connector" and b.peer_name == "listener", (a.peer_name, b.peer_name)
-        # A CPU tensor cannot cross hosts as shared memory: refused, naming the transport.
-        try:
-            tshare.send(b, torch.arange(16, dtype=torch.float32).share_memory_(), timeout=5)
-            raise AssertionError("a host share over UCX was accepted")
-        except tshare.Error as e:
-            assert e.code == tshare.E_UNSUPPORTED and "ucx" in str(e), e
         b.close()  # the bye: the listener's receive sees the end
         assert tshare.recv(a, timeout=5) is None
 
