@@ -54,6 +54,11 @@ static const char usage_text[] =
     "OPTIONS\n"
     "  --consumers K    number of consumers (default 1, at most 64)\n"
     "  --channel KIND   socket (default; host memory travels as fds) or pipe (no fds)\n"
+    "  --listen ucx://HOST:PORT/NAME, --connect ucx://HOST:PORT/NAME\n"
+    "                   give the producer one more channel, its last, to a role group\n"
+    "                   on another node (started there by the cluster's tool): the\n"
+    "                   producer listens there, or connects there, when it opens it.\n"
+    "                   The token both nodes share comes from TSHARE_TOKEN\n"
     "  --timeout S      stop everything after S seconds (exit 124); time stopped by\n"
     "                   SIGTSTP does not count\n"
     "  --grace S        seconds between SIGTERM and SIGKILL when stopping (default 3)\n"
@@ -72,6 +77,8 @@ static const char usage_text[] =
     "                        a consumer has 1. Fds start at 3; no other fd is inherited.\n"
     "  TSHARE_CHANNEL_IDS    the inode of each of those fds, in the same shape: a role\n"
     "                        will not take an fd number it closed and reused\n"
+    "  TSHARE_UCX_LISTEN,    with --listen or --connect: the address, and \"ucx\" as the\n"
+    "  TSHARE_UCX_CONNECT    producer's last entry of the two lists above\n"
     "  TSHARE_REPORT_FD      write \"shared=N\" / \"verified=N\" lines here for the summary\n"
     "  stdin is /dev/null; stdout and stderr go through the launcher.\n"
     "\n"
@@ -154,7 +161,9 @@ int main(int argc, char **argv) {
     OPT_API,
     OPT_NO_PREFIX,
     OPT_LOG_DIR,
-    OPT_VERSION
+    OPT_VERSION,
+    OPT_LISTEN,
+    OPT_CONNECT
   };
   static const struct option longopts[] = {{"tensors", required_argument, NULL, OPT_TENSORS},
                                            {"consumers", required_argument, NULL, OPT_CONSUMERS},
@@ -168,6 +177,8 @@ int main(int argc, char **argv) {
                                            {"no-prefix", no_argument, NULL, OPT_NO_PREFIX},
                                            {"log-dir", required_argument, NULL, OPT_LOG_DIR},
                                            {"version", no_argument, NULL, OPT_VERSION},
+                                           {"listen", required_argument, NULL, OPT_LISTEN},
+                                           {"connect", required_argument, NULL, OPT_CONNECT},
                                            {"help", no_argument, NULL, 'h'},
                                            {NULL, 0, NULL, 0}};
   int tensors = 8, consumers = 1;
@@ -223,6 +234,15 @@ int main(int argc, char **argv) {
       else
         return usage_error("--channel '%s': use socket or pipe", optarg);
       break;
+    case OPT_LISTEN:
+    case OPT_CONNECT:
+      if (plan.ucx_listen || plan.ucx_connect)
+        return usage_error("%s", "--listen and --connect: give one, once (the producer's one channel across hosts)");
+      if (strncmp(optarg, "ucx://", 6) != 0)
+        return usage_error("%s '%s': give a ucx://HOST:PORT/NAME address", opt == OPT_LISTEN ? "--listen" : "--connect",
+                           optarg);
+      *(opt == OPT_LISTEN ? &plan.ucx_listen : &plan.ucx_connect) = optarg;
+      break;
     case OPT_TIMEOUT:
       if (parse_seconds(optarg, &plan.timeout_s)) return usage_error("--timeout '%s': give seconds > 0", optarg);
       break;
@@ -246,6 +266,8 @@ int main(int argc, char **argv) {
   char tensors_text[16];
   if (demo) {
     if (producer_cmd || nconsumer_cmds) return usage_error("%s", "demo runs its own roles: drop --producer/--consumer");
+    if (plan.ucx_listen || plan.ucx_connect)
+      return usage_error("%s", "demo runs on one host: --listen and --connect are for your own roles");
     if (strcmp(device, "cpu") != 0 && strcmp(device, "auto") != 0 && strcmp(device, "cuda") != 0)
       return usage_error("--device '%s': use cpu, cuda or auto", device);
     bool cuda = false;
@@ -320,6 +342,10 @@ int main(int argc, char **argv) {
     }
     return usage_error("%s", "give 'demo', or both --producer and --consumer");
   }
+  const char *token = getenv("TSHARE_TOKEN");
+  if ((plan.ucx_listen || plan.ucx_connect) && (!token || !*token))
+    return usage_error("%s %s: set TSHARE_TOKEN to the secret both nodes share",
+                       plan.ucx_listen ? "--listen" : "--connect", plan.ucx_listen ? plan.ucx_listen : plan.ucx_connect);
   const char *why;
   if (!(producer_argv = cmdline_split(producer_cmd, &why))) return usage_error("--producer: %s", why);
   char **per_rank[TSHARE_ROLE_CHANNELS_MAX] = {0};

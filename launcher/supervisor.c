@@ -169,6 +169,15 @@ static void add_channel(role_fds *f, tshare_channel_kind kind, int rfd, int wfd)
   }
 }
 
+/* The channel across hosts: no fd, the role opens it by its address (in
+ * TSHARE_UCX_LISTEN or TSHARE_UCX_CONNECT). */
+static void add_ucx_channel(role_fds *f) {
+  size_t used = strlen(f->channel_env), ids_used = strlen(f->ids_env);
+  const char *sep = used ? "," : "";
+  snprintf(f->channel_env + used, sizeof f->channel_env - used, "%s" TSHARE_ROLE_CHANNEL_UCX, sep);
+  snprintf(f->ids_env + ids_used, sizeof f->ids_env - ids_used, "%s" TSHARE_ROLE_CHANNEL_UCX, sep);
+}
+
 static void describe(const role_run *r, char *buf, size_t cap) {
   char how[64];
   snprintf(buf, cap, "%s (pid %d) %s", r->label, (int)r->pid, tshare_exit_describe(r->status, how, sizeof how));
@@ -396,9 +405,11 @@ static int start_role(job *j, int i, int (*chan)[4], int devnull) {
   f.map[f.n++] = (tshare_fd_map){1, pipes[OUT_STDOUT][1]};
   f.map[f.n++] = (tshare_fd_map){2, pipes[OUT_STDERR][1]};
   f.next_child_fd = 3;
+  bool ucx = producer && (plan->ucx_listen || plan->ucx_connect);
   if (producer)
     for (int c = 0; c < plan->consumers; c++) add_channel(&f, plan->channel, chan[c][0], chan[c][1]);
-  else
+  if (ucx) add_ucx_channel(&f);
+  if (!producer)
     add_channel(&f, plan->channel, chan[rank][2], chan[rank][3]);
   int report_fd = f.next_child_fd++;
   f.map[f.n++] = (tshare_fd_map){report_fd, pipes[OUT_REPORT][1]};
@@ -411,7 +422,11 @@ static int start_role(job *j, int i, int (*chan)[4], int devnull) {
   snprintf(channels_env, sizeof channels_env, TSHARE_ENV_CHANNEL_FDS "=%s", f.channel_env);
   snprintf(ids_env, sizeof ids_env, TSHARE_ENV_CHANNEL_IDS "=%s", f.ids_env);
   snprintf(report_env, sizeof report_env, TSHARE_ENV_REPORT_FD "=%d", report_fd);
-  char *env[] = {role_env, rank_env, consumers_env, channels_env, ids_env, report_env, NULL};
+  char ucx_env[1100] = "";
+  if (ucx)
+    snprintf(ucx_env, sizeof ucx_env, "%s=%s", plan->ucx_listen ? TSHARE_ENV_UCX_LISTEN : TSHARE_ENV_UCX_CONNECT,
+             plan->ucx_listen ? plan->ucx_listen : plan->ucx_connect);
+  char *env[] = {role_env, rank_env, consumers_env, channels_env, ids_env, report_env, ucx ? ucx_env : NULL, NULL};
   char **argv = producer               ? plan->producer_argv
                 : plan->consumer_argvs ? plan->consumer_argvs[rank]
                                        : plan->consumer_argv;

@@ -29,6 +29,10 @@ typedef struct launch_plan {
   double grace_s;              /* between SIGTERM and SIGKILL */
   int expect_verified;         /* > 0: success also needs the consumers' verified= reports to add up to this */
   int expect_shared;           /* > 0: ... and the producer's shared= report to equal this */
+  /* A channel across hosts for the producer, after its K: it listens at
+   * ucx_listen or connects to ucx_connect (at most one set) when it opens
+   * it; NULL: none. */
+  const char *ucx_listen, *ucx_connect;
 } launch_plan;
 
 /* Run the plan to the end and return tshare-launch's exit code. */

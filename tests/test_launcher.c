@@ -183,6 +183,58 @@ static int reused_fd_role(tshare_role *role) {
   return file_refused && writable && kept && socket_refused ? 0 : 22;
 }
 
+/* A frame carrying one number, and the number of the next one received. */
+static int send_number(tshare_channel *ch, uint64_t n) {
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_RELEASE;
+  f.u.release.count = 1;
+  f.u.release.share_ids[0] = n;
+  return tshare_channel_send_frame(ch, &f, -1, 5000);
+}
+
+static long long recv_number(tshare_channel *ch) {
+  tshare_frame f;
+  int fd;
+  int rc = tshare_channel_recv_frame(ch, &f, &fd, 20000);
+  if (rc != TSHARE_OK) {
+    fprintf(stderr, "receive: %s\n", tshare_channel_last_error(ch));
+    return -1;
+  }
+  return f.type == TSHARE_FRAME_RELEASE ? (long long)f.u.release.share_ids[0] : -1;
+}
+
+/* Two launched groups joined by --listen/--connect: on node A the sender
+ * sends 4242 across and waits for 4243 back; on node B the relay takes
+ * 4242, hands it to its local consumer and answers 4243. */
+static int ucx_role(tshare_role *role, const char *name) {
+  tshare_error err;
+  tshare_channel *remote, *local = NULL;
+  int last = role->nchannels - 1;
+  if (role->channels[last].kind != TSHARE_CHANNEL_UCX) return 20;
+  if (tshare_role_open_channel(role, last, NULL, &remote, &err) != TSHARE_OK) {
+    fprintf(stderr, "%s\n", err.message);
+    return 21;
+  }
+  printf("%s: channel %d of %d is over %s to '%s'\n", name, last, role->nchannels,
+         tshare_channel_transport(remote) == TSHARE_TRANSPORT_UCX ? "ucx" : "something else",
+         tshare_channel_peer(remote)->name);
+  int rc = 0;
+  if (strcmp(name, "ucx-sender") == 0) {
+    if (send_number(remote, 4242) != TSHARE_OK || recv_number(remote) != 4243) rc = 22;
+  } else {
+    long long n = recv_number(remote);
+    if (n != 4242 || tshare_role_open_channel(role, 0, NULL, &local, &err) != TSHARE_OK ||
+        send_number(local, (uint64_t)n) != TSHARE_OK || send_number(remote, 4243) != TSHARE_OK)
+      rc = 23;
+    else
+      tshare_role_report(role, "shared", 1);
+  }
+  if (local) tshare_channel_close(local);
+  tshare_channel_close(remote);
+  return rc;
+}
+
 static int role_main(int argc, char **argv) {
   (void)argc;
   setvbuf(stdout, NULL, _IOLBF, 0);
@@ -214,6 +266,7 @@ static int role_main(int argc, char **argv) {
     return 0;
   }
   if (strcmp(name, "reused-fd") == 0) return reused_fd_role(&role);
+  if (strcmp(name, "ucx-sender") == 0 || strcmp(name, "ucx-relay") == 0) return ucx_role(&role, name);
   tshare_channel *ch;
   if (tshare_role_open_channel(&role, 0, NULL, &ch, &err) != TSHARE_OK) {
     fprintf(stderr, "%s\n", err.message);
@@ -244,6 +297,13 @@ static int role_main(int argc, char **argv) {
     tshare_role_report(&role, "shared", 1);
     printf("producer: peer %s after bye\n", bye && rc == TSHARE_E_PEER_CLOSED ? "closed" : "did something else");
     return bye && rc == TSHARE_E_PEER_CLOSED ? 0 : 14;
+  }
+  if (strcmp(name, "relay-consumer") == 0) {
+    long long n = recv_number(ch);
+    printf("consumer: got %lld from the other node\n", n);
+    tshare_role_report(&role, "verified", 1);
+    tshare_channel_close(ch);
+    return n == 4242 ? 0 : 24;
   }
   if (strcmp(name, "pipe-consumer") == 0) {
     tshare_frame f;
@@ -710,6 +770,35 @@ TS_TEST(role_channel_ids_are_checked) {
   close(sv[1]);
 }
 
+/* Node A's group listens on a ucx:// address, node B's connects (here both
+ * on 127.0.0.1): B's producer relays A's frame to B's consumer. */
+TS_TEST(listen_and_connect_join_two_groups) {
+  char address[64];
+  snprintf(address, sizeof address, "ucx://127.0.0.1:%u/weights", 20000u + (unsigned)getpid() % 40000u);
+  setenv("TSHARE_TOKEN", "launcher-test-token", 1);
+  if (!getenv("UCX_TLS")) setenv("UCX_TLS", "tcp", 1);
+  tshare_listener *probe; /* UCX is there (else skip) and the port is free */
+  tshare_error err;
+  int rc = tshare_listen(address, &probe, &err);
+  if (rc == TSHARE_E_UNSUPPORTED) TS_SKIP("%s", err.message);
+  CHECK_RC(rc, TSHARE_OK, err.message);
+  tshare_listener_close(probe);
+  char *a[] = {"--listen", address, "--producer", role_cmd("ucx-sender"), "--consumer", "true", NULL};
+  char *b[] = {"--connect", address, "--producer", role_cmd("ucx-relay"), "--consumer", role_cmd("relay-consumer"),
+               NULL};
+  launched node_a = start_launcher(a);
+  launched node_b = start_launcher(b);
+  finish_launcher(&node_b, 0, 0);
+  expect_exit(0);
+  expect_output("ucx-relay: channel 1 of 2 is over ucx to 'producer 0'");
+  expect_output("consumer: got 4242 from the other node");
+  memset(&result, 0, sizeof result);
+  finish_launcher(&node_a, 0, 0);
+  expect_exit(0);
+  expect_output("ucx-sender: channel 1 of 2 is over ucx to 'producer 0'");
+  expect_no_process_left();
+}
+
 TS_TEST(usage_errors) {
   char *a[] = {"--bogus", NULL};
   run_launcher(a);
@@ -737,6 +826,19 @@ TS_TEST(usage_errors) {
   run_launcher(mismatch);
   expect_exit(2);
   expect_output("--consumer given 2 times for --consumers 3");
+  char *no_scheme[] = {"--listen", "nodeA:7700/w", "--producer", "true", "--consumer", "true", NULL};
+  run_launcher(no_scheme);
+  expect_exit(2);
+  expect_output("give a ucx://HOST:PORT/NAME address");
+  char *both[] = {"--listen", "ucx://a:1/w", "--connect", "ucx://b:1/w", "--producer", "true", "--consumer", "true", NULL};
+  run_launcher(both);
+  expect_exit(2);
+  expect_output("give one, once");
+  unsetenv("TSHARE_TOKEN");
+  char *no_token[] = {"--connect", "ucx://b:1/w", "--producer", "true", "--consumer", "true", NULL};
+  run_launcher(no_token);
+  expect_exit(2);
+  expect_output("set TSHARE_TOKEN");
   char *e[] = {"--help", NULL};
   run_launcher(e);
   expect_exit(0);

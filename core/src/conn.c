@@ -382,6 +382,10 @@ int ts_stream_fill(ts_conn *c, int64_t deadline) {
     if (errno == ECONNRESET)
       return c->broken = ts_errf(c->err, c->err_cap, TSHARE_E_PEER_CLOSED, "receive: connection reset by peer %s",
                                  c->peer_label);
+    if (errno == ETIMEDOUT) /* a transport with heartbeats heard nothing for its timeout */
+      return c->broken = ts_errf(c->err, c->err_cap, TSHARE_E_PEER_CLOSED,
+                                 "receive: peer %s is unreachable: nothing came from it within its heartbeat timeout",
+                                 c->peer_label);
     return c->broken = ts_errsys(c->err, c->err_cap, TSHARE_E_SYSTEM, errno, "receive");
   }
 }

@@ -1,5 +1,7 @@
 #include "tshare/role.h"
 
+#include "tshare/rendezvous.h"
+
 #include "error_detail.h"
 
 #include <errno.h>
@@ -52,6 +54,9 @@ static int read_channel_ids(tshare_role *role, tshare_error *err) {
   for (char *item = strtok_r(copy, ",", &save); item; item = strtok_r(NULL, ",", &save), n++) {
     if (n == role->nchannels) return bad(err, TSHARE_ENV_CHANNEL_IDS, list, "more entries than channels");
     tshare_role_channel *c = &role->channels[n];
+    if ((strcmp(item, TSHARE_ROLE_CHANNEL_UCX) == 0) != (c->kind == TSHARE_CHANNEL_UCX))
+      return bad(err, TSHARE_ENV_CHANNEL_IDS, list, "an entry does not match " TSHARE_ENV_CHANNEL_FDS);
+    if (c->kind == TSHARE_CHANNEL_UCX) continue;
     char *colon = strchr(item, ':');
     if ((colon != NULL) != (c->kind == TSHARE_CHANNEL_PIPES))
       return bad(err, TSHARE_ENV_CHANNEL_IDS, list, "an entry does not match " TSHARE_ENV_CHANNEL_FDS);
@@ -61,6 +66,22 @@ static int read_channel_ids(tshare_role *role, tshare_error *err) {
     if (!colon) c->write_ino = c->read_ino;
   }
   if (n != role->nchannels) return bad(err, TSHARE_ENV_CHANNEL_IDS, list, "fewer entries than channels");
+  return TSHARE_OK;
+}
+
+/* The "ucx" entry: one, with exactly one of its two addresses set. */
+static int read_ucx_entry(const tshare_role *role, tshare_role_channel *c, const char *list, tshare_error *err) {
+  for (int i = 0; i < role->nchannels; i++)
+    if (role->channels[i].kind == TSHARE_CHANNEL_UCX) return bad(err, TSHARE_ENV_CHANNEL_FDS, list, "two ucx entries");
+  const char *listen = getenv(TSHARE_ENV_UCX_LISTEN), *connect = getenv(TSHARE_ENV_UCX_CONNECT);
+  if ((listen != NULL) == (connect != NULL))
+    return bad(err, TSHARE_ENV_CHANNEL_FDS, list,
+               "a ucx entry needs one of " TSHARE_ENV_UCX_LISTEN " and " TSHARE_ENV_UCX_CONNECT);
+  const char *address = listen ? listen : connect;
+  if (strncmp(address, "ucx://", 6) != 0)
+    return bad(err, listen ? TSHARE_ENV_UCX_LISTEN : TSHARE_ENV_UCX_CONNECT, address, "not a ucx:// address");
+  c->kind = TSHARE_CHANNEL_UCX;
+  c->read_fd = c->write_fd = -2;
   return TSHARE_OK;
 }
 
@@ -93,6 +114,14 @@ int tshare_role_from_env(tshare_role *role, tshare_error *err) {
     if (role->nchannels == TSHARE_ROLE_CHANNELS_MAX) return bad(err, TSHARE_ENV_CHANNEL_FDS, list, "too many channels");
     tshare_role_channel *c = &role->channels[role->nchannels];
     char *colon = strchr(item, ':');
+    if (strcmp(item, TSHARE_ROLE_CHANNEL_UCX) == 0) {
+      int rc = read_ucx_entry(role, c, list, err);
+      if (rc != TSHARE_OK) return rc;
+      role->nchannels++;
+      continue;
+    }
+    if (role->nchannels > 0 && role->channels[role->nchannels - 1].kind == TSHARE_CHANNEL_UCX)
+      return bad(err, TSHARE_ENV_CHANNEL_FDS, list, "the ucx entry must be the last");
     if (colon) {
       *colon = '\0';
       c->kind = TSHARE_CHANNEL_PIPES;
@@ -163,6 +192,25 @@ static int check_launcher_fd(int fd, tshare_channel_kind kind, unsigned long lon
   return TSHARE_E_STATE;
 }
 
+/* The ucx channel: listen and accept the one peer, or connect, waiting up
+ * to TSHARE_UCX_WAIT_MS for the other node (started by the cluster's tool,
+ * not by this launcher, maybe later). */
+static int open_ucx(const tshare_channel_options *o, tshare_channel **out, tshare_error *err) {
+  const char *listen = getenv(TSHARE_ENV_UCX_LISTEN), *connect = getenv(TSHARE_ENV_UCX_CONNECT);
+  const char *wait_text = getenv(TSHARE_ENV_UCX_WAIT_MS);
+  int wait_ms = 60000;
+  if (wait_text && parse_int(wait_text, 1, INT_MAX, &wait_ms) != 0)
+    return bad(err, TSHARE_ENV_UCX_WAIT_MS, wait_text, "not a number of milliseconds");
+  if (connect) return tshare_connect(connect, o, wait_ms, out, err);
+  if (!listen) return bad(err, TSHARE_ENV_UCX_LISTEN, "", "not set");
+  tshare_listener *l;
+  int rc = tshare_listen(listen, &l, err);
+  if (rc != TSHARE_OK) return rc;
+  rc = tshare_listener_accept(l, o, wait_ms, out, err);
+  tshare_listener_close(l);
+  return rc;
+}
+
 int tshare_role_open_channel(tshare_role *role, int index, const tshare_channel_options *opts, tshare_channel **out,
                              tshare_error *err) {
   *out = NULL;
@@ -171,11 +219,11 @@ int tshare_role_open_channel(tshare_role *role, int index, const tshare_channel_
     return TSHARE_E_INVALID_ARG;
   }
   tshare_role_channel *c = &role->channels[index];
-  if (c->read_fd < 0) {
+  if (c->read_fd == -1) {
     ts_error_fill(err, TSHARE_E_STATE, "role: channel already opened");
     return TSHARE_E_STATE;
   }
-  int rc = check_launcher_fd(c->read_fd, c->kind, c->read_ino, err);
+  int rc = c->kind == TSHARE_CHANNEL_UCX ? TSHARE_OK : check_launcher_fd(c->read_fd, c->kind, c->read_ino, err);
   if (rc == TSHARE_OK && c->write_fd != c->read_fd) rc = check_launcher_fd(c->write_fd, c->kind, c->write_ino, err);
   if (rc != TSHARE_OK) return rc; /* not taken: the fds stay as the program has them */
   tshare_channel_options o;
@@ -187,6 +235,10 @@ int tshare_role_open_channel(tshare_role *role, int index, const tshare_channel_
   if (!opts || !opts->name) {
     snprintf(name, sizeof name, "%s %d", role->name, role->rank);
     o.name = name;
+  }
+  if (c->kind == TSHARE_CHANNEL_UCX) {
+    c->read_fd = c->write_fd = -1;
+    return open_ucx(&o, out, err);
   }
   int rfd = c->read_fd, wfd = c->write_fd;
   c->read_fd = c->write_fd = -1;

@@ -13,14 +13,24 @@
  * its worker, and the callbacks run inside those calls.
  *
  * Waking: the connection polls rfd, an epoll fd holding the worker's event
- * fd and the bootstrap socket. A read that finds nothing arms the worker
- * (ucp_worker_arm) before it says EAGAIN, so the poll wakes on the next
- * message; the bootstrap socket wakes it when the peer's process is gone. */
+ * fd, the bootstrap socket and an eventfd of the liveness thread's. A read
+ * that finds nothing arms the worker (ucp_worker_arm) before it says
+ * EAGAIN, so the poll wakes on the next message; the bootstrap socket wakes
+ * it when the peer's process is gone.
+ *
+ * Liveness (ucx_liveness.h): the liveness thread drives every endpoint a
+ * few times per heartbeat interval: it takes what came (the peer's
+ * heartbeats, which never reach the decoder, and stream bytes, which it
+ * announces on the eventfd), sends this end's heartbeat when this end was
+ * quiet, and declares a silent peer dead (the eventfd again: a poll loop
+ * wakes, the next read ends the stream). */
 #include "transport_ucx.h"
 
+#include "clock.h"
 #include "conn.h"
 #include "error_detail.h"
 #include "ucx_api.h"
+#include "ucx_liveness.h"
 #include "vec.h"
 
 #include <errno.h>
@@ -35,6 +45,8 @@
 #include <unistd.h>
 
 #define UCX_AM_STREAM 0x7453u              /* the active message id of stream bytes */
+#define UCX_AM_HEARTBEAT 0x7454u           /* the active message id of heartbeats: never stream bytes */
+#define UCX_IDLE_TAKE_MAX (16u << 20)      /* unread bytes beyond which the liveness thread takes no more */
 #define UCX_INBOX_MAX (256u << 20)         /* bytes received and not yet read, beyond which the peer is cut off */
 #define UCX_OUTSTANDING_MAX (64u << 20)    /* bytes handed to UCX and not yet sent: beyond, a write waits */
 #define UCX_LAST_WORDS_NS (50 * 1000000LL) /* after the peer's socket closed: how long its last messages may lag */
@@ -58,6 +70,12 @@ struct ts_ucx_endpoint {
   bool ucx_failed;    /* UCX's error handler ran: what came before the failure was taken */
   bool last_words;    /* the lag after the peer's socket ended was waited out */
   bool broken;        /* a rendezvous message or an overfull inbox: the stream is lost */
+  bool silent;        /* the liveness thread heard nothing for the peer timeout */
+  bool heard, sent;   /* a message came from / went to the peer since the last tick */
+  bool watched;       /* the liveness thread ticks this endpoint */
+  int wake_fd;        /* in epoll_fd: the liveness thread says "read now" */
+  ts_ucx_liveness live;
+  uint8_t heartbeat[TS_UCX_HEARTBEAT_LEN]; /* the payload, alive as long as the endpoint */
 };
 
 typedef struct ucx_send {
@@ -107,6 +125,18 @@ static ts_ucs_status on_bytes(void *arg, const void *header, size_t header_len, 
   }
   memcpy(e->inbox + e->in_len, data, len);
   e->in_len += len;
+  e->heard = true;
+  return TS_UCS_OK;
+}
+
+/* The peer's heartbeat: life, and its interval. */
+static ts_ucs_status on_heartbeat(void *arg, const void *header, size_t header_len, void *data, size_t len,
+                                  const ts_ucp_am_recv_param *param) {
+  (void)header, (void)header_len, (void)param;
+  ts_ucx_endpoint *e = arg;
+  e->heard = true;
+  int interval = ts_ucx_heartbeat_decode(data, len);
+  if (interval) e->live.peer_heartbeat_ms = interval;
   return TS_UCS_OK;
 }
 
@@ -136,7 +166,14 @@ int ts_ucx_endpoint_new(ts_ucx_endpoint **out, const void **address, size_t *add
   if (!e) return ts_errf(msg, cap, TSHARE_E_NOMEM, "ucx: out of memory");
   pthread_mutex_init(&e->lock, NULL);
   e->ucx = ucx;
-  e->boot_fd = e->epoll_fd = e->room_fd = -1;
+  e->boot_fd = e->epoll_fd = e->room_fd = e->wake_fd = -1;
+  int rc = ts_ucx_liveness_init(&e->live, msg, cap);
+  if (rc != TSHARE_OK) {
+    pthread_mutex_destroy(&e->lock);
+    free(e);
+    return rc;
+  }
+  ts_ucx_heartbeat_encode(e->heartbeat, e->live.heartbeat_ms);
   ts_ucp_worker_params wp = {.field_mask = TS_UCP_WORKER_PARAM_FIELD_THREAD_MODE,
                              .thread_mode = TS_UCS_THREAD_MODE_SERIALIZED};
   ts_ucs_status st = ucx->ucp_worker_create(ucx->context, &wp, &e->worker);
@@ -148,6 +185,9 @@ int ts_ucx_endpoint_new(ts_ucx_endpoint **out, const void **address, size_t *add
                                   .cb = on_bytes,
                                   .arg = e};
     st = ucx->ucp_worker_set_am_recv_handler(e->worker, &hp);
+    hp.id = UCX_AM_HEARTBEAT;
+    hp.cb = on_heartbeat;
+    if (st == TS_UCS_OK) st = ucx->ucp_worker_set_am_recv_handler(e->worker, &hp);
     if (st == TS_UCS_OK) st = ucx->ucp_worker_get_address(e->worker, &e->address, &e->address_len);
   } else {
     e->worker = NULL;
@@ -185,6 +225,7 @@ static void close_ep(ts_ucx_endpoint *e) {
 
 void ts_ucx_endpoint_free(ts_ucx_endpoint *e) {
   if (!e) return;
+  if (e->watched) ts_ucx_liveness_unwatch(e); /* first: its ticks use everything below */
   if (e->ep) close_ep(e);
   if (e->address) e->ucx->ucp_worker_release_address(e->worker, e->address);
   if (e->worker) {
@@ -193,6 +234,7 @@ void ts_ucx_endpoint_free(ts_ucx_endpoint *e) {
     e->ucx->ucp_worker_destroy(e->worker);
   }
   if (e->boot_fd >= 0) close(e->boot_fd);
+  if (e->wake_fd >= 0) close(e->wake_fd);
   free(e->inbox);
   pthread_mutex_destroy(&e->lock);
   free(e);
@@ -207,9 +249,12 @@ static int make_fds(ts_ucx_endpoint *e, char *msg, size_t cap) {
     return ts_errf(msg, cap, TSHARE_E_SYSTEM, "ucx: the worker has no event fd: %s", e->ucx->ucs_status_string(st));
   e->epoll_fd = epoll_create1(EPOLL_CLOEXEC);
   e->room_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  struct epoll_event worker_ev = {.events = EPOLLIN}, boot_ev = {.events = EPOLLIN | EPOLLRDHUP};
-  if (e->epoll_fd < 0 || e->room_fd < 0 || epoll_ctl(e->epoll_fd, EPOLL_CTL_ADD, efd, &worker_ev) != 0 ||
-      epoll_ctl(e->epoll_fd, EPOLL_CTL_ADD, e->boot_fd, &boot_ev) != 0)
+  e->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  struct epoll_event worker_ev = {.events = EPOLLIN}, boot_ev = {.events = EPOLLIN | EPOLLRDHUP},
+                     wake_ev = {.events = EPOLLIN};
+  if (e->epoll_fd < 0 || e->room_fd < 0 || e->wake_fd < 0 || epoll_ctl(e->epoll_fd, EPOLL_CTL_ADD, efd, &worker_ev) != 0 ||
+      epoll_ctl(e->epoll_fd, EPOLL_CTL_ADD, e->boot_fd, &boot_ev) != 0 ||
+      epoll_ctl(e->epoll_fd, EPOLL_CTL_ADD, e->wake_fd, &wake_ev) != 0)
     return ts_errsys(msg, cap, TSHARE_E_SYSTEM, errno, "ucx: epoll");
   return TSHARE_OK;
 }
@@ -222,6 +267,15 @@ static int wire_up(ts_ucx_endpoint *e, int timeout_ms, char *msg, size_t cap) {
   if (finish(e, e->ucx->ucp_ep_flush_nbx(e->ep, &p), until) && !e->peer_failed) return TSHARE_OK;
   return ts_errf(msg, cap, TSHARE_E_PEER_CLOSED, "ucx: the connection to the peer's worker did not come up in %d ms",
                  timeout_ms);
+}
+
+static void liveness_tick(void *item);
+
+static int watch(ts_ucx_endpoint *e, char *msg, size_t cap) {
+  e->live.last_heard_ms = e->live.last_sent_ms = ts_now_ms(); /* the silence counts from the connection */
+  int rc = ts_ucx_liveness_watch(e, liveness_tick, e->live.heartbeat_ms, msg, cap);
+  e->watched = rc == TSHARE_OK;
+  return rc;
 }
 
 int ts_ucx_endpoint_connect(ts_ucx_endpoint *e, const void *peer_address, size_t len, int boot_fd, int timeout_ms,
@@ -242,6 +296,7 @@ int ts_ucx_endpoint_connect(ts_ucx_endpoint *e, const void *peer_address, size_t
   if (st != TS_UCS_OK) e->ep = NULL;
   if (rc == TSHARE_OK) rc = wire_up(e, timeout_ms, msg, cap);
   if (rc == TSHARE_OK) rc = make_fds(e, msg, cap);
+  if (rc == TSHARE_OK) rc = watch(e, msg, cap);
   if (rc == TSHARE_OK) {
     pthread_mutex_lock(&registry_lock);
     if (ucx_endpoint_vec_push(&registry, e) != TSHARE_OK) rc = ts_errf(msg, cap, TSHARE_E_NOMEM, "ucx: out of memory");
@@ -316,17 +371,62 @@ static ssize_t read_locked(ts_ucx_endpoint *e, uint8_t *buf, size_t cap) {
       errno = EPROTO;
       return -1;
     }
+    if (e->silent) { /* the link is gone, not the process: nothing more will come */
+      errno = ETIMEDOUT;
+      return -1;
+    }
     if (!e->peer_failed && boot_socket_ended(e)) e->peer_failed = true;
     if (e->peer_failed && !e->last_words) {
       take_last_words(e);
       continue;
     }
     if (e->peer_failed) return 0;
+    uint64_t woken;
+    if (read(e->wake_fd, &woken, sizeof woken) < 0 && errno != EAGAIN) { /* the inbox was looked at: taken */
+    }
     ts_ucs_status st = e->ucx->ucp_worker_arm(e->worker);
     if (st == TS_UCS_ERR_BUSY) continue; /* events came meanwhile: progress them first */
     errno = st == TS_UCS_OK ? EAGAIN : EIO;
     return -1;
   }
+}
+
+/* One heartbeat, eager, its request let go at once (UCX frees it when sent). */
+static void send_heartbeat(ts_ucx_endpoint *e) {
+  ts_ucp_request_param p = {.op_attr_mask = TS_UCP_OP_ATTR_FIELD_FLAGS, .flags = TS_UCP_AM_SEND_FLAG_EAGER};
+  void *req = e->ucx->ucp_am_send_nbx(e->ep, UCX_AM_HEARTBEAT, NULL, 0, e->heartbeat, sizeof e->heartbeat, &p);
+  if (req && TS_UCS_PTR_IS_ERR(req))
+    e->peer_failed = true;
+  else if (req)
+    e->ucx->ucp_request_free(req);
+}
+
+/* The liveness thread's turn (ucx_liveness.h), lock held inside. Past
+ * UCX_IDLE_TAKE_MAX unread bytes it takes no more (UCX's own flow control
+ * then slows the peer, as an unread socket would) and counts the unread
+ * bytes as life: the peer's liveness is not what holds this end up. */
+static void liveness_tick(void *item) {
+  ts_ucx_endpoint *e = item;
+  pthread_mutex_lock(&e->lock);
+  int64_t now = ts_now_ms();
+  if (e->in_len - e->in_off < UCX_IDLE_TAKE_MAX)
+    progress_all(e);
+  else
+    e->heard = true;
+  if (e->heard) e->live.last_heard_ms = now;
+  if (e->sent) e->live.last_sent_ms = now;
+  e->heard = e->sent = false;
+  if (!e->peer_failed && ts_ucx_heartbeat_due(&e->live, now)) {
+    send_heartbeat(e);
+    e->live.last_sent_ms = now;
+  }
+  if (!e->peer_failed && ts_ucx_peer_silent(&e->live, now)) e->peer_failed = e->silent = true;
+  if (e->in_off < e->in_len || e->peer_failed || e->broken) {
+    uint64_t one = 1;
+    if (write(e->wake_fd, &one, sizeof one) < 0) { /* a full counter is awake already */
+    }
+  }
+  pthread_mutex_unlock(&e->lock);
 }
 
 static ssize_t ucx_read(ts_conn *c, uint8_t *buf, size_t cap) {
@@ -371,6 +471,7 @@ static ssize_t write_locked(ts_ucx_endpoint *e, const uint8_t *buf, size_t len) 
       return -1;
     }
   } else {
+    e->sent = true;
     e->outstanding += len;
     /* A moment's progress lets it leave now: a sender that stops driving
      * its channel after this (a role that exits) must not strand it. */

@@ -190,12 +190,24 @@ static PyObject *channel_get_closed(PyChannel *self, void *unused) {
   return PyBool_FromLong(self->ch == NULL);
 }
 
+/* How the channel's frames travel, as Channel.transport names it. */
+static const char *transport_name(tshare_channel *ch) {
+  if (tshare_channel_kind_of(ch) == TSHARE_CHANNEL_PIPES) return "pipes";
+  switch (tshare_channel_transport(ch)) {
+  case TSHARE_TRANSPORT_RING:
+    return "ring";
+  case TSHARE_TRANSPORT_UCX:
+    return "ucx";
+  default:
+    return "socket";
+  }
+}
+
 static PyObject *channel_get_transport(PyChannel *self, void *unused) {
   (void)unused;
   tshare_channel *ch = py_channel_get(self);
   if (!ch) return NULL;
-  if (tshare_channel_kind_of(ch) == TSHARE_CHANNEL_PIPES) return PyUnicode_FromString("pipes");
-  return PyUnicode_FromString(tshare_channel_transport(ch) == TSHARE_TRANSPORT_RING ? "ring" : "socket");
+  return PyUnicode_FromString(transport_name(ch));
 }
 
 static PyObject *channel_get_peer_name(PyChannel *self, void *unused) {
@@ -231,9 +243,7 @@ static PyObject *channel_repr(PyChannel *self) {
     return PyUnicode_FromString("<tshare.Channel closed>");
   }
   const tshare_hello *peer = tshare_channel_peer(ch);
-  const char *transport = tshare_channel_kind_of(ch) == TSHARE_CHANNEL_PIPES      ? "pipes"
-                          : tshare_channel_transport(ch) == TSHARE_TRANSPORT_RING ? "ring"
-                                                                                  : "socket";
+  const char *transport = transport_name(ch);
   PyObject *r = PyUnicode_FromFormat("<tshare.Channel to '%s' (pid %u) over %s, %zu shares outstanding>", peer->name,
                                      (unsigned)peer->pid, transport, tshare_channel_outstanding(ch));
   py_channel_leave(self);
@@ -260,7 +270,7 @@ static PyMethodDef channel_methods[] = {
 
 static PyGetSetDef channel_getset[] = {
   {"closed", (getter)channel_get_closed, NULL, "True once closed.", NULL},
-  {"transport", (getter)channel_get_transport, NULL, "'ring', 'socket' or 'pipes'.", NULL},
+  {"transport", (getter)channel_get_transport, NULL, "'ring', 'socket', 'pipes' or 'ucx'.", NULL},
   {"peer_name", (getter)channel_get_peer_name, NULL, "The name the peer gave in its hello.", NULL},
   {"peer_pid", (getter)channel_get_peer_pid, NULL, "The peer's pid as the kernel reports it.", NULL},
   {"last_error", (getter)channel_get_last_error, NULL, "The channel's last error detail.", NULL},
@@ -326,7 +336,8 @@ PyObject *py_socketpair(PyObject *module, PyObject *unused) {
   return Py_BuildValue("(ii)", fds[0], fds[1]);
 }
 
-static char *connect_keywords[] = {"name", "timeout_ms", "channel_name", "transport", "spin_us", "allow_uid", NULL};
+static char *connect_keywords[] = {"name",    "timeout_ms", "channel_name", "transport",
+                                   "spin_us", "allow_uid",  "token",        NULL};
 
 PyObject *py_connect(PyObject *module, PyObject *args, PyObject *kwargs) {
   (void)module;
@@ -334,11 +345,13 @@ PyObject *py_connect(PyObject *module, PyObject *args, PyObject *kwargs) {
   int timeout_ms = -1, spin_us = -1, rc;
   long allow_uid = -1;
   PyObject *name = NULL, *transport = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|iOOil", connect_keywords, &where, &timeout_ms, &name, &transport,
-                                   &spin_us, &allow_uid))
+  const char *token = NULL; /* ucx:// addresses: None takes TSHARE_TOKEN */
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|iOOilz", connect_keywords, &where, &timeout_ms, &name, &transport,
+                                   &spin_us, &allow_uid, &token))
     return NULL;
   tshare_channel_options opts;
   if (py_channel_options(name, transport, spin_us, allow_uid, &opts) < 0) return NULL;
+  opts.token = token;
   tshare_channel *ch = NULL;
   tshare_error err;
   Py_BEGIN_ALLOW_THREADS rc = tshare_connect(where, &opts, timeout_ms, &ch, &err);
@@ -424,18 +437,20 @@ static int accept_slice(void *arg, int slice_ms) {
   return tshare_listener_accept(l, a->opts, hello_budget_ms(a), &a->ch, &a->err);
 }
 
-static char *accept_keywords[] = {"timeout_ms", "name", "transport", "spin_us", "allow_uid", NULL};
+static char *accept_keywords[] = {"timeout_ms", "name", "transport", "spin_us", "allow_uid", "token", NULL};
 
 static PyObject *listener_accept(PyListener *self, PyObject *args, PyObject *kwargs) {
   int timeout_ms = -1, spin_us = -1, rc;
   long allow_uid = -1;
   PyObject *name = NULL, *transport = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|iOOil", accept_keywords, &timeout_ms, &name, &transport, &spin_us,
-                                   &allow_uid))
+  const char *token = NULL; /* a ucx:// listener's: None takes TSHARE_TOKEN */
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|iOOilz", accept_keywords, &timeout_ms, &name, &transport, &spin_us,
+                                   &allow_uid, &token))
     return NULL;
   if (!listener_get(self)) return NULL;
   tshare_channel_options opts;
   if (py_channel_options(name, transport, spin_us, allow_uid, &opts) < 0) return NULL;
+  opts.token = token;
   accept_call a = {self, &opts, py_guard_deadline(timeout_ms), NULL, {0}};
   py_guard_slice slice = {accept_slice, NULL, &a};
   if (py_guard_wait(&self->guard, "accept", timeout_ms, &slice, &rc) < 0) return NULL;
@@ -544,7 +559,7 @@ static PyObject *role_channel(PyRole *self, PyObject *args, PyObject *kwargs) {
   if (index < 0 || index >= self->role.nchannels)
     return py_raise_fmt(TSHARE_E_INVALID_ARG, "tshare: role %s %d has %d channel(s); there is no channel %d",
                         self->role.name, self->role.rank, self->role.nchannels, index);
-  if (self->role.channels[index].read_fd < 0)
+  if (self->role.channels[index].read_fd == -1)
     return py_raise_fmt(TSHARE_E_STATE, "tshare: channel %d of this role is already open", index);
   tshare_channel_options opts;
   if (py_channel_options(name, transport, spin_us, allow_uid, &opts) < 0) return NULL;

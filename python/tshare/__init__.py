@@ -159,7 +159,7 @@ class Channel:
 
     @property
     def transport(self):
-        """'ring', 'socket' or 'pipes'."""
+        """'ring', 'socket', 'pipes' or 'ucx' (a channel across hosts)."""
         return self._c.transport
 
     @property
@@ -228,10 +228,12 @@ class Listener:
         """A picklable Endpoint that connects to this listener where it is opened."""
         return Endpoint(address=self.path)
 
-    def accept(self, timeout=None, name=None, transport=None, spin_us=None, allow_uid=None):
-        """The next peer's channel; tshare.TimeoutError when none came in time."""
+    def accept(self, timeout=None, name=None, transport=None, spin_us=None, allow_uid=None, token=None):
+        """The next peer's channel; tshare.TimeoutError when none came in time.
+        A ucx:// listener checks the peer's token against token (default:
+        the environment's TSHARE_TOKEN)."""
         opts = _options(name, transport, spin_us, allow_uid)
-        return Channel(self._l._accept(_timeout_ms(timeout), **opts))
+        return Channel(self._l._accept(_timeout_ms(timeout), token=token, **opts))
 
     @property
     def path(self):
@@ -256,15 +258,18 @@ class Listener:
 
 
 def listen(name):
-    """Listen on a name ($XDG_RUNTIME_DIR/tshare/NAME, or a path with a '/')."""
+    """Listen on a name ($XDG_RUNTIME_DIR/tshare/NAME, or a path with a '/'),
+    or across hosts on ucx://HOST:PORT/NAME (accept() then wants a token)."""
     return Listener(_tshare._listen(name))
 
 
-def connect(name, timeout=None, channel_name=None, transport=None, spin_us=None, allow_uid=None):
-    """Connect to the listener on name, waiting up to timeout for it to appear."""
+def connect(name, timeout=None, channel_name=None, transport=None, spin_us=None, allow_uid=None, token=None):
+    """Connect to the listener on name, waiting up to timeout for it to appear.
+    name may be ucx://HOST:PORT/NAME, a listener on another host: token is
+    the secret both ends share (default: the environment's TSHARE_TOKEN)."""
     opts = _options(channel_name, transport, spin_us, allow_uid)
     opts["channel_name"] = opts.pop("name")
-    return Channel(_tshare._connect(name, _timeout_ms(timeout), **opts))
+    return Channel(_tshare._connect(name, _timeout_ms(timeout), token=token, **opts))
 
 
 class Role:

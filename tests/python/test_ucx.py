@@ -1,0 +1,95 @@
+"""Channels across hosts from Python: tshare.listen/connect on ucx://
+addresses over 127.0.0.1, the token as an argument or from TSHARE_TOKEN.
+
+  test_ucx.py TEST      (exit 0 pass, 1 fail, 77 skip with the reason)
+
+Without UCX (libucp.so.0) the tests skip."""
+import os
+import sys
+import threading
+
+import harness  # noqa: F401  exits 77 without torch
+import tshare
+
+test = harness.Tests("test_ucx.py")
+TOKEN = "py-shared-token"
+
+
+def address():
+    return "ucx://127.0.0.1:%d/weights" % (20000 + os.getpid() % 40000)
+
+
+def listen_or_skip(where):
+    try:
+        return tshare.listen(where)
+    except tshare.Error as e:
+        if e.code == tshare.E_UNSUPPORTED:
+            print("SKIP: %s" % e)
+            sys.exit(77)
+        raise
+
+
+def ucx_pair(listener_token, connector_token, accept_timeout=10):
+    """A listener's and a connector's channel of this process; the accept
+    runs in a thread (each end's hello waits for the other's)."""
+    where = address()
+    l = listen_or_skip(where)
+    out = {}
+
+    def accept():
+        try:
+            out["ch"] = l.accept(timeout=accept_timeout, name="listener", token=listener_token)
+        except tshare.Error as e:
+            out["err"] = e
+
+    th = threading.Thread(target=accept)
+    th.start()
+    try:
+        c = tshare.connect(where, timeout=10, channel_name="connector", token=connector_token)
+    finally:
+        th.join(15)
+        l.close()
+    assert not th.is_alive(), "the accept did not end"
+    if "err" in out:
+        raise out["err"]
+    return out["ch"], c
+
+
+@test
+def connect_and_accept_with_a_token_argument():
+    os.environ.pop("TSHARE_TOKEN", None)
+    a, b = ucx_pair(TOKEN, TOKEN)
+    with a, b:
+        assert a.transport == "ucx", a.transport
+        assert b.transport == "ucx", b.transport
+        assert "over ucx" in repr(a), repr(a)
+        assert a.peer_name == "connector" and b.peer_name == "listener", (a.peer_name, b.peer_name)
+        b.close()  # the bye: the listener's receive sees the end
+        assert tshare.recv(a, timeout=5) is None
+
+
+@test
+def the_token_comes_from_the_environment():
+    os.environ["TSHARE_TOKEN"] = TOKEN
+    a, b = ucx_pair(None, None)
+    with a, b:
+        assert a.transport == "ucx" and b.transport == "ucx"
+
+
+@test
+def a_wrong_or_missing_token_is_refused():
+    os.environ.pop("TSHARE_TOKEN", None)
+    try:
+        tshare.connect(address(), timeout=1, token=None)
+        raise AssertionError("a connect without a token was not refused")
+    except tshare.Error as e:
+        assert e.code == tshare.E_PERMISSION and "token" in str(e), e
+    try:
+        ucx_pair(TOKEN, "not-the-token", accept_timeout=2)
+        raise AssertionError("a wrong token was accepted")
+    except tshare.Error as e:
+        assert e.code in (tshare.E_PERMISSION, tshare.E_TIMEOUT) and "token" in str(e), e
+
+
+if __name__ == "__main__":
+    test.main()
