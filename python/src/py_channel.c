@@ -261,6 +261,7 @@ static PyMethodDef channel_methods[] = {
   {"outstanding", (PyCFunction)channel_outstanding, METH_NOARGS, "Shares sent that the peer still holds."},
   {"_send_bye", (PyCFunction)channel_send_bye, METH_VARARGS, NULL},
   {"_send", (PyCFunction)py_channel_send, METH_VARARGS, NULL},
+  {"_send_host_at", (PyCFunction)py_channel_send_host_at, METH_VARARGS, NULL},
   {"_send_set", (PyCFunction)py_channel_send_set, METH_VARARGS, NULL},
   {"_recv", (PyCFunction)py_channel_recv, METH_VARARGS, NULL},
   {"_peek", (PyCFunction)py_channel_peek, METH_NOARGS, NULL},

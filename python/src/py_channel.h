@@ -79,6 +79,7 @@ PyObject *py_channel_send_set(PyChannel *self, PyObject *args);
 
 /* Channel methods that move tensors (py_tensor.c). */
 PyObject *py_channel_send(PyChannel *self, PyObject *args);
+PyObject *py_channel_send_host_at(PyChannel *self, PyObject *args);
 PyObject *py_channel_recv(PyChannel *self, PyObject *args);
 PyObject *py_channel_peek(PyChannel *self, PyObject *unused);
 

@@ -13,6 +13,7 @@ typedef struct py_mem {
   tshare_view *view;          /* PY_MEM_VIEW */
   tshare_host_buffer *buffer; /* PY_MEM_HOST_BUFFER */
   uintptr_t storage_key;      /* 0 until bound */
+  int adopted;                /* over torch's shared memory, lent to a set send */
   struct py_mem *next;        /* chain in the table */
   int versioned;
   union {
@@ -127,17 +128,21 @@ static void address_remove(py_mem *m) {
   pthread_mutex_unlock(&table_lock);
 }
 
-tshare_host_buffer *py_memory_host_buffer_at(uintptr_t addr) {
+static tshare_host_buffer *host_buffer_at(uintptr_t addr, int with_adopted) {
   tshare_host_buffer *found = NULL;
   pthread_mutex_lock(&table_lock);
   size_t at = address_upper_bound(addr);
-  if (at > 0) {
+  if (at > 0 && (with_adopted || !by_address[at - 1]->adopted)) {
     tshare_host_buffer *b = by_address[at - 1]->buffer;
     if (addr - (uintptr_t)tshare_host_buffer_data(b) < tshare_host_buffer_size(b)) found = b;
   }
   pthread_mutex_unlock(&table_lock);
   return found;
 }
+
+tshare_host_buffer *py_memory_host_buffer_at(uintptr_t addr) { return host_buffer_at(addr, 1); }
+
+tshare_host_buffer *py_memory_made_host_buffer_at(uintptr_t addr) { return host_buffer_at(addr, 0); }
 
 /* ---- giving the memory back ----------------------------------------------- */
 
@@ -295,6 +300,7 @@ PyObject *py_memory_adopt_file(int fd, size_t size, uintptr_t base, PyObject *st
   if (m) {
     m->kind = PY_MEM_HOST_BUFFER;
     m->buffer = buffer;
+    m->adopted = 1;
   }
   if (!m || address_insert(m) < 0) {
     free(m);

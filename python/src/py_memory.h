@@ -44,6 +44,11 @@ py_mem_kind py_memory_lookup(uintptr_t storage_key, void **memory);
  * a tensor on that memory. */
 tshare_host_buffer *py_memory_host_buffer_at(uintptr_t addr);
 
+/* As py_memory_host_buffer_at, among the buffers made here alone (not those
+ * over torch's shared memory lent to a set send, which another thread's set
+ * send may drop while the caller's share is under way without the GIL). */
+tshare_host_buffer *py_memory_made_host_buffer_at(uintptr_t addr);
+
 /* A host buffer over the file of torch's shared memory (fd of size bytes,
  * mapped here at base), found by address like the others (a tensor set's
  * members) while the capsule returned lives; the buffer holds storage until

@@ -169,6 +169,32 @@ PyObject *py_channel_send(PyChannel *self, PyObject *args) {
   return PyLong_FromUnsignedLongLong(s.id);
 }
 
+/* _send_host_at(data, code, bits, shape, strides, tag, timeout_ms) -> share
+ * id, or None when data is not in a host buffer made here. The buffer is
+ * found from the address alone: each is its own mapping, so an address
+ * inside one is that buffer's memory whatever storage torch wraps it in, and
+ * the share holds the memfd itself, so the tensor may go before the consumer. */
+PyObject *py_channel_send_host_at(PyChannel *self, PyObject *args) {
+  PyObject *shape, *strides;
+  unsigned long long data;
+  int code, bits, timeout_ms;
+  const char *tag;
+  Py_ssize_t tag_len;
+  if (!PyArg_ParseTuple(args, "KiiO!O!s#i", &data, &code, &bits, &PyTuple_Type, &shape, &PyTuple_Type, &strides, &tag,
+                        &tag_len, &timeout_ms))
+    return NULL;
+  if (!py_channel_get(self)) return NULL;
+  if (tag_len > TSHARE_TAG_MAX)
+    return py_raise_fmt(TSHARE_E_TOO_LARGE, "tshare: send: tag of %zd bytes (at most %d)", tag_len, TSHARE_TAG_MAX);
+  send_call s = {.self = self, .how = SEND_HOST, .tag = tag};
+  if (fill_desc(shape, strides, code, bits, &s.d) < 0) return NULL;
+  s.memory = py_memory_made_host_buffer_at((uintptr_t)data);
+  if (!s.memory) Py_RETURN_NONE;
+  s.d.byte_offset = tshare_tensor_numel(&s.d) == 0 ? 0 : data - (uintptr_t)tshare_host_buffer_data(s.memory);
+  if (send_in_slices(&s, "send (CPU tensor)", timeout_ms) < 0) return NULL;
+  return PyLong_FromUnsignedLongLong(s.id);
+}
+
 /* The stream a CUDA share is received on: stream_for(device) gives the
  * current stream of the device that will map it (device -1: let the caller
  * pick), so the caller's later work is ordered after the producer's. */

@@ -261,7 +261,7 @@ def received_set(box):
                 % (set_id, name, _torch._dtype_name(code, bits)),
             )
     tensors = {}
-    from_dlpack, bind, storage = _torch._from_dlpack, _tshare._bind, _torch._storage
+    from_dlpack, bind, storage = _torch._from_dlpack, _tshare._bind, _torch._raw_storage
     as_bool = _torch._BOOL_AS_UINT8
     cuda = None
     for name, capsule, code, bits in members:

@@ -51,6 +51,18 @@ else:  # torch before 2.0
         return t.storage()
 
 
+# The storage's identity (its StorageImpl) and address, for the storage table:
+# the cheapest storage object the installed torch gives. Torch 1.x's
+# storage() builds a TypedStorage in Python (microseconds per call); its
+# _storage() is the untyped one underneath, with the same _cdata.
+if hasattr(torch.Tensor, "untyped_storage"):
+    _raw_storage = torch.Tensor.untyped_storage
+elif hasattr(torch.Tensor, "_storage"):
+    _raw_storage = torch.Tensor._storage
+else:
+    _raw_storage = _storage
+
+
 _from_dlpack = getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack
 
 
@@ -140,6 +152,46 @@ def _storage_of(t):
         _fail(_tshare.E_UNSUPPORTED, "cannot send a tensor without storage (a functional or fake tensor)")
 
 
+def _raw_storage_of(t):
+    try:
+        return _raw_storage(t)
+    except (RuntimeError, NotImplementedError):
+        _fail(_tshare.E_UNSUPPORTED, "cannot send a tensor without storage (a functional or fake tensor)")
+
+
+_STRIDED = torch.strided
+
+
+def _dlpack_dtype(t):
+    """t's DLPack (code, bits) when send() takes t as it is; else raises what
+    _check_shareable says. The common case costs a few attribute reads: a
+    dtype tshare carries rules out quantized tensors, a CPU or CUDA device
+    meta ones, a strided layout sparse ones."""
+    fields = _TO_DLPACK.get(t.dtype) if isinstance(t, torch.Tensor) else None
+    if (
+        fields is None
+        or t.layout is not _STRIDED
+        or not (t.is_cpu or t.is_cuda)
+        or _is_nested(t)
+        or t.is_conj()
+        or t.is_neg()
+        or t.dim() > _tshare.MAX_NDIM
+    ):
+        _check_shareable(t)
+    return fields
+
+
+if hasattr(torch.Tensor, "is_nested"):
+
+    def _is_nested(t):
+        return t.is_nested
+
+else:
+
+    def _is_nested(t):
+        return False
+
+
 def send(ch, tensor, tag="", timeout=None, move_to_shared_memory=True, meta=None, copy=False):
     """Share tensor on ch without copying it and return the share id.
 
@@ -156,14 +208,23 @@ def send(ch, tensor, tag="", timeout=None, move_to_shared_memory=True, meta=None
     those that are not. CUDA tensors do not go in sets in this version.
     """
     c = ch._c
-    if _sets.is_set(tensor):
+    if not isinstance(tensor, torch.Tensor) and _sets.is_set(tensor):
         return _sets.send_set(ch, tensor, meta, _timeout_ms(timeout), copy)
     if meta is not None:
         _fail(_tshare.E_INVALID_ARG, "send: metadata travels with tensor sets: send {name: tensor} with meta=")
-    _check_shareable(tensor)
-    code, bits = _TO_DLPACK[tensor.dtype]
+    code, bits = _dlpack_dtype(tensor)
     ms = _timeout_ms(timeout)
-    storage = _storage_of(tensor)
+    if not tensor.is_cuda:  # empty_shared() memory is found from the address alone, without the storage
+        share_id = c._send_host_at(tensor.data_ptr(), code, bits, tensor.shape, tensor.stride(), tag, ms)
+        if share_id is not None:
+            return share_id
+    return _send_by_storage(c, tensor, code, bits, tag, ms, move_to_shared_memory)
+
+
+def _send_by_storage(c, tensor, code, bits, tag, ms, move_to_shared_memory):
+    """send() of memory known by its storage: a received tensor, CUDA memory,
+    torch's shared memory, or CPU memory to move into shared memory first."""
+    storage = _raw_storage_of(tensor)
     cuda = tensor.is_cuda
     device = tensor.device.index if cuda else 0
     stream = _current_stream(device) if cuda else 0
@@ -179,8 +240,9 @@ def send(ch, tensor, tag="", timeout=None, move_to_shared_memory=True, meta=None
                 "tshare.share_memory_(), or pass move_to_shared_memory=True",
             )
         share_memory_(tensor)
-        storage = _storage(tensor)
-        share_id = c._send(tensor, storage._cdata, storage.data_ptr(), tensor.data_ptr(), *args)
+        share_id = c._send_host_at(tensor.data_ptr(), code, bits, tensor.shape, tensor.stride(), tag, ms)
+        if share_id is None:
+            _fail(_tshare.E_STATE, "send: the tensor moved into shared memory is not found there")
     return share_id
 
 
@@ -299,6 +361,11 @@ class Received(_ReceivedFields):
         return "Received(set %d: %d tensors, %d bytes of metadata)" % (self.share_id, len(s[0]), len(s[1]))
 
 
+# Received(tensor, tag, share_id) without Received.__new__'s Python frame:
+# a single share carries no set fields.
+_new_received = tuple.__new__
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_device_count():
     """Devices torch can use: fixed for the process, so asked once, not per hand-off."""
@@ -348,6 +415,12 @@ def recv(ch, timeout=None, device=None, as_parameter=False, requires_grad=None) 
         return Received(None, "", set_id, tensors, meta)
     capsule, tag, share_id, code, bits, device_type, _ = r
     dtype = _FROM_DLPACK.get((code, bits))
+    if dtype is not None and device_type != _DEVICE_CUDA and not as_parameter:  # the common case, in few steps
+        t = _from_dlpack(capsule)
+        _tshare._bind(capsule, _raw_storage(t)._cdata)
+        if dtype is torch.bool and _BOOL_AS_UINT8:
+            t = t.view(torch.bool)
+        return _new_received(Received, (t, tag, share_id))
     if dtype is None:
         del capsule  # releases the share
         _fail(_tshare.E_UNSUPPORTED, "a shared dtype %s has no PyTorch equivalent" % _dtype_name(code, bits))
@@ -361,12 +434,12 @@ def recv(ch, timeout=None, device=None, as_parameter=False, requires_grad=None) 
             del capsule
             raise
     t = _from_dlpack(capsule)
-    _tshare._bind(capsule, _storage(t)._cdata)
+    _tshare._bind(capsule, _raw_storage(t)._cdata)
     if dtype is torch.bool and _BOOL_AS_UINT8:
         t = t.view(torch.bool)
     if as_parameter:
         t = torch.nn.Parameter(t, requires_grad=grad)
-    return Received(t, tag, share_id)
+    return _new_received(Received, (t, tag, share_id))
 
 
 def _parameter_grad(dtype, share_id, requires_grad):
