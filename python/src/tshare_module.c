@@ -52,6 +52,15 @@ static PyObject *memory_kind(PyObject *module, PyObject *args) {
   }
 }
 
+/* Whether addr is in a host buffer made here: a CPU tensor on it is sent as
+ * that buffer, whatever storage torch wraps the memory in. */
+static PyObject *host_memory_at(PyObject *module, PyObject *args) {
+  (void)module;
+  unsigned long long addr;
+  if (!PyArg_ParseTuple(args, "K", &addr)) return NULL;
+  return PyBool_FromLong(py_memory_made_host_buffer_at((uintptr_t)addr) != NULL);
+}
+
 static PyObject *make_error(PyObject *module, PyObject *args) {
   (void)module;
   int code;
@@ -78,6 +87,7 @@ static PyMethodDef module_methods[] = {
   {"_bind", bind, METH_VARARGS, NULL},
   {"_adopt_file", adopt_file, METH_VARARGS, NULL},
   {"_memory_kind", memory_kind, METH_VARARGS, NULL},
+  {"_host_memory_at", host_memory_at, METH_VARARGS, NULL},
   {"_error", make_error, METH_VARARGS, NULL},
   {"_open_socket", (PyCFunction)(void (*)(void))py_open_socket, METH_VARARGS | METH_KEYWORDS, NULL},
   {"_check_options", (PyCFunction)(void (*)(void))py_check_options, METH_VARARGS | METH_KEYWORDS, NULL},

@@ -505,7 +505,7 @@ def is_shared(tensor):
         return True
     if not tensor.is_cpu:
         return False
-    if tensor.is_shared():
+    if _tshare._host_memory_at(tensor.data_ptr()) or tensor.is_shared():
         return True
     try:
         return _tshare._memory_kind(_storage(tensor)._cdata) is not None

@@ -191,6 +191,23 @@ def shared_memory_tensors():
 
 
 @test
+def shared_memory_under_another_storage_is_sent_as_itself():
+    t = tshare.empty_shared(16, dtype=torch.float32)
+    alias = torch.from_numpy(t.numpy())[4:]  # the same memory under a storage torch made for the array
+    assert tshare.is_shared(alias), "found by its address, not its storage"
+    p, c = pair()
+    sid = tshare.send(p, alias, move_to_shared_memory=False)
+    r = tshare.recv(c, timeout=5)
+    r.tensor.fill_(7)  # the consumer writes: the producer's buffer sees it, no copy went
+    assert torch.equal(t[4:], torch.full((12,), 7.0)) and not t[:4].any()
+    del r
+    c.poll(0)
+    p.wait_released(sid, timeout=5)
+    p.close()
+    c.close()
+
+
+@test
 def consumer_killed_mid_stream_frees_the_producers_memory():
     base_fds = memfds()
     a, b = tshare.socketpair()
