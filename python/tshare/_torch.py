@@ -240,9 +240,8 @@ def _send_by_storage(c, tensor, code, bits, tag, ms, move_to_shared_memory):
                 "tshare.share_memory_(), or pass move_to_shared_memory=True",
             )
         share_memory_(tensor)
-        share_id = c._send_host_at(tensor.data_ptr(), code, bits, tensor.shape, tensor.stride(), tag, ms)
-        if share_id is None:
-            _fail(_tshare.E_STATE, "send: the tensor moved into shared memory is not found there")
+        storage = _raw_storage(tensor)  # by its storage: an empty tensor's address may lie past its buffer
+        share_id = c._send(tensor, storage._cdata, storage.data_ptr(), tensor.data_ptr(), *args)
     return share_id
 
 
