@@ -293,31 +293,35 @@ static void hostile_producer(void) {
   const char *why;
   const ts_ucx_api *ucx = ts_ucx(&status, &why);
   CHECK(ucx != NULL);
-  static uint8_t region[65536];
+  /* Only the first REGION bytes are registered; the rest stays mapped so
+   * that a UCX which serves a lying get in software reads this process's
+   * own bytes rather than faulting in it (the hostile end is this one). */
+  enum { REGION = 65536 };
+  static uint8_t region[4 * REGION];
   ts_ucp_mem_map_params mp = {TS_UCP_MEM_MAP_PARAM_FIELD_ADDRESS | TS_UCP_MEM_MAP_PARAM_FIELD_LENGTH, region,
-                              sizeof region};
+                              REGION};
   ts_ucp_mem_h memh;
   void *key;
   size_t key_len;
   CHECK_EQ(ucx->ucp_mem_map(ucx->context, &mp, &memh), TS_UCS_OK);
   CHECK_EQ(ucx->ucp_rkey_pack(ucx->context, memh, &key, &key_len), TS_UCS_OK);
   uint64_t base = (uint64_t)(uintptr_t)region;
-  for (size_t i = 0; i < sizeof region; i++) region[i] = pattern(i, 3);
+  for (size_t i = 0; i < REGION; i++) region[i] = pattern(i, 3);
   /* 1: a key that is not UCX's: over tcp (UCX_TLS=tcp, UCX 1.13) gets are
    * served in software and no key is checked, so this one may be read */
   uint8_t garbage[40];
   memset(garbage, 0xa5, sizeof garbage);
-  tshare_frame f = rkey_frame(101, base, sizeof region, garbage, sizeof garbage);
+  tshare_frame f = rkey_frame(101, base, REGION, garbage, sizeof garbage);
   send_raw_frame(ch, &f);
-  f = share_frame(1001, 101, sizeof region, 64);
+  f = share_frame(1001, 101, REGION, 64);
   send_raw_frame(ch, &f);
   /* 2: an allocation no key came for */
-  f = share_frame(1002, 102, sizeof region, 64);
+  f = share_frame(1002, 102, REGION, 64);
   send_raw_frame(ch, &f);
   /* 3: a share larger than the region its key reads */
-  f = rkey_frame(103, base, sizeof region, key, key_len);
+  f = rkey_frame(103, base, REGION, key, key_len);
   send_raw_frame(ch, &f);
-  f = share_frame(1003, 103, 2 * sizeof region, 2 * sizeof region);
+  f = share_frame(1003, 103, 2 * REGION, 2 * REGION);
   send_raw_frame(ch, &f);
   /* 4: a region and share of 64 TiB, more than the consumer can land */
   f = rkey_frame(104, base, 1ull << 46, key, key_len);

@@ -97,6 +97,13 @@ static int landing_take(tshare_channel *ch, ucx_chan *u, size_t size, ucx_landin
     }
   }
   pthread_mutex_unlock(&ch->lock);
+  /* Checked before mapping: with overcommit, a mapping of any size may
+   * succeed, and the get would then pull that much from the peer. */
+  long pages = sysconf(_SC_PHYS_PAGES);
+  if (pages > 0 && want / page > (size_t)pages)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM,
+                   "import: a landing buffer of %zu bytes exceeds this machine's memory (%zu bytes)", want,
+                   (size_t)pages * page);
   ucx_landing *l = calloc(1, sizeof *l);
   if (!l) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
   l->base = mmap(NULL, want, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
