@@ -286,7 +286,7 @@ static tshare_channel *ts_open(int side, char *why, size_t cap) {
       usleep(20000);
     }
   }
-  if (rc != TSHARE_OK) snprintf(why, cap, "%s", err.message);
+  if (rc != TSHARE_OK) snprintf(why, cap, "%.*s", cap > 1 ? (int)cap - 1 : 0, err.message); /* cut to fit */
   return rc == TSHARE_OK ? ch : NULL;
 }
 

@@ -96,7 +96,7 @@ static int share_remote(tshare_channel *ch, ucx_chan *u, tshare_host_buffer *buf
                    "share: the memory is an unsealed file, which its owner may shrink under a remote read: copy it "
                    "into tshare_host_buffer_create() memory");
   int64_t deadline = ts_deadline(timeout_ms);
-  ucx_region *r;
+  ucx_region *r = NULL;
   int rc = region_of(ch, u, buf, &r);
   if (rc == TSHARE_OK) rc = send_key(ch, r, ts_remaining(deadline));
   if (rc != TSHARE_OK) return rc;
