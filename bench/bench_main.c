@@ -82,7 +82,7 @@ static void stop_consumers(bench *b) {
 static void usage(FILE *out) {
   fprintf(out, "usage: tshare-bench [--quick] [--out DIR] [--iters N] [--warmup N] [--pipelined N]\n"
                "                    [--memory-shares N] [--bw-mib N] [--python PATH] [--no-peers]\n"
-               "                    [--ucx-only]\n"
+               "                    [--set-iters N] [--ucx-only]\n"
                "  --quick           few iterations: checks that every row runs, numbers are rough\n"
                "  --out DIR         write bench.json and bench.csv there (default: bench-results)\n"
                "  --iters N         timed hand-offs per latency row (default 20000)\n"
@@ -92,6 +92,7 @@ static void usage(FILE *out) {
                "  --bw-mib N        size of the bandwidth tensor (default 1024)\n"
                "  --python PATH     interpreter for the torch.multiprocessing peer (default python3)\n"
                "  --no-peers        skip the rows run by other programs\n"
+               "  --set-iters N     timed hand-offs per state_dict row (default 200; a tenth untimed first)\n"
                "  --ucx-only        only the UCX rows (host memory across a veth pair; root)\n");
 }
 
@@ -264,6 +265,8 @@ int main(int argc, char **argv) {
       b.opt.python = v, i++;
     } else if (v && parse_long(v, &n) == 0 && strcmp(a, "--iters") == 0) {
       b.opt.iters = n, i++;
+    } else if (v && parse_long(v, &n) == 0 && n > 0 && strcmp(a, "--set-iters") == 0) {
+      b.opt.set_iters = n, b.opt.set_warmup = n / 10 > 0 ? n / 10 : 1, i++;
     } else if (v && parse_long(v, &n) == 0 && strcmp(a, "--warmup") == 0) {
       b.opt.warmup = n, i++;
     } else if (v && parse_long(v, &n) == 0 && strcmp(a, "--pipelined") == 0) {
