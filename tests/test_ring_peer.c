@@ -230,7 +230,13 @@ TS_TEST(a_send_waiting_for_ring_room_sleeps_and_never_blames_a_live_peer) {
   CHECK_RC(tshare_channel_send_frame(ch, &f, -1, 1000), TSHARE_E_TIMEOUT, tshare_channel_last_error(ch));
   double cpu = cpu_seconds() - cpu0;
   printf("a 1 s wait for ring room under a flood of nudges used %.3f s of CPU\n", cpu);
+#if defined(__SANITIZE_THREAD__)
+  /* ThreadSanitizer makes reading the read-ahead several times dearer; a
+   * wait that spins still takes the whole second. */
+  CHECK(cpu < 0.9);
+#else
   CHECK(cpu < 0.5);
+#endif
   CHECK(write(go[1], "g", 1) == 1);
   f.u.release.share_ids[0] = DONE_ID;
   CHECK_RC(tshare_channel_send_frame(ch, &f, -1, 10000), TSHARE_OK, tshare_channel_last_error(ch));
