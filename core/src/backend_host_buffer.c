@@ -38,6 +38,17 @@ static atomic_uint_fast64_t unused_generation;
 
 uint64_t ts_host_buffers_unused_generation(void) { return atomic_load(&unused_generation); }
 
+/* A new buffer's identity and counts, once its memory is in place. */
+static int buffer_ready(tshare_host_buffer *b, tshare_host_buffer **out, tshare_error *err) {
+  b->id = ts_host_next_alloc_id();
+  atomic_init(&b->refs, 1);
+  atomic_init(&b->outstanding, 0);
+  atomic_init(&b->lent, 0);
+  ts_error_fill(err, TSHARE_OK, "");
+  *out = b;
+  return TSHARE_OK;
+}
+
 int tshare_host_buffer_create(size_t size, const char *name, tshare_host_buffer **out, tshare_error *err) {
   char msg[TSHARE_ERROR_MSG_MAX];
   if (!out) return TSHARE_E_INVALID_ARG;
@@ -76,13 +87,7 @@ int tshare_host_buffer_create(size_t size, const char *name, tshare_host_buffer 
     return rc;
   }
   b->size = rounded;
-  b->id = ts_host_next_alloc_id();
-  atomic_init(&b->refs, 1);
-  atomic_init(&b->outstanding, 0);
-  atomic_init(&b->lent, 0);
-  ts_error_fill(err, TSHARE_OK, "");
-  *out = b;
-  return TSHARE_OK;
+  return buffer_ready(b, out, err);
 }
 
 /* The checks a wrapped fd passes: a regular file (tmpfs, /dev/shm, memfd)
@@ -133,13 +138,7 @@ int tshare_host_buffer_wrap_fd(int fd, size_t size, void *data, void (*on_last)(
   b->unsealed = unsealed;
   b->on_last = on_last;
   b->on_last_ctx = ctx;
-  b->id = ts_host_next_alloc_id();
-  atomic_init(&b->refs, 1);
-  atomic_init(&b->outstanding, 0);
-  atomic_init(&b->lent, 0);
-  ts_error_fill(err, TSHARE_OK, "");
-  *out = b;
-  return TSHARE_OK;
+  return buffer_ready(b, out, err);
 }
 
 bool ts_host_buffer_unsealed(const tshare_host_buffer *b) { return b->unsealed; }
