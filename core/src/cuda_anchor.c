@@ -2,6 +2,7 @@
 #include "cuda_anchor.h"
 #include "clock.h"
 
+#include <stdatomic.h>
 #include <stdlib.h>
 
 /* What a share of an anchored segment keeps: the caller's drop and keep. */
@@ -93,8 +94,25 @@ static size_t ask(ts_anchors *set, int64_t now_us, int64_t idle_us, uint64_t *id
   return n;
 }
 
+/* How long a segment is held without a share: a weight-sync loop whose steps
+ * take longer than the default sets TSHARE_CUDA_ANCHOR_IDLE_MS above its step
+ * time, so that each update finds the segments still mapped (what it costs:
+ * memory the program dropped stays allocated that long). */
+static int64_t anchor_idle_us(void) {
+  static _Atomic int64_t cached = -1; /* read once; threads that race compute the same value */
+  int64_t idle_us = atomic_load_explicit(&cached, memory_order_relaxed);
+  if (idle_us < 0) {
+    const char *s = getenv("TSHARE_CUDA_ANCHOR_IDLE_MS");
+    char *end = NULL;
+    long long ms = s && *s ? strtoll(s, &end, 10) : -1;
+    idle_us = ms >= 0 && ms <= 86400000LL && end && *end == '\0' ? (int64_t)ms * 1000 : ANCHOR_IDLE_US;
+    atomic_store_explicit(&cached, idle_us, memory_order_relaxed);
+  }
+  return idle_us;
+}
+
 size_t ts_anchors_idle(ts_anchors *set, int64_t now_us, uint64_t *ids, size_t cap) {
-  return ask(set, now_us, ANCHOR_IDLE_US, ids, cap);
+  return ask(set, now_us, anchor_idle_us(), ids, cap);
 }
 
 size_t ts_anchors_retire_all(ts_anchors *set, uint64_t *ids, size_t cap) { return ask(set, 0, INT64_MIN, ids, cap); }

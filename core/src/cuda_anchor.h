@@ -27,8 +27,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define ANCHORS_MAX 64          /* segments held per channel; past it shares go without a retire notice */
-#define ANCHOR_IDLE_US 100000   /* a segment this long without a share is retired */
+#define ANCHORS_MAX 1024        /* segments held per channel (a model's state_dict is hundreds); past it shares
+                                   go without a retire notice */
+#define ANCHOR_IDLE_US 100000   /* a segment this long without a share is retired, unless
+                                   TSHARE_CUDA_ANCHOR_IDLE_MS says otherwise */
 
 typedef struct ts_anchors {
   ts_u64map by_id; /* segment buffer id + 1 -> struct anchor */

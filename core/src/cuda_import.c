@@ -46,8 +46,8 @@ static ts_u64map by_key;
 static ts_cuda_mapping *all;
 static ts_cuda_mapping *idle_oldest, *idle_newest;
 static size_t idle_count, idle_bytes;
-static size_t max_idle = 64;
-static size_t max_idle_bytes = (size_t)4 << 30;
+static size_t max_idle = 1024;               /* a model's state_dict is hundreds of segments */
+static size_t max_idle_bytes = (size_t)32 << 30;
 
 static void trim_locked(void);
 
