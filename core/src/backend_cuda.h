@@ -65,6 +65,7 @@ TS_VEC_DEFINE(drain_list, drain)
 typedef struct lent_alloc {
   ts_cuda_alloc *alloc;
   bool retire_queued; /* its retire notice went, or waits in the channel's freed_notices */
+  bool peer_keeps;    /* VMM memory the peer said it keeps mapped until retired: shares of it go without the fd */
 } lent_alloc;
 
 struct ts_cuda_chan {

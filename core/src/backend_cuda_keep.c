@@ -161,9 +161,12 @@ int ts_cuda_on_retire(tshare_channel *ch, const tshare_frame *f) {
       }
     } else if (r->closed == TSHARE_RETIRE_KEPT) { /* our peer keeps this run mapped: its next shares go without fds */
       struct watched_run *run = ts_u64map_get(&c->watched_runs, r->alloc_ids[i] + 1);
+      lent_alloc *pm = run ? NULL : ts_u64map_get(&c->lent, MAPKEY(r->alloc_ids[i]));
       if (run) { /* else retired meanwhile: the peer hears of it */
         run->peer_keeps = true;
         run_close_fds(run); /* its mapping holds the memory: no share of it needs them now */
+      } else if (pm && !pm->retire_queued && ts_cuda_alloc_export(pm->alloc)->fd >= 0) {
+        pm->peer_keeps = true; /* an owned VMM buffer: freed only after the peer's answer to its retire, as ever */
       }
     } else { /* the owner frees it: close it (now if idle) and say so */
       ts_cuda_drop_kept_run(c, r->alloc_ids[i]);
