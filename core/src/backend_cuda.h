@@ -99,6 +99,7 @@ struct ts_cuda_chan {
    * keeps them mapped between hand-offs (cuda_anchor.h) */
   ts_anchors anchors;
   int64_t watched_checked_us; /* the last look at the runs and the anchors */
+  unsigned unused_seen;       /* ts_cuda_alloc_unused_generation() when every lent allocation was last looked at */
   /* consumer: VMM mappings of the peer's watched runs this end keeps (a
    * reference each) until the peer retires them, having told the peer so
    * (retire frame, TSHARE_RETIRE_KEPT), which then shares them without their fds. */
