@@ -99,9 +99,10 @@ static void lie_closed(tshare_channel *ch, unsigned long long alloc) {
 }
 
 /* Receives views until bye, each checked on this process's own stream and
- * released at once; arg "lie": answers closed for the memory after the second
- * view (the first's answer said it keeps it). Reports the views, the bad elements, the fds that came with the first
- * view and after it, the mappings closed and the last refusal. */
+ * released at once; arg "lie": answers closed for the memory after the
+ * second view (the first's answer said it keeps it). Reports the views, the
+ * bad elements, the fds that came with the first view and after it, the
+ * mappings closed and the last refusal. */
 static int role_counter(const char *arg, tshare_channel *ch, FILE *out) {
   long at_open = atomic_load(&fds_received), after_first = -1;
   CUstream s;
@@ -240,8 +241,9 @@ static size_t free_gpu_memory(void) {
 
 /* One owned VMM buffer shared 100 times to one consumer: the first share
  * carries the fd, the others name the memory the consumer keeps mapped;
- * the data is right each time. Released (its last reference) while the consumer keeps it, it is
- * retired, the consumer closes it, and the memory is the device's again. */
+ * the data is right each time. Released (its last reference) while the
+ * consumer keeps it, it is retired, the consumer closes it, and the memory
+ * is the device's again. */
 TS_TEST(an_owned_vmm_buffer_sends_its_fd_once_then_goes_by_its_id) {
   need_vmm_gpu();
   size_t bytes = 256u << 20, back = 200u << 20;
