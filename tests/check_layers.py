@@ -102,6 +102,7 @@ PUBLIC_LAYER = {
 TEST_MODULES = {
     "tests/gpu/test_retire_acks.c": "backend_cuda",
     "tests/gpu/test_cuda_hello.c": "backend_cuda",  # the hello a channel builds from the backends
+    "tests/gpu/test_cuda_held.c": "backend_cuda",  # owned buffers named on the wire by the backend's id
     "tests/fuzz/fuzz_sets.c": "session_set",  # sets assembled by a channel from a hand-written peer
     "tests/test_session_loopback.c": "session",  # channels over the in-process transport
     # the policy, and the ring receives that follow it in real channels (read through the session's channel)

@@ -65,6 +65,7 @@ TS_VEC_DEFINE(drain_list, drain)
 typedef struct lent_alloc {
   ts_cuda_alloc *alloc;
   bool retire_queued; /* its retire notice went, or waits in the channel's freed_notices */
+  bool peer_keeps;    /* VMM memory the peer said it keeps mapped until retired: shares of it go without the fd */
 } lent_alloc;
 
 struct ts_cuda_chan {
@@ -98,6 +99,7 @@ struct ts_cuda_chan {
    * keeps them mapped between hand-offs (cuda_anchor.h) */
   ts_anchors anchors;
   int64_t watched_checked_us; /* the last look at the runs and the anchors */
+  unsigned unused_seen;       /* ts_cuda_alloc_unused_generation() when every lent allocation was last looked at */
   /* consumer: VMM mappings of the peer's watched runs this end keeps (a
    * reference each) until the peer retires them, having told the peer so
    * (retire frame, TSHARE_RETIRE_KEPT), which then shares them without their fds. */

@@ -161,9 +161,12 @@ int ts_cuda_on_retire(tshare_channel *ch, const tshare_frame *f) {
       }
     } else if (r->closed == TSHARE_RETIRE_KEPT) { /* our peer keeps this run mapped: its next shares go without fds */
       struct watched_run *run = ts_u64map_get(&c->watched_runs, r->alloc_ids[i] + 1);
+      lent_alloc *pm = run ? NULL : ts_u64map_get(&c->lent, MAPKEY(r->alloc_ids[i]));
       if (run) { /* else retired meanwhile: the peer hears of it */
         run->peer_keeps = true;
         run_close_fds(run); /* its mapping holds the memory: no share of it needs them now */
+      } else if (pm && !pm->retire_queued && ts_cuda_alloc_export(pm->alloc)->fd >= 0) {
+        pm->peer_keeps = true; /* an owned VMM buffer: freed only after the peer's answer to its retire, as ever */
       }
     } else { /* the owner frees it: close it (now if idle) and say so */
       ts_cuda_drop_kept_run(c, r->alloc_ids[i]);
@@ -201,19 +204,24 @@ static bool queue_watched_retires(struct ts_cuda_chan *c, const ts_cuda_api *cu,
 
 /* Lent allocations nobody holds any more: the peer is told, closes them
  * and answers; the memory is freed after the answer. Their notices queued
- * (up to one frame's worth a flush). */
+ * (up to one frame's worth a flush). Looked for only when some allocation
+ * lost its last own reference since the last full look: a turn of a
+ * hand-off takes no lock here. */
 static bool queue_unused_allocs(struct ts_cuda_chan *c) {
-  if (!c->lent.count) return true;
+  unsigned generation = ts_cuda_alloc_unused_generation();
+  if (!c->lent.count || generation == c->unused_seen) return true;
   if (ts_id_vec_reserve(&c->freed_notices, TSHARE_RELEASE_MAX) != TSHARE_OK) return false;
   uint64_t key;
   void *value;
-  for (size_t pos = 0, n = 0; n < TSHARE_RELEASE_MAX && ts_u64map_next(&c->lent, &pos, &key, &value);) {
+  size_t pos = 0, n = 0;
+  while (n < TSHARE_RELEASE_MAX && ts_u64map_next(&c->lent, &pos, &key, &value)) {
     lent_alloc *pm = value;
     if (pm->retire_queued || !ts_cuda_alloc_unused(pm->alloc)) continue;
     pm->retire_queued = true;
     c->freed_notices.items[c->freed_notices.len++] = key - 1;
     n++;
   }
+  if (n < TSHARE_RELEASE_MAX) c->unused_seen = generation; /* else the rest at the next turn */
   return true;
 }
 
@@ -245,13 +253,16 @@ void ts_cuda_before_close(tshare_channel *ch, int timeout_ms) {
 /* The notices this end owes: retire notices of runs gone and segments idle (looked
  * at every WATCH_CHECK_US) and of allocations nobody holds; KEPT notices; CLOSED answers. */
 int ts_cuda_send_notices(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cuda_api *cu, int timeout_ms) {
-  int64_t deadline = ts_deadline(timeout_ms);
-  int64_t now = ts_now_us();
-  if ((c->watched_runs.count || ts_anchors_count(&c->anchors)) && now - c->watched_checked_us >= WATCH_CHECK_US) {
-    c->watched_checked_us = now;
-    if (!queue_watched_retires(c, cu, now)) return retire_nomem(ch);
+  if (c->watched_runs.count || ts_anchors_count(&c->anchors)) {
+    int64_t now = ts_now_us();
+    if (now - c->watched_checked_us >= WATCH_CHECK_US) {
+      c->watched_checked_us = now;
+      if (!queue_watched_retires(c, cu, now)) return retire_nomem(ch);
+    }
   }
   if (!queue_unused_allocs(c)) return retire_nomem(ch);
+  if (!c->freed_notices.len && !c->kept_notices.len && !c->closed_notices.len) return TSHARE_OK; /* the usual turn */
+  int64_t deadline = ts_deadline(timeout_ms);
   int rc = send_ids(ch, TSHARE_RETIRE_FREED, &c->freed_notices, ts_remaining(deadline));
   if (rc == TSHARE_OK) rc = send_ids(ch, TSHARE_RETIRE_KEPT, &c->kept_notices, ts_remaining(deadline));
   if (rc == TSHARE_OK) rc = send_ids(ch, TSHARE_RETIRE_CLOSED, &c->closed_notices, ts_remaining(deadline));

@@ -269,17 +269,20 @@ ts_release_done ts_cuda_view_release(tshare_view *v) {
     }
     ts_cuda_pop();
   }
+  if (idle) { /* nothing to wait for and nothing of the channel's to touch: no lock */
+    ts_cuda_import_put(v->memory);
+    return TS_RELEASE_NOW;
+  }
   pthread_mutex_lock(&ch->lock);
-  bool queued = !idle && !ch->closed && c && done && ts_cuda_push_drain_locked(c, v->share_id, done, v->ctx, v->memory, NULL, 0);
+  bool queued = !ch->closed && c && done && ts_cuda_push_drain_locked(c, v->share_id, done, v->ctx, v->memory, NULL, 0);
   if (queued) {
     ts_conn_wake(&ch->conn);
   } else {
-    /* An idle stream, a closed channel, or no event: finish here (waiting
-     * for the GPU in the last two cases). */
+    /* A closed channel, or no event: finish here, waiting for the GPU. */
     if (done) {
       cu->cuEventSynchronize(done);
       ts_cuda_event_destroy(cu, done);
-    } else if (!idle && cu && ts_cuda_push(v->ctx)) {
+    } else if (cu && ts_cuda_push(v->ctx)) {
       cu->cuStreamSynchronize((CUstream)v->stream);
       ts_cuda_pop();
     }

@@ -148,13 +148,15 @@ int ts_cuda_order_after(tshare_channel *ch, CUcontext ctx, void *stream, int tim
 }
 
 /* Fill and send the share (chunks: another allocator's VMM memory, else
- * NULL; held: such memory the peer keeps mapped, named by its id alone, no chunks); e
+ * NULL; held: VMM memory the peer keeps mapped, named by its id alone, no
+ * chunks, no fd); e
  * (release, owner, user_data set) is consumed. */
 static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, const ts_vmm_chunks *chunks, bool held,
                            uint64_t offset, uint32_t origin_pid, uint32_t flags, const tshare_tensor_desc *desc,
                            void *stream, const char *tag, ts_export *e, int timeout_ms, uint64_t *share_id) {
   struct ts_cuda_chan *c = ts_cuda_chan_if_used(ch);
-  if ((chunks || x->fd >= 0) && !ts_cuda_fds_travel(ch)) {
+  int fd = held ? -1 : x->fd; /* memory the peer keeps mapped travels without it */
+  if ((chunks || fd >= 0) && !ts_cuda_fds_travel(ch)) {
     ts_export_drop(e);
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED, "share: this GPU memory travels as %s, and %s; %s",
                    chunks ? "fds (VMM memory another allocator mapped: PyTorch's expandable segments)"
@@ -183,7 +185,7 @@ static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, const ts
   s->device_type = TSHARE_DEVICE_CUDA;
   if (held) {
     s->mem_kind = TSHARE_MEM_CUDA_HELD;
-  } else if (x->fd >= 0) {
+  } else if (fd >= 0) {
     s->mem_kind = TSHARE_MEM_CUDA_FD;
     f.flags |= TSHARE_FRAME_FLAG_FD_ATTACHED;
   } else {
@@ -209,7 +211,7 @@ static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, const ts
     ts_export_drop(e);
     return status;
   }
-  return ts_share_send_export(ch, &f, x->fd, e, ts_remaining(deadline), share_id);
+  return ts_share_send_export(ch, &f, fd, e, ts_remaining(deadline), share_id);
 }
 
 static void no_release(void *owner) { (void)owner; }
@@ -296,20 +298,25 @@ int tshare_share_cuda_keep(tshare_channel *ch, const void *data, const tshare_te
 }
 
 /* The peer may keep owned allocation a mapped while idle: the memory is
- * freed only after it said it closed it (retire handshake). */
-int ts_cuda_lend(tshare_channel *ch, ts_cuda_alloc *a) {
+ * freed only after it said it closed it (retire handshake). NULL: out of
+ * memory (ch->err says so). */
+static lent_alloc *lend(tshare_channel *ch, ts_cuda_alloc *a) {
   struct ts_cuda_chan *c = ts_cuda_chan_if_used(ch);
   uint64_t id = ts_cuda_alloc_export(a)->buffer_id;
-  if (ts_u64map_get(&c->lent, MAPKEY(id))) return TSHARE_OK;
-  lent_alloc *pm = calloc(1, sizeof *pm);
+  lent_alloc *pm = ts_u64map_get(&c->lent, MAPKEY(id));
+  if (pm) return pm;
+  pm = calloc(1, sizeof *pm);
   if (!pm || ts_u64map_put(&c->lent, MAPKEY(id), pm) != 0) {
     free(pm);
-    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
+    ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
+    return NULL;
   }
   pm->alloc = a;
   ts_cuda_alloc_peer_retain(a);
-  return TSHARE_OK;
+  return pm;
 }
+
+int ts_cuda_lend(tshare_channel *ch, ts_cuda_alloc *a) { return lend(ch, a) ? TSHARE_OK : TSHARE_E_NOMEM; }
 
 static int share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const tshare_tensor_desc *desc, void *stream,
                              const char *tag, void *user_data, int timeout_ms, uint64_t *share_id) {
@@ -324,10 +331,17 @@ static int share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const 
   ts_cuda_alloc *a = ts_cuda_buffer_alloc(buf);
   const ts_cuda_export *x = ts_cuda_alloc_export(a);
   uint32_t flags = 0;
+  bool held = false;
   if (ch->conn.minor >= 1) {
     flags = TSHARE_SHARE_FLAG_RETIRE_NOTICE;
-    rc = ts_cuda_lend(ch, a);
-    if (rc != TSHARE_OK) return rc;
+    lent_alloc *pm = lend(ch, a);
+    if (!pm) return TSHARE_E_NOMEM;
+    /* VMM memory the peer keeps mapped goes by its id alone (its imported
+     * handle holds the memory until the retire); until the peer said so,
+     * the share carries the fd and offers that. */
+    held = pm->peer_keeps;
+    if (x->fd >= 0 && !held && (ch->conn.peer.capabilities & TSHARE_CAP_CUDA_HELD))
+      flags |= TSHARE_SHARE_FLAG_HOLD_OFFER;
   }
   ts_export *e = calloc(1, sizeof *e);
   if (!e) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
@@ -335,7 +349,7 @@ static int share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const 
   e->owner = buf;
   e->user_data = user_data;
   ts_cuda_buffer_retain(buf);
-  return send_cuda_share(ch, x, NULL, false, ts_cuda_buffer_offset(buf), (uint32_t)getpid(), flags, desc, stream, tag,
+  return send_cuda_share(ch, x, NULL, held, ts_cuda_buffer_offset(buf), (uint32_t)getpid(), flags, desc, stream, tag,
                          e, timeout_ms, share_id);
 }
 

@@ -86,6 +86,10 @@ void ts_cuda_buffer_release_cb(void *b); /* ts_export release */
 void ts_cuda_alloc_peer_retain(ts_cuda_alloc *a);
 void ts_cuda_alloc_peer_release(ts_cuda_alloc *a);
 bool ts_cuda_alloc_unused(const ts_cuda_alloc *a); /* only peer references left */
+/* Moves each time an allocation some peer holds loses its last own
+ * reference: a channel whose lent allocations were all looked at since need
+ * not look again. */
+unsigned ts_cuda_alloc_unused_generation(void);
 
 /* ---- imports (cuda_import.c) ---- */
 

@@ -5,6 +5,7 @@
 #include "error_detail.h"
 
 #include <fcntl.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -281,8 +282,14 @@ static void alloc_maybe_free_locked(ts_cuda_alloc *a) {
   free(a);
 }
 
+static atomic_uint unused_generation;
+
+unsigned ts_cuda_alloc_unused_generation(void) {
+  return atomic_load_explicit(&unused_generation, memory_order_acquire);
+}
+
 static void alloc_unref_locked(ts_cuda_alloc *a) {
-  a->refs--;
+  if (--a->refs == 0 && a->peer_refs) atomic_fetch_add_explicit(&unused_generation, 1, memory_order_release);
   alloc_maybe_free_locked(a);
 }
 
