@@ -324,6 +324,7 @@ def a_consumer_killed_while_holding_a_set_frees_everything():
         tshare.send(p, sent, meta=b"%d" % i, timeout=10)
         del sent  # only the set holds the memfds now
     os.waitpid(pid, 0)
+    p.forget_set()  # the channel keeps the set it sent last, to send again
     harness.expect_all_back_from_dead_peer(p, base_fds, "sets")
     p.close()
 
