@@ -11,8 +11,8 @@
  * the last tensor on any of its memories is gone, and a member sent on alone
  * is the producer's memory, as before. A member that cannot be such a view
  * (its byte offset from the memory's lowest member is not a multiple of its
- * element size, an empty memory, a dtype of odd bits) gets a capsule of its
- * own, as every member did before. */
+ * element size, an empty memory, a dtype of odd bits) or that is alone in
+ * its memory gets a capsule of its own, as every member did before. */
 #include "py_channel.h"
 #include "py_errors.h"
 #include "py_memory.h"
@@ -134,6 +134,7 @@ static int32_t kind_for(set_layout *l, size_t first, Py_ssize_t mem, const tshar
  * kind and offset there (or -1: a capsule of its own). 0, or -1 with a
  * Python error. */
 static int lay_out_memory(set_layout *l, const member_place *places, size_t n) {
+  if (n == 1) return 0; /* its own capsule: cheaper than a memory's tensor and a view of it */
   uint64_t low = UINT64_MAX, high = 0;
   size_t lowest = 0;
   for (size_t j = 0; j < n; j++) {

@@ -308,7 +308,9 @@ def _own_tensors(own):
 
 def _in_order(views, own):
     """The members in the sender's order: views ({name: tensor}, in order)
-    with own ([(index, name, tensor)]) put in their places."""
+    with own ([(index, name, tensor)], in order) put in their places."""
+    if not views:  # a memory per member (each tensor its own empty_shared)
+        return {name: t for _, name, t in own}
     out, rest = {}, iter(views.items())
     at = {index: (name, t) for index, name, t in own}
     for i in range(len(views) + len(own)):

@@ -177,11 +177,12 @@ def odd_set():
     odd = torch.from_numpy(raw.numpy()[1:9].view(numpy.float32))  # 2 floats at byte 1 of raw
     lone = tshare.empty_shared(16, dtype=torch.uint8)
     lone += 7
+    floats_at_3 = torch.from_numpy(lone.numpy()[3:15].view(numpy.float32))  # the only members of lone
     return {
         "one": one, "row": one[2], "column": one[:, 3], "transposed": one.t(), "stepped": one[::2, 1::2],
         "expanded": one[1, :1].expand(5), "scalar": one[3, 5], "empty": one[:0],
         "flags": flags, "flags stepped": flags[1::3], "raw": raw, "odd": odd, "int16": raw[2:10].view(torch.int16),
-        "lone odd": torch.from_numpy(lone.numpy()[3:11].view(numpy.float32)),  # alone in its memory
+        "floats at 3": floats_at_3[:2], "floats at 7": floats_at_3[1:],
     }
 
 
@@ -207,7 +208,9 @@ def odd_offsets_bool_and_strided_members_arrive_intact_and_stay_received():
     got["odd"][1] = 2.5
     got["flags stepped"][0] = True
     assert sent["odd"][1].item() == 2.5 and bool(sent["flags"][1])
-    for name in ("odd", "flags stepped", "stepped", "lone odd"):
+    # A memory whose lowest member is at an odd byte: its tensor starts there.
+    assert storage_key(got["floats at 3"]) == storage_key(got["floats at 7"]) and got["floats at 3"].data_ptr() % 2
+    for name in ("odd", "flags stepped", "stepped", "floats at 7"):
         tshare.send(p2, got[name], tag=name)
         r2 = tshare.recv(c2, timeout=5)
         assert r2.tag == name and torch.equal(r2.tensor, sent[name]), name
