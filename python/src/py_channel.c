@@ -42,6 +42,8 @@ PyObject *py_channel_wrap(tshare_channel *ch) {
   }
   self->ch = ch;
   memset(&self->next, 0, sizeof self->next);
+  memset(&self->last_set, 0, sizeof self->last_set);
+  self->last_set.cuda_device = -1;
   py_guard_init(&self->guard, "channel");
   return (PyObject *)self;
 }
@@ -78,6 +80,7 @@ static int close_channel(PyChannel *self) {
   tshare_channel *ch = self->ch;
   self->ch = NULL;
   py_set_drop_waiting(self);
+  py_set_forget(self);
   Py_BEGIN_ALLOW_THREADS tshare_channel_close(ch);
   Py_END_ALLOW_THREADS
   py_guard_leave(&self->guard);
@@ -88,6 +91,7 @@ static int close_channel(PyChannel *self) {
 static void channel_dealloc(PyChannel *self) {
   tshare_channel *ch = self->ch;
   py_set_drop_waiting(self);
+  py_set_forget(self);
   Py_BEGIN_ALLOW_THREADS tshare_channel_close(ch);
   Py_END_ALLOW_THREADS
   py_guard_destroy(&self->guard);
@@ -263,6 +267,7 @@ static PyMethodDef channel_methods[] = {
   {"_send", (PyCFunction)py_channel_send, METH_VARARGS, NULL},
   {"_send_host_at", (PyCFunction)py_channel_send_host_at, METH_VARARGS, NULL},
   {"_send_set", (PyCFunction)py_channel_send_set, METH_VARARGS, NULL},
+  {"_forget_set", (PyCFunction)py_channel_forget_set, METH_NOARGS, NULL},
   {"_recv", (PyCFunction)py_channel_recv, METH_VARARGS, NULL},
   {"_peek", (PyCFunction)py_channel_peek, METH_NOARGS, NULL},
   {"__enter__", (PyCFunction)channel_enter, METH_NOARGS, NULL},
@@ -275,6 +280,7 @@ static PyGetSetDef channel_getset[] = {
   {"peer_name", (getter)channel_get_peer_name, NULL, "The name the peer gave in its hello.", NULL},
   {"peer_pid", (getter)channel_get_peer_pid, NULL, "The peer's pid as the kernel reports it.", NULL},
   {"last_error", (getter)channel_get_last_error, NULL, "The channel's last error detail.", NULL},
+  {"_set_cache_counts", (getter)py_channel_set_cache_counts, NULL, NULL, NULL},
   {NULL, NULL, NULL, NULL, NULL}};
 
 PyTypeObject PyChannel_Type = {

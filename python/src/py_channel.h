@@ -19,10 +19,23 @@ typedef struct py_next_set {
   char refusal_msg[256];
 } py_next_set;
 
+/* The last tensor set sent on the channel: its builder, sent again while
+ * send is given the same tensors (names, addresses, dtypes, layouts), with
+ * the items it was built from. The builder holds every memory of the set, so
+ * an equal address is the same memory while it is kept. Read and written
+ * inside the guard; dropped at close. */
+typedef struct py_set_cache {
+  tshare_set_builder *builder; /* NULL when none */
+  PyObject *items;             /* what send was given for it */
+  int cuda_device;             /* of its CUDA members; -1 when it has none */
+  unsigned long long hits, builds;
+} py_set_cache;
+
 typedef struct {
   PyObject_HEAD tshare_channel *ch; /* NULL once closed */
   py_guard guard;                   /* one thread at a time inside ch's calls */
   py_next_set next;
+  py_set_cache last_set;
 } PyChannel;
 
 extern PyTypeObject PyChannel_Type;
@@ -76,6 +89,11 @@ PyObject *py_set_take(PyChannel *self);
 /* The channel closes: a set never handed out goes back. */
 void py_set_drop_waiting(PyChannel *self);
 PyObject *py_channel_send_set(PyChannel *self, PyObject *args);
+/* Drop the last set's builder (close, dealloc, forget_set), with the GIL,
+ * when no other call is inside. */
+void py_set_forget(PyChannel *self);
+PyObject *py_channel_forget_set(PyChannel *self, PyObject *unused);
+PyObject *py_channel_set_cache_counts(PyChannel *self, void *unused);
 
 /* Channel methods that move tensors (py_tensor.c). */
 PyObject *py_channel_send(PyChannel *self, PyObject *args);

@@ -211,7 +211,8 @@ static PyObject *capsule_of(py_mem *m, void *data, const tshare_tensor_desc *d, 
   return capsule;
 }
 
-PyObject *py_memory_view_capsule(tshare_view *view) {
+/* A capsule over view's memory laid out as d (from the view's first element). */
+static PyObject *view_capsule_as(tshare_view *view, const tshare_tensor_desc *d) {
   py_mem *m = calloc(1, sizeof *m);
   if (!m) {
     tshare_view_release(view);
@@ -220,7 +221,15 @@ PyObject *py_memory_view_capsule(tshare_view *view) {
   m->kind = PY_MEM_VIEW;
   m->view = view;
   int device_id = tshare_view_device_type(view) == TSHARE_DEVICE_CUDA ? tshare_view_cuda_device(view) : 0;
-  return capsule_of(m, tshare_view_data(view), tshare_view_desc(view), tshare_view_device_type(view), device_id);
+  return capsule_of(m, tshare_view_data(view), d, tshare_view_device_type(view), device_id);
+}
+
+PyObject *py_memory_view_capsule(tshare_view *view) { return view_capsule_as(view, tshare_view_desc(view)); }
+
+PyObject *py_memory_view_bytes_capsule(tshare_view *view, uint64_t nbytes) {
+  int64_t n = (int64_t)nbytes;
+  tshare_tensor_desc d = tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_UINT, 8, 1}, 1, &n, 0);
+  return view_capsule_as(view, &d);
 }
 
 PyObject *py_memory_host_capsule(size_t nbytes) {

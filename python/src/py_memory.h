@@ -28,6 +28,11 @@ int py_memory_versioned(void);
 /* A capsule over a received view; the capsule (then the tensor) owns the view. */
 PyObject *py_memory_view_capsule(tshare_view *view);
 
+/* A capsule over nbytes of the view's memory from its first element, as a
+ * 1-D uint8 tensor (what a set's members of one memory are views of); the
+ * capsule owns the view. */
+PyObject *py_memory_view_bytes_capsule(tshare_view *view, uint64_t nbytes);
+
 /* A capsule over a new zero-filled host buffer of nbytes as a 1-D uint8
  * tensor; NULL with a Python error set on failure. */
 PyObject *py_memory_host_capsule(size_t nbytes);

@@ -80,11 +80,12 @@ static void drop_python_object(void *keep) {
  * -1 with a Python error. An empty storage has no allocation to export: a
  * small owned buffer carries the (empty) layout, as a single send does. */
 static int add_cuda_member(tshare_set_builder *b, const char *name, uintptr_t data, PyObject *cuda,
-                           tshare_tensor_desc *d) {
+                           tshare_tensor_desc *d, int *cuda_device) {
   unsigned long long storage_key, base;
   PyObject *tensor;
   int device;
   if (!PyArg_ParseTuple(cuda, "KKOi", &storage_key, &base, &tensor, &device)) return -1;
+  *cuda_device = device;
   void *memory;
   if (py_memory_lookup((uintptr_t)storage_key, &memory) != PY_MEM_NONE) return 0;
   tshare_error err;
@@ -108,12 +109,20 @@ static int add_cuda_member(tshare_set_builder *b, const char *name, uintptr_t da
   return 1;
 }
 
+/* A set being built: the builder, and what its members need. */
+typedef struct set_build {
+  tshare_set_builder *b;
+  PyObject *dtype_codes;      /* {torch dtype: (DLPack code, bits)} */
+  tshare_host_buffer *spare;  /* empty members' buffer, made on first need */
+  int cuda_device;            /* of the CUDA members, -1 when none */
+} set_build;
+
 /* Add item (name, data_ptr, dtype, shape, strides, lazy[, cuda]): 1 added;
  * 0 the Python side must look at it (an odd name, dtype or layout, a lazily
  * negated or conjugated view, memory that is no host buffer); -1 with a
  * Python error. cuda, for a CUDA tensor: (storage_key, storage_base,
  * tensor, device). */
-static int add_member(tshare_set_builder *b, PyObject *dtype_codes, PyObject *item, tshare_host_buffer **spare) {
+static int add_member(set_build *sb, PyObject *item) {
   PyObject *name_obj, *dtype, *shape, *strides, *cuda = NULL;
   unsigned long long data;
   int lazy;
@@ -122,13 +131,13 @@ static int add_member(tshare_set_builder *b, PyObject *dtype_codes, PyObject *it
     return -1;
   const char *name = member_name(name_obj);
   tshare_tensor_desc d;
-  int r = name && !lazy ? fill_member_desc(dtype_codes, dtype, shape, strides, &d) : 0;
+  int r = name && !lazy ? fill_member_desc(sb->dtype_codes, dtype, shape, strides, &d) : 0;
   if (r <= 0) return r;
-  if (cuda) return add_cuda_member(b, name, (uintptr_t)data, cuda, &d);
-  tshare_host_buffer *buf = member_buffer((uintptr_t)data, tshare_tensor_numel(&d) == 0, spare, &d.byte_offset);
+  if (cuda) return add_cuda_member(sb->b, name, (uintptr_t)data, cuda, &d, &sb->cuda_device);
+  tshare_host_buffer *buf = member_buffer((uintptr_t)data, tshare_tensor_numel(&d) == 0, &sb->spare, &d.byte_offset);
   if (!buf) return 0;
   tshare_error err;
-  int rc = tshare_set_builder_add_host(b, name, buf, &d, &err);
+  int rc = tshare_set_builder_add_host(sb->b, name, buf, &d, &err);
   if (rc != TSHARE_OK) {
     py_raise_fmt(rc, "tshare: send: tensor '%.200s': %s", name, err.message);
     return -1;
@@ -136,159 +145,137 @@ static int add_member(tshare_set_builder *b, PyObject *dtype_codes, PyObject *it
   return 1;
 }
 
-/* The set of items and meta in a builder: 0, or the index + 1 of the first
+/* The members of items in sb's builder: 0, or the index + 1 of the first
  * item the Python side must look at, or -1 with a Python error. */
-static Py_ssize_t build_set(tshare_set_builder *b, PyObject *dtype_codes, PyObject *items, Py_buffer *meta,
-                            tshare_host_buffer **spare) {
+static Py_ssize_t build_set(set_build *sb, PyObject *items) {
   Py_ssize_t n = PyList_GET_SIZE(items);
   for (Py_ssize_t i = 0; i < n; i++) {
-    int r = add_member(b, dtype_codes, PyList_GET_ITEM(items, i), spare);
+    int r = add_member(sb, PyList_GET_ITEM(items, i));
     if (r <= 0) return r < 0 ? -1 : i + 1;
-  }
-  tshare_error err;
-  int rc = tshare_set_builder_set_meta(b, meta->buf, (size_t)meta->len, &err);
-  if (rc != TSHARE_OK) {
-    py_raise_fmt(rc, "tshare: send: metadata: %s", err.message);
-    return -1;
   }
   return 0;
 }
 
-/* The send itself, in one call: a set that timed out partway has gone in
- * part (the peer releases it), so it cannot be tried again in slices as a
- * single share is. */
-static PyObject *send_built(PyChannel *self, tshare_set_builder *b, int timeout_ms) {
-  tshare_channel *ch = py_channel_enter(self);
-  if (!ch) return NULL;
+/* ---- the last set, kept to be sent again ----------------------------------- */
+
+void py_set_forget(PyChannel *self) {
+  py_set_cache *c = &self->last_set;
+  tshare_set_builder *b = c->builder;
+  PyObject *items = c->items;
+  c->builder = NULL;
+  c->items = NULL;
+  c->cuda_device = -1;
+  tshare_set_builder_destroy(b); /* drops its references on the set's memory (sets sent keep their own) */
+  Py_XDECREF(items);
+}
+
+static void keep_last_set(PyChannel *self, set_build *sb, PyObject *items) {
+  py_set_forget(self);
+  py_set_cache *c = &self->last_set;
+  c->builder = sb->b;
+  sb->b = NULL;
+  Py_INCREF(items);
+  c->items = items;
+  c->cuda_device = sb->cuda_device;
+  c->builds++;
+}
+
+/* The kept builder when items are those it was built from (one comparison:
+ * names, addresses, dtypes, shapes, strides), with the stream its CUDA
+ * members are ordered after now set; NULL when there is none, or with a
+ * Python error. */
+static tshare_set_builder *kept_builder_for(PyChannel *self, PyObject *items, PyObject *stream_for) {
+  py_set_cache *c = &self->last_set;
+  if (!c->builder) return NULL;
+  int same = PyObject_RichCompareBool(c->items, items, Py_EQ);
+  if (same <= 0) return NULL;
+  unsigned long long stream = 0;
+  if (c->cuda_device >= 0) {
+    PyObject *r = PyObject_CallFunction(stream_for, "i", c->cuda_device);
+    stream = r ? PyLong_AsUnsignedLongLong(r) : 0;
+    Py_XDECREF(r);
+    if (PyErr_Occurred()) return NULL;
+  }
+  tshare_set_builder_set_stream(c->builder, (void *)(uintptr_t)stream);
+  c->hits++;
+  return c->builder;
+}
+
+PyObject *py_channel_forget_set(PyChannel *self, PyObject *unused) {
+  (void)unused;
+  if (!self->ch) Py_RETURN_NONE; /* closed: nothing kept */
+  if (!py_channel_enter(self)) return NULL;
+  py_set_forget(self);
+  py_channel_leave(self);
+  Py_RETURN_NONE;
+}
+
+PyObject *py_channel_set_cache_counts(PyChannel *self, void *unused) {
+  (void)unused;
+  return Py_BuildValue("(KK)", self->last_set.hits, self->last_set.builds);
+}
+
+/* ---- sending it ------------------------------------------------------------- */
+
+/* The send itself, inside the guard, in one call: a set that timed out
+ * partway has gone in part (the peer releases it), so it cannot be tried
+ * again in slices as a single share is. */
+static PyObject *send_built(PyChannel *self, tshare_set_builder *b, Py_buffer *meta, int timeout_ms) {
+  tshare_error err;
+  int rc = tshare_set_builder_set_meta(b, meta->buf, (size_t)meta->len, &err);
+  if (rc != TSHARE_OK) return py_raise_fmt(rc, "tshare: send: metadata: %s", err.message);
+  tshare_channel *ch = self->ch;
   uint64_t id = 0;
-  int rc;
   Py_BEGIN_ALLOW_THREADS rc = tshare_set_send(ch, b, NULL, timeout_ms, &id);
   Py_END_ALLOW_THREADS
-  if (rc != TSHARE_OK) py_raise_channel(ch, rc, "send (tensor set)");
-  py_channel_leave(self);
-  return rc == TSHARE_OK ? PyLong_FromUnsignedLongLong(id) : NULL;
+  if (rc != TSHARE_OK) return py_raise_channel(ch, rc, "send (tensor set)");
+  return Py_BuildValue("(KO)", (unsigned long long)id, Py_None);
 }
 
-/* _send_set(items, dtype_codes, meta, timeout_ms[, stream]) -> (set_id,
- * None), or (None, index) when the Python side must look at items[index]
- * (nothing was sent). items: a list of (name, data_ptr, dtype, shape,
- * strides, lazy: a lazily negated or conjugated view[, cuda]), read straight
- * off the tensors; dtype_codes: {torch dtype: (DLPack code, bits)}; meta:
- * bytes-like; stream: the CUDA stream that wrote the CUDA members (0: the
+/* Inside the guard: the kept set sent again, or items built and sent. */
+static PyObject *send_in_guard(PyChannel *self, PyObject *items, PyObject *key, PyObject *dtype_codes,
+                               Py_buffer *meta, int timeout_ms, PyObject *stream_for, int keep,
+                               unsigned long long stream) {
+  tshare_set_builder *kept = kept_builder_for(self, key, stream_for);
+  if (kept) return send_built(self, kept, meta, timeout_ms);
+  if (PyErr_Occurred()) return NULL;
+  set_build sb = {.b = tshare_set_builder_create(), .dtype_codes = dtype_codes, .cuda_device = -1};
+  if (!sb.b) return PyErr_NoMemory();
+  tshare_set_builder_set_stream(sb.b, (void *)(uintptr_t)stream);
+  PyObject *result = NULL;
+  Py_ssize_t missing = build_set(&sb, items);
+  if (missing > 0) result = Py_BuildValue("(On)", Py_None, missing - 1);
+  else if (missing == 0) result = send_built(self, sb.b, meta, timeout_ms);
+  if (missing == 0 && keep) keep_last_set(self, &sb, key); /* sent or not, it is what was asked for last */
+  tshare_set_builder_destroy(sb.b); /* NULL when kept; a sent set keeps its own references */
+  tshare_host_buffer_destroy(sb.spare);
+  return result;
+}
+
+/* _send_set(items, dtype_codes, meta, timeout_ms, stream_for, keep[, key,
+ * stream]) -> (set_id, None), or (None, index) when the Python side must
+ * look at items[index] (nothing was sent). items: a list of (name,
+ * data_ptr, dtype, shape, strides, lazy: a lazily negated or conjugated
+ * view[, cuda]), read straight off the tensors; dtype_codes: {torch dtype:
+ * (DLPack code, bits)}; meta: bytes-like; stream_for(device): the current
+ * CUDA stream of device (a kept set with CUDA members is ordered after it);
+ * keep: whether this set's builder is kept to be sent again; key: the items
+ * without their cuda fields, which the kept set is known by (default
+ * items); stream: the CUDA stream that wrote the CUDA members (0: the
  * default stream). */
 PyObject *py_channel_send_set(PyChannel *self, PyObject *args) {
-  PyObject *items, *dtype_codes;
+  PyObject *items, *dtype_codes, *stream_for, *key = NULL;
   Py_buffer meta;
-  int timeout_ms;
+  int timeout_ms, keep;
   unsigned long long stream = 0;
-  if (!PyArg_ParseTuple(args, "O!O!y*i|K", &PyList_Type, &items, &PyDict_Type, &dtype_codes, &meta, &timeout_ms,
-                        &stream))
+  if (!PyArg_ParseTuple(args, "O!O!y*iOp|O!K", &PyList_Type, &items, &PyDict_Type, &dtype_codes, &meta, &timeout_ms,
+                        &stream_for, &keep, &PyList_Type, &key, &stream))
     return NULL;
   PyObject *result = NULL;
-  tshare_host_buffer *spare = NULL;
-  tshare_set_builder *b = tshare_set_builder_create();
-  if (!b) {
-    PyErr_NoMemory();
-  } else if (py_channel_get(self)) {
-    tshare_set_builder_set_stream(b, (void *)(uintptr_t)stream);
-    Py_ssize_t missing = build_set(b, dtype_codes, items, &meta, &spare);
-    if (missing > 0) result = Py_BuildValue("(On)", Py_None, missing - 1);
-    else if (missing == 0) result = send_built(self, b, timeout_ms);
-    if (missing == 0 && result) result = Py_BuildValue("(NO)", result, Py_None);
+  if (py_channel_enter(self)) {
+    result = send_in_guard(self, items, key ? key : items, dtype_codes, &meta, timeout_ms, stream_for, keep, stream);
+    py_channel_leave(self);
   }
-  tshare_set_builder_destroy(b); /* a sent set keeps its own references */
-  tshare_host_buffer_destroy(spare);
   PyBuffer_Release(&meta);
   return result;
-}
-
-/* ---- receiving ------------------------------------------------------------- */
-
-int py_set_waiting(PyChannel *self) {
-  py_next_set *n = &self->next;
-  if (n->set || n->refusal != TSHARE_OK) return 1;
-  int rc = tshare_set_recv(self->ch, 0, &n->set);
-  /* The peer's end: the shares it sent before come first, then recv's own
-   * look at the channel reports it. */
-  if (rc == TSHARE_OK || rc == TSHARE_E_TIMEOUT || rc == TSHARE_END || rc == TSHARE_E_PEER_CLOSED)
-    return n->set != NULL;
-  n->refusal = rc; /* a set the peer got wrong (already released back) */
-  snprintf(n->refusal_msg, sizeof n->refusal_msg, "%s", tshare_channel_last_error(self->ch));
-  return 1;
-}
-
-uint64_t py_set_waiting_id(const PyChannel *self) { return self->next.set ? tshare_set_id(self->next.set) : 0; }
-
-void py_set_drop_waiting(PyChannel *self) {
-  tshare_set_release(self->next.set);
-  self->next.set = NULL;
-  self->next.refusal = TSHARE_OK;
-}
-
-/* Why member i cannot become a torch tensor, or NULL. */
-static const char *member_refusal(const tshare_tensor_desc *d, char *why, size_t cap) {
-  if (d->dtype.lanes != 1) {
-    char name[32];
-    snprintf(why, cap, "a dtype %s, which has no PyTorch equivalent", tshare_dtype_name(d->dtype, name, sizeof name));
-    return why;
-  }
-  for (int32_t k = 0; k < d->ndim; k++) {
-    if (d->strides[k] < 0) {
-      snprintf(why, cap, "a negative stride (%lld in dimension %d), which PyTorch tensors cannot have",
-               (long long)d->strides[k], (int)k);
-      return why;
-    }
-  }
-  return NULL;
-}
-
-/* (name, capsule, dtype code, dtype bits) of member i; the capsule holds a
- * view of the set. */
-static PyObject *member_entry(tshare_set *s, size_t i) {
-  const tshare_tensor_desc *d = tshare_set_desc(s, i);
-  char why[160];
-  if (member_refusal(d, why, sizeof why))
-    return py_raise_fmt(TSHARE_E_UNSUPPORTED, "tshare: recv: set %llu: tensor '%.200s' has %s",
-                        (unsigned long long)tshare_set_id(s), tshare_set_name(s, i), why);
-  tshare_view *view = NULL;
-  int rc = tshare_set_view(s, i, &view);
-  if (rc != TSHARE_OK) return py_raise_fmt(rc, "tshare: recv: set %llu: no view of tensor %zu", tshare_set_id(s), i);
-  PyObject *capsule = py_memory_view_capsule(view); /* owns the view from here */
-  if (!capsule) return NULL;
-  const char *name = tshare_set_name(s, i);
-  return Py_BuildValue("(s#Nii)", name, (Py_ssize_t)strlen(name), capsule, d->dtype.code, d->dtype.bits);
-}
-
-/* ("set", set_id, meta, [member entries]) for a set; the set handle goes
- * once every member holds it through its view. */
-static PyObject *set_result(tshare_set *s) {
-  size_t n = tshare_set_count(s), meta_len = 0;
-  const void *meta = tshare_set_meta(s, &meta_len);
-  PyObject *members = PyList_New((Py_ssize_t)n);
-  PyObject *meta_bytes = PyBytes_FromStringAndSize(meta, (Py_ssize_t)meta_len);
-  PyObject *result = NULL;
-  for (size_t i = 0; members && meta_bytes && i < n; i++) {
-    PyObject *entry = member_entry(s, i);
-    if (!entry) goto done; /* the members made so far go with the list: the set goes back */
-    PyList_SET_ITEM(members, (Py_ssize_t)i, entry);
-  }
-  if (members && meta_bytes)
-    result = Py_BuildValue("(sKOO)", "set", (unsigned long long)tshare_set_id(s), meta_bytes, members);
-done:
-  Py_XDECREF(members);
-  Py_XDECREF(meta_bytes);
-  tshare_set_release(s);
-  return result;
-}
-
-PyObject *py_set_take(PyChannel *self) {
-  py_next_set *n = &self->next;
-  if (n->refusal != TSHARE_OK) {
-    int rc = n->refusal;
-    n->refusal = TSHARE_OK;
-    return py_raise_fmt(rc, "tshare: recv (tensor set): %s", n->refusal_msg);
-  }
-  tshare_set *s = n->set;
-  n->set = NULL;
-  return set_result(s);
 }

@@ -119,6 +119,12 @@ class Channel:
         """Tell the peer the stream is over (close() does it too)."""
         self._c._send_bye(_timeout_ms(timeout))
 
+    def forget_set(self):
+        """Drop the tensor set this channel keeps to send again (the last one
+        sent, with a reference on every memory it holds): its storages may
+        then be freed. The next set sent is built anew. Close drops it too."""
+        self._c._forget_set()
+
     def close(self):
         self._unwatched_before_close()
         self._c.close()

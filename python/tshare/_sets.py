@@ -129,17 +129,22 @@ def send_set(ch, tensors, meta, timeout_ms, copy):
     if not items:
         _fail(_tshare.E_INVALID_ARG, "send: the tensor set is empty (a set carries 1 to 65536 tensors)")
     meta = _meta_bytes(meta)
-    set_id, look_at = ch._c._send_set(items, _TO_DLPACK, meta, timeout_ms)
+    # The channel keeps the builder of the set it sent last and sends it again
+    # while items are equal (a state_dict updated in place); a copy is new
+    # memory every time, never worth keeping.
+    keep = not copy
+    c, stream_now = ch._c, _torch._current_stream
+    set_id, look_at = c._send_set(items, _TO_DLPACK, meta, timeout_ms, stream_now, keep)
     if set_id is None:  # members in torch's own shared memory go as that memory: tried once more with them
         adopted = _torch.adopt_torch_shared(tensors.values())
         if adopted:
-            set_id, look_at = ch._c._send_set(items, _TO_DLPACK, meta, timeout_ms)
+            set_id, look_at = c._send_set(items, _TO_DLPACK, meta, timeout_ms, stream_now, keep)
             del adopted
     if set_id is None:
         name, t = list(tensors.items())[look_at]
         if isinstance(t, torch.Tensor) and t.is_cuda:  # CUDA members: what the C side needs of them too
-            set_id, look_at = ch._c._send_set(_with_cuda(items, tensors), _TO_DLPACK, meta, timeout_ms,
-                                              _cuda_stream(tensors))
+            set_id, look_at = c._send_set(_with_cuda(items, tensors), _TO_DLPACK, meta, timeout_ms, stream_now, keep,
+                                          items, _cuda_stream(tensors))
             if set_id is None:
                 name, t = list(tensors.items())[look_at]
         if set_id is None:
@@ -250,31 +255,68 @@ def share_model_(module):
 def received_set(box):
     """The torch tensors of the set recv got, {name: tensor} in the sender's
     order, with its id and metadata. box holds recv's result alone, so that a
-    refusal here drops every capsule, and with them the set, at once."""
-    _, set_id, meta, members = box.pop()
-    for name, _, code, bits in members:
-        if (code, bits) not in _FROM_DLPACK:
-            members.clear()  # the set goes back to the producer
-            _fail(
-                _tshare.E_UNSUPPORTED,
-                "recv: set %d: tensor %r has dtype %s, which has no PyTorch equivalent"
-                % (set_id, name, _torch._dtype_name(code, bits)),
-            )
-    tensors = {}
-    from_dlpack, bind, storage = _torch._from_dlpack, _tshare._bind, _torch._raw_storage
-    as_bool = _torch._BOOL_AS_UINT8
-    cuda = None
-    for name, capsule, code, bits in members:
-        t = from_dlpack(capsule)
-        bind(capsule, storage(t)._cdata)
-        if as_bool and code == _BOOL:
-            t = t.view(torch.bool)
-        if cuda is None and t.is_cuda:
-            cuda = t.device
-        tensors[name] = t
+    refusal here drops every capsule, and with them the set, at once.
+
+    One tensor per memory of the set, bound to it, and each member a view of
+    that tensor's dtype view (py_set_recv.c says why): a member costs one
+    as_strided, not a capsule of its own."""
+    _, set_id, meta, bases, kinds, views, own = box.pop()
+    dtypes = _FROM_DLPACK
+    refused = [(name, code, bits) for _, code, bits, _, name in kinds if (code, bits) not in dtypes]
+    refused += [(name, code, bits) for _, name, _, code, bits in own if (code, bits) not in dtypes]
+    if refused:
+        del bases[:], own[:]  # the set goes back to the producer
+        name, code, bits = refused[0]
+        _fail(
+            _tshare.E_UNSUPPORTED,
+            "recv: set %d: tensor %r has dtype %s, which has no PyTorch equivalent"
+            % (set_id, name, _torch._dtype_name(code, bits)),
+        )
+    memories = [_bound(capsule) for capsule in bases]
+    del bases[:]
+    kind_views = [memories[m].narrow(0, 0, usable).view(dtypes[code, bits]) for m, code, bits, usable, _ in kinds]
+    as_strided = torch.Tensor.as_strided
+    tensors = {name: as_strided(kind_views[k], shape, strides, offset) for name, k, shape, strides, offset in views}
+    if own:
+        own = _own_tensors(own)
+        tensors = _in_order(tensors, own)
+    cuda = next((t.device for t in memories + [t for _, _, t in own] if t.is_cuda), None)
     if cuda is not None:
         _after_default_stream(cuda)
     return set_id, meta, tensors
+
+
+def _bound(capsule):
+    """The torch tensor over capsule, its storage bound to the capsule's memory
+    (what makes its tensors known as received ones, and sent on as such)."""
+    t = _torch._from_dlpack(capsule)
+    _tshare._bind(capsule, _torch._raw_storage(t)._cdata)
+    return t
+
+
+def _own_tensors(own):
+    """[(index, name, tensor)] of the members with a capsule of their own; own is emptied."""
+    out = []
+    for index, name, capsule, code, bits in own:
+        t = _bound(capsule)
+        if _torch._BOOL_AS_UINT8 and code == _BOOL:
+            t = t.view(torch.bool)
+        out.append((index, name, t))
+    del own[:]
+    return out
+
+
+def _in_order(views, own):
+    """The members in the sender's order: views ({name: tensor}, in order)
+    with own ([(index, name, tensor)], in order) put in their places."""
+    if not views:  # a memory per member (each tensor its own empty_shared)
+        return {name: t for _, name, t in own}
+    out, rest = {}, iter(views.items())
+    at = {index: (name, t) for index, name, t in own}
+    for i in range(len(views) + len(own)):
+        name, t = at[i] if i in at else next(rest)
+        out[name] = t
+    return out
 
 
 def _after_default_stream(device):

@@ -324,6 +324,7 @@ def a_consumer_killed_while_holding_a_set_frees_everything():
         tshare.send(p, sent, meta=b"%d" % i, timeout=10)
         del sent  # only the set holds the memfds now
     os.waitpid(pid, 0)
+    p.forget_set()  # the channel keeps the set it sent last, to send again
     harness.expect_all_back_from_dead_peer(p, base_fds, "sets")
     p.close()
 
@@ -381,11 +382,13 @@ def need_cuda():
 def cuda_consumer(fd, mode):
     """The consumer process: each set checked against its numbering (one
     line each: "n=N ok" or what is wrong); "write" fills the first tensor
-    with -1 before letting go; "hold" keeps the first set until killed."""
+    with -1 before letting go; "hold" keeps the first set until killed;
+    "versions": each value is shifted by the version the metadata holds."""
     ch = tshare.open_socket(fd, name="cuda consumer")
     for r in ch:
+        shift = int(r.meta) if mode == "versions" else 0
         bad = [name for k, (name, t) in enumerate(r.tensors.items())
-               if t.is_cuda and not torch.equal(t.cpu(), torch.arange(3.0 * k, 3.0 * k + 3))]
+               if t.is_cuda and not torch.equal(t.cpu(), torch.arange(3.0 * k, 3.0 * k + 3) + shift)]
         devices = sorted({str(t.device) for t in r.tensors.values()})
         print("n=%d %s %s" % (len(r.tensors), "ok" if not bad else "bad:" + ",".join(bad[:5]), "+".join(devices)),
               flush=True)
@@ -445,6 +448,22 @@ def cuda_writes_through_a_received_set_reach_the_producer_and_cpu_rides_along():
     torch.cuda.synchronize()
     assert torch.equal(base[0].cpu(), torch.full((3,), -1.0)), "the consumer's write missed the producer"
     assert torch.equal(base[1].cpu(), torch.tensor([3.0, 4, 5]))
+    end_cuda_consumer(p, proc)
+
+
+@test
+def cuda_a_state_dict_updated_in_place_is_sent_again_from_the_kept_set():
+    need_cuda()
+    p, proc = start_cuda_consumer("versions")
+    first, base = numbered_cuda_set(200)
+    second = torch.arange(600.0, 870.0, device="cuda").view(90, 3)  # another allocation
+    sent = dict(first, **{"t%d" % (200 + k): second[k] for k in range(90)})
+    sent["cpu"] = tshare.empty_shared(3)
+    for version in range(6):
+        base.copy_(torch.arange(600.0, device="cuda").view(200, 3) + version)  # on the current stream
+        second.copy_(torch.arange(600.0, 870.0, device="cuda").view(90, 3) + version)
+        send_cuda_and_expect(p, proc, sent, "n=291 ok cpu+cuda:0", meta=b"%d" % version)
+    assert p._c._set_cache_counts == (5, 1), p._c._set_cache_counts
     end_cuda_consumer(p, proc)
 
 
