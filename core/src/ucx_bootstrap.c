@@ -48,6 +48,7 @@ static int fail(tshare_error *err, int status, const char *msg) {
 
 /* The token: the option, else TSHARE_TOKEN; 1-255 bytes. */
 static int token_of(const tshare_channel_options *opts, const char **token, char *msg, size_t cap) {
+  *token = NULL; /* set on every path: callers read it only on success, which gcc -O3 cannot see */
   const char *t = opts && opts->token ? opts->token : getenv(TS_UCX_TOKEN_ENV);
   if (!t || !*t)
     return ts_errf(msg, cap, TSHARE_E_PERMISSION,
