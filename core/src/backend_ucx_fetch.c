@@ -319,7 +319,8 @@ void ts_ucx_memory_ref_locked(tshare_channel *ch, void *memory) {
 
 void ts_ucx_memory_unref_locked(tshare_channel *ch, void *memory) {
   ucx_landing *l = memory;
-  if (--l->refs == 0) landing_give_back_locked(ts_ucx_chan(ch), l);
+  ucx_chan *u = ts_ucx_chan(ch);
+  if (--l->refs == 0 && u) landing_give_back_locked(u, l); /* no u: a forked child's copy, its parent's to free */
 }
 
 ts_release_done ts_ucx_release(tshare_view *v) {

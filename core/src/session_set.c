@@ -490,9 +490,12 @@ void ts_set_peer_gone(tshare_channel *ch) {
     refuse_set(ch, TSHARE_E_PEER_CLOSED, false, "cut off: the peer closed the channel in the middle of it");
 }
 
+/* Memories the channel's host mappings do not cover: device ones and
+ * copies (landing buffers of remote memory). */
 static tshare_set *drop_device_mappings(tshare_channel *ch, tshare_set *s) {
   for (uint32_t i = 0; i < s->mems_got; i++)
-    if (s->mems[i].backend->set_release) s->mems[i].backend->memory_unref_locked(ch, s->mems[i].memory);
+    if (s->mems[i].backend->set_release || s->mems[i].backend->import_in_set)
+      s->mems[i].backend->memory_unref_locked(ch, s->mems[i].memory);
   return s;
 }
 
@@ -500,7 +503,8 @@ void ts_set_free_queued(tshare_channel *ch) {
   ts_set_rx *rx = ch->set_rx;
   if (!rx) return;
   /* Their host mappings are the channel's, unmapped with it; device ones
-   * live in a process-wide cache and are let go of here. */
+   * live in a process-wide cache and copies in the channel's pool of
+   * landing buffers: let go of here. */
   if (rx->partial) set_free(drop_device_mappings(ch, rx->partial));
   for (size_t i = 0; i < rx->len; i++)
     set_free(drop_device_mappings(ch, rx->waiting[(rx->head + i) % TS_SETS_WAITING_MAX]));
