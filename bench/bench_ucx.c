@@ -11,12 +11,15 @@
  *             tshare_view_recv() (the read) and release, the producer's
  *             tshare_channel_wait_released()
  *
- * Rows: a 4 KiB round trip (share to release) each way, and the bandwidth
- * of 64 MiB (tshare: share to release; raw: the consumer's get alone).
+ * Rows: a 4 KiB round trip (share to release) each way, the bandwidth of
+ * 64 MiB (tshare: share to release; raw: the consumer's get alone), and a
+ * model's 290 host tensors as one tensor set (tshare_set_send to its
+ * release: every buffer read once), the first hand-off and the update.
  * Skipped with the reason where UCX, root or `ip netns` is missing. */
 #include "bench.h"
 
 #include "tshare/hostmem.h"
+#include "tshare/set.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -31,10 +34,17 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-/* The rows and targets, not measured: why. */
-static void skip_all(bench *b, const char *why) {
+/* The rows and targets, not measured: why (the set rows too unless they
+ * were measured). */
+static void skip_all(bench *b, const char *why, bool sets_too) {
   br_skip(&b->rep, BR_LATENCY, "latency", "ucx_share_4k", "ucx: 4 KiB host share round trip [veth, tcp]", why);
   br_skip(&b->rep, BR_VALUE, "bandwidth", "ucx_share_64m", "ucx: 64 MiB host share, share to release", why);
+  if (sets_too) {
+    br_skip(&b->rep, BR_LATENCY, "sets", "sets_ucx_cpu_first_1", "ucx: one set of 290 tensors, first [veth, tcp]",
+            why);
+    br_skip(&b->rep, BR_LATENCY, "sets", "sets_ucx_cpu_update_1", "ucx: one set of 290 tensors, update [veth, tcp]",
+            why);
+  }
   br_target_add(&b->rep, "ucx: 4 KiB share round trip <= 1.2x raw UCP AM + get + AM", -1, "not measured: %s", why);
   br_target_add(&b->rep, "ucx: 64 MiB share >= 0.9x raw ucp_get_nbx bandwidth", -1, "not measured: %s", why);
 }
@@ -49,6 +59,15 @@ static void skip_all(bench *b, const char *why) {
 #define AM_OFFER 11
 #define AM_DONE 12
 #define PORT 7790
+/* The set rows' model: a 24-layer transformer's 290 bf16 tensors (4
+ * attention weights and biases, 2 MLP weights, 2 norms per layer; the
+ * embedding and the final norm), each in a buffer of its own, as a
+ * state_dict's storages are. Hidden 256 on this CPU path: ~37 MiB. */
+#define SET_LAYERS 24
+#define SET_HIDDEN 256
+#define SET_VOCAB 1000
+#define SET_TENSORS (SET_LAYERS * 12 + 2)
+#define SET_ROUNDS 10
 
 typedef struct ucx_results {
   int ok;
@@ -56,6 +75,9 @@ typedef struct ucx_results {
   long n_raw, n_ts;
   double raw_ns[UCX_ITERS_MAX], ts_ns[UCX_ITERS_MAX];
   double raw_get_s, ts_big_s; /* the best of BIG_ROUNDS */
+  double set_first_ns, set_update_ns[SET_ROUNDS];
+  double set_mib;
+  int sets_ok; /* the set rows were measured (before the shares) */
 } ucx_results;
 
 static char ns[2][32];
@@ -290,6 +312,8 @@ static tshare_channel *ts_open(int side, char *why, size_t cap) {
   return rc == TSHARE_OK ? ch : NULL;
 }
 
+static int ts_set_producer(tshare_channel *ch, ucx_results *out);
+
 static int ts_producer(tshare_channel *ch, long iters, ucx_results *out) {
   tshare_host_buffer *small, *big;
   tshare_error err;
@@ -301,6 +325,7 @@ static int ts_producer(tshare_channel *ch, long iters, ucx_results *out) {
   tshare_tensor_desc ds = tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_FLOAT, 32, 1}, 1, &n_small, 0);
   tshare_tensor_desc db = tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_FLOAT, 32, 1}, 1, &n_big, 0);
   out->ts_big_s = 1e30;
+  if (ts_set_producer(ch, out) != 0) return -1; /* the sets first: what a 64 MiB read leaves does not slow them */
   for (long i = 0; i < iters + BIG_ROUNDS; i++) {
     bool is_big = i >= iters;
     uint64_t id, t0 = bs_now_ns();
@@ -317,12 +342,75 @@ static int ts_producer(tshare_channel *ch, long iters, ucx_results *out) {
 }
 
 static int ts_consumer(tshare_channel *ch, long iters, ucx_results *out) {
+  for (int i = 0; i < 1 + SET_ROUNDS; i++) {
+    tshare_set *s;
+    if (tshare_set_recv(ch, 30000, &s) != TSHARE_OK)
+      return snprintf(out->why, sizeof out->why, "%s", tshare_channel_last_error(ch)), -1;
+    tshare_set_release(s);
+  }
   for (long i = 0; i < iters + BIG_ROUNDS; i++) {
     tshare_view *v;
     if (tshare_view_recv(ch, 30000, &v) != TSHARE_OK)
       return snprintf(out->why, sizeof out->why, "%s", tshare_channel_last_error(ch)), -1;
     tshare_view_release(v);
   }
+  return 0;
+}
+
+/* Tensor i of the model: its name and elements. */
+static int64_t model_tensor(int i, char *name, size_t cap, int64_t *shape) {
+  static const char *const parts[12] = {"q.weight", "k.weight", "v.weight", "o.weight", "q.bias", "k.bias",
+                                        "v.bias",   "o.bias",   "up.weight", "down.weight", "ln1.weight", "ln2.weight"};
+  if (i == SET_TENSORS - 2) return snprintf(name, cap, "embed.weight"), shape[0] = SET_VOCAB, shape[1] = SET_HIDDEN, 2;
+  if (i == SET_TENSORS - 1) return snprintf(name, cap, "norm.weight"), shape[0] = SET_HIDDEN, 1;
+  int part = i % 12;
+  snprintf(name, cap, "layers.%d.%s", i / 12, parts[part]);
+  shape[0] = part == 8 ? 4 * SET_HIDDEN : SET_HIDDEN;
+  shape[1] = part == 9 ? 4 * SET_HIDDEN : SET_HIDDEN;
+  return part < 4 || part == 8 || part == 9 ? 2 : 1;
+}
+
+/* The model as a set of 290 buffers (the builder holds them), or NULL. */
+static tshare_set_builder *model_set(double *mib) {
+  tshare_set_builder *b = tshare_set_builder_create();
+  size_t bytes = 0;
+  for (int i = 0; b && i < SET_TENSORS; i++) {
+    char name[64];
+    int64_t shape[2];
+    int ndim = (int)model_tensor(i, name, sizeof name, shape);
+    tshare_tensor_desc d = tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_BFLOAT, 16, 1}, ndim, shape, 0);
+    size_t size = (size_t)tshare_tensor_numel(&d) * 2;
+    tshare_host_buffer *buf;
+    if (tshare_host_buffer_create(size, "bench-model", &buf, NULL) != TSHARE_OK) break;
+    memset(tshare_host_buffer_data(buf), i & 0x7f, size);
+    int rc = tshare_set_builder_add_host(b, name, buf, &d, NULL);
+    tshare_host_buffer_destroy(buf);
+    if (rc != TSHARE_OK) break;
+    bytes += size;
+  }
+  if (b && tshare_set_builder_count(b) != SET_TENSORS) tshare_set_builder_destroy(b), b = NULL;
+  *mib = (double)bytes / (1 << 20);
+  return b;
+}
+
+/* The first hand-off of the model, then SET_ROUNDS updates (the same
+ * buffers sent again), each timed from the send to the release. */
+static int ts_set_producer(tshare_channel *ch, ucx_results *out) {
+  tshare_set_builder *b = model_set(&out->set_mib);
+  if (!b) return snprintf(out->why, sizeof out->why, "building the model's set failed"), -1;
+  for (int i = 0; i < 1 + SET_ROUNDS; i++) {
+    uint64_t id, t0 = bs_now_ns();
+    if (tshare_set_send(ch, b, NULL, 30000, &id) != TSHARE_OK || tshare_channel_wait_released(ch, id, 60000) != TSHARE_OK) {
+      snprintf(out->why, sizeof out->why, "%s", tshare_channel_last_error(ch));
+      tshare_set_builder_destroy(b);
+      return -1;
+    }
+    double took = (double)(bs_now_ns() - t0);
+    if (i == 0) out->set_first_ns = took;
+    else out->set_update_ns[i - 1] = took;
+  }
+  tshare_set_builder_destroy(b);
+  out->sets_ok = 1;
   return 0;
 }
 
@@ -392,6 +480,28 @@ static int run_sides(long iters, ucx_results *res, char *why, size_t cap) {
   return rc;
 }
 
+static void set_rows(bench *b, const ucx_results *r) {
+  bs_samples first = {0}, update = {0};
+  bs_add(&first, r->set_first_ns);
+  for (int i = 0; i < SET_ROUNDS; i++) bs_add(&update, r->set_update_ns[i]);
+  bs_samples *modes[2] = {&first, &update};
+  const char *names[2] = {"first", "update"};
+  for (int m = 0; m < 2; m++) {
+    char key[48], label[80];
+    snprintf(key, sizeof key, "sets_ucx_cpu_%s_1", names[m]);
+    snprintf(label, sizeof label, "ucx: one set of 290 tensors, %s [veth, tcp]", names[m]);
+    br_row *row = br_add(&b->rep, BR_LATENCY, "sets", key, label, "us");
+    row->value = bs_percentile(modes[m], 50) / 1000.0;
+    row->p99 = bs_percentile(modes[m], 99) / 1000.0;
+    row->n = (long)modes[m]->n;
+    snprintf(row->note, sizeof row->note,
+             "send to release, per model: %d bf16 tensors in as many buffers, %.1f MiB, each read once", SET_TENSORS,
+             r->set_mib);
+  }
+  bs_free(&first);
+  bs_free(&update);
+}
+
 static void rows(bench *b, ucx_results *res) {
   bs_samples raw = {0}, ts = {0};
   for (long i = 0; i < res[0].n_raw; i++) bs_add(&raw, res[0].raw_ns[i]);
@@ -425,15 +535,17 @@ void bench_ucx(bench *b) {
   long iters = b->opt.iters < UCX_ITERS_MAX ? b->opt.iters : UCX_ITERS_MAX;
   fprintf(stderr, "tshare-bench: UCX rows (%ld round trips each way, %d x 64 MiB)\n", iters, BIG_ROUNDS);
   if (namespaces_make(why, sizeof why) != 0) {
-    skip_all(b, why);
+    skip_all(b, why, true);
     return;
   }
   int rc = run_sides(iters, res, why, sizeof why);
   namespaces_remove();
+  bool sets_ok = rc == 0 && res[0].sets_ok; /* measured, whatever came after them */
   if (rc == 0 && (!res[0].ok || !res[1].ok))
     rc = -1, snprintf(why, sizeof why, "%s", res[0].ok ? res[1].why : res[0].why);
+  if (sets_ok) set_rows(b, &res[0]);
   if (rc != 0) {
-    skip_all(b, why);
+    skip_all(b, why, !sets_ok);
     return;
   }
   rows(b, res);
@@ -441,6 +553,6 @@ void bench_ucx(bench *b) {
 
 #else
 
-void bench_ucx(bench *b) { skip_all(b, "built without UCX's headers (libucx-dev)"); }
+void bench_ucx(bench *b) { skip_all(b, "built without UCX's headers (libucx-dev)", true); }
 
 #endif

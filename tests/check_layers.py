@@ -109,6 +109,8 @@ TEST_MODULES = {
     "tests/test_spin_policy.c": ("transport_ring", "session"),
     # remote host memory over UCX, and a hostile producer's registrations made with UCP's own calls
     "tests/test_ucx_mem.c": ("backend_ucx", "ucx_api"),
+    # tensor sets of remote memory, and a hostile producer's registrations made with UCP's own calls
+    "tests/test_ucx_set.c": ("backend_ucx", "ucx_api"),
 }
 
 # Functions allowed over 80 lines: "path:function": "why". Keep it empty.

@@ -950,7 +950,8 @@ TS_TEST(malformed_rkey_frames) {
   put_u32(buf + 8, (uint32_t)(len - TSHARE_WIRE_HEADER_SIZE - 1)); /* ... or, when the payload ends, is truncated */
   CHECK_EQ(decode(buf, len - 1, &g), TSHARE_E_TRUNCATED);
 
-  /* Remote memory travels in shares only, never in a set. */
+  /* Minor 6: remote memory in a set, CPU memory with no fd, handle or
+   * share flags; anything else is refused. */
   tshare_frame m;
   memset(&m, 0, sizeof m);
   m.type = TSHARE_FRAME_SET;
@@ -958,7 +959,24 @@ TS_TEST(malformed_rkey_frames) {
   m.u.set.set_id = 9;
   m.u.set.u.mem = (tshare_set_mem_frame){.index = 0, .alloc_id = 77, .mem_kind = TSHARE_MEM_UCX_REMOTE,
                                          .device_type = TSHARE_DEVICE_CPU, .alloc_size = 4096};
-  expect_encode_refused(&m, TSHARE_E_MALFORMED);
+  len = encode(&m, buf);
+  CHECK_RC(decode(buf, len, &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.set.u.mem.mem_kind, TSHARE_MEM_UCX_REMOTE);
+  CHECK_EQ(g.u.set.u.mem.alloc_id, 77);
+  CHECK_EQ(g.u.set.u.mem.alloc_size, 4096);
+  CHECK_EQ(g.u.set.u.mem.share_flags, 0);
+  tshare_frame bad = m;
+  bad.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+  expect_encode_refused(&bad, TSHARE_E_MALFORMED);
+  bad = m;
+  bad.u.set.u.mem.device_type = TSHARE_DEVICE_CUDA;
+  expect_encode_refused(&bad, TSHARE_E_MALFORMED);
+  bad = m;
+  bad.u.set.u.mem.handle_len = 8;
+  expect_encode_refused(&bad, TSHARE_E_MALFORMED);
+  bad = m;
+  bad.u.set.u.mem.share_flags = TSHARE_SHARE_FLAG_RETIRE_NOTICE;
+  expect_encode_refused(&bad, TSHARE_E_MALFORMED);
 }
 
 TS_TEST(decoder_error_is_sticky) {

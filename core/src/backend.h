@@ -140,6 +140,15 @@ typedef struct ts_backend {
   /* Map share f into view v (v->ch is not set yet). *fdp is the fd that came
    * with the frame or -1; a backend that keeps it sets *fdp to -1. */
   int (*import)(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, struct tshare_view *v);
+  /* Optional, for a backend whose views are copies: a tensor set's memory
+   * f (a share of the set's id) copied into view v as import would, but
+   * nothing is released here: the set is released whole once complete.
+   * *copied is the bytes the set's earlier memories copied; the backend
+   * adds this memory's and refuses a set whose total it cannot hold. */
+  int (*import_in_set)(tshare_channel *ch, const tshare_frame *f, uint64_t *copied, struct tshare_view *v);
+  /* Optional: the host buffer of this process's that holds a view's
+   * `memory` (a copy landed in tshare_host_buffer memory), or NULL. */
+  struct tshare_host_buffer *(*memory_host_buffer)(void *memory);
   /* The view is done: let go of its memory. Any thread; never blocks. The
    * session then queues the release (TS_RELEASE_NOW), frees v and drops
    * its channel reference. */
@@ -162,6 +171,13 @@ typedef struct ts_backend {
    * *share_flags say whether the peer may keep it (it is then lent to ch).
    * Without the hook it always travels with its fd. */
   int (*source_lend)(tshare_channel *ch, void *source, bool *kept, uint32_t *share_flags);
+  /* Optional: host memory of a set (source, a tshare_host_buffer) on a
+   * channel that carries no fds: remote_check says whether ch's peer takes
+   * it another way (an error in ch->err); send_remote sends what must
+   * precede it (its rkey frame) and the memory frame f (type, op, set_id and
+   * index set; the rest filled here). */
+  int (*set_remote_check)(tshare_channel *ch, void *source);
+  int (*set_send_remote)(tshare_channel *ch, void *source, tshare_frame *f, int timeout_ms);
   /* One more or one less reference on a view's `memory` (ch->lock held);
    * the last one unmaps it. */
   void (*memory_ref_locked)(tshare_channel *ch, void *memory);

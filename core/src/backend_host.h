@@ -53,6 +53,9 @@ void ts_host_buffer_lend(struct tshare_host_buffer *buf);
 void ts_host_buffer_lend_end(struct tshare_host_buffer *buf);
 /* Nothing but lending channels holds it: its creator destroyed it and no share is out. */
 bool ts_host_buffer_only_lent(const struct tshare_host_buffer *buf);
+/* Something holds it beside its creator (a share, a lending channel, a set
+ * builder or sent set). */
+bool ts_host_buffer_held_by_others(const struct tshare_host_buffer *buf);
 /* The same, but for one reference more (a share's, about to be let go). */
 bool ts_host_buffer_only_lent_but_one(const struct tshare_host_buffer *buf);
 uint64_t ts_host_buffers_unused_generation(void);

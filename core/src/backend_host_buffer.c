@@ -187,6 +187,8 @@ bool ts_host_buffer_only_lent(const tshare_host_buffer *b) {
   return atomic_load(&b->refs) == atomic_load(&b->lent);
 }
 
+bool ts_host_buffer_held_by_others(const tshare_host_buffer *b) { return atomic_load(&b->refs) > 1; }
+
 bool ts_host_buffer_only_lent_but_one(const tshare_host_buffer *b) {
   return atomic_load(&b->refs) == atomic_load(&b->lent) + 1;
 }

@@ -130,6 +130,46 @@ int ts_ucx_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_
   return share_remote(ch, u, buf, desc, tag, user_data, timeout_ms, share_id);
 }
 
+/* ---- producer: tensor sets --------------------------------------------------- */
+
+int ts_ucx_set_remote_check(tshare_channel *ch, void *source) {
+  tshare_host_buffer *buf = source;
+  if (!ts_ucx_chan(ch) || !ts_ucx_carries_host(ch))
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
+                   "set: host memory travels as fds, which a pipe channel cannot carry: open a socket channel");
+  if (ch->conn.minor < 6 || !(ch->conn.peer.capabilities & TSHARE_CAP_UCX_SETS))
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_MISMATCH,
+                   "set: peer %s does not read tensor sets over UCX (it speaks wire %u.%u; sets of remote memory "
+                   "need %d.6 or newer): upgrade it, or share the tensors one by one",
+                   ch->conn.peer_label, (unsigned)ch->conn.peer.major, (unsigned)ch->conn.peer.minor,
+                   TSHARE_WIRE_MAJOR);
+  if (ts_host_buffer_unsealed(buf))
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
+                   "set: a memory is an unsealed file, which its owner may shrink under a remote read: copy it "
+                   "into tshare_host_buffer_create() memory");
+  return TSHARE_OK;
+}
+
+/* The set's memory frame for buf, after its rkey frame (once per
+ * registration). The set's own hold keeps buf until the peer's release. */
+int ts_ucx_set_send_remote(tshare_channel *ch, void *source, tshare_frame *f, int timeout_ms) {
+  tshare_host_buffer *buf = source;
+  ucx_chan *u = ts_ucx_chan(ch);
+  int64_t deadline = ts_deadline(timeout_ms);
+  ucx_region *r = NULL;
+  int rc = region_of(ch, u, buf, &r);
+  if (rc == TSHARE_OK) rc = send_key(ch, r, ts_remaining(deadline));
+  if (rc != TSHARE_OK) return rc;
+  tshare_set_mem_frame *m = &f->u.set.u.mem;
+  f->flags = 0;
+  m->alloc_id = tshare_host_buffer_id(buf);
+  m->mem_kind = TSHARE_MEM_UCX_REMOTE;
+  m->device_type = TSHARE_DEVICE_CPU;
+  m->alloc_size = tshare_host_buffer_size(buf);
+  m->share_flags = 0;
+  return ts_channel_send(ch, f, -1, ts_remaining(deadline));
+}
+
 /* Buffers nothing but this channel holds: unregistered and let go, the
  * peer told to drop their keys. */
 static void retire_unused(ucx_chan *u) {
@@ -231,7 +271,9 @@ static void ucx_chan_free_in_child(tshare_channel *ch) { *ts_backend_data(ch, &t
 static uint64_t ucx_hello_caps(uint32_t transport_caps) {
   /* Offered where fds cannot travel to another host; a share checks that the channel is
    * really over UCX before it goes this way. */
-  return transport_caps & (TS_TRANSPORT_PASSES_FDS | TS_TRANSPORT_SAME_HOST) ? 0 : TSHARE_CAP_UCX_REMOTE;
+  return transport_caps & (TS_TRANSPORT_PASSES_FDS | TS_TRANSPORT_SAME_HOST)
+             ? 0
+             : TSHARE_CAP_UCX_REMOTE | TSHARE_CAP_TENSOR_SETS | TSHARE_CAP_UCX_SETS; /* sets of remote memory */
 }
 
 static const char *ucx_mem_kind_name(int mem_kind) {
@@ -262,6 +304,10 @@ const ts_backend ts_ucx_backend = {
     .on_frame = ucx_on_frame,
     .housekeeping = ucx_housekeeping,
     .import = ts_ucx_import,
+    .import_in_set = ts_ucx_import_in_set,
+    .memory_host_buffer = ts_ucx_memory_host_buffer,
     .release = ts_ucx_release,
     .share_view = ucx_share_view,
+    .memory_ref_locked = ts_ucx_memory_ref_locked,
+    .memory_unref_locked = ts_ucx_memory_unref_locked,
 };

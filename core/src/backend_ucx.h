@@ -42,11 +42,15 @@ typedef struct ucx_remote {
   uint64_t address, length;
 } ucx_remote;
 
-/* Consumer: a registered local buffer fetches land in, a view's `memory`. */
+/* Consumer: a registered local buffer fetches land in, a view's `memory`:
+ * a tshare host buffer, so that what landed can be shared on to this
+ * node's processes without another copy (tshare_set_host_buffer). */
 typedef struct ucx_landing {
-  void *base;
+  struct tshare_host_buffer *buf; /* one reference, this landing's */
+  void *base;                     /* buf's data */
   size_t size;
   ts_ucp_mem_h memh;
+  size_t refs; /* the view or set that holds it, and a set's views (ch->lock) */
 } ucx_landing;
 
 TS_VEC_DEFINE(ucx_landing_vec, ucx_landing *)
@@ -74,12 +78,20 @@ int ts_ucx_share_host(tshare_channel *ch, struct tshare_host_buffer *buf, const 
                       const char *tag, void *user_data, int timeout_ms, uint64_t *share_id);
 /* Whether a host share over ch goes as remote memory. */
 bool ts_ucx_carries_host(tshare_channel *ch);
+/* A set's host memory on a channel without fds (the host backend's
+ * set_remote_check and set_send_remote hooks). */
+int ts_ucx_set_remote_check(tshare_channel *ch, void *source);
+int ts_ucx_set_send_remote(tshare_channel *ch, void *source, tshare_frame *f, int timeout_ms);
 
 /* backend_ucx_fetch.c */
 int ts_ucx_on_rkey(tshare_channel *ch, const tshare_frame *f);
 void ts_ucx_drop_remote_locked(ucx_chan *u, const ts_ucx_link *link, uint64_t alloc_id);
 int ts_ucx_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, struct tshare_view *v);
 ts_release_done ts_ucx_release(struct tshare_view *v);
+int ts_ucx_import_in_set(tshare_channel *ch, const tshare_frame *f, uint64_t *copied, struct tshare_view *v);
+struct tshare_host_buffer *ts_ucx_memory_host_buffer(void *memory);
+void ts_ucx_memory_ref_locked(tshare_channel *ch, void *memory);
+void ts_ucx_memory_unref_locked(tshare_channel *ch, void *memory);
 void ts_ucx_fetch_peer_gone(tshare_channel *ch, ucx_chan *u);
 void ts_ucx_fetch_trim(tshare_channel *ch, ucx_chan *u);
 void ts_ucx_fetch_free(ucx_chan *u);

@@ -10,6 +10,7 @@
  * by the landing buffer, sized from the share's checked layout. */
 #include "backend_ucx.h"
 
+#include "backend_host.h"
 #include "error_detail.h"
 #include "log.h"
 #include "wire_checks.h"
@@ -17,7 +18,6 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -75,9 +75,11 @@ int ts_ucx_on_rkey(tshare_channel *ch, const tshare_frame *f) {
 
 /* ---- landing buffers ------------------------------------------------------ */
 
+/* The registration and this landing's reference go; the memory lives on
+ * while a share or a set builder of this process holds its buffer. */
 static void landing_free(const ts_ucx_api *ucx, ucx_landing *l) {
   if (l->memh) ucx->ucp_mem_unmap(ucx->context, l->memh);
-  if (l->base) munmap(l->base, l->size);
+  tshare_host_buffer_destroy(l->buf);
   free(l);
 }
 
@@ -91,6 +93,7 @@ static int landing_take(tshare_channel *ch, ucx_chan *u, size_t size, ucx_landin
     ucx_landing *l = u->idle.items[i];
     if (l->size >= want && l->size / 2 <= want) {
       ucx_landing_vec_remove(&u->idle, i, 1);
+      l->refs = 1;
       pthread_mutex_unlock(&ch->lock);
       *out = l;
       return TSHARE_OK;
@@ -106,14 +109,15 @@ static int landing_take(tshare_channel *ch, ucx_chan *u, size_t size, ucx_landin
                    (size_t)pages * page);
   ucx_landing *l = calloc(1, sizeof *l);
   if (!l) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
-  l->base = mmap(NULL, want, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (l->base == MAP_FAILED) {
-    int e = errno;
+  tshare_error err;
+  int rc = tshare_host_buffer_create(want, "tshare-ucx-landing", &l->buf, &err);
+  if (rc != TSHARE_OK) {
     free(l);
-    return ts_errsys(ch->err, sizeof ch->err, e == ENOMEM ? TSHARE_E_NOMEM : TSHARE_E_SYSTEM, e,
-                     "import: a landing buffer of %zu bytes", want);
+    return ts_errf(ch->err, sizeof ch->err, rc, "import: a landing buffer of %zu bytes: %s", want, err.message);
   }
-  l->size = want;
+  l->base = tshare_host_buffer_data(l->buf);
+  l->size = tshare_host_buffer_size(l->buf);
+  l->refs = 1;
   ts_ucp_mem_map_params mp = {.field_mask = TS_UCP_MEM_MAP_PARAM_FIELD_ADDRESS | TS_UCP_MEM_MAP_PARAM_FIELD_LENGTH,
                               .address = l->base,
                               .length = l->size};
@@ -122,8 +126,11 @@ static int landing_take(tshare_channel *ch, ucx_chan *u, size_t size, ucx_landin
   return TSHARE_OK;
 }
 
+/* A landing buffer nothing here reads any more: reused for the next fetch,
+ * unless its buffer was shared on (a share or a set builder holds it: the
+ * next fetch must not write under its readers). */
 static void landing_give_back_locked(ucx_chan *u, ucx_landing *l) {
-  if (ucx_landing_vec_push(&u->idle, l) != TSHARE_OK) landing_free(u->ucx, l);
+  if (ts_host_buffer_held_by_others(l->buf) || ucx_landing_vec_push(&u->idle, l) != TSHARE_OK) landing_free(u->ucx, l);
 }
 
 void ts_ucx_fetch_trim(tshare_channel *ch, ucx_chan *u) {
@@ -191,27 +198,28 @@ static int fetch_span(tshare_channel *ch, const tshare_share_frame *s, const ucx
   return TSHARE_OK;
 }
 
-/* The share's bytes into a landing buffer: v->memory, v->data. */
-static int fetch(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, const tshare_share_frame *s,
-                 tshare_view *v) {
+/* The peer's region for s's allocation, copied out (false: no usable key
+ * came for it). */
+static bool remote_of(ucx_chan *u, const ts_ucx_link *link, uint64_t alloc_id, ucx_remote *out) {
   pthread_mutex_lock(link->lock);
-  ucx_remote *r = ts_u64map_get(&u->remotes, s->alloc_id);
-  ucx_remote copy = r ? *r : (ucx_remote){0};
+  ucx_remote *r = ts_u64map_get(&u->remotes, alloc_id);
+  if (r) *out = *r;
   pthread_mutex_unlock(link->lock);
-  if (!r)
-    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
-                   "import: share %llu names allocation %llu, for which no usable rkey came",
-                   (unsigned long long)s->share_id, (unsigned long long)s->alloc_id);
-  uint64_t begin = 0, end = 0;
-  int rc = fetch_span(ch, s, &copy, &begin, &end);
+  return r != NULL;
+}
+
+/* Bytes [begin, end) of share s's allocation (region r) into a new landing
+ * buffer, *out. */
+static int fetch_span_into(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, const tshare_share_frame *s,
+                           const ucx_remote *r, uint64_t begin, uint64_t end, ucx_landing **out) {
   ucx_landing *l = NULL;
-  if (rc == TSHARE_OK) rc = landing_take(ch, u, (size_t)(end - begin), &l);
+  int rc = landing_take(ch, u, (size_t)(end - begin), &l);
   if (rc != TSHARE_OK) return rc;
   ts_ucs_status st = TS_UCS_OK;
   if (end > begin) {
     pthread_mutex_lock(link->lock);
-    r = ts_u64map_get(&u->remotes, s->alloc_id); /* still there: only this thread drops keys */
-    st = get_locked(ch, u->ucx, link, l->base, (size_t)(end - begin), copy.address + begin, r->rkey);
+    const ucx_remote *now = ts_u64map_get(&u->remotes, s->alloc_id); /* still there: only this thread drops keys */
+    st = get_locked(ch, u->ucx, link, l->base, (size_t)(end - begin), r->address + begin, now->rkey);
     pthread_mutex_unlock(link->lock);
   }
   if (st == TS_UCS_INPROGRESS) {
@@ -228,6 +236,26 @@ static int fetch(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, const
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED, "import: reading share %llu from %s failed: %s",
                    (unsigned long long)s->share_id, ch->conn.peer_label, ts_ucx_strerror(st));
   }
+  *out = l;
+  return TSHARE_OK;
+}
+
+static int no_key(tshare_channel *ch, const tshare_share_frame *s) {
+  return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                 "import: share %llu names allocation %llu, for which no usable rkey came",
+                 (unsigned long long)s->share_id, (unsigned long long)s->alloc_id);
+}
+
+/* The share's bytes into a landing buffer: v->memory, v->data. */
+static int fetch(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, const tshare_share_frame *s,
+                 tshare_view *v) {
+  ucx_remote r;
+  if (!remote_of(u, link, s->alloc_id, &r)) return no_key(ch, s);
+  uint64_t begin = 0, end = 0;
+  ucx_landing *l = NULL;
+  int rc = fetch_span(ch, s, &r, &begin, &end);
+  if (rc == TSHARE_OK) rc = fetch_span_into(ch, u, link, s, &r, begin, end, &l);
+  if (rc != TSHARE_OK) return rc;
   v->memory = l;
   v->data = end > begin ? (char *)l->base + (s->tensor.byte_offset - begin) : l->base; /* an empty tensor: no byte */
   return TSHARE_OK;
@@ -249,11 +277,56 @@ int ts_ucx_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *str
   return TSHARE_OK;
 }
 
+/* A set's memory: the whole allocation (its members are checked against
+ * it when they come), bounded with the set's other copies by this
+ * machine's memory. The set is released whole once complete. */
+int ts_ucx_import_in_set(tshare_channel *ch, const tshare_frame *f, uint64_t *copied, tshare_view *v) {
+  const tshare_share_frame *s = &f->u.share;
+  ucx_chan *u = ts_ucx_chan(ch);
+  ts_ucx_link link;
+  if (!u || !ts_ucx_link_of(&ch->conn, &link))
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                   "import: set %llu has remote memory on a channel not over UCX", (unsigned long long)s->share_id);
+  ucx_remote r;
+  if (!remote_of(u, &link, s->alloc_id, &r)) return no_key(ch, s);
+  if (s->alloc_size > r.length)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_OUT_OF_BOUNDS,
+                   "import: set %llu claims %llu bytes of allocation %llu, whose registered region has %llu",
+                   (unsigned long long)s->share_id, (unsigned long long)s->alloc_size,
+                   (unsigned long long)s->alloc_id, (unsigned long long)r.length);
+  size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  long pages = sysconf(_SC_PHYS_PAGES);
+  uint64_t want = (s->alloc_size + page - 1) / page * page;
+  if (pages > 0 && *copied + want > (uint64_t)pages * page)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM,
+                   "import: the set's landing buffers would take %llu bytes, over this machine's memory (%llu bytes)",
+                   (unsigned long long)(*copied + want), (unsigned long long)pages * page);
+  ucx_landing *l = NULL;
+  int rc = fetch_span_into(ch, u, &link, s, &r, 0, s->alloc_size, &l);
+  if (rc != TSHARE_OK) return rc;
+  *copied += want;
+  v->memory = l;
+  v->data = s->alloc_size ? l->base : NULL;
+  return TSHARE_OK;
+}
+
+struct tshare_host_buffer *ts_ucx_memory_host_buffer(void *memory) { return ((ucx_landing *)memory)->buf; }
+
+void ts_ucx_memory_ref_locked(tshare_channel *ch, void *memory) {
+  (void)ch;
+  ((ucx_landing *)memory)->refs++;
+}
+
+void ts_ucx_memory_unref_locked(tshare_channel *ch, void *memory) {
+  ucx_landing *l = memory;
+  ucx_chan *u = ts_ucx_chan(ch);
+  if (--l->refs == 0 && u) landing_give_back_locked(u, l); /* no u: a forked child's copy, its parent's to free */
+}
+
 ts_release_done ts_ucx_release(tshare_view *v) {
   tshare_channel *ch = v->ch;
-  ucx_chan *u = ts_ucx_chan(ch);
   pthread_mutex_lock(&ch->lock);
-  if (v->memory) landing_give_back_locked(u, v->memory);
+  if (v->memory) ts_ucx_memory_unref_locked(ch, v->memory);
   pthread_mutex_unlock(&ch->lock);
   return TS_RELEASE_LATER; /* released when it was fetched */
 }

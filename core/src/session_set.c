@@ -85,6 +85,8 @@ struct tshare_set {
   atomic_int refs; /* the handle + one per view */
   uint32_t count, mem_count, names_bytes, meta_len;
   uint32_t mems_got, members_got, names_got, meta_got;
+  uint64_t copied;     /* bytes its memories copied into this process (remote memory) */
+  bool released_back;  /* a copy: released back once complete, not at its last reference */
   set_mem *mems;
   set_entry *entries;
   char *names; /* each NUL-terminated */
@@ -170,7 +172,7 @@ static void set_unref(tshare_set *s) {
     ts_release_done device = release_device_memories(ch, s);
     pthread_mutex_lock(&ch->lock);
     drop_mappings_locked(ch, s, false);
-    if (device == TS_RELEASE_NOW) ts_share_queue_release_locked(ch, s->set_id);
+    if (device == TS_RELEASE_NOW && !s->released_back) ts_share_queue_release_locked(ch, s->set_id);
     pthread_mutex_unlock(&ch->lock);
     ts_share_send_releases_now(ch);
     TS_LOG(TS_LOG_INFO, "released tensor set %llu of %s", (unsigned long long)s->set_id, ch->conn.peer_label);
@@ -273,7 +275,9 @@ static int add_mem(tshare_channel *ch, tshare_set *s, const tshare_set_mem_frame
    * that it does, with the same size). */
   bool host = m->mem_kind == TSHARE_MEM_HOST_MEMFD || m->mem_kind == TSHARE_MEM_HOST_FD ||
               m->mem_kind == TSHARE_MEM_HOST_KEPT;
-  if (!be || (!host && !be->set_release))
+  /* Remote memory is copied here by its backend (import_in_set). */
+  bool copied = be && be->import_in_set;
+  if (!be || (!host && !copied && !be->set_release))
     return refuse_set(ch, TSHARE_E_UNSUPPORTED, true, "memory %u is %s memory, which this end does not take in sets",
                       m->index, be ? be->mem_kind_name(m->mem_kind) : "unknown");
   tshare_frame share = share_of_mem(s->set_id, m);
@@ -281,7 +285,8 @@ static int add_mem(tshare_channel *ch, tshare_set *s, const tshare_set_mem_frame
   struct tshare_view probe;
   memset(&probe, 0, sizeof probe);
   int rc = ts_backends_on_share(ch, &share); /* as for a share: chunks that came for it, or stray ones */
-  if (rc == TSHARE_OK) rc = be->import(ch, &share, fd, NULL, &probe);
+  if (rc == TSHARE_OK)
+    rc = copied ? be->import_in_set(ch, &share, &s->copied, &probe) : be->import(ch, &share, fd, NULL, &probe);
   if (rc != TSHARE_OK) return refuse_set(ch, rc, true, "memory %u: %s", m->index, ch->err);
   set_mem *sm = &s->mems[s->mems_got++];
   *sm = (set_mem){.backend = be, .memory = probe.memory, .base = probe.data, .alloc_id = m->alloc_id,
@@ -364,6 +369,13 @@ static void keep_host_memories(tshare_channel *ch, tshare_set *s) {
   pthread_mutex_unlock(&ch->lock);
 }
 
+/* Every memory of the set is a copy in this process (read over UCX). */
+static bool set_is_copy(const tshare_set *s) {
+  for (uint32_t i = 0; i < s->mems_got; i++)
+    if (!s->mems[i].backend->views_are_copies) return false;
+  return s->mems_got > 0;
+}
+
 static int end_set(tshare_channel *ch, ts_set_rx *rx, tshare_set *s, const tshare_frame *end) {
   if (s->members_got != s->count || s->meta_got != s->meta_len || s->names_got != s->names_bytes)
     return refuse_set(ch, TSHARE_E_PROTOCOL, true,
@@ -374,6 +386,11 @@ static int end_set(tshare_channel *ch, ts_set_rx *rx, tshare_set *s, const tshar
   if (rx->len == TS_SETS_WAITING_MAX)
     return refuse_set(ch, TSHARE_E_LIMIT, true, "%d sets already wait for tshare_set_recv()", TS_SETS_WAITING_MAX);
   keep_host_memories(ch, s);
+  if (set_is_copy(s)) { /* every byte is here: the producer may reuse its memory now */
+    s->released_back = true;
+    ts_share_release_back(ch, s->set_id);
+    (void)ts_share_flush_pending(ch, 0);
+  }
   rx->partial = NULL;
   rx->waiting[(rx->head + rx->len++) % TS_SETS_WAITING_MAX] = s;
   return TSHARE_OK;
@@ -461,9 +478,9 @@ int ts_set_on_frame(tshare_channel *ch, const tshare_frame *f, int fd, int fd_lo
 
 void ts_set_on_other_frame(tshare_channel *ch, int type) {
   if (!ch->set_rx || !ch->set_rx->partial) return;
-  /* The peer's own traffic, and the chunk frames of a memory that follows. */
+  /* The peer's own traffic, and the chunk or rkey frames of a memory that follows. */
   if (type == TSHARE_FRAME_RELEASE || type == TSHARE_FRAME_EVENT || type == TSHARE_FRAME_RETIRE ||
-      type == TSHARE_FRAME_CHUNK)
+      type == TSHARE_FRAME_CHUNK || type == TSHARE_FRAME_RKEY)
     return;
   refuse_set(ch, TSHARE_E_PROTOCOL, true, "cut off by a %s frame", tshare_frame_type_name(type));
 }
@@ -473,9 +490,12 @@ void ts_set_peer_gone(tshare_channel *ch) {
     refuse_set(ch, TSHARE_E_PEER_CLOSED, false, "cut off: the peer closed the channel in the middle of it");
 }
 
+/* Memories the channel's host mappings do not cover: device ones and
+ * copies (landing buffers of remote memory). */
 static tshare_set *drop_device_mappings(tshare_channel *ch, tshare_set *s) {
   for (uint32_t i = 0; i < s->mems_got; i++)
-    if (s->mems[i].backend->set_release) s->mems[i].backend->memory_unref_locked(ch, s->mems[i].memory);
+    if (s->mems[i].backend->set_release || s->mems[i].backend->import_in_set)
+      s->mems[i].backend->memory_unref_locked(ch, s->mems[i].memory);
   return s;
 }
 
@@ -483,7 +503,8 @@ void ts_set_free_queued(tshare_channel *ch) {
   ts_set_rx *rx = ch->set_rx;
   if (!rx) return;
   /* Their host mappings are the channel's, unmapped with it; device ones
-   * live in a process-wide cache and are let go of here. */
+   * live in a process-wide cache and copies in the channel's pool of
+   * landing buffers: let go of here. */
   if (rx->partial) set_free(drop_device_mappings(ch, rx->partial));
   for (size_t i = 0; i < rx->len; i++)
     set_free(drop_device_mappings(ch, rx->waiting[(rx->head + i) % TS_SETS_WAITING_MAX]));
@@ -563,6 +584,14 @@ int tshare_set_cuda_device(const tshare_set *s, size_t i) {
 
 void *tshare_set_data(const tshare_set *s, size_t i) { return s && i < s->count ? s->entries[i].data : NULL; }
 
+int tshare_set_is_copy(const tshare_set *s) { return s && set_is_copy(s) ? 1 : 0; }
+
+tshare_host_buffer *tshare_set_host_buffer(const tshare_set *s, size_t i) {
+  if (!s || i >= s->count) return NULL;
+  const set_mem *m = &s->mems[s->entries[i].mem];
+  return m->backend->memory_host_buffer ? m->backend->memory_host_buffer(m->memory) : NULL;
+}
+
 long tshare_set_find(const tshare_set *s, const char *name) {
   return s && name ? ts_set_name_lookup(&s->by_name, name, set_name_at, s, s->count) : -1;
 }
@@ -606,6 +635,16 @@ static const ts_backend member_backend = {
     .share_view = member_share_view,
 };
 
+/* The same for a member of memory copied into this process (remote memory):
+ * tshare_view_is_copy says so. */
+static const ts_backend member_copy_backend = {
+    .name = "tensor set member (a copy)",
+    .views_are_copies = true,
+    .release = member_release,
+    .release_in_child = member_release_in_child,
+    .share_view = member_share_view,
+};
+
 /* What the view says of its memory: as a share of it would. */
 static void describe_member(tshare_view *v, const set_mem *mem, uint64_t set_id) {
   v->ctx = mem->ctx;
@@ -641,7 +680,7 @@ int tshare_set_view(tshare_set *s, size_t i, tshare_view **out) {
   pthread_mutex_unlock(&ch->lock);
   sv->mem_backend = mem->backend;
   v->ch = ch;
-  v->backend = &member_backend;
+  v->backend = mem->backend->views_are_copies ? &member_copy_backend : &member_backend;
   v->share_id = s->set_id;
   v->data = e->data;
   v->desc = e->desc;

@@ -363,7 +363,9 @@ static ts_export *set_export(const tshare_set_builder *b, void *user_data) {
 static int check_can_send(tshare_channel *ch, const tshare_set_builder *b) {
   if (ch->closed || ch->conn.wfd < 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "set: channel is closed");
   if (b->count == 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "set: the set has no tensors");
-  if (b->host_count && !(ts_conn_caps(&ch->conn) & TS_TRANSPORT_PASSES_FDS))
+  bool passes_fds = ts_conn_caps(&ch->conn) & TS_TRANSPORT_PASSES_FDS;
+  const ts_backend *host = ts_set_host_backend();
+  if (b->host_count && !passes_fds && !host->set_remote_check)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
                    "set: host memory travels as fds, which a pipe channel cannot carry: open a socket channel");
   if (ch->conn.minor < 3 || !(ch->conn.peer.capabilities & TSHARE_CAP_TENSOR_SETS))
@@ -375,8 +377,10 @@ static int check_can_send(tshare_channel *ch, const tshare_set_builder *b) {
   for (size_t i = 0; i < b->mem_count; i++) {
     const ts_set_source *src = b->mems[i].device;
     int rc = src ? src->backend->set_check(ch, src) : TSHARE_OK;
+    if (rc == TSHARE_OK && !src && !passes_fds) rc = host->set_remote_check(ch, b->mems[i].host);
     if (rc != TSHARE_OK) return rc;
-    if (!src && !tshare_host_buffer_is_sealed(b->mems[i].host) && !(ch->conn.peer.capabilities & TSHARE_CAP_HOST_FD))
+    if (!src && passes_fds && !tshare_host_buffer_is_sealed(b->mems[i].host) &&
+        !(ch->conn.peer.capabilities & TSHARE_CAP_HOST_FD))
       return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_MISMATCH,
                      "set: memory %zu is an unsealed file (torch's shared memory) and peer %s does not take such "
                      "files: copy it into tshare's shared memory",
@@ -399,9 +403,12 @@ static int send_step(tshare_channel *ch, const tshare_frame *f, int fd, int64_t 
 }
 
 /* Host memory i: its memfd attached, or, where the peer keeps it mapped, a
- * frame naming it (TSHARE_MEM_HOST_KEPT); lent to a peer that may keep it. */
+ * frame naming it (TSHARE_MEM_HOST_KEPT); lent to a peer that may keep it.
+ * Over a channel without fds, remote memory its backend describes. */
 static int send_host_mem(tshare_channel *ch, tshare_host_buffer *buf, tshare_frame *f, int64_t deadline) {
   const ts_backend *host = ts_set_host_backend();
+  if (!(ts_conn_caps(&ch->conn) & TS_TRANSPORT_PASSES_FDS)) /* checked: read remotely (UCX) */
+    return host->set_send_remote(ch, buf, f, ts_remaining(deadline));
   bool kept = false;
   uint32_t share_flags = 0;
   int rc = host->source_lend ? host->source_lend(ch, buf, &kept, &share_flags) : TSHARE_OK;

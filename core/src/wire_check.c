@@ -106,13 +106,10 @@ static int check_set_mem(const tshare_set_mem_frame *m, uint8_t flags, const tsh
   if (m->mem_kind < TSHARE_MEM_HOST_MEMFD || m->mem_kind > TSHARE_MEM_KIND_LAST)
     return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: memory %u of unknown mem_kind %u", m->index,
                    (unsigned)m->mem_kind);
-  if (m->mem_kind == TSHARE_MEM_UCX_REMOTE)
-    return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: memory %u: remote memory (mem_kind %u) travels in shares only",
-                   m->index, (unsigned)m->mem_kind);
   if (m->handle_len > TSHARE_HANDLE_MAX)
     return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "set: memory %u: handle_len %u over %d", m->index,
                    (unsigned)m->handle_len, TSHARE_HANDLE_MAX);
-  bool host = ts_wire_kind_is_host(m->mem_kind);
+  bool host = ts_wire_kind_is_host(m->mem_kind) || m->mem_kind == TSHARE_MEM_UCX_REMOTE; /* CPU memory, no handle */
   if (host != (m->device_type == TSHARE_DEVICE_CPU) || (host && m->handle_len != 0))
     return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: memory %u: mem_kind %u with device_type %u and %u handle bytes",
                    m->index, (unsigned)m->mem_kind, (unsigned)m->device_type, (unsigned)m->handle_len);

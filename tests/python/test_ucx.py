@@ -91,5 +91,36 @@ def a_wrong_or_missing_token_is_refused():
         assert e.code in (tshare.E_PERMISSION, tshare.E_TIMEOUT) and "token" in str(e), e
 
 
+@test
+def a_set_of_cpu_tensors_crosses_and_is_released_once_read():
+    import torch
+
+    os.environ.pop("TSHARE_TOKEN", None)
+    a, b = ucx_pair(TOKEN, TOKEN)
+    with a, b:
+        base = tshare.empty_shared(290, 3, dtype=torch.float32)
+        base += torch.arange(290, dtype=torch.float32).view(290, 1) + torch.arange(3.0)
+        sent = {"t%d" % i: base[i] for i in range(290)}
+        sent["w"] = tshare.share_memory_(torch.arange(64, dtype=torch.int64).view(8, 8).t().clone())
+        out = {}
+
+        def receive():
+            out["r"] = tshare.recv(b, timeout=20)
+
+        th = threading.Thread(target=receive)
+        th.start()
+        set_id = tshare.send(a, sent, meta=b"step=7", timeout=20)
+        a.wait_released(set_id, timeout=20)  # released once read, while the consumer still holds it
+        th.join(30)
+        assert not th.is_alive(), "the receive did not end"
+        r = out["r"]
+        assert r.share_id == set_id and r.meta == b"step=7", r
+        assert list(r.tensors) == list(sent), "names or order differ"
+        for name, t in sent.items():
+            assert torch.equal(r.tensors[name], t), name
+        base.zero_()  # the producer's memory is its own again: the consumer's copy stays
+        assert r.tensors["t5"].tolist() == [5.0, 6.0, 7.0], r.tensors["t5"]
+
+
 if __name__ == "__main__":
     test.main()

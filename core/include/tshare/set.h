@@ -101,7 +101,10 @@ TSHARE_API size_t tshare_set_builder_count(const tshare_set_builder *b);
 /* Send the set built in b on ch (a socket channel whose peer receives tensor
  * sets: TSHARE_E_PEER_MISMATCH otherwise, naming the peer's wire version).
  * *set_id (optional) gets its id, a share id of ch; user_data comes back in
- * the channel's on_release callback. An empty set is refused. */
+ * the channel's on_release callback. An empty set is refused. On a ucx://
+ * channel (host memory only; a peer of wire 1.6 or newer) each host buffer
+ * goes as remote memory, which the peer reads once into memory of its own and
+ * then releases the set: docs/ucx.md. */
 TSHARE_API int tshare_set_send(tshare_channel *ch, const tshare_set_builder *b, void *user_data, int timeout_ms,
                                uint64_t *set_id);
 
@@ -135,6 +138,20 @@ TSHARE_API long tshare_set_find(const tshare_set *set, const char *name);
 /* The metadata (NULL with *len 0 when the set has none); valid while the set
  * handle lives. */
 TSHARE_API const void *tshare_set_meta(const tshare_set *set, size_t *len);
+
+/* 1 when the set's tensors are a copy in this process's memory (a set
+ * received over UCX: read from the producer, already released back to it,
+ * and writing them changes nothing there), 0 when they map the producer's
+ * memory or set is NULL. Its views say the same (tshare_view_is_copy). */
+TSHARE_API int tshare_set_is_copy(const tshare_set *set);
+/* The host buffer of this process's holding tensor i, for a set that is a
+ * copy (its landing buffer, which covers the producer's whole memory, so
+ * tshare_set_desc(set, i) lies in it as it is), or NULL (memory mapped from
+ * the producer, CUDA memory, past the end). Valid while the set lives; to
+ * share the tensors on (one network copy per node, docs/ucx.md), add the
+ * buffer to a builder, which holds it from then on
+ * (tshare_set_builder_add_host), and release the set. */
+TSHARE_API tshare_host_buffer *tshare_set_host_buffer(const tshare_set *set, size_t i);
 
 /* A view of tensor i that keeps the set alive until it is released with
  * tshare_view_release() (from any thread): what a binding hands to a tensor

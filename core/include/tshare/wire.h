@@ -42,10 +42,11 @@ extern "C" {
 #define TSHARE_WIRE_MAGIC_3 0x52 /* 'R' */
 #define TSHARE_WIRE_MAJOR 1
 #define TSHARE_WIRE_MINOR                                                                                              \
-  5 /* 1: event and retire frames; origin_pid and share_flags appended to share; 2: ring frames; 3: tensor sets;      \
+  6 /* 1: event and retire frames; origin_pid and share_flags appended to share; 2: ring frames; 3: tensor sets;      \
        4: kept host mappings (TSHARE_MEM_HOST_KEPT, the retire frame's mem_kind); 5: remote memory over UCX          \
        (TSHARE_MEM_UCX_REMOTE, the rkey frame) and kept host mappings in tensor sets (share_flags appended to a     \
-       host set memory, TSHARE_CAP_SET_HOST_KEPT) */
+       host set memory, TSHARE_CAP_SET_HOST_KEPT); 6: remote memory in tensor sets (set memories of                  \
+       TSHARE_MEM_UCX_REMOTE, TSHARE_CAP_UCX_SETS) */
 #define TSHARE_WIRE_HEADER_SIZE 12
 
 /* Hard maxima of the frame structs below; tshare_wire_limits can only lower them. */
@@ -105,6 +106,9 @@ typedef enum tshare_frame_type {
   (1u << 11) /* minor 5, with TSHARE_CAP_HOST_KEPT: keeps host memfds of tensor sets as it keeps those of shares:     \
                 takes a host set memory with share_flags (TSHARE_SHARE_FLAG_RETIRE_NOTICE) and set memories of kind   \
                 TSHARE_MEM_HOST_KEPT (no fd) */
+#define TSHARE_CAP_UCX_SETS                                                                                            \
+  (1u << 13) /* minor 6, with TSHARE_CAP_UCX_REMOTE and TSHARE_CAP_TENSOR_SETS: takes set memories of kind            \
+                TSHARE_MEM_UCX_REMOTE (each after the rkey frame of its allocation) and reads them with UCX */
 
 /* Share flags (share_flags, minor 1). Unknown bits are ignored. */
 #define TSHARE_SHARE_FLAG_RETIRE_NOTICE                                                                                \
@@ -240,7 +244,8 @@ typedef struct tshare_rkey_frame {
  *
  * The sender sends a set's frames back to back; only the peer's own release,
  * event and retire frames may come between them, and, before a MEM frame of
- * CUDA VMM memory in several chunks, that memory's chunk frames. CUDA
+ * CUDA VMM memory in several chunks, that memory's chunk frames, and, before a
+ * MEM frame of remote memory (minor 6), the rkey frame of its allocation. CUDA
  * memories (to a peer with TSHARE_CAP_SET_CUDA only) carry share_flags; the
  * END frame carries the set's one stream-ordering event (HAS_EVENT), recorded
  * once after all members were written. Anything else inside a set,
@@ -276,7 +281,13 @@ typedef struct tshare_set_begin_frame {
  * receiver said it keeps mapped: no fd). share_flags travel for the CUDA
  * kinds; a host memory's frame is that of 1.3 with share_flags appended
  * only when they are not 0 (minor 5: TSHARE_SHARE_FLAG_RETIRE_NOTICE on a
- * TSHARE_MEM_HOST_MEMFD, to a peer with TSHARE_CAP_SET_HOST_KEPT). */
+ * TSHARE_MEM_HOST_MEMFD, to a peer with TSHARE_CAP_SET_HOST_KEPT). Over UCX
+ * (minor 6, to a peer with TSHARE_CAP_UCX_SETS) a host memory is
+ * TSHARE_MEM_UCX_REMOTE: no fd, no handle, no share_flags; alloc_id names the
+ * region of the last rkey frame for it, which may come just before the MEM
+ * frame, inside the set. The receiver reads the whole alloc_size (which must
+ * lie inside the region) and releases the set back once every memory was
+ * read. */
 typedef struct tshare_set_mem_frame {
   uint32_t index;    /* 0..mem_count-1, in order */
   uint64_t alloc_id; /* identity of the allocation in the sender's process */
