@@ -95,6 +95,7 @@ static raw_set read_set(tshare_channel *ch) {
 /* Round 0 maps both memfds and says it keeps them; rounds 1.. come with no
  * fd, kept, and show the producer's in-place update of each round. */
 static void hand_consumer_of_weights(int fd) {
+  setenv("TSHARE_SET_AGAIN", "0", 1); /* the memory frames themselves, not a set sent again as one frame */
   tshare_channel *ch = open_socket_channel(fd, "hand consumer", NULL, NULL);
   float *maps[MEMS];
   uint64_t allocs[MEMS], sizes[MEMS];

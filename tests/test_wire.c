@@ -571,7 +571,7 @@ static tshare_frame set_frame(uint8_t op) {
 
 static tshare_frame set_begin(uint32_t count, uint32_t mem_count, uint32_t names_bytes, uint32_t meta_bytes) {
   tshare_frame f = set_frame(TSHARE_SET_BEGIN);
-  f.u.set.u.begin = (tshare_set_begin_frame){count, mem_count, names_bytes, meta_bytes};
+  f.u.set.u.begin = (tshare_set_begin_frame){count, mem_count, names_bytes, meta_bytes, 0};
   return f;
 }
 

@@ -64,6 +64,16 @@ typedef struct ts_set_source {
   int device;      /* the device ordinal it lives on */
 } ts_set_source;
 
+/* How a producer's memory would travel to a peer in a set right now: with
+ * nothing to let the peer keep it mapped, offered to be kept (its frame
+ * promises a retire notice), or named as memory the peer keeps mapped (no
+ * fd, no handle): only sets of such memory are sent again as one frame. */
+typedef enum ts_keep_state {
+  TS_KEEP_NONE = 0,
+  TS_KEEP_OFFERED = 1,
+  TS_KEEP_KEPT = 2
+} ts_keep_state;
+
 /* What a release hook did with the view's memory. */
 typedef enum ts_release_done {
   /* Let go now: the session queues the release for the peer and sends it
@@ -178,6 +188,9 @@ typedef struct ts_backend {
    * index set; the rest filled here). */
   int (*set_remote_check)(tshare_channel *ch, void *source);
   int (*set_send_remote)(tshare_channel *ch, void *source, tshare_frame *f, int timeout_ms);
+  /* Optional: how the producer's memory object would go to ch in a set right
+   * now (ts_keep_state), asking nothing of anyone. Without it: TS_KEEP_NONE. */
+  ts_keep_state (*source_keep_state)(tshare_channel *ch, void *source);
   /* One more or one less reference on a view's `memory` (ch->lock held);
    * the last one unmaps it. */
   void (*memory_ref_locked)(tshare_channel *ch, void *memory);
@@ -205,6 +218,10 @@ typedef struct ts_backend {
   /* Producer: whether ch's peer takes this memory in a set, before any
    * frame of the set goes (an error in ch->err). */
   int (*set_check)(tshare_channel *ch, const ts_set_source *src);
+  /* Optional: how src would go to ch right now (ts_keep_state), as
+   * source_keep_state. Without it: TS_KEEP_NONE (never sent again as one
+   * frame). */
+  ts_keep_state (*set_keep_state)(tshare_channel *ch, const ts_set_source *src);
   /* Producer: send src as memory frame f (type, op, set_id and index set;
    * the rest filled here), after what must precede it (chunk frames).
    * *hold gets what the set keeps until its release (zeroed: nothing). */

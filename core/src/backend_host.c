@@ -310,11 +310,17 @@ static int host_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void
   return TSHARE_OK;
 }
 
+/* TSHARE_SET_AGAIN=0 (a debugging switch) leaves TSHARE_CAP_SET_AGAIN out
+ * of the hello: every set travels whole, as to a peer without it. */
+static bool sets_again_offered(void) {
+  const char *s = getenv("TSHARE_SET_AGAIN");
+  return !(s && strcmp(s, "0") == 0);
+}
+
 static uint64_t host_hello_caps(uint32_t transport_caps) {
-  return transport_caps & TS_TRANSPORT_PASSES_FDS
-             ? (TSHARE_CAP_FD_PASSING | TSHARE_CAP_HOST_MEMFD | TSHARE_CAP_TENSOR_SETS | TSHARE_CAP_HOST_KEPT |
-                TSHARE_CAP_HOST_FD | TSHARE_CAP_SET_HOST_KEPT)
-             : 0;
+  if (!(transport_caps & TS_TRANSPORT_PASSES_FDS)) return 0;
+  return TSHARE_CAP_FD_PASSING | TSHARE_CAP_HOST_MEMFD | TSHARE_CAP_TENSOR_SETS | TSHARE_CAP_HOST_KEPT |
+         TSHARE_CAP_HOST_FD | TSHARE_CAP_SET_HOST_KEPT | (sets_again_offered() ? TSHARE_CAP_SET_AGAIN : 0);
 }
 
 static const char *host_mem_kind_name(int mem_kind) {
@@ -346,6 +352,7 @@ const ts_backend ts_host_backend = {
     .source_lend = ts_host_lend_in_set,
     .set_remote_check = ts_ucx_set_remote_check, /* across hosts, a set's buffers are read over UCX */
     .set_send_remote = ts_ucx_set_send_remote,
+    .source_keep_state = ts_host_keep_state_in_set,
     .memory_ref_locked = host_memory_ref_locked,
     .memory_unref_locked = host_memory_unref_locked,
     .memory_unref_in_child = host_memory_unref_in_child,

@@ -77,6 +77,9 @@ int ts_host_lend(tshare_channel *ch, struct tshare_host_buffer *buf, bool *kept,
 /* The same for a buffer of a tensor set (the source_lend hook): lent only to
  * a peer with TSHARE_CAP_SET_HOST_KEPT, never an unsealed file. */
 int ts_host_lend_in_set(tshare_channel *ch, void *source, bool *kept, uint32_t *share_flags);
+/* How ts_host_lend_in_set would send it now, changing nothing (the
+ * source_keep_state hook). */
+ts_keep_state ts_host_keep_state_in_set(tshare_channel *ch, void *source);
 /* A new or reused mapping m that came with share_flags (ch->lock held):
  * kept if the producer offers it and this end has room. */
 void ts_host_maybe_keep_locked(tshare_channel *ch, ts_mapping *m, uint32_t share_flags);

@@ -81,14 +81,23 @@ int ts_host_lend(tshare_channel *ch, tshare_host_buffer *buf, bool *kept, uint32
   return TSHARE_OK;
 }
 
+static bool peer_keeps_sets(const tshare_channel *ch) {
+  return peer_keeps_host(ch) && ch->conn.minor >= 5 && (ch->conn.peer.capabilities & TSHARE_CAP_SET_HOST_KEPT);
+}
+
 /* A set's host memory goes as a share's does, to a peer that keeps the
  * memfds of sets too; an unsealed file is never lent (share_host says why). */
 int ts_host_lend_in_set(tshare_channel *ch, void *source, bool *kept, uint32_t *share_flags) {
   *kept = false;
   *share_flags = 0;
-  bool peer_keeps_sets = ch->conn.minor >= 5 && (ch->conn.peer.capabilities & TSHARE_CAP_SET_HOST_KEPT);
-  if (!peer_keeps_sets || ts_host_buffer_unsealed(source)) return TSHARE_OK;
+  if (!peer_keeps_sets(ch) || ts_host_buffer_unsealed(source)) return TSHARE_OK;
   return ts_host_lend(ch, source, kept, share_flags);
+}
+
+ts_keep_state ts_host_keep_state_in_set(tshare_channel *ch, void *source) {
+  if (!peer_keeps_sets(ch) || ts_host_buffer_unsealed(source)) return TS_KEEP_NONE;
+  const lent_buffer *l = ts_u64map_get(&ts_host_chan(ch)->lent, LENT_KEY(tshare_host_buffer_id(source)));
+  return l && l->peer_keeps ? TS_KEEP_KEPT : TS_KEEP_OFFERED;
 }
 
 /* Retire lent buffer l (under key): its notice queued, the channel's hold

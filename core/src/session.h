@@ -57,6 +57,14 @@ typedef struct ts_incoming {
   int fd;
 } ts_incoming;
 
+/* A set layout this end offered its peer to keep (producer side of sets
+ * sent again): the builder and its generation whose set declared it, the
+ * layout id (0: none, or its offer is still on its way), and when it was
+ * last used (least recently used goes first). */
+typedef struct ts_set_layout_slot {
+  uint64_t builder, generation, layout_id, used;
+} ts_set_layout_slot;
+
 struct tshare_channel {
   atomic_int refs;      /* the user's handle + one per live view */
   pthread_mutex_t lock; /* mappings, pending releases, closed flag; taken before the conn's locks */
@@ -84,6 +92,8 @@ struct tshare_channel {
 
   void *backend_data[TS_BACKENDS_MAX]; /* each backend's own state (ts_backend_data) */
   struct ts_set_rx *set_rx;  /* tensor sets being received and waiting (session_set.c); NULL until one comes */
+  ts_set_layout_slot set_layouts[TSHARE_SET_LAYOUT_SLOTS]; /* under lock (session_set_slots.c) */
+  uint64_t set_layout_clock;
 
   /* Who may call (channel.h's thread and fork rules): the process that
    * opened it, one thread of it at a time. */

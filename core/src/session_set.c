@@ -87,6 +87,7 @@ struct tshare_set {
   uint32_t mems_got, members_got, names_got, meta_got;
   uint64_t copied;     /* bytes its memories copied into this process (remote memory) */
   bool released_back;  /* a copy: released back once complete, not at its last reference */
+  uint8_t layout_slot; /* 1..TSHARE_SET_LAYOUT_SLOTS: its begin frame asked this end to keep its layout */
   set_mem *mems;
   set_entry *entries;
   char *names; /* each NUL-terminated */
@@ -111,6 +112,11 @@ typedef struct ts_set_rx {
   size_t head, len;
   int refusal; /* the status of a set refused since the last tshare_set_recv(), with its detail */
   char refusal_msg[TSHARE_ERROR_MSG_MAX];
+  /* Layouts kept for sets sent again (TSHARE_SET_AGAIN): each a set that
+   * came whole, its members and memories without mappings, the memories
+   * named by the kinds this end keeps them mapped as; its set_id is the
+   * layout id. */
+  tshare_set *layouts[TSHARE_SET_LAYOUT_SLOTS];
 } ts_set_rx;
 
 /* Drop the set's mappings (ch->lock held): all of them, or the host ones
@@ -224,6 +230,7 @@ static int begin_set(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *
     s->mem_count = b->mem_count;
     s->names_bytes = b->names_bytes;
     s->meta_len = b->meta_bytes;
+    s->layout_slot = b->layout_slot;
     s->mems = calloc(b->mem_count, sizeof *s->mems);
     s->entries = calloc(b->count, sizeof *s->entries);
     s->names = malloc((size_t)b->names_bytes + b->count);
@@ -376,11 +383,142 @@ static bool set_is_copy(const tshare_set *s) {
   return s->mems_got > 0;
 }
 
+/* A frame of a set that never began: the peer may wait for that set's
+ * release, so it gets one; the set's further frames are dropped. */
+static void release_stray_set(tshare_channel *ch, ts_set_rx *rx, uint64_t set_id) {
+  rx->refused_id = set_id;
+  pthread_mutex_lock(&ch->lock);
+  ts_share_queue_release_locked(ch, set_id);
+  pthread_mutex_unlock(&ch->lock);
+}
+
+/* ---- consumer: layouts of sets sent again ------------------------------- */
+
+/* The kind memory m is named by once this end keeps it mapped until its
+ * owner retires it; 0 when it is not such memory. */
+static uint8_t kept_kind_of(const set_mem *m) {
+  if (!ts_set_mem_keepable(m->mem_kind, m->share_flags)) return 0;
+  return m->device_type == TSHARE_DEVICE_CPU ? TSHARE_MEM_HOST_KEPT : TSHARE_MEM_CUDA_HELD;
+}
+
+/* The layout of s (members, names and memories, no mappings), or NULL when
+ * a memory is one this end does not keep mapped, or out of memory. */
+static tshare_set *layout_of(const tshare_set *s) {
+  tshare_set *t = calloc(1, sizeof *t);
+  if (!t) return NULL;
+  t->set_id = s->set_id;
+  t->count = s->count;
+  t->mem_count = s->mem_count;
+  t->names_bytes = s->names_bytes;
+  size_t names = (size_t)s->names_bytes + s->count;
+  t->mems = malloc(s->mem_count * sizeof *t->mems);
+  t->entries = malloc(s->count * sizeof *t->entries);
+  t->names = malloc(names);
+  if (!t->mems || !t->entries || !t->names || ts_u64map_copy(&t->by_name, &s->by_name) != 0) {
+    set_free(t);
+    return NULL;
+  }
+  memcpy(t->entries, s->entries, s->count * sizeof *t->entries);
+  memcpy(t->names, s->names, names);
+  for (uint32_t i = 0; i < s->mem_count; i++) {
+    set_mem m = s->mems[i];
+    m.mem_kind = kept_kind_of(&s->mems[i]);
+    if (!m.mem_kind) {
+      set_free(t);
+      return NULL;
+    }
+    m.memory = m.base = m.ctx = NULL;
+    m.handle_len = 0;
+    /* Host memory is kept already; a held run keeps its retire notice. */
+    m.share_flags = m.device_type == TSHARE_DEVICE_CPU ? 0 : m.share_flags & ~TSHARE_SHARE_FLAG_CHUNKS;
+    t->mems[i] = m;
+  }
+  return t;
+}
+
+/* s came whole and asked for its layout to be kept: it replaces what its
+ * slot held (the slot is left empty where the layout cannot be kept, so a
+ * set sent again from it is refused, never served from an older one). */
+static void keep_layout(ts_set_rx *rx, const tshare_set *s) {
+  tshare_set **slot = &rx->layouts[s->layout_slot - 1];
+  if (*slot) set_free(*slot);
+  *slot = layout_of(s);
+}
+
+/* Memory i of layout t as the memory frame of the kept kind that names it. */
+static tshare_set_mem_frame mem_frame_of(const tshare_set *t, uint32_t i) {
+  const set_mem *m = &t->mems[i];
+  tshare_set_mem_frame f;
+  memset(&f, 0, sizeof f);
+  f.index = i;
+  f.alloc_id = m->alloc_id;
+  f.mem_kind = m->mem_kind;
+  f.device_type = m->device_type;
+  f.alloc_size = m->size;
+  f.share_flags = m->share_flags;
+  memcpy(f.device_uuid, m->device_uuid, 16);
+  return f;
+}
+
+/* Why a set sent again from slot a->layout_slot cannot be served, or NULL. */
+static const char *again_refusal(tshare_channel *ch, const ts_set_rx *rx, const tshare_set_again_frame *a, char *why,
+                                 size_t cap) {
+  const tshare_set *t = rx->layouts[a->layout_slot - 1];
+  if (!ts_set_again_agreed(ch))
+    snprintf(why, cap, "sent again from a layout, and this channel did not agree on TSHARE_CAP_SET_AGAIN (wire %u.%u)",
+             (unsigned)TSHARE_WIRE_MAJOR, (unsigned)ch->conn.minor);
+  else if (!t)
+    snprintf(why, cap, "sent again from layout slot %u, which holds no layout", (unsigned)a->layout_slot);
+  else if (t->set_id != a->layout_id)
+    snprintf(why, cap, "sent again from layout %llu in slot %u, which holds layout %llu",
+             (unsigned long long)a->layout_id, (unsigned)a->layout_slot, (unsigned long long)t->set_id);
+  else
+    return NULL;
+  return why;
+}
+
+/* A set sent again: built from the layout in its slot, each memory taken
+ * as a memory frame of its kept kind would be (a kept mapping looked up:
+ * one no longer kept refuses the set), members and names copied as they
+ * were checked when the layout came. Metadata and the end follow. */
+static int again_set(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *f) {
+  char why[TSHARE_ERROR_MSG_MAX];
+  if (again_refusal(ch, rx, &f->u.again, why, sizeof why)) {
+    release_stray_set(ch, rx, f->set_id);
+    note_refusal(ch, rx, TSHARE_E_PROTOCOL, f->set_id, true, why);
+    return TSHARE_OK;
+  }
+  const tshare_set *t = rx->layouts[f->u.again.layout_slot - 1];
+  tshare_set_frame begin = {.op = TSHARE_SET_BEGIN, .set_id = f->set_id};
+  begin.u.begin = (tshare_set_begin_frame){t->count, t->mem_count, t->names_bytes, f->u.again.meta_bytes, 0};
+  int rc = begin_set(ch, rx, &begin);
+  tshare_set *s = rx->partial;
+  if (rc != TSHARE_OK || !s) return rc;
+  for (uint32_t i = 0; i < t->mem_count; i++) {
+    tshare_set_mem_frame m = mem_frame_of(t, i);
+    int fd = -1;
+    rc = add_mem(ch, s, &m, &fd);
+    if (rx->partial != s) return rc; /* refused, naming the memory */
+  }
+  memcpy(s->entries, t->entries, t->count * sizeof *s->entries);
+  memcpy(s->names, t->names, (size_t)t->names_bytes + t->count);
+  if (ts_u64map_copy(&s->by_name, &t->by_name) != 0) return refuse_set(ch, TSHARE_E_NOMEM, true, "out of memory");
+  for (uint32_t i = 0; i < t->count; i++) {
+    set_entry *e = &s->entries[i];
+    void *base = s->mems[e->mem].base;
+    e->data = base ? (char *)base + e->desc.byte_offset : NULL;
+  }
+  s->members_got = t->count;
+  s->names_got = t->names_bytes;
+  return TSHARE_OK;
+}
+
 static int end_set(tshare_channel *ch, ts_set_rx *rx, tshare_set *s, const tshare_frame *end) {
   if (s->members_got != s->count || s->meta_got != s->meta_len || s->names_got != s->names_bytes)
     return refuse_set(ch, TSHARE_E_PROTOCOL, true,
                       "ended with %u of %u tensors, %u of %u bytes of names and %u of %u bytes of metadata",
                       s->members_got, s->count, s->names_got, s->names_bytes, s->meta_got, s->meta_len);
+  if (s->layout_slot && ts_set_again_agreed(ch)) keep_layout(rx, s);
   if ((end->flags & TSHARE_FRAME_FLAG_HAS_EVENT) && !wait_for_producer(ch, s, end))
     return refuse_set(ch, TSHARE_E_PROTOCOL, true, "ordering after the producer's stream: %s", ch->err);
   if (rx->len == TS_SETS_WAITING_MAX)
@@ -409,15 +547,6 @@ static int lost_fd(tshare_channel *ch, int lost) {
                     lost == ENFILE ? "ENFILE" : "EMFILE", limit);
 }
 
-/* A frame of a set that never began: the peer may wait for that set's
- * release, so it gets one; the set's further frames are dropped. */
-static void release_stray_set(tshare_channel *ch, ts_set_rx *rx, uint64_t set_id) {
-  rx->refused_id = set_id;
-  pthread_mutex_lock(&ch->lock);
-  ts_share_queue_release_locked(ch, set_id);
-  pthread_mutex_unlock(&ch->lock);
-}
-
 /* A frame of set f->set_id that the decoder refused alone (a count, name or
  * metadata over the wire's bounds; ch->err says which): the framing held,
  * so the set is refused, released back once and its other frames dropped,
@@ -439,9 +568,9 @@ static int on_step(tshare_channel *ch, ts_set_rx *rx, const tshare_frame *frame,
   const tshare_set_frame *f = &frame->u.set;
   tshare_set *s = rx->partial;
   if (f->op == TS_SET_OP_REFUSED) return refused_by_decoder(ch, rx, f);
-  if (f->op == TSHARE_SET_BEGIN) {
+  if (f->op == TSHARE_SET_BEGIN || f->op == TSHARE_SET_AGAIN) {
     if (s) refuse_set(ch, TSHARE_E_PROTOCOL, true, "cut off by the beginning of set %llu", (unsigned long long)f->set_id);
-    return begin_set(ch, rx, f);
+    return f->op == TSHARE_SET_BEGIN ? begin_set(ch, rx, f) : again_set(ch, rx, f);
   }
   if (!s || s->set_id != f->set_id) {
     if (f->set_id == rx->refused_id) { /* the rest of a refused set */
@@ -508,6 +637,8 @@ void ts_set_free_queued(tshare_channel *ch) {
   if (rx->partial) set_free(drop_device_mappings(ch, rx->partial));
   for (size_t i = 0; i < rx->len; i++)
     set_free(drop_device_mappings(ch, rx->waiting[(rx->head + i) % TS_SETS_WAITING_MAX]));
+  for (size_t i = 0; i < TSHARE_SET_LAYOUT_SLOTS; i++)
+    if (rx->layouts[i]) set_free(rx->layouts[i]);
   free(rx);
   ch->set_rx = NULL;
 }

@@ -22,6 +22,38 @@ void ts_set_peer_gone(tshare_channel *ch);
  * mappings go with the channel's). */
 void ts_set_free_queued(tshare_channel *ch);
 
+/* Whether sets may be sent again as one frame on ch (TSHARE_SET_AGAIN, the
+ * begin frame's layout_slot): both ends offered TSHARE_CAP_SET_AGAIN. */
+static inline bool ts_set_again_agreed(const tshare_channel *ch) {
+  return ch->conn.minor >= 6 && (ch->conn.self.capabilities & ch->conn.peer.capabilities & TSHARE_CAP_SET_AGAIN);
+}
+
+/* What a set's send does (session_set_slots.c): slot 0 sends it whole as
+ * today; else the set's layout is in slot (1..TSHARE_SET_LAYOUT_SLOTS) of
+ * the peer's: with layout_id, the set goes again from it as one frame;
+ * without, it goes whole and offers the peer to keep its layout there. */
+typedef struct ts_set_again_plan {
+  unsigned slot;
+  uint64_t layout_id;
+} ts_set_again_plan;
+
+/* The plan for a set of builder's generation whose memories would all go as
+ * state (the least of theirs) now; the slot is claimed for it. */
+ts_set_again_plan ts_set_slots_plan(tshare_channel *ch, uint64_t builder, uint64_t generation, ts_keep_state state);
+/* The set that offered slot went out whole as layout_id, or (0) it did not,
+ * or one of its memories went in a frame the peer keeps no layout of. */
+void ts_set_slots_declared(tshare_channel *ch, unsigned slot, uint64_t builder, uint64_t generation,
+                           uint64_t layout_id);
+
+/* Whether memory sent as mem_kind with share_flags is kept mapped by the
+ * peer until its owner retires it (then a layout of it may be kept): the
+ * kept kinds, and the kinds they come from, offered to be kept. */
+static inline bool ts_set_mem_keepable(uint8_t mem_kind, uint32_t share_flags) {
+  bool notice = (share_flags & TSHARE_SHARE_FLAG_RETIRE_NOTICE) != 0;
+  return mem_kind == TSHARE_MEM_HOST_KEPT || mem_kind == TSHARE_MEM_CUDA_HELD ||
+         (notice && (mem_kind == TSHARE_MEM_HOST_MEMFD || mem_kind == TSHARE_MEM_CUDA_FD));
+}
+
 /* A set's memory is host memory: the backend of that kind maps it, keeps
  * the producer's buffers and counts the views of a mapping. */
 static inline const ts_backend *ts_set_host_backend(void) { return ts_backend_for_mem_kind(TSHARE_MEM_HOST_MEMFD); }

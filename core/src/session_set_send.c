@@ -61,9 +61,17 @@ struct tshare_set_builder {
   void *stream; /* the device stream the members were written on */
   uint8_t *meta;
   size_t meta_len;
+  /* Who it is to a channel's layout slots (session_set_slots.c): a serial
+   * of its own, and a generation bumped by every change but the metadata. */
+  uint64_t serial, generation;
 };
 
-tshare_set_builder *tshare_set_builder_create(void) { return calloc(1, sizeof(tshare_set_builder)); }
+tshare_set_builder *tshare_set_builder_create(void) {
+  static atomic_uint_fast64_t serials;
+  tshare_set_builder *b = calloc(1, sizeof(tshare_set_builder));
+  if (b) b->serial = (uint64_t)atomic_fetch_add(&serials, 1) + 1;
+  return b;
+}
 
 static void source_unref(ts_set_source *src) {
   if (atomic_fetch_sub(&src->refs, 1) == 1) src->backend->set_source_free(src);
@@ -157,6 +165,7 @@ static int append_member(tshare_set_builder *b, const char *name, long mem, cons
 
 static int builder_add(tshare_set_builder *b, const char *name, tshare_host_buffer *buf,
                        const tshare_tensor_desc *desc, char *err, size_t cap) {
+  b->generation++; /* a memory may be added even when the member is not */
   int rc = check_new_member(b, name, desc, err, cap);
   if (rc != TSHARE_OK) return rc;
   char why[160];
@@ -216,6 +225,7 @@ static int builder_add_device(tshare_set_builder *b, const char *name, void *ptr
                  "does not carry in sets", name);
   ts_set_source *src = NULL;
   uint64_t offset = 0;
+  b->generation++;
   ts_keep_ref member_keep = {NULL, NULL, NULL};
   if (rc == TSHARE_OK) rc = be->set_source_new(ptr, buf, desc, user_keep, &src, &offset, &member_keep, err, cap);
   if (rc != TSHARE_OK) {
@@ -280,7 +290,9 @@ int tshare_set_builder_add_cuda_buffer(tshare_set_builder *b, const char *name, 
 }
 
 void tshare_set_builder_set_stream(tshare_set_builder *b, void *stream) {
-  if (b) b->stream = stream;
+  if (!b) return;
+  b->stream = stream;
+  b->generation++; /* its ordering goes with the members' frames */
 }
 
 int tshare_set_builder_set_meta(tshare_set_builder *b, const void *meta, size_t len, tshare_error *err) {
@@ -428,26 +440,33 @@ static int send_host_mem(tshare_channel *ch, tshare_host_buffer *buf, tshare_fra
 /* Memory i: a host buffer (above), or what its backend sends for it (what
  * it holds for the set goes with the set's export, or at once where the
  * peer already released the set). */
-static int send_mem(tshare_channel *ch, const tshare_set_builder *b, size_t i, uint64_t id, int64_t deadline) {
+static int send_mem(tshare_channel *ch, const tshare_set_builder *b, size_t i, uint64_t id, int64_t deadline,
+                    bool *keepable) {
   tshare_frame f = set_step(TSHARE_SET_MEM, id);
   const builder_mem *m = &b->mems[i];
+  f.u.set.u.mem.index = (uint32_t)i;
+  int rc;
   if (m->device) {
-    f.u.set.u.mem.index = (uint32_t)i;
     ts_keep_ref hold = {NULL, NULL, NULL};
-    int rc = m->device->backend->set_send_mem(ch, m->device, &f, &hold, ts_remaining(deadline));
+    rc = m->device->backend->set_send_mem(ch, m->device, &f, &hold, ts_remaining(deadline));
     ts_export *e = ts_export_find(ch, id);
     set_keep *k = e ? e->owner : NULL;
     if (hold.drop && k) k->keeps[k->nkeeps + k->nholds++] = hold;
     else drop_keep(&hold);
-    return rc;
+  } else {
+    rc = send_host_mem(ch, m->host, &f, deadline);
   }
-  f.u.set.u.mem.index = (uint32_t)i;
-  return send_host_mem(ch, m->host, &f, deadline);
+  /* The peer keeps a layout of the set only where it keeps every memory. */
+  if (!ts_set_mem_keepable(f.u.set.u.mem.mem_kind, f.u.set.u.mem.share_flags)) *keepable = false;
+  return rc;
 }
 
-static int send_members(tshare_channel *ch, const tshare_set_builder *b, uint64_t id, int64_t deadline) {
+/* The memories and members of the set (*keepable: whether the peer keeps
+ * every memory mapped, so that it may keep the set's layout). */
+static int send_members(tshare_channel *ch, const tshare_set_builder *b, uint64_t id, int64_t deadline,
+                        bool *keepable) {
   int rc = TSHARE_OK;
-  for (size_t i = 0; i < b->mem_count && rc == TSHARE_OK; i++) rc = send_mem(ch, b, i, id, deadline);
+  for (size_t i = 0; i < b->mem_count && rc == TSHARE_OK; i++) rc = send_mem(ch, b, i, id, deadline, keepable);
   for (size_t i = 0; i < b->count && rc == TSHARE_OK; i++) {
     tshare_frame f = set_step(TSHARE_SET_MEMBER, id);
     tshare_set_member_frame *m = &f.u.set.u.member;
@@ -458,6 +477,11 @@ static int send_members(tshare_channel *ch, const tshare_set_builder *b, uint64_
     m->tensor = b->entries[i].desc;
     rc = send_step(ch, &f, -1, deadline);
   }
+  return rc;
+}
+
+static int send_meta(tshare_channel *ch, const tshare_set_builder *b, uint64_t id, int64_t deadline) {
+  int rc = TSHARE_OK;
   for (size_t off = 0; off < b->meta_len && rc == TSHARE_OK; off += TSHARE_SET_META_CHUNK_MAX) {
     tshare_frame f = set_step(TSHARE_SET_META, id);
     size_t n = b->meta_len - off < TSHARE_SET_META_CHUNK_MAX ? b->meta_len - off : TSHARE_SET_META_CHUNK_MAX;
@@ -482,10 +506,41 @@ static int order_after_members(tshare_channel *ch, const tshare_set_builder *b, 
   return TSHARE_OK;
 }
 
+/* The least of how b's memories would go to ch now: TS_KEEP_KEPT when the
+ * peer keeps every one mapped (asked per memory, not per member). */
+static ts_keep_state keep_state(tshare_channel *ch, const tshare_set_builder *b) {
+  const ts_backend *host = ts_set_host_backend();
+  ts_keep_state least = TS_KEEP_KEPT;
+  for (size_t i = 0; i < b->mem_count && least != TS_KEEP_NONE; i++) {
+    const ts_set_source *src = b->mems[i].device;
+    ts_keep_state state = src ? (src->backend->set_keep_state ? src->backend->set_keep_state(ch, src) : TS_KEEP_NONE)
+                          : host->source_keep_state ? host->source_keep_state(ch, b->mems[i].host)
+                                                    : TS_KEEP_NONE;
+    if (state < least) least = state;
+  }
+  return least;
+}
+
+/* The set's first frame: its begin (offering the peer to keep its layout in
+ * plan's slot), or, sent again, the layout it comes from. */
+static tshare_frame first_frame(const tshare_set_builder *b, uint64_t id, const ts_set_again_plan *plan) {
+  if (plan->layout_id) {
+    tshare_frame f = set_step(TSHARE_SET_AGAIN, id);
+    f.u.set.u.again = (tshare_set_again_frame){(uint8_t)plan->slot, plan->layout_id, (uint32_t)b->meta_len};
+    return f;
+  }
+  tshare_frame f = set_step(TSHARE_SET_BEGIN, id);
+  f.u.set.u.begin = (tshare_set_begin_frame){(uint32_t)b->count, (uint32_t)b->mem_count, (uint32_t)b->names_bytes,
+                                             (uint32_t)b->meta_len, (uint8_t)plan->slot};
+  return f;
+}
+
 static int set_send(tshare_channel *ch, const tshare_set_builder *b, void *user_data, int timeout_ms,
                     uint64_t *set_id) {
   int rc = check_can_send(ch, b);
   if (rc != TSHARE_OK) return rc;
+  ts_set_again_plan plan = {0, 0};
+  if (ts_set_again_agreed(ch)) plan = ts_set_slots_plan(ch, b->serial, b->generation, keep_state(ch, b));
   ts_export *e = set_export(b, user_data);
   if (!e || ts_export_register(ch, e) != TSHARE_OK) {
     if (e) ts_export_drop(e);
@@ -493,9 +548,7 @@ static int set_send(tshare_channel *ch, const tshare_set_builder *b, void *user_
   }
   uint64_t id = e->share_id;
   int64_t deadline = ts_deadline(timeout_ms);
-  tshare_frame f = set_step(TSHARE_SET_BEGIN, id);
-  f.u.set.u.begin = (tshare_set_begin_frame){(uint32_t)b->count, (uint32_t)b->mem_count, (uint32_t)b->names_bytes,
-                                       (uint32_t)b->meta_len};
+  tshare_frame f = first_frame(b, id, &plan);
   rc = send_step(ch, &f, -1, deadline);
   if (rc != TSHARE_OK) { /* nothing went: the set never existed */
     ts_export_drop(ts_export_take(ch, id));
@@ -505,13 +558,18 @@ static int set_send(tshare_channel *ch, const tshare_set_builder *b, void *user_
    * happens: the peer releases a set it got only part of. */
   ts_export_sent(ch);
   if (set_id) *set_id = id;
-  rc = send_members(ch, b, id, deadline);
+  bool keepable = true;
+  rc = plan.layout_id ? TSHARE_OK : send_members(ch, b, id, deadline, &keepable);
+  if (rc == TSHARE_OK) rc = send_meta(ch, b, id, deadline);
   f = set_step(TSHARE_SET_END, id);
   if (rc == TSHARE_OK && b->device_backend) rc = order_after_members(ch, b, &f, id, deadline);
   if (rc == TSHARE_OK) rc = send_step(ch, &f, -1, deadline);
+  if (plan.slot && !plan.layout_id) /* the peer keeps the layout of a set that came whole, of kept memories */
+    ts_set_slots_declared(ch, plan.slot, b->serial, b->generation, rc == TSHARE_OK && keepable ? id : 0);
   if (rc == TSHARE_OK)
-    TS_LOG(TS_LOG_INFO, "sent tensor set %llu (%zu tensors in %zu memories, %zu bytes of metadata) to %s",
-           (unsigned long long)id, b->count, b->mem_count, b->meta_len, ch->conn.peer_label);
+    TS_LOG(TS_LOG_INFO, "sent tensor set %llu (%zu tensors in %zu memories, %zu bytes of metadata%s) to %s",
+           (unsigned long long)id, b->count, b->mem_count, b->meta_len,
+           plan.layout_id ? ", again from its layout" : "", ch->conn.peer_label);
   return rc;
 }
 

@@ -73,6 +73,20 @@ static int check_set_begin(const tshare_set_begin_frame *b, char *err, size_t ca
   if (b->meta_bytes > TSHARE_SET_META_MAX)
     return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "set: %u bytes of metadata over %u", b->meta_bytes,
                    TSHARE_SET_META_MAX);
+  if (b->layout_slot > TSHARE_SET_LAYOUT_SLOTS)
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: layout slot %u outside 0..%u", (unsigned)b->layout_slot,
+                   TSHARE_SET_LAYOUT_SLOTS);
+  return TSHARE_OK;
+}
+
+static int check_set_again(const tshare_set_again_frame *a, char *err, size_t cap) {
+  if (a->layout_slot == 0 || a->layout_slot > TSHARE_SET_LAYOUT_SLOTS)
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: sent again from layout slot %u, outside 1..%u",
+                   (unsigned)a->layout_slot, TSHARE_SET_LAYOUT_SLOTS);
+  if (a->layout_id == 0) return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: sent again from layout id 0");
+  if (a->meta_bytes > TSHARE_SET_META_MAX)
+    return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "set: sent again with %u bytes of metadata, over %u", a->meta_bytes,
+                   TSHARE_SET_META_MAX);
   return TSHARE_OK;
 }
 
@@ -154,6 +168,8 @@ int ts_wire_check_set(const tshare_set_frame *f, uint8_t flags, const tshare_wir
     return check_set_begin(&f->u.begin, err, cap);
   case TSHARE_SET_MEM:
     return check_set_mem(&f->u.mem, flags, &limits, err, cap);
+  case TSHARE_SET_AGAIN:
+    return check_set_again(&f->u.again, err, cap);
   case TSHARE_SET_MEMBER:
     return check_set_member(&f->u.member, &limits, err, cap);
   case TSHARE_SET_META:

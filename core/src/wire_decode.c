@@ -172,6 +172,12 @@ static int decode_set(tshare_decoder *d, ts_reader *r, uint8_t flags, tshare_set
     f->u.begin.mem_count = ts_get_u32(r);
     f->u.begin.names_bytes = ts_get_u32(r);
     f->u.begin.meta_bytes = ts_get_u32(r);
+    if (r->left >= 1) f->u.begin.layout_slot = ts_get_u8(r); /* minor 6, when not 0 */
+    break;
+  case TSHARE_SET_AGAIN:
+    f->u.again.layout_slot = ts_get_u8(r);
+    f->u.again.layout_id = ts_get_u64(r);
+    f->u.again.meta_bytes = ts_get_u32(r);
     break;
   case TSHARE_SET_MEM: {
     tshare_set_mem_frame *m = &f->u.mem;

@@ -32,6 +32,12 @@ static int encode_set(const tshare_set_frame *f, uint8_t flags, ts_writer *w, ch
     ts_put_u32(w, f->u.begin.mem_count);
     ts_put_u32(w, f->u.begin.names_bytes);
     ts_put_u32(w, f->u.begin.meta_bytes);
+    if (f->u.begin.layout_slot) ts_put_u8(w, f->u.begin.layout_slot); /* minor 6, only when asked for */
+    break;
+  case TSHARE_SET_AGAIN:
+    ts_put_u8(w, f->u.again.layout_slot);
+    ts_put_u64(w, f->u.again.layout_id);
+    ts_put_u32(w, f->u.again.meta_bytes);
     break;
   case TSHARE_SET_MEM: {
     const tshare_set_mem_frame *m = &f->u.mem;

@@ -46,7 +46,8 @@ extern "C" {
        4: kept host mappings (TSHARE_MEM_HOST_KEPT, the retire frame's mem_kind); 5: remote memory over UCX          \
        (TSHARE_MEM_UCX_REMOTE, the rkey frame) and kept host mappings in tensor sets (share_flags appended to a     \
        host set memory, TSHARE_CAP_SET_HOST_KEPT); 6: remote memory in tensor sets (set memories of                  \
-       TSHARE_MEM_UCX_REMOTE, TSHARE_CAP_UCX_SETS) */
+       TSHARE_MEM_UCX_REMOTE, TSHARE_CAP_UCX_SETS) and a set sent again as one frame (the begin frame's           \
+       layout_slot, TSHARE_SET_AGAIN, TSHARE_CAP_SET_AGAIN) */
 #define TSHARE_WIRE_HEADER_SIZE 12
 
 /* Hard maxima of the frame structs below; tshare_wire_limits can only lower them. */
@@ -106,6 +107,9 @@ typedef enum tshare_frame_type {
   (1u << 11) /* minor 5, with TSHARE_CAP_HOST_KEPT: keeps host memfds of tensor sets as it keeps those of shares:     \
                 takes a host set memory with share_flags (TSHARE_SHARE_FLAG_RETIRE_NOTICE) and set memories of kind   \
                 TSHARE_MEM_HOST_KEPT (no fd) */
+#define TSHARE_CAP_SET_AGAIN                                                                                           \
+  (1u << 12) /* minor 6: keeps the layout of sets it received, so a set sent again travels as one frame (the begin   \
+                frame's layout_slot, TSHARE_SET_AGAIN) */
 #define TSHARE_CAP_UCX_SETS                                                                                            \
   (1u << 13) /* minor 6, with TSHARE_CAP_UCX_REMOTE and TSHARE_CAP_TENSOR_SETS: takes set memories of kind            \
                 TSHARE_MEM_UCX_REMOTE (each after the rkey frame of its allocation) and reads them with UCX */
@@ -242,6 +246,18 @@ typedef struct tshare_rkey_frame {
  *   META     the metadata in order, chunk by chunk (none when meta_bytes is 0)
  *   END      the set is complete
  *
+ * or, for a set sent again (minor 6, both ends with TSHARE_CAP_SET_AGAIN):
+ *
+ *   AGAIN    the layout kept in a slot (the members and their memories of the
+ *            set that declared it), then META and END as above
+ *
+ * A begin frame may ask the receiver to keep the set's layout in slot 1..
+ * TSHARE_SET_LAYOUT_SLOTS once the set came whole (replacing the slot's
+ * old one), under the set's id as its layout id; the sender offers only sets
+ * whose every memory the receiver keeps mapped until retired. An AGAIN the
+ * receiver cannot serve (an empty slot, another layout id, a memory retired
+ * meanwhile) refuses that set alone.
+ *
  * The sender sends a set's frames back to back; only the peer's own release,
  * event and retire frames may come between them, and, before a MEM frame of
  * CUDA VMM memory in several chunks, that memory's chunk frames, and, before a
@@ -256,13 +272,15 @@ typedef struct tshare_rkey_frame {
 #define TSHARE_SET_NAMES_MAX (16u * 1024u * 1024u) /* bytes of all member names of a set together */
 #define TSHARE_SET_META_MAX (16u * 1024u * 1024u)  /* bytes of a set's metadata */
 #define TSHARE_SET_META_CHUNK_MAX 2032u /* metadata bytes in one META frame: tshare_frame keeps its size */
+#define TSHARE_SET_LAYOUT_SLOTS 4u      /* set layouts a receiver keeps per channel (minor 6) */
 
 typedef enum tshare_set_op {
   TSHARE_SET_BEGIN = 1,
   TSHARE_SET_MEM = 2,
   TSHARE_SET_MEMBER = 3,
   TSHARE_SET_META = 4,
-  TSHARE_SET_END = 5
+  TSHARE_SET_END = 5,
+  TSHARE_SET_AGAIN = 6 /* minor 6, to a peer with TSHARE_CAP_SET_AGAIN */
 } tshare_set_op;
 
 typedef struct tshare_set_begin_frame {
@@ -270,7 +288,19 @@ typedef struct tshare_set_begin_frame {
   uint32_t mem_count;   /* memories: 1..count */
   uint32_t names_bytes; /* sum of the members' name lengths: count..TSHARE_SET_NAMES_MAX */
   uint32_t meta_bytes;  /* 0..TSHARE_SET_META_MAX */
+  /* minor 6, appended only when not 0 (to a peer with TSHARE_CAP_SET_AGAIN): keep this set's layout in slot
+   * 1..TSHARE_SET_LAYOUT_SLOTS; 0: keep none */
+  uint8_t layout_slot;
 } tshare_set_begin_frame;
+
+/* A set sent again (minor 6): the members and memories of the layout kept in
+ * layout_slot, which the set layout_id declared; its metadata and end frame
+ * follow as a set's do. */
+typedef struct tshare_set_again_frame {
+  uint8_t layout_slot; /* 1..TSHARE_SET_LAYOUT_SLOTS */
+  uint64_t layout_id;  /* the id of the set whose begin frame declared the layout: never 0 */
+  uint32_t meta_bytes; /* 0..TSHARE_SET_META_MAX */
+} tshare_set_again_frame;
 
 /* One memory of the set, described as a share frame describes its memory:
  * TSHARE_MEM_HOST_MEMFD (its fd attached), TSHARE_MEM_CUDA_IPC (its handle),
@@ -332,6 +362,7 @@ typedef struct tshare_set_frame {
     tshare_set_member_frame member;
     tshare_set_meta_frame meta;
     tshare_set_end_frame end;
+    tshare_set_again_frame again;
   } u;
 } tshare_set_frame;
 
