@@ -1,0 +1,528 @@
+/* A set sent again is one frame: the weight-sync loop, where the same
+ * builder is sent again and again with its buffers updated in place. The
+ * consumer keeps the layout of a set it took (members, names, memories) in
+ * one of TSHARE_SET_LAYOUT_SLOTS slots; the producer then sends the set as
+ * TSHARE_SET_AGAIN, its metadata and its end. Tested: what travels (a
+ * consumer speaking frames by hand counts them and checks each AGAIN names
+ * the layout its slot holds), what arrives (a real consumer checks names,
+ * data and metadata of every set), a builder changed or new, LRU slots,
+ * the refusals a lying producer provokes, and a peer of wire 1.5. */
+#include "harness.h"
+#include "proc_util.h"
+#include "tshare/hostmem.h"
+#include "tshare/set.h"
+#include "tshare/share.h"
+#include "tshare/wire.h"
+
+#define F32 ((tshare_dtype){TSHARE_DTYPE_FLOAT, 32, 1})
+enum { FLOATS = 256, BUILDERS = 5, SENT_AGAIN = 50, MEMBERS_MAX = 8 };
+
+/* ---- the producer's scenario, against either consumer -------------------- */
+
+/* Builder k: two buffers, nmem members "b<k>.t<j>" of FLOATS floats, member
+ * j in buffer j % 2 at slot j / 2; the metadata says who and which round. */
+typedef struct weights {
+  tshare_set_builder *b;
+  tshare_host_buffer *bufs[2];
+  int nmem;
+} weights;
+
+typedef struct meta {
+  int builder, round, nmem;
+} meta;
+
+static float value_of(int k, int round, int j, int i) { return (float)(round * 1000 + k * 100 + j * 10) + (float)i; }
+
+static void add_member(weights *w, int k) {
+  int j = w->nmem++;
+  int64_t n = FLOATS;
+  tshare_tensor_desc d = tshare_tensor_contiguous(F32, 1, &n, (uint64_t)(j / 2) * FLOATS * sizeof(float));
+  char name[32];
+  snprintf(name, sizeof name, "b%d.t%d", k, j);
+  CHECK_RC(tshare_set_builder_add_host(w->b, name, w->bufs[j % 2], &d, NULL), TSHARE_OK, name);
+}
+
+static void make_weights(weights *w, int k, int nmem) {
+  memset(w, 0, sizeof *w);
+  w->b = tshare_set_builder_create();
+  for (int m = 0; m < 2; m++)
+    CHECK_RC(tshare_host_buffer_create(MEMBERS_MAX / 2 * FLOATS * sizeof(float), "tshare-again", &w->bufs[m], NULL),
+             TSHARE_OK, "");
+  for (int j = 0; j < nmem; j++) add_member(w, k);
+}
+
+static void drop_weights(weights *w) {
+  tshare_set_builder_destroy(w->b);
+  for (int m = 0; m < 2; m++) tshare_host_buffer_destroy(w->bufs[m]);
+}
+
+/* Update builder k's tensors in place for round, and send its set. */
+static void send_round(tshare_channel *ch, weights *w, int k, int round) {
+  for (int j = 0; j < w->nmem; j++) {
+    float *p = (float *)tshare_host_buffer_data(w->bufs[j % 2]) + (j / 2) * FLOATS;
+    for (int i = 0; i < FLOATS; i++) p[i] = value_of(k, round, j, i);
+  }
+  meta m = {k, round, w->nmem};
+  CHECK_RC(tshare_set_builder_set_meta(w->b, &m, sizeof m, NULL), TSHARE_OK, "");
+  uint64_t id;
+  CHECK_RC(tshare_set_send(ch, w->b, NULL, 5000, &id), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_channel_wait_released(ch, id, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+}
+
+/* Sets sent whole and sent again by the scenario below. */
+enum { SETS_WHOLE = 15, SETS_AGAIN = 72 };
+
+static void run_scenario(tshare_channel *ch) {
+  weights w[BUILDERS];
+  make_weights(&w[0], 0, 3);
+  int round = 0;
+  for (int n = 0; n < SENT_AGAIN; n++) send_round(ch, &w[0], 0, round++); /* 1 whole, 49 again */
+  add_member(&w[0], 0);                                                      /* changed: whole once more */
+  for (int n = 0; n < 3; n++) send_round(ch, &w[0], 0, round++);           /* 1 whole, 2 again */
+  make_weights(&w[1], 1, 2);
+  for (int n = 0; n < 4; n++) { /* two builders, two slots: 1 whole, 7 again */
+    send_round(ch, &w[0], 0, round++);
+    send_round(ch, &w[1], 1, round++);
+  }
+  for (int k = 2; k < BUILDERS; k++) make_weights(&w[k], k, k + 1);
+  /* Five builders, four slots: builder 0, used between each of the others,
+   * is never the least recently used; the others evict one another (b1
+   * again once, then b2..b4 and every later one whole: 12 + 1 again, 11 whole). */
+  for (int r = 0; r < 3; r++)
+    for (int k = 1; k < BUILDERS; k++) {
+      send_round(ch, &w[0], 0, round++);
+      send_round(ch, &w[k], k, round++);
+    }
+  /* A builder and its buffers gone, new ones made in their place: never
+   * served from the old layout (1 whole, 1 again). */
+  drop_weights(&w[4]);
+  make_weights(&w[4], 4, 5);
+  for (int n = 0; n < 2; n++) send_round(ch, &w[4], 4, round++);
+  for (int k = 0; k < BUILDERS; k++) drop_weights(&w[k]);
+}
+
+/* ---- a consumer speaking frames by hand: what travels --------------------- */
+
+static void send_frame(tshare_channel *ch, const tshare_frame *f, int fd) {
+  CHECK_RC(tshare_channel_send_frame(ch, f, fd, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+}
+
+static tshare_frame frame_of(int type) {
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = (uint8_t)type;
+  return f;
+}
+
+static tshare_frame set_step(uint8_t op, uint64_t set_id) {
+  tshare_frame f = frame_of(TSHARE_FRAME_SET);
+  f.u.set.op = op;
+  f.u.set.set_id = set_id;
+  return f;
+}
+
+static tshare_frame release_frame(uint64_t id) {
+  tshare_frame f = frame_of(TSHARE_FRAME_RELEASE);
+  f.u.release.count = 1;
+  f.u.release.share_ids[0] = id;
+  return f;
+}
+
+static tshare_frame kept_frame(uint64_t alloc_id) {
+  tshare_frame f = frame_of(TSHARE_FRAME_RETIRE);
+  f.u.retire.closed = TSHARE_RETIRE_KEPT;
+  f.u.retire.mem_kind = TSHARE_MEM_HOST_MEMFD;
+  f.u.retire.count = 1;
+  f.u.retire.alloc_ids[0] = alloc_id;
+  return f;
+}
+
+/* The consumer as the producer sees it: it keeps every memfd offered, and
+ * the layout of every whole set in the slot its begin frame names. Every
+ * set sent again must name the layout its slot holds, and be three frames. */
+static void hand_consumer(int fd) {
+  tshare_channel *ch = open_socket_channel(fd, "hand consumer", NULL, NULL);
+  uint64_t slots[TSHARE_SET_LAYOUT_SLOTS] = {0};
+  int whole = 0, again = 0;
+  for (;;) {
+    tshare_frame f;
+    int mem_fd = -1;
+    int rc = tshare_channel_recv_frame(ch, &f, &mem_fd, 5000);
+    CHECK_RC(rc, TSHARE_OK, tshare_channel_last_error(ch));
+    if (f.type == TSHARE_FRAME_BYE) break;
+    if (f.type == TSHARE_FRAME_RETIRE) continue; /* buffers retired: their ids are not used again */
+    CHECK_EQ(f.type, TSHARE_FRAME_SET);
+    uint64_t id = f.u.set.set_id;
+    unsigned slot = 0, frames = 1;
+    if (f.u.set.op == TSHARE_SET_AGAIN) {
+      slot = f.u.set.u.again.layout_slot;
+      CHECK(slot >= 1 && slot <= TSHARE_SET_LAYOUT_SLOTS);
+      CHECK_EQ(f.u.set.u.again.layout_id, slots[slot - 1]);
+      CHECK_EQ(f.u.set.u.again.meta_bytes, sizeof(meta));
+      again++;
+    } else {
+      CHECK_EQ(f.u.set.op, TSHARE_SET_BEGIN);
+      slot = f.u.set.u.begin.layout_slot;
+      CHECK(slot >= 1 && slot <= TSHARE_SET_LAYOUT_SLOTS); /* every memory here is kept: always offered */
+      whole++;
+    }
+    while (f.u.set.op != TSHARE_SET_END) {
+      CHECK_RC(tshare_channel_recv_frame(ch, &f, &mem_fd, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+      CHECK_EQ(f.type, TSHARE_FRAME_SET);
+      CHECK_EQ(f.u.set.set_id, id);
+      frames++;
+      if (mem_fd >= 0) close(mem_fd);
+      mem_fd = -1;
+      if (f.u.set.op == TSHARE_SET_MEM && f.u.set.u.mem.mem_kind == TSHARE_MEM_HOST_MEMFD) {
+        CHECK_EQ(f.u.set.u.mem.share_flags, TSHARE_SHARE_FLAG_RETIRE_NOTICE);
+        tshare_frame kept = kept_frame(f.u.set.u.mem.alloc_id);
+        send_frame(ch, &kept, -1); /* before the release: the producer reads it first */
+      }
+    }
+    if (slots[slot - 1] != id && frames > 3) slots[slot - 1] = id; /* a whole set declared it */
+    else CHECK_EQ(frames, 3);                                      /* again: its metadata and end only */
+    tshare_frame rel = release_frame(id);
+    send_frame(ch, &rel, -1);
+  }
+  printf("%d sets whole, %d sent again\n", whole, again);
+  CHECK_EQ(whole, SETS_WHOLE);
+  CHECK_EQ(again, SETS_AGAIN);
+  tshare_channel_close(ch);
+}
+
+TS_TEST(a_set_sent_again_travels_as_its_again_metadata_and_end_frames_naming_the_layout_its_slot_holds) {
+  int sock;
+  pid_t pid = fork_with_socket(hand_consumer, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
+  run_scenario(ch);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_CHILD_OK(pid);
+  tshare_channel_close(ch);
+}
+
+/* ---- a real consumer: what arrives ----------------------------------------- */
+
+static void check_set(tshare_set *s) {
+  size_t len = 0;
+  const meta *m = tshare_set_meta(s, &len);
+  CHECK_EQ(len, sizeof *m);
+  CHECK_EQ(tshare_set_count(s), (size_t)m->nmem);
+  for (int j = 0; j < m->nmem; j++) {
+    char name[32];
+    snprintf(name, sizeof name, "b%d.t%d", m->builder, j);
+    if (strcmp(tshare_set_name(s, (size_t)j), name) != 0)
+      TS_FAIL("tensor %d is '%s', expected '%s'", j, tshare_set_name(s, (size_t)j), name);
+    CHECK_EQ(tshare_set_find(s, name), j);
+    CHECK_EQ(tshare_set_desc(s, (size_t)j)->shape[0], FLOATS);
+    const float *p = tshare_set_data(s, (size_t)j);
+    for (int i = 0; i < FLOATS; i++)
+      if (p[i] != value_of(m->builder, m->round, j, i))
+        TS_FAIL("set of builder %d round %d: %s[%d] is %g, expected %g", m->builder, m->round, name, i, (double)p[i],
+                (double)value_of(m->builder, m->round, j, i));
+  }
+  CHECK_EQ(tshare_set_find(s, "b9.t0"), -1);
+}
+
+static void real_consumer(int fd) {
+  tshare_channel *ch = open_socket_channel(fd, "consumer", NULL, NULL);
+  int sets = 0;
+  for (;;) {
+    tshare_set *s;
+    int rc = tshare_set_recv(ch, 5000, &s);
+    if (rc == TSHARE_END) break;
+    CHECK_RC(rc, TSHARE_OK, tshare_channel_last_error(ch));
+    check_set(s);
+    tshare_view *v; /* a view keeps its set after the handle goes */
+    CHECK_RC(tshare_set_view(s, 0, &v), TSHARE_OK, "");
+    tshare_set_release(s);
+    tshare_view_release(v);
+    sets++;
+  }
+  CHECK_EQ(sets, SETS_WHOLE + SETS_AGAIN);
+  tshare_channel_close(ch);
+}
+
+TS_TEST(sets_sent_again_arrive_with_the_right_names_data_and_metadata_each_time) {
+  int sock;
+  pid_t pid = fork_with_socket(real_consumer, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
+  run_scenario(ch);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_CHILD_OK(pid);
+  tshare_channel_close(ch);
+}
+
+/* The same with the switch off in the consumer: every set travels whole. */
+static void consumer_without_again(int fd) {
+  setenv("TSHARE_SET_AGAIN", "0", 1);
+  real_consumer(fd);
+}
+
+TS_TEST(with_TSHARE_SET_AGAIN_0_every_set_travels_whole_and_arrives_right) {
+  int sock;
+  pid_t pid = fork_with_socket(consumer_without_again, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
+  CHECK(!(tshare_channel_peer(ch)->capabilities & TSHARE_CAP_SET_AGAIN));
+  run_scenario(ch);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_CHILD_OK(pid);
+  tshare_channel_close(ch);
+}
+
+/* ---- a producer speaking frames by hand: what is refused ------------------ */
+
+enum { ALLOC = 90 };
+
+/* A set of one tensor "w" of FLOATS floats in memfd (alloc ALLOC; offered
+ * to be kept with TSHARE_SHARE_FLAG_RETIRE_NOTICE in share_flags), its
+ * layout to be kept in slot. */
+static void send_whole(tshare_channel *ch, uint64_t id, int memfd, uint8_t slot, uint32_t share_flags) {
+  tshare_frame f = set_step(TSHARE_SET_BEGIN, id);
+  f.u.set.u.begin = (tshare_set_begin_frame){.count = 1, .mem_count = 1, .names_bytes = 1, .layout_slot = slot};
+  send_frame(ch, &f, -1);
+  f = set_step(TSHARE_SET_MEM, id);
+  f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+  f.u.set.u.mem = (tshare_set_mem_frame){.alloc_id = ALLOC, .mem_kind = TSHARE_MEM_HOST_MEMFD,
+                                         .device_type = TSHARE_DEVICE_CPU, .alloc_size = FLOATS * sizeof(float),
+                                         .share_flags = share_flags};
+  send_frame(ch, &f, memfd);
+  f = set_step(TSHARE_SET_MEMBER, id);
+  f.u.set.u.member.name_len = 1;
+  f.u.set.u.member.name[0] = 'w';
+  int64_t n = FLOATS;
+  f.u.set.u.member.tensor = tshare_tensor_contiguous(F32, 1, &n, 0);
+  send_frame(ch, &f, -1);
+  f = set_step(TSHARE_SET_END, id);
+  send_frame(ch, &f, -1);
+}
+
+/* AGAIN, one metadata byte (the round) and the end, as frames. */
+static void send_again(tshare_channel *ch, uint64_t id, uint8_t slot, uint64_t layout_id, uint8_t round) {
+  tshare_frame f = set_step(TSHARE_SET_AGAIN, id);
+  f.u.set.u.again = (tshare_set_again_frame){slot, layout_id, 1};
+  send_frame(ch, &f, -1);
+  f = set_step(TSHARE_SET_META, id);
+  f.u.set.u.meta.len = 1;
+  f.u.set.u.meta.bytes[0] = round;
+  send_frame(ch, &f, -1);
+  f = set_step(TSHARE_SET_END, id);
+  send_frame(ch, &f, -1);
+}
+
+/* An AGAIN frame the encoder would not write: its slot and metadata size
+ * patched into the bytes of a valid one, straight onto the socket. */
+static void send_bad_again(int sock, uint64_t id, uint8_t slot, uint32_t meta_bytes) {
+  tshare_frame f = set_step(TSHARE_SET_AGAIN, id);
+  f.u.set.u.again = (tshare_set_again_frame){1, 1, 0};
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len;
+  CHECK_RC(tshare_wire_encode(&f, buf, sizeof buf, &len, NULL), TSHARE_OK, "");
+  CHECK_EQ(len, (size_t)TSHARE_WIRE_HEADER_SIZE + 1 + 8 + 1 + 8 + 4);
+  buf[TSHARE_WIRE_HEADER_SIZE + 9] = slot;
+  for (int i = 0; i < 4; i++) buf[TSHARE_WIRE_HEADER_SIZE + 18 + i] = (uint8_t)(meta_bytes >> (8 * i));
+  CHECK(write(sock, buf, len) == (ssize_t)len);
+  tshare_frame end = set_step(TSHARE_SET_END, id); /* the rest of a refused set is dropped */
+  CHECK_RC(tshare_wire_encode(&end, buf, sizeof buf, &len, NULL), TSHARE_OK, "");
+  CHECK(write(sock, buf, len) == (ssize_t)len);
+}
+
+/* The consumer's answers to set id: its release, after any KEPT notice. */
+static void collect_release(tshare_channel *ch, uint64_t id) {
+  for (;;) {
+    tshare_frame f;
+    int fd = -1;
+    CHECK_RC(tshare_channel_recv_frame(ch, &f, &fd, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+    CHECK_EQ(fd, -1);
+    if (f.type == TSHARE_FRAME_RETIRE) continue;
+    CHECK_EQ(f.type, TSHARE_FRAME_RELEASE);
+    CHECK_EQ(f.u.release.share_ids[0], id);
+    return;
+  }
+}
+
+static void expect_refused(tshare_channel *ch, int status, const char *cause) {
+  tshare_set *s = NULL;
+  CHECK_RC(tshare_set_recv(ch, 5000, &s), status, tshare_channel_last_error(ch));
+  CHECK(s == NULL);
+  const char *msg = tshare_channel_last_error(ch);
+  printf("%s\n", msg);
+  if (!strstr(msg, cause)) TS_FAIL("'%s' does not say '%s'", msg, cause);
+}
+
+static void expect_round(tshare_channel *ch, uint64_t id, float first, int round) {
+  tshare_set *s;
+  CHECK_RC(tshare_set_recv(ch, 5000, &s), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(tshare_set_id(s), id);
+  CHECK_EQ(tshare_set_count(s), 1);
+  CHECK(strcmp(tshare_set_name(s, 0), "w") == 0);
+  CHECK_EQ(((const float *)tshare_set_data(s, 0))[FLOATS - 1], first + FLOATS - 1);
+  CHECK_EQ(((const float *)tshare_set_data(s, 0))[0], first);
+  size_t len;
+  const uint8_t *m = tshare_set_meta(s, &len);
+  if (round >= 0) CHECK(len == 1 && m[0] == round);
+  tshare_set_release(s);
+}
+
+static void consumer_of_hand_sets(int fd) {
+  tshare_channel *ch = open_socket_channel(fd, "consumer", NULL, NULL);
+  expect_round(ch, 1, 1000, -1);
+  expect_round(ch, 2, 2000, 2); /* from the layout: the update in place seen */
+  expect_refused(ch, TSHARE_E_PROTOCOL, "layout slot 2, which holds no layout");
+  expect_refused(ch, TSHARE_E_PROTOCOL, "layout 99 in slot 1, which holds layout 1");
+  expect_refused(ch, TSHARE_E_MALFORMED, "outside 1..4");
+  expect_refused(ch, TSHARE_E_TOO_LARGE, "metadata, over");
+  expect_round(ch, 7, 7000, 7); /* the layout survived the refusals */
+  expect_refused(ch, TSHARE_E_PROTOCOL, "keeps no mapping"); /* retired meanwhile */
+  expect_round(ch, 9, 9000, -1);
+  expect_refused(ch, TSHARE_E_PROTOCOL, "layout slot 1, which holds no layout");
+  expect_round(ch, 11, 11000, -1);
+  tshare_set *s;
+  CHECK_RC(tshare_set_recv(ch, 5000, &s), TSHARE_END, tshare_channel_last_error(ch));
+  tshare_channel_close(ch);
+}
+
+static void fill(tshare_host_buffer *buf, float first) {
+  float *p = tshare_host_buffer_data(buf);
+  for (int i = 0; i < FLOATS; i++) p[i] = first + (float)i;
+}
+
+TS_TEST(a_consumer_refuses_a_set_sent_again_it_cannot_serve_and_goes_on) {
+  int sock;
+  pid_t pid = fork_with_socket(consumer_of_hand_sets, &sock);
+  tshare_channel *ch = open_socket_only_channel(sock, "hand producer");
+  tshare_host_buffer *buf;
+  CHECK_RC(tshare_host_buffer_create(FLOATS * sizeof(float), "tshare-again-hand", &buf, NULL), TSHARE_OK, "");
+  fill(buf, 1000);
+  send_whole(ch, 1, tshare_host_buffer_fd(buf), 1, TSHARE_SHARE_FLAG_RETIRE_NOTICE);
+  collect_release(ch, 1);
+  fill(buf, 2000);
+  send_again(ch, 2, 1, 1, 2);
+  collect_release(ch, 2);
+  send_again(ch, 3, 2, 1, 3);
+  collect_release(ch, 3);
+  send_again(ch, 4, 1, 99, 4);
+  collect_release(ch, 4);
+  send_bad_again(sock, 5, 7, 0);
+  collect_release(ch, 5);
+  send_bad_again(sock, 6, 1, TSHARE_SET_META_MAX + 1);
+  collect_release(ch, 6);
+  fill(buf, 7000);
+  send_again(ch, 7, 1, 1, 7);
+  collect_release(ch, 7);
+  tshare_frame freed = frame_of(TSHARE_FRAME_RETIRE);
+  freed.u.retire = (tshare_retire_frame){.closed = TSHARE_RETIRE_FREED, .count = 1, .mem_kind = TSHARE_MEM_HOST_MEMFD};
+  freed.u.retire.alloc_ids[0] = ALLOC;
+  send_frame(ch, &freed, -1);
+  send_again(ch, 8, 1, 1, 8);
+  collect_release(ch, 8);
+  /* A whole set of memory this end does not keep (not offered) names slot
+   * 1: the slot is emptied, its layout not kept, the older one gone too. */
+  fill(buf, 9000);
+  send_whole(ch, 9, tshare_host_buffer_fd(buf), 1, 0);
+  collect_release(ch, 9);
+  send_again(ch, 10, 1, 9, 10);
+  collect_release(ch, 10);
+  fill(buf, 11000);
+  send_whole(ch, 11, tshare_host_buffer_fd(buf), 0, 0);
+  collect_release(ch, 11);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_CHILD_OK(pid);
+  tshare_host_buffer_destroy(buf);
+  tshare_channel_close(ch);
+}
+
+/* The switch off in the consumer: an AGAIN is refused, not served. */
+static void consumer_without_the_cap(int fd) {
+  setenv("TSHARE_SET_AGAIN", "0", 1);
+  tshare_channel *ch = open_socket_channel(fd, "consumer", NULL, NULL);
+  expect_round(ch, 1, 1000, -1);
+  expect_refused(ch, TSHARE_E_PROTOCOL, "did not agree on TSHARE_CAP_SET_AGAIN");
+  tshare_set *s;
+  CHECK_RC(tshare_set_recv(ch, 5000, &s), TSHARE_END, tshare_channel_last_error(ch));
+  tshare_channel_close(ch);
+}
+
+TS_TEST(a_set_sent_again_without_the_capability_agreed_is_refused) {
+  int sock;
+  pid_t pid = fork_with_socket(consumer_without_the_cap, &sock);
+  tshare_channel *ch = open_socket_only_channel(sock, "hand producer");
+  tshare_host_buffer *buf;
+  CHECK_RC(tshare_host_buffer_create(FLOATS * sizeof(float), "tshare-again-hand", &buf, NULL), TSHARE_OK, "");
+  fill(buf, 1000);
+  send_whole(ch, 1, tshare_host_buffer_fd(buf), 1, TSHARE_SHARE_FLAG_RETIRE_NOTICE);
+  collect_release(ch, 1);
+  send_again(ch, 2, 1, 1, 2);
+  collect_release(ch, 2);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_CHILD_OK(pid);
+  tshare_host_buffer_destroy(buf);
+  tshare_channel_close(ch);
+}
+
+/* ---- a peer of wire 1.5: whole sets, exactly as before -------------------- */
+
+static void write_frame(int fd, const tshare_frame *f) {
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  size_t len;
+  CHECK_RC(tshare_wire_encode(f, buf, sizeof buf, &len, NULL), TSHARE_OK, "");
+  buf[5] = 5; /* the header's minor */
+  CHECK(write(fd, buf, len) == (ssize_t)len);
+}
+
+/* Claims every capability of sets, this one too, but speaks minor 5: it
+ * keeps memfds (so later sets name them kept) and sees no layout slot and
+ * no AGAIN. The fds that come are dropped by read(). */
+static void minor_5_peer(int fd) {
+  tshare_frame f = frame_of(TSHARE_FRAME_HELLO);
+  f.u.hello.pid = (uint32_t)getpid();
+  f.u.hello.uid = (uint32_t)getuid();
+  f.u.hello.capabilities = TSHARE_CAP_FD_PASSING | TSHARE_CAP_HOST_MEMFD | TSHARE_CAP_TENSOR_SETS |
+                           TSHARE_CAP_HOST_KEPT | TSHARE_CAP_SET_HOST_KEPT | TSHARE_CAP_SET_AGAIN;
+  snprintf(f.u.hello.name, sizeof f.u.hello.name, "old");
+  write_frame(fd, &f);
+  tshare_decoder *d = tshare_decoder_create(NULL);
+  int sets = 0, kept_mems = 0;
+  for (bool bye = false; !bye;) {
+    uint8_t *space;
+    size_t avail;
+    CHECK_RC(tshare_decoder_space(d, &space, &avail), TSHARE_OK, "");
+    ssize_t n = read(fd, space, avail);
+    CHECK(n > 0);
+    tshare_decoder_commit(d, (size_t)n);
+    while (!bye && tshare_decoder_next(d, &f) == TSHARE_OK) {
+      bye = f.type == TSHARE_FRAME_BYE;
+      if (f.type != TSHARE_FRAME_SET) continue;
+      CHECK(f.u.set.op != TSHARE_SET_AGAIN);
+      if (f.u.set.op == TSHARE_SET_BEGIN) CHECK_EQ(f.u.set.u.begin.layout_slot, 0);
+      if (f.u.set.op == TSHARE_SET_MEM && f.u.set.u.mem.mem_kind == TSHARE_MEM_HOST_KEPT) kept_mems++;
+      if (f.u.set.op == TSHARE_SET_MEM && f.u.set.u.mem.mem_kind == TSHARE_MEM_HOST_MEMFD) {
+        tshare_frame kept = kept_frame(f.u.set.u.mem.alloc_id);
+        write_frame(fd, &kept);
+      }
+      if (f.u.set.op == TSHARE_SET_END) {
+        tshare_frame rel = release_frame(f.u.set.set_id);
+        write_frame(fd, &rel);
+        sets++;
+      }
+    }
+  }
+  tshare_decoder_destroy(d);
+  CHECK_EQ(sets, 4);
+  CHECK_EQ(kept_mems, 3 * 2); /* sets 2..4 name both memories kept: still whole */
+}
+
+TS_TEST(a_peer_of_wire_1_5_gets_whole_sets_as_before) {
+  int sock;
+  pid_t pid = fork_with_socket(minor_5_peer, &sock);
+  tshare_channel *ch = open_socket_only_channel(sock, "producer");
+  CHECK_EQ(tshare_channel_peer(ch)->minor, 5);
+  weights w;
+  make_weights(&w, 0, 3);
+  for (int round = 0; round < 4; round++) send_round(ch, &w, 0, round);
+  drop_weights(&w);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_CHILD_OK(pid);
+  tshare_channel_close(ch);
+}
+
+TS_TEST_MAIN
