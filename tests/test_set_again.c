@@ -14,6 +14,9 @@
 #include "tshare/share.h"
 #include "tshare/wire.h"
 
+#include <pthread.h>
+#include <sched.h>
+
 #define F32 ((tshare_dtype){TSHARE_DTYPE_FLOAT, 32, 1})
 enum { FLOATS = 256, BUILDERS = 5, SENT_AGAIN = 50, MEMBERS_MAX = 8 };
 
@@ -223,6 +226,8 @@ static void check_set(tshare_set *s) {
   CHECK_EQ(tshare_set_find(s, "b9.t0"), -1);
 }
 
+static int expected_sets = SETS_WHOLE + SETS_AGAIN; /* what real_consumer counts, set before the fork */
+
 static void real_consumer(int fd) {
   tshare_channel *ch = open_socket_channel(fd, "consumer", NULL, NULL);
   int sets = 0;
@@ -238,7 +243,7 @@ static void real_consumer(int fd) {
     tshare_view_release(v);
     sets++;
   }
-  CHECK_EQ(sets, SETS_WHOLE + SETS_AGAIN);
+  CHECK_EQ(sets, expected_sets);
   tshare_channel_close(ch);
 }
 
@@ -266,6 +271,97 @@ TS_TEST(with_TSHARE_SET_AGAIN_0_every_set_travels_whole_and_arrives_right) {
   run_scenario(ch);
   CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
   CHECK_CHILD_OK(pid);
+  tshare_channel_close(ch);
+}
+
+/* ---- threads and fork ------------------------------------------------------ */
+
+enum { THREAD_SENDS = 40 };
+
+typedef struct sender {
+  tshare_channel *ch;
+  weights *w;
+} sender;
+
+/* Sends w's set THREAD_SENDS times, each waited for, taking turns with
+ * another thread on the channel (a call refused as busy is tried again). */
+static void *send_repeatedly(void *arg) {
+  sender *s = arg;
+  for (int n = 0; n < THREAD_SENDS; n++) {
+    uint64_t id = 0;
+    int rc;
+    while ((rc = tshare_set_send(s->ch, s->w->b, NULL, 5000, &id)) == TSHARE_E_BUSY) sched_yield();
+    CHECK_RC(rc, TSHARE_OK, tshare_channel_last_error(s->ch));
+    while ((rc = tshare_channel_wait_released(s->ch, id, 5000)) == TSHARE_E_BUSY) sched_yield();
+    CHECK_RC(rc, TSHARE_OK, tshare_channel_last_error(s->ch));
+  }
+  return NULL;
+}
+
+static void two_threads_send(tshare_channel *ch, weights *a, weights *b) {
+  sender sa = {ch, a}, sb = {ch, b};
+  pthread_t ta, tb;
+  CHECK_EQ(pthread_create(&ta, NULL, send_repeatedly, &sa), 0);
+  CHECK_EQ(pthread_create(&tb, NULL, send_repeatedly, &sb), 0);
+  pthread_join(ta, NULL);
+  pthread_join(tb, NULL);
+}
+
+/* Each builder's tensors hold its round 0, its metadata says so. */
+static void fill_round_0(weights *w, int k) {
+  for (int j = 0; j < w->nmem; j++) {
+    float *p = (float *)tshare_host_buffer_data(w->bufs[j % 2]) + (j / 2) * FLOATS;
+    for (int i = 0; i < FLOATS; i++) p[i] = value_of(k, 0, j, i);
+  }
+  meta m = {k, 0, w->nmem};
+  CHECK_RC(tshare_set_builder_set_meta(w->b, &m, sizeof m, NULL), TSHARE_OK, "");
+}
+
+TS_TEST(two_threads_sending_two_builders_or_one_on_a_channel_get_their_own_sets) {
+  expected_sets = 4 * THREAD_SENDS;
+  int sock;
+  pid_t pid = fork_with_socket(real_consumer, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
+  weights w[2];
+  for (int k = 0; k < 2; k++) {
+    make_weights(&w[k], k, 2 + k);
+    fill_round_0(&w[k], k);
+  }
+  two_threads_send(ch, &w[0], &w[1]);
+  two_threads_send(ch, &w[1], &w[1]);
+  for (int k = 0; k < 2; k++) drop_weights(&w[k]);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_CHILD_OK(pid);
+  tshare_channel_close(ch);
+}
+
+static tshare_channel *forked_from;
+static weights *forked_weights;
+
+/* A child of the producer holds a copy of the channel and its slots: it may
+ * not send on it, sent again or not. */
+static void child_of_producer(int unused) {
+  (void)unused;
+  CHECK_RC(tshare_set_send(forked_from, forked_weights->b, NULL, 1000, NULL), TSHARE_E_STATE, "");
+}
+
+TS_TEST(a_forked_child_of_the_producer_cannot_send_from_its_parents_slots) {
+  expected_sets = 4;
+  int sock;
+  pid_t consumer = fork_with_socket(real_consumer, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
+  weights w;
+  make_weights(&w, 0, 3);
+  send_round(ch, &w, 0, 0);
+  send_round(ch, &w, 0, 1); /* its layout is kept now */
+  forked_from = ch;
+  forked_weights = &w;
+  CHECK_CHILD_OK(fork_child(child_of_producer, 0));
+  send_round(ch, &w, 0, 2); /* the parent goes on, again from its layout */
+  send_round(ch, &w, 0, 3);
+  drop_weights(&w);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_CHILD_OK(consumer);
   tshare_channel_close(ch);
 }
 
