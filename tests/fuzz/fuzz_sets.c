@@ -1,7 +1,8 @@
 /* Fuzz target: tensor sets assembled by a real channel from a hand-written
  * peer that the input drives, in this process, over a socketpair (the
  * socket transport). The peer sends set steps (BEGIN, MEM, MEMBER, META,
- * END) with hostile values: ids that repeat or never began, memories and
+ * END, and AGAIN from a layout the consumer may or may not keep) with
+ * hostile values: ids that repeat or never began, memories and
  * tensors out of order or past the counts, names duplicated, long or not
  * UTF-8, tensors past their memory, metadata past its bound, memfds missing
  * or claimed larger than they are, CUDA memories; single shares and raw
@@ -101,6 +102,7 @@ static void op_begin(harness *h, input *in) {
   b->mem_count = count_of(take(in), b->count);
   uint8_t nb = take(in);
   b->names_bytes = nb >> 6 == 3 ? TSHARE_SET_NAMES_MAX : b->count * (1 + nb % 4);
+  b->layout_slot = (uint8_t)((nb >> 2) % (TSHARE_SET_LAYOUT_SLOTS + 1));
   b->meta_bytes = count_of(take(in), TSHARE_SET_META_MAX) * 3;
   peer_send_frame(h, &f, -1);
 }
@@ -113,11 +115,12 @@ static void op_mem(harness *h, input *in) {
   static const uint64_t sizes[4] = {SET_FUZZ_MEM, SET_FUZZ_MEM / 2, 2 * SET_FUZZ_MEM, 0};
   m->alloc_id = f.u.set.set_id * 16 + m->index;
   m->alloc_size = sizes[(how >> 2) & 3];
-  bool cuda = how & 2, with_fd = !(how & 1) && !cuda;
-  m->mem_kind = cuda ? TSHARE_MEM_CUDA_IPC : TSHARE_MEM_HOST_MEMFD;
+  bool cuda = how & 2, kept = (how & 32) && !cuda, with_fd = !(how & 1) && !cuda && !kept;
+  m->mem_kind = cuda ? TSHARE_MEM_CUDA_IPC : kept ? TSHARE_MEM_HOST_KEPT : TSHARE_MEM_HOST_MEMFD;
+  if ((how & 16) && m->mem_kind == TSHARE_MEM_HOST_MEMFD) m->share_flags = TSHARE_SHARE_FLAG_RETIRE_NOTICE;
   m->device_type = cuda ? TSHARE_DEVICE_CUDA : TSHARE_DEVICE_CPU;
   m->handle_len = cuda ? TSHARE_HANDLE_MAX : 0;
-  f.flags = cuda ? 0 : (uint8_t)TSHARE_FRAME_FLAG_FD_ATTACHED;
+  f.flags = cuda || kept ? 0 : (uint8_t)TSHARE_FRAME_FLAG_FD_ATTACHED;
   peer_send_frame(h, &f, with_fd ? h->mem : -1); /* without: the frame says an fd and none comes */
 }
 
@@ -153,6 +156,16 @@ static void op_meta(harness *h, input *in) {
   f.u.set.u.meta.offset = take(in);
   f.u.set.u.meta.len = (uint16_t)(1 + take(in) % 16);
   memset(f.u.set.u.meta.bytes, 'm', f.u.set.u.meta.len);
+  peer_send_frame(h, &f, -1);
+}
+
+/* A set sent again from a layout slot (kept by an earlier set of this
+ * input, or never). */
+static void op_again(harness *h, input *in) {
+  tshare_frame f = set_frame(TSHARE_SET_AGAIN, in);
+  f.u.set.u.again.layout_slot = (uint8_t)(take(in) % (TSHARE_SET_LAYOUT_SLOTS + 2));
+  f.u.set.u.again.layout_id = 1 + take(in) % SET_FUZZ_IDS;
+  f.u.set.u.again.meta_bytes = count_of(take(in), TSHARE_SET_META_MAX) * 3;
   peer_send_frame(h, &f, -1);
 }
 
@@ -234,6 +247,7 @@ static void run_op(harness *h, input *in) {
   case SET_OP_RAW: op_raw(h, in); break;
   case SET_OP_RECV_SET: recv_set(h); break;
   case SET_OP_RECV_VIEW: recv_view(h); break;
+  case SET_OP_AGAIN: op_again(h, in); break;
   default: /* the peer hangs up; what it sent before is still taken */
     close(h->sock);
     h->peer_gone = true;
@@ -250,7 +264,8 @@ static void peer_hello(harness *h) {
   f.u.hello.minor = TSHARE_WIRE_MINOR;
   f.u.hello.pid = (uint32_t)getpid();
   f.u.hello.uid = (uint32_t)getuid();
-  f.u.hello.capabilities = TSHARE_CAP_FD_PASSING | TSHARE_CAP_HOST_MEMFD | TSHARE_CAP_TENSOR_SETS;
+  f.u.hello.capabilities = TSHARE_CAP_FD_PASSING | TSHARE_CAP_HOST_MEMFD | TSHARE_CAP_TENSOR_SETS |
+                           TSHARE_CAP_HOST_KEPT | TSHARE_CAP_SET_HOST_KEPT | TSHARE_CAP_SET_AGAIN;
   snprintf(f.u.hello.name, sizeof f.u.hello.name, "fuzz set peer");
   peer_send_frame(h, &f, -1);
 }

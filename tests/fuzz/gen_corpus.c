@@ -139,6 +139,11 @@ static void write_sets_corpus(const char *dir) {
       SET_OP_MEM, 1, 0, 0, SET_OP_MEMBER, 1, 0, 0, 0, 0, 0, SET_OP_END, 1, SET_OP_RECV_SET, SET_OP_RECV_SET);
   write_set_ops(dir, "longest_name_past_the_announced_names", 192, 1, 0, SET_OP_COUNT);
   write_set_ops(dir, "cut_off_by_the_peer_s_end", 1, 1, 0, SET_OP_PEER_EXIT);
+  /* Set 1 of a memfd offered to be kept, its layout kept in slot 1; set 2
+   * sent again from it, set 4 from a layout id the slot does not hold. */
+  OPS(dir, "sent_again_from_a_kept_layout", SET_OP_BEGIN, 0, 1, 1, 4, 0, SET_OP_MEM, 0, 0, 16, SET_OP_MEMBER, 0, 0, 0, 0,
+      0, 0, SET_OP_END, 0, SET_OP_RECV_SET, SET_OP_AGAIN, 1, 1, 0, 1, SET_OP_META, 1, 0, 2, SET_OP_END, 1,
+      SET_OP_RECV_SET, SET_OP_AGAIN, 3, 1, 2, 0, SET_OP_END, 3, SET_OP_RECV_SET);
   OPS(dir, "count_at_and_past_the_bound", SET_OP_BEGIN, 0, 0xC0, 1, 0xC0, 0, SET_OP_RECV_SET, SET_OP_BEGIN, 1, 0xC1, 1,
       0, 0, SET_OP_RECV_SET);
   OPS(dir, "frames_of_a_set_that_never_began", SET_OP_MEMBER, 3, 0, 0, 0, 0, 0, SET_OP_END, 3, SET_OP_RECV_SET);
