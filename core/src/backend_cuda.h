@@ -196,6 +196,9 @@ int ts_cuda_set_order(tshare_channel *ch, const ts_set_source *src, void *stream
                       int timeout_ms);
 int ts_cuda_set_wait(tshare_channel *ch, const tshare_frame *end, void *memory);
 ts_release_done ts_cuda_set_release(tshare_channel *ch, void *const *memories, size_t n, uint64_t set_id);
+/* How src would go to ch now (the set_keep_state hook): only VMM runs of
+ * another allocator are kept by the peer until retired (TSHARE_MEM_CUDA_HELD). */
+ts_keep_state ts_cuda_set_keep_state(tshare_channel *ch, const ts_set_source *src);
 void ts_cuda_memory_ref_locked(tshare_channel *ch, void *memory);
 void ts_cuda_memory_unref_locked(tshare_channel *ch, void *memory);
 
@@ -203,6 +206,9 @@ void ts_cuda_memory_unref_locked(tshare_channel *ch, void *memory);
 /* The fds of a VMM run's chunks for a share, watching the run (see there). */
 int ts_cuda_vmm_fds(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t run_id, ts_vmm_chunks *chunks, bool *owned,
                     bool *watched, bool *held);
+/* Whether the run is watched for retiring, and whether the peer keeps it
+ * mapped (its shares then go as TSHARE_MEM_CUDA_HELD), changing nothing. */
+void ts_cuda_run_state(struct ts_cuda_chan *c, uint64_t run_id, bool *watched, bool *held);
 void ts_cuda_watched_runs_free(struct ts_cuda_chan *c);
 void ts_cuda_keep_run(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t alloc_id, ts_cuda_mapping *imp);
 void ts_cuda_drop_kept_run(struct ts_cuda_chan *c, uint64_t alloc_id);

@@ -93,6 +93,12 @@ int ts_cuda_vmm_fds(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t run_id,
   return TSHARE_OK;
 }
 
+void ts_cuda_run_state(struct ts_cuda_chan *c, uint64_t run_id, bool *watched, bool *held) {
+  const struct watched_run *r = ts_u64map_get(&c->watched_runs, run_id + 1);
+  *watched = r != NULL;
+  *held = r && r->peer_keeps;
+}
+
 /* Runs whose chunks are no longer where they were, as their owner's
  * allocator left them: into ids (up to cap), no longer watched. */
 static size_t watched_runs_gone(struct ts_cuda_chan *c, const ts_cuda_api *cu, uint64_t *ids, size_t cap) {

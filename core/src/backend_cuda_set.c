@@ -209,6 +209,22 @@ int ts_cuda_set_send_mem(tshare_channel *ch, const ts_set_source *src, tshare_fr
   return ts_channel_send(ch, f, s->x.fd, timeout_ms);
 }
 
+ts_keep_state ts_cuda_set_keep_state(tshare_channel *ch, const ts_set_source *src) {
+  const cuda_source *s = (const cuda_source *)src;
+  struct ts_cuda_chan *c = ts_cuda_chan_if_used(ch);
+  if (!s->vmm || !c || !(ch->conn.peer.capabilities & TSHARE_CAP_CUDA_HELD)) return TS_KEEP_NONE;
+  bool watched = false, held = false;
+  ts_cuda_run_state(c, s->x.buffer_id, &watched, &held);
+  if (!held) return TS_KEEP_OFFERED; /* watched, or to be watched by its first send */
+  /* Still the run the peer keeps: memory mapped anew since goes whole (and
+   * its send says why). */
+  static _Thread_local ts_vmm_chunks chunks; /* 7 KiB: not on the stack */
+  ts_cuda_export x;
+  char err[TSHARE_ERROR_MSG_MAX];
+  if (ts_cuda_export_vmm(s->ptr, s->extent, &x, &chunks, err, sizeof err) != TSHARE_OK) return TS_KEEP_NONE;
+  return x.buffer_id == s->x.buffer_id ? TS_KEEP_KEPT : TS_KEEP_NONE;
+}
+
 int ts_cuda_set_order(tshare_channel *ch, const ts_set_source *src, void *stream, tshare_frame *end, ts_export *e,
                       int timeout_ms) {
   const cuda_source *s = (const cuda_source *)src;
