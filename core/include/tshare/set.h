@@ -14,6 +14,14 @@
  * release like a share's: tshare_channel_wait_released(ch, set_id, ...),
  * tshare_share_is_released(), the channel's on_release callback.
  *
+ * A builder sent again on a channel costs one frame (plus its metadata and
+ * end) when nothing but its metadata changed since the last send there and
+ * the consumer keeps every memory of it mapped (tshare host buffers, and
+ * VMM memory the consumer keeps: wire 1.6, docs/wire.md): keep the builder
+ * between sends and update its tensors in place for that. Any other change
+ * (add_*, set_stream) or a new builder sends the set whole once more; the
+ * consumer keeps the layouts of the last four builders sent on a channel.
+ *
  * Consumer: tshare_set_recv() takes the next complete set; sets and single
  * shares are received by their own calls, each in the order it was sent. A
  * set's tensors are the producer's memory: writes through them are visible to
