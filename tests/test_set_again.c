@@ -335,6 +335,40 @@ TS_TEST(two_threads_sending_two_builders_or_one_on_a_channel_get_their_own_sets)
   tshare_channel_close(ch);
 }
 
+/* One builder sent to two consumers at once, again and again: each channel
+ * keeps its own slots, each consumer gets every round right. */
+TS_TEST(a_set_sent_again_to_two_consumers_at_once_arrives_right_at_both) {
+  enum { ROUNDS = 12 };
+  expected_sets = ROUNDS;
+  int socks[2];
+  pid_t pids[2];
+  tshare_channel *chs[2];
+  for (int c = 0; c < 2; c++) {
+    pids[c] = fork_with_socket(real_consumer, &socks[c]);
+    chs[c] = open_socket_channel(socks[c], "producer", NULL, NULL);
+  }
+  weights w;
+  make_weights(&w, 0, 5);
+  for (int round = 0; round < ROUNDS; round++) {
+    for (int j = 0; j < w.nmem; j++) {
+      float *p = (float *)tshare_host_buffer_data(w.bufs[j % 2]) + (j / 2) * FLOATS;
+      for (int i = 0; i < FLOATS; i++) p[i] = value_of(0, round, j, i);
+    }
+    meta m = {0, round, w.nmem};
+    CHECK_RC(tshare_set_builder_set_meta(w.b, &m, sizeof m, NULL), TSHARE_OK, "");
+    uint64_t ids[2];
+    tshare_error results[2];
+    CHECK_RC(tshare_set_send_all(w.b, chs, 2, NULL, 5000, ids, results), TSHARE_OK, results[0].message);
+    CHECK_RC(tshare_set_wait_all(chs, ids, 2, 5000, results), TSHARE_OK, results[0].message);
+  }
+  drop_weights(&w);
+  for (int c = 0; c < 2; c++) {
+    CHECK_RC(tshare_channel_send_bye(chs[c], 0, 5000), TSHARE_OK, tshare_channel_last_error(chs[c]));
+    CHECK_CHILD_OK(pids[c]);
+    tshare_channel_close(chs[c]);
+  }
+}
+
 static tshare_channel *forked_from;
 static weights *forked_weights;
 
