@@ -359,22 +359,27 @@ static int role_killed_while_keeping(tshare_channel *ch) {
 // stream after the set's event). The metadata says what else to do: "again"
 // (every allocation is mapped already: no new opens), "write" (-1 into the
 // first tensor before letting go).
+// The next set, and how many mappings receiving it opened.
+static std::optional<tt::ReceivedSet> recv_set_counting_opens(tshare_channel *ch, unsigned long long *opens) {
+  tshare_cuda_export_stats st0, st;
+  tshare_cuda_stats(&st0);
+  auto r = tt::recv_set(ch, {TIMEOUT});
+  tshare_cuda_stats(&st);
+  *opens = (st.imports + st.fd_imports) - (st0.imports + st0.fd_imports);
+  return r;
+}
+
 static int role_set_reader(tshare_channel *ch) {
   c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
   int sets = 0;
-  tshare_cuda_export_stats st0, st;
-  for (;;) {
-    tshare_cuda_stats(&st0);
-    auto r = tt::recv_set(ch, {TIMEOUT});
-    if (!r) break;
-    tshare_cuda_stats(&st);
+  unsigned long long opens;
+  while (auto r = recv_set_counting_opens(ch, &opens)) {
     int64_t k = 0, wrong = 0;
     for (auto &item : r->tensors) {
       at::Tensor want = at::arange(3 * k, 3 * k + 3, item.value().options().dtype(at::kFloat));
       wrong += (item.value().to(at::kFloat) != want).sum().item<int64_t>();
       k++;
     }
-    unsigned long long opens = (st.imports + st.fd_imports) - (st0.imports + st0.fd_imports);
     printf("consumer: set %d (%s): %zu tensors, %lld elements wrong, %llu mappings opened\n", sets, r->meta.c_str(),
            r->tensors.size(), (long long)wrong, opens);
     CHECK_EQ(wrong, 0);
@@ -394,12 +399,8 @@ static int role_set_reader(tshare_channel *ch) {
 static int role_versions_reader(tshare_channel *ch) {
   c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
   int v = 0;
-  tshare_cuda_export_stats st0, st;
-  for (;;) {
-    tshare_cuda_stats(&st0);
-    auto r = tt::recv_set(ch, {TIMEOUT});
-    if (!r) break;
-    tshare_cuda_stats(&st);
+  unsigned long long opens;
+  while (auto r = recv_set_counting_opens(ch, &opens)) {
     v++;
     CHECK(r->meta == "version=" + std::to_string(v));
     int64_t k = 0, wrong = 0;
@@ -407,7 +408,6 @@ static int role_versions_reader(tshare_channel *ch) {
       wrong += (item.value() != float(1000 * v + k)).sum().item<int64_t>();
       k++;
     }
-    unsigned long long opens = (st.imports + st.fd_imports) - (st0.imports + st0.fd_imports);
     if (wrong || (v > 1 && opens))
       printf("consumer: version %d: %lld elements wrong, %llu mappings opened\n", v, (long long)wrong, opens);
     CHECK_EQ(wrong, 0);

@@ -266,14 +266,18 @@ static void keeping_consumer(int fd) {
   tshare_channel_close(ch);
 }
 
+// Rows 0..3 and 4..7, in shared memory.
+static at::Tensor two_rows() {
+  at::Tensor two = tt::empty_shared({2, 4});
+  return two.copy_(at::arange(8, at::kFloat).view({2, 4}));
+}
+
 TS_TEST(tensors_kept_after_the_received_set_hold_it_until_the_last_goes) {
   int sock;
   pid_t pid = fork_with_socket(keeping_consumer, &sock);
   ReleaseCounts releases;
   tshare_channel *ch = open_channel(sock, "producer", count_release, &releases);
-  at::Tensor one = tt::empty_shared({4}), two = tt::empty_shared({2, 4});
-  one.fill_(1.0f);
-  two.copy_(at::arange(8, at::kFloat).view({2, 4}));
+  at::Tensor one = tt::empty_shared({4}).fill_(1.0f), two = two_rows();
   uint64_t id = tt::send_set(ch, {{"a", one}, {"b", two[0]}, {"c", two[1]}});
   wait_released_once(ch, releases, id);
   CHECK(at::equal(two[1], at::tensor({4.0f, -5.0f, -5.0f, 7.0f})));
@@ -303,8 +307,7 @@ TS_TEST(a_member_sent_on_is_the_producers_memory_and_holds_the_set) {
   pid_t pid = fork_with_socket(forwarding_consumer, &sock);
   ReleaseCounts releases;
   tshare_channel *ch = open_channel(sock, "producer", count_release, &releases);
-  at::Tensor two = tt::empty_shared({2, 4});
-  two.copy_(at::arange(8, at::kFloat).view({2, 4}));
+  at::Tensor two = two_rows();
   uint64_t id = tt::send_set(ch, {{"b", two[0]}, {"c", two[1]}});
   auto back = tt::recv(ch, {TIMEOUT});
   CHECK(back && back->tag == "forwarded" && at::equal(back->tensor, at::tensor({5.0f, 6.0f})));
