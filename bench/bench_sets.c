@@ -15,7 +15,7 @@
 #define SETS_GPU_HIDDEN 1232 /* 290 bf16 tensors, ~836 MiB: the GPU rows' model */
 
 typedef struct sets_run {
-  const char *impl;  /* row key part: bridge, bridge_loop, python, python_loop, torch_mp */
+  const char *impl;  /* row key part: bridge, bridge_rebuilt, bridge_loop, python, python_loop, torch_mp */
   const char *what;  /* label part */
   const char *way;   /* --way (bridge) or --impl (Python) */
   int python;        /* run by the Python peer */
@@ -25,6 +25,7 @@ typedef struct sets_run {
 static const sets_run RUNS[] = {
     {"bridge", "bridge, one set", "set", 0, 1},
     {"bridge", "bridge, one set", "set", 0, 4},
+    {"bridge_rebuilt", "bridge, one set built per send", "set-free", 0, 1},
     {"bridge_loop", "bridge, send per tensor", "loop", 0, 1},
     {"python", "Python, one set", "tshare", 1, 1},
     {"python", "Python, one set", "tshare", 1, 4},
@@ -94,18 +95,25 @@ static void run_one(bench *b, const sets_run *r, const char *dev, int hidden) {
   add_rows(b, r, dev, hidden, last);
 }
 
-/* The loop rows' note: how much longer than the set, in this run. */
+/* The note of row impl against the one set's row of the same mode, in this run. */
+static void note_ratio(bench *b, const char *impl, const char *set_impl, const char *dev, const char *what) {
+  for (int m = 0; m < 2; m++) {
+    char key[48], set_key[48];
+    row_key(key, sizeof key, impl, dev, MODES[m], 1);
+    row_key(set_key, sizeof set_key, set_impl, dev, MODES[m], 1);
+    br_row *row = br_find(&b->rep, key), *set = br_find(&b->rep, set_key);
+    if (!row || !set) continue;
+    size_t used = strlen(row->note);
+    snprintf(row->note + used, sizeof row->note - used, "; %.1fx %s", row->value / set->value, what);
+  }
+}
+
+/* The loop rows (and the bridge's set built per send): how much longer than
+ * the one set (through a kept SetSender for the bridge), in this run. */
 static void note_loop_ratios(bench *b, const char *dev) {
-  for (int m = 0; m < 2; m++)
-    for (int py = 0; py < 2; py++) {
-      char loop_key[48], set_key[48];
-      row_key(loop_key, sizeof loop_key, py ? "python_loop" : "bridge_loop", dev, MODES[m], 1);
-      row_key(set_key, sizeof set_key, py ? "python" : "bridge", dev, MODES[m], 1);
-      br_row *loop = br_find(&b->rep, loop_key), *set = br_find(&b->rep, set_key);
-      if (!loop || !set) continue;
-      size_t used = strlen(loop->note);
-      snprintf(loop->note + used, sizeof loop->note - used, "; %.1fx the one set's time", loop->value / set->value);
-    }
+  note_ratio(b, "bridge_loop", "bridge", dev, "the one set's time");
+  note_ratio(b, "python_loop", "python", dev, "the one set's time");
+  note_ratio(b, "bridge_rebuilt", "bridge", dev, "the kept SetSender's time");
 }
 
 void bench_sets(bench *b) {

@@ -1,13 +1,15 @@
 // A model's state through the LibTorch bridge: a 290-tensor bf16 state_dict
 // (a 24-layer transformer's names and shapes) handed to 1 or more consumer
-// processes and released back, per model, in two ways: as one tensor set
-// (send_set, or send_set_all to several consumers) or as one send() per
+// processes and released back, per model, in three ways: as one tensor set
+// through a SetSender kept across the hand-offs (the documented pattern:
+// sender.send, or send_all to several consumers), as one tensor set built
+// anew each time (the free send_set / send_set_all), or as one send() per
 // tensor; each twice: the first hand-off (a new model: memory the consumers
 // have not seen, allocated before the clock starts) and the repeated update
 // (the producer updates its storages in place and sends again, the version
 // in the set's metadata, as a trainer does).
 //
-//   bench_torch_sets [--device cpu|cuda] [--consumers N] [--way set|loop]
+//   bench_torch_sets [--device cpu|cuda] [--consumers N] [--way set|set-free|loop]
 //                    [--hidden H] [--iters N] [--warmup W] [--first-iters N]
 //
 // Prints one line per measurement, then, last, the line tshare-bench reads:
@@ -111,20 +113,26 @@ static void wait_all(const std::vector<tshare_channel *> &chs) {
 // for the releases: where a hand-off's time goes, printed beside the total.
 static double last_send_us;
 
+// --way set: one sender kept across every hand-off of the run (a new model
+// is a new set to it; an update sends the kept set again).
+static tt::SetSender sender;
+
 // One hand-off to every consumer and back, in microseconds.
-static double handoff_us(const std::vector<tshare_channel *> &chs, const tt::NamedTensors &state, bool as_set,
-                         long version) {
+static double handoff_us(const std::vector<tshare_channel *> &chs, const tt::NamedTensors &state,
+                         const std::string &way, long version) {
   auto t0 = std::chrono::steady_clock::now();
-  if (as_set) {
+  if (way != "loop") {
     tt::SetOptions o;
     o.meta = "version=" + std::to_string(version);
     o.timeout_ms = TIMEOUT;
+    bool kept = way == "set";
     if (chs.size() == 1) {
-      tt::send_set(chs[0], state, o);
+      if (kept) sender.send(chs[0], state, o);
+      else tt::send_set(chs[0], state, o);
       last_send_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
       wait_all(chs);
     } else {
-      for (const tt::SendResult &r : tt::send_set_all(chs, state, o, TIMEOUT))
+      for (const tt::SendResult &r : kept ? sender.send_all(chs, state, o, TIMEOUT) : tt::send_set_all(chs, state, o, TIMEOUT))
         if (!r.ok() || !r.released) throw tt::Error(r.code ? r.code : TSHARE_E_TIMEOUT, r.error);
     }
   } else {
@@ -155,13 +163,13 @@ static Stats stats(std::vector<double> us) { // nearest rank, as tshare-bench ta
 static void settle(const tt::NamedTensors &state) { (void)state.back().second.sum().item<float>(); }
 
 // The first hand-offs (a new model each) and the repeated updates.
-static void measure(const std::vector<tshare_channel *> &chs, bool cuda, int64_t hidden, bool as_set, long iters,
+static void measure(const std::vector<tshare_channel *> &chs, bool cuda, int64_t hidden, const std::string &way, long iters,
                     long first_iters, long warmup, Stats *first, Stats *update, Stats *update_send, double *mib) {
   std::vector<double> us, send_us;
   for (long i = 0; i < warmup + first_iters; i++) {
     tt::NamedTensors fresh = transformer_state(hidden, cuda); // not timed: the model's own allocation
     if (cuda) settle(fresh);
-    double t = handoff_us(chs, fresh, as_set, i);
+    double t = handoff_us(chs, fresh, way, i);
     if (i >= warmup) us.push_back(t);
   }
   *first = stats(us);
@@ -174,7 +182,7 @@ static void measure(const std::vector<tshare_channel *> &chs, bool cuda, int64_t
     for (auto &e : state) e.second.add_(1); // the trainer's in-place step (not timed)
     if (cuda) settle(state);
     last_send_us = NAN; // fan-out to several consumers: sending and waiting are one call
-    double t = handoff_us(chs, state, as_set, i);
+    double t = handoff_us(chs, state, way, i);
     if (i >= warmup) us.push_back(t), send_us.push_back(last_send_us);
   }
   *update = stats(us);
@@ -187,7 +195,11 @@ int main(int argc, char **argv) {
   // Each first hand-off allocates a model: fewer of them keep a profile of the updates short.
   long first_iters = std::max(1L, arg_long(argc, argv, "--first-iters", iters));
   long consumers = std::max(1L, std::min(16L, arg_long(argc, argv, "--consumers", 1)));
-  bool cuda = device == "cuda", as_set = way == "set";
+  bool cuda = device == "cuda", as_set = way != "loop";
+  if (way != "set" && way != "set-free" && way != "loop") {
+    std::printf("error: --way %s: set, set-free or loop\n", way.c_str());
+    return 2;
+  }
   int64_t hidden = arg_long(argc, argv, "--hidden", cuda ? 1232 : 256);
   // One thread: an idle intra-op pool spinning after the update would take
   // the cores the consumers need, and time that is not the hand-off's.
@@ -222,7 +234,7 @@ int main(int argc, char **argv) {
     status = 77;
   }
   try {
-    if (!status) measure(chs, cuda, hidden, as_set, iters, first_iters, warmup, &first, &update, &update_send, &mib);
+    if (!status) measure(chs, cuda, hidden, way, iters, first_iters, warmup, &first, &update, &update_send, &mib);
   } catch (const tt::Error &e) {
     // Tensor sets of CUDA memory, where this version refuses them.
     std::printf("%s: %s\n", e.code() == TSHARE_E_UNSUPPORTED ? "skip" : "error", e.what());
@@ -246,7 +258,10 @@ int main(int argc, char **argv) {
   if (status) return status;
   std::printf("%s, %s, %ld consumer(s), 290 bf16 tensors, %.1f MiB (hidden %lld): first p50 %.1f us, update p50 %.1f us "
               "(of which in the send call %.1f us)\n",
-              as_set ? "one set" : "one send() per tensor", device.c_str(), consumers, mib, (long long)hidden,
+              way == "set"        ? "one set, SetSender kept"
+              : way == "set-free" ? "one set, send_set each time"
+                                  : "one send() per tensor",
+              device.c_str(), consumers, mib, (long long)hidden,
               first.p50, update.p50, update_send.p50);
   std::printf("result first_p50_us=%.2f first_p99_us=%.2f update_p50_us=%.2f update_p99_us=%.2f n=%ld tensors=290 "
               "mib=%.1f hidden=%lld torch=%s\n",

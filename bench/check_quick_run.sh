@@ -54,8 +54,8 @@ for scene in ["pinned", "busy"]:  # both ends on one CPU; a busy loop on every C
 # row; CPU ones measured wherever the program could run (torch present),
 # CUDA ones skipped without a GPU, and a measured set row has its torch.mp ratio.
 for dev in ["cpu", "cuda"]:
-    for impl, counts in [("bridge", [1, 4]), ("bridge_loop", [1]), ("python", [1, 4]), ("python_loop", [1]),
-                         ("torch_mp", [1, 4])]:
+    for impl, counts in [("bridge", [1, 4]), ("bridge_rebuilt", [1]), ("bridge_loop", [1]), ("python", [1, 4]),
+                         ("python_loop", [1]), ("torch_mp", [1, 4])]:
         for mode in ["first", "update"]:
             for n in counts:
                 key = f"sets_{impl}_{dev}_{mode}_{n}"

@@ -1,8 +1,8 @@
 // Example trainer: keeps its model in shared memory, updates the weights in
 // place every step and pushes each version to every inference worker as one
-// tensor set (metadata: the version), waiting until each worker is done with
-// it before the next update. Nothing is copied: the workers read this
-// process's memory.
+// tensor set (metadata: the version) through one SetSender, waiting until
+// each worker is done with it before the next update. Nothing is copied:
+// the workers read this process's memory.
 //
 //   tshare-launch --consumers 2 --producer "weight_sync_trainer --versions 5" \
 //                 --consumer "weight_sync_worker"
@@ -47,10 +47,13 @@ int main(int argc, char **argv) {
   tshare::torch::share_module_(*model);
 
   int failures = 0;
+  // Kept across the versions: it sends the set it built for version 1 again,
+  // with each new version's metadata, as long as the parameters stay put.
+  tshare::torch::SetSender sender;
   try {
     for (int v = 1; v <= versions; v++) {
       for (auto &p : model->parameters()) p.add_(kSyncStep); // the training step, in place
-      auto results = tshare::torch::send_set_all(workers, model->named_parameters(), {version_meta(v)}, 60000);
+      auto results = sender.send_all(workers, model->named_parameters(), {version_meta(v)}, 60000);
       for (const auto &r : results)
         if (!r.ok()) {
           std::fprintf(stderr, "weight_sync_trainer: version %d: %s\n", v, r.error.c_str());
@@ -65,8 +68,9 @@ int main(int argc, char **argv) {
   size_t bytes = 0;
   for (auto &p : model->parameters()) bytes += p.nbytes();
   std::printf("weight_sync_trainer: %d versions of %zu tensors (%.1f KiB) updated in place and pushed to %zu "
-              "workers, %d failed hand-offs\n",
-              versions, model->parameters().size(), double(bytes) / 1024, workers.size(), failures);
+              "workers (the set built %llu time(s)), %d failed hand-offs\n",
+              versions, model->parameters().size(), double(bytes) / 1024, workers.size(),
+              (unsigned long long)sender.builds(), failures);
   tshare_role_report(&role, "versions", versions);
   return failures == 0 ? 0 : 1;
 }

@@ -359,22 +359,27 @@ static int role_killed_while_keeping(tshare_channel *ch) {
 // stream after the set's event). The metadata says what else to do: "again"
 // (every allocation is mapped already: no new opens), "write" (-1 into the
 // first tensor before letting go).
+// The next set, and how many mappings receiving it opened.
+static std::optional<tt::ReceivedSet> recv_set_counting_opens(tshare_channel *ch, unsigned long long *opens) {
+  tshare_cuda_export_stats st0, st;
+  tshare_cuda_stats(&st0);
+  auto r = tt::recv_set(ch, {TIMEOUT});
+  tshare_cuda_stats(&st);
+  *opens = (st.imports + st.fd_imports) - (st0.imports + st0.fd_imports);
+  return r;
+}
+
 static int role_set_reader(tshare_channel *ch) {
   c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
   int sets = 0;
-  tshare_cuda_export_stats st0, st;
-  for (;;) {
-    tshare_cuda_stats(&st0);
-    auto r = tt::recv_set(ch, {TIMEOUT});
-    if (!r) break;
-    tshare_cuda_stats(&st);
+  unsigned long long opens;
+  while (auto r = recv_set_counting_opens(ch, &opens)) {
     int64_t k = 0, wrong = 0;
     for (auto &item : r->tensors) {
       at::Tensor want = at::arange(3 * k, 3 * k + 3, item.value().options().dtype(at::kFloat));
       wrong += (item.value().to(at::kFloat) != want).sum().item<int64_t>();
       k++;
     }
-    unsigned long long opens = (st.imports + st.fd_imports) - (st0.imports + st0.fd_imports);
     printf("consumer: set %d (%s): %zu tensors, %lld elements wrong, %llu mappings opened\n", sets, r->meta.c_str(),
            r->tensors.size(), (long long)wrong, opens);
     CHECK_EQ(wrong, 0);
@@ -385,6 +390,30 @@ static int role_set_reader(tshare_channel *ch) {
     }
     sets++;
   }
+  return 0;
+}
+
+// Versions from a SetSender: member k of version v holds 1000v + k in each
+// of its values, read on this process's own pool stream; from the second
+// version on, nothing new is mapped (the same set, sent again).
+static int role_versions_reader(tshare_channel *ch) {
+  c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
+  int v = 0;
+  unsigned long long opens;
+  while (auto r = recv_set_counting_opens(ch, &opens)) {
+    v++;
+    CHECK(r->meta == "version=" + std::to_string(v));
+    int64_t k = 0, wrong = 0;
+    for (auto &item : r->tensors) {
+      wrong += (item.value() != float(1000 * v + k)).sum().item<int64_t>();
+      k++;
+    }
+    if (wrong || (v > 1 && opens))
+      printf("consumer: version %d: %lld elements wrong, %llu mappings opened\n", v, (long long)wrong, opens);
+    CHECK_EQ(wrong, 0);
+    if (v > 1) CHECK_EQ(opens, 0);
+  }
+  CHECK_EQ(v, 30);
   return 0;
 }
 
@@ -413,6 +442,7 @@ static int role_main(int argc, char **argv) {
            : role == "killed_while_keeping" ? role_killed_while_keeping(ch)
            : role == "set_reader"         ? role_set_reader(ch)
            : role == "set_killed"         ? role_set_killed(ch)
+           : role == "versions_reader"    ? role_versions_reader(ch)
                                           : 2;
   tshare_channel_close(ch);
   fflush(stdout);
@@ -702,6 +732,34 @@ TS_TEST(cuda_sets_of_1_290_and_10000_tensors) {
   send_set_and_wait(ch, mixed, "write");
   CHECK(at::equal(mixed[0].second.cpu(), at::full({3}, -1.0f)));
   CHECK(at::equal(mixed[1].second.cpu(), at::arange(3, 6, at::kFloat)));
+  bye_and_wait_released(ch, TIMEOUT);
+  finish(p, "consumer");
+  tshare_channel_close(ch);
+}
+
+// The update pattern on the GPU: 290 blocks updated in place on the current
+// stream and sent 30 times through one SetSender, built once. Version 20 is
+// written on a pool stream behind a long sleep, version 21 on the default
+// stream again: only the kept set's stream, renewed per send, orders the
+// consumer after the right work.
+TS_TEST(cuda_set_sender_sends_the_kept_set_again) {
+  need_gpu();
+  int fd;
+  tshare_process *p = start("versions_reader", &fd);
+  tshare_channel *ch = open_channel(fd, "trainer");
+  tt::NamedTensors state = numbered_set(290, true);
+  tt::SetSender sender;
+  for (int v = 1; v <= 30; v++) {
+    c10::optional<c10::cuda::CUDAStreamGuard> on_pool;
+    if (v == 20) {
+      on_pool.emplace(c10::cuda::getStreamFromPool());
+      at::cuda::sleep(200 * 1000 * 1000); // about 0.1 s of the GPU's time before the values land
+    }
+    for (size_t k = 0; k < state.size(); k++) state[k].second.fill_(float(1000 * v) + float(k));
+    uint64_t id = sender.send(ch, state, {"version=" + std::to_string(v), TIMEOUT});
+    CHECK_RC(tshare_channel_wait_released(ch, id, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
+  }
+  CHECK_EQ(sender.builds(), 1);
   bye_and_wait_released(ch, TIMEOUT);
   finish(p, "consumer");
   tshare_channel_close(ch);

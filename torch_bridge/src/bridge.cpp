@@ -1,8 +1,8 @@
 // torch::Tensor in, share out; share in, torch::Tensor out.
 //
 // Memory is recognised by the deleter of its storage's DataPtr: free_host_buffer
-// (a memfd of empty_shared/share_memory_), release_view (a received tensor)
-// or anything else (the caching allocator, plain CPU memory). That decides
+// (a memfd of empty_shared/share_memory_), release_view (a received tensor),
+// set_recv.cpp's (a member of a received set) or anything else (the caching allocator, plain CPU memory). That decides
 // how it travels: a host buffer share, a forward of the received view, or a
 // CUDA IPC export of the allocation around the pointer.
 #include "bridge_internal.h"
@@ -48,15 +48,31 @@ void drop_storage(void *storage) { delete static_cast<c10::Storage *>(storage); 
 c10::DeleterFnPtr deleter_of(const at::Tensor &t) { return t.storage().data_ptr().get_deleter(); }
 void *context_of(const at::Tensor &t) { return t.storage().data_ptr().get_context(); }
 
-uint64_t send_received(tshare_channel *ch, const at::Tensor &t, void *stream, const SendOptions &o) {
-  auto *view = static_cast<tshare_view *>(context_of(t));
+// A received tensor sent on: the part of the view it covers, held by keep
+// until the forward is released.
+uint64_t send_view_part(tshare_channel *ch, const at::Tensor &t, tshare_view *view, tshare_drop_fn drop, void *keep,
+                        void *stream, const SendOptions &o) {
   tshare_tensor_desc d = describe(t, tshare_view_data(view));
   uint64_t id = 0;
-  // The storage holds the view; the forward holds the storage.
-  int rc = tshare_share_view_part(ch, view, &d, stream, o.tag.c_str(), drop_storage, new c10::Storage(t.storage()),
-                                  nullptr, o.timeout_ms, &id);
+  int rc = tshare_share_view_part(ch, view, &d, stream, o.tag.c_str(), drop, keep, nullptr, o.timeout_ms, &id);
   if (rc != TSHARE_OK) fail_channel(ch, rc, "send (a received tensor, on)");
   return id;
+}
+
+// False for a tensor that was not received. A single share's storage
+// holds its view, and the forward holds the storage; a set member's forward
+// holds a view of its own, which holds the set.
+bool send_if_received(tshare_channel *ch, const at::Tensor &t, void *stream, const SendOptions &o, uint64_t *id) {
+  if (deleter_of(t) == &release_view) {
+    *id = send_view_part(ch, t, static_cast<tshare_view *>(context_of(t)), drop_storage, new c10::Storage(t.storage()),
+                         stream, o);
+    return true;
+  }
+  if (tshare_view *member = detail::set_member_view(t)) {
+    *id = send_view_part(ch, t, member, release_view, member, stream, o);
+    return true;
+  }
+  return false;
 }
 
 // Torch's own shared memory (Tensor::share_memory_(), torch.multiprocessing's
@@ -73,7 +89,8 @@ uint64_t send_torch_shared(tshare_channel *ch, const at::Tensor &t, at::MapAlloc
 }
 
 uint64_t send_cpu(tshare_channel *ch, const at::Tensor &t, const SendOptions &o) {
-  if (deleter_of(t) == &release_view) return send_received(ch, t, nullptr, o);
+  uint64_t id = 0;
+  if (send_if_received(ch, t, nullptr, o, &id)) return id;
   if (at::MapAllocator *map = detail::torch_shared_map(t)) return send_torch_shared(ch, t, map, o);
   if (deleter_of(t) != &free_host_buffer) {
     if (!o.move_to_shared_memory)
@@ -83,7 +100,6 @@ uint64_t send_cpu(tshare_channel *ch, const at::Tensor &t, const SendOptions &o)
   }
   auto *buffer = static_cast<tshare_host_buffer *>(context_of(t));
   tshare_tensor_desc d = describe(t, tshare_host_buffer_data(buffer));
-  uint64_t id = 0;
   // The share holds the memfd itself: the storage may go before the consumer.
   int rc = tshare_share_host(ch, buffer, &d, o.tag.c_str(), nullptr, o.timeout_ms, &id);
   if (rc != TSHARE_OK) fail_channel(ch, rc, "send (CPU tensor)");
@@ -95,8 +111,8 @@ void *current_stream(int device) { return c10::cuda::getCurrentCUDAStream(static
 
 uint64_t send_cuda(tshare_channel *ch, const at::Tensor &t, const SendOptions &o) {
   void *stream = current_stream(t.device().index());
-  if (deleter_of(t) == &release_view) return send_received(ch, t, stream, o);
   uint64_t id = 0;
+  if (send_if_received(ch, t, stream, o, &id)) return id;
   int rc;
   if (t.storage().data() == nullptr) {
     // An empty storage has no allocation to export: a small owned buffer
@@ -206,7 +222,7 @@ tshare_host_buffer *host_buffer_of(const at::Tensor &t) {
 }
 
 bool is_received(const at::Tensor &t) {
-  return t.defined() && t.unsafeGetTensorImpl()->has_storage() && deleter_of(t) == &release_view;
+  return t.defined() && t.unsafeGetTensorImpl()->has_storage() && (deleter_of(t) == &release_view || is_set_member(t));
 }
 
 } // namespace detail
@@ -330,7 +346,7 @@ bool is_shared(const at::Tensor &t) {
   if (!t.defined() || !t.unsafeGetTensorImpl()->has_storage()) return false;
   if (t.is_cuda()) return true;
   c10::DeleterFnPtr d = deleter_of(t);
-  return d == &free_host_buffer || d == &release_view || detail::torch_shared_map(t) != nullptr;
+  return d == &free_host_buffer || detail::is_received(t) || detail::torch_shared_map(t) != nullptr;
 }
 
 } // namespace torch

@@ -31,8 +31,13 @@ tshare_host_buffer *host_buffer_of(const at::Tensor &t);
 at::MapAllocator *torch_shared_map(const at::Tensor &t);
 // A host buffer over that file (the caller's reference), holding the storage until its last share goes.
 tshare_host_buffer *wrap_torch_shared(const at::Tensor &t, at::MapAllocator *map);
-// True when t's storage is a tensor received from a peer.
+// True when t's storage is a tensor received from a peer (alone or in a set).
 bool is_received(const at::Tensor &t);
+// True when t's storage is a member of a set received from a peer.
+bool is_set_member(const at::Tensor &t);
+// A new view of the set member t's storage is (the caller's to release), or
+// nullptr when t is no set member: what sending it on needs.
+tshare_view *set_member_view(const at::Tensor &t);
 
 } // namespace detail
 } // namespace torch

@@ -1,7 +1,7 @@
-// Tensor sets through the bridge: named tensors in, one tensor set out (a C
-// builder filled with each CPU tensor's host buffer and each CUDA tensor's
-// memory and storage, with its layout); a received set in, one tensor per
-// member, each holding a view of the set.
+// Tensor sets through the bridge, the producer's half: named tensors in, one
+// tensor set out (a C builder filled with each CPU tensor's host buffer and
+// each CUDA tensor's memory and storage, with its layout), sent to one
+// channel or to many; and share_module_, which lays a module out for sets.
 //
 // Every tensor is checked before anything moves or goes out, so a refused
 // set names the tensor at fault and leaves the channel as it was; names and
@@ -9,12 +9,12 @@
 #include "tshare/torch_set.h"
 
 #include "bridge_internal.h"
+#include "set_internal.h"
 
 #include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
 
 #ifdef TSHARE_TORCH_CUDA
-#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -33,27 +33,9 @@ namespace {
 using detail::fail;
 using detail::fail_channel;
 
-struct BuilderDeleter {
-  void operator()(tshare_set_builder *b) const noexcept { tshare_set_builder_destroy(b); }
-};
-using BuilderPtr = std::unique_ptr<tshare_set_builder, BuilderDeleter>;
-
-// A set's members by reference, whichever container the caller holds them in.
-using MemberRefs = std::vector<std::pair<const std::string *, const at::Tensor *>>;
-
-MemberRefs refs_of(const NamedTensors &tensors) {
-  MemberRefs refs;
-  refs.reserve(tensors.size());
-  for (const auto &e : tensors) refs.emplace_back(&e.first, &e.second);
-  return refs;
-}
-
-MemberRefs refs_of(const TensorDict &tensors) {
-  MemberRefs refs;
-  refs.reserve(tensors.size());
-  for (const auto &item : tensors) refs.emplace_back(&item.key(), &item.value());
-  return refs;
-}
+using detail::BuilderPtr;
+using detail::MemberRefs;
+using detail::refs_of;
 
 // "tensor 3 ('fc.weight')": names up to 1 KiB are cut short in messages.
 std::string member_label(size_t i, const std::string &name) {
@@ -156,76 +138,6 @@ void add_member(tshare_set_builder *b, size_t i, const std::string &name, const 
   }
 }
 
-// The CUDA members are ordered after the work queued so far on the current
-// stream of their device (a set carries one device's memory: the core
-// refuses a second device, naming the tensor).
-void order_after_current_stream(tshare_set_builder *b, const MemberRefs &members) {
-#ifdef TSHARE_TORCH_CUDA
-  for (const auto &m : members)
-    if (m.second->is_cuda()) {
-      tshare_set_builder_set_stream(b, c10::cuda::getCurrentCUDAStream(m.second->device().index()).stream());
-      return;
-    }
-#else
-  (void)b, (void)members;
-#endif
-}
-
-BuilderPtr build(const MemberRefs &members, const SetOptions &o) {
-  if (members.empty()) fail(TSHARE_E_INVALID_ARG, "set: no tensors to send");
-  for (size_t i = 0; i < members.size(); i++)
-    check_member(i, *members[i].first, *members[i].second, o.move_to_shared_memory);
-  BuilderPtr b(tshare_set_builder_create());
-  if (!b) fail(TSHARE_E_NOMEM, "set: out of memory");
-  tshare_error err;
-  int rc = tshare_set_builder_set_meta(b.get(), o.meta.data(), o.meta.size(), &err);
-  if (rc != TSHARE_OK) fail(rc, err.message);
-  for (size_t i = 0; i < members.size(); i++)
-    add_member(b.get(), i, *members[i].first, *members[i].second, o.move_to_shared_memory);
-  order_after_current_stream(b.get(), members);
-  return b;
-}
-
-uint64_t send_built(tshare_channel *ch, const MemberRefs &members, const SetOptions &o) {
-  if (!ch) fail(TSHARE_E_INVALID_ARG, "send_set: no channel");
-  BuilderPtr b = build(members, o);
-  uint64_t id = 0;
-  int rc = tshare_set_send(ch, b.get(), nullptr, o.timeout_ms, &id);
-  if (rc != TSHARE_OK) fail_channel(ch, rc, "send_set");
-  return id;
-}
-
-// Fan-out through the C calls: one send per channel, then one wait for all
-// the releases together; each consumer's outcome stays its own.
-std::vector<SendResult> send_all_built(const std::vector<tshare_channel *> &channels, const MemberRefs &members,
-                                       const SetOptions &options, int release_timeout_ms) {
-  BuilderPtr b = build(members, options);
-  size_t n = channels.size();
-  std::vector<uint64_t> ids(n, 0);
-  std::vector<tshare_error> sent(n), waited(n);
-  std::vector<SendResult> results(n);
-  if (n == 0) return results;
-  tshare_set_send_all(b.get(), channels.data(), n, nullptr, options.timeout_ms, ids.data(), sent.data());
-  for (size_t i = 0; i < n; i++) {
-    results[i].set_id = ids[i];
-    results[i].code = sent[i].code;
-    if (!results[i].ok()) results[i].error = std::string("tshare: send_set_all: ") + sent[i].message;
-  }
-  if (release_timeout_ms == 0) return results;
-  tshare_set_wait_all(channels.data(), ids.data(), n, release_timeout_ms, waited.data());
-  for (size_t i = 0; i < n; i++) {
-    SendResult &r = results[i];
-    if (!r.ok()) continue;
-    if (waited[i].code == TSHARE_OK) {
-      r.released = true;
-    } else {
-      r.code = waited[i].code;
-      r.error = std::string("tshare: send_set_all: ") + waited[i].message;
-    }
-  }
-  return results;
-}
-
 // Each tensor's storage copied into one new shared buffer, and the tensor
 // set_() onto it in place (its identity kept: optimizers and hooks holding it
 // go on working). Tensors of one storage stay on one storage (tied weights).
@@ -258,73 +170,126 @@ void move_into_one_buffer(std::vector<at::Tensor> &tensors) {
 
 } // namespace
 
+namespace detail {
+
+MemberRefs refs_of(const NamedTensors &tensors) {
+  MemberRefs refs;
+  refs.reserve(tensors.size());
+  for (const auto &e : tensors) refs.emplace_back(&e.first, &e.second);
+  return refs;
+}
+
+MemberRefs refs_of(const TensorDict &tensors) {
+  MemberRefs refs;
+  refs.reserve(tensors.size());
+  for (const auto &item : tensors) refs.emplace_back(&item.key(), &item.value());
+  return refs;
+}
+
+// A set carries one device's memory: the core refuses a second device,
+// naming the tensor, so the first CUDA member's device is the set's.
+int cuda_device_of(const MemberRefs &members) {
+  for (const auto &m : members)
+    if (m.second->is_cuda()) return m.second->device().index();
+  return -1;
+}
+
+void *current_stream_of(int device) {
+#ifdef TSHARE_TORCH_CUDA
+  if (device >= 0) return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+#else
+  (void)device;
+#endif
+  return nullptr;
+}
+
+// The CUDA members are ordered after the work queued so far on the current
+// stream of their device.
+BuilderPtr build_set(const MemberRefs &members, const SetOptions &o) {
+  if (members.empty()) fail(TSHARE_E_INVALID_ARG, "set: no tensors to send");
+  for (size_t i = 0; i < members.size(); i++)
+    check_member(i, *members[i].first, *members[i].second, o.move_to_shared_memory);
+  BuilderPtr b(tshare_set_builder_create());
+  if (!b) fail(TSHARE_E_NOMEM, "set: out of memory");
+  tshare_error err;
+  int rc = tshare_set_builder_set_meta(b.get(), o.meta.data(), o.meta.size(), &err);
+  if (rc != TSHARE_OK) fail(rc, err.message);
+  for (size_t i = 0; i < members.size(); i++)
+    add_member(b.get(), i, *members[i].first, *members[i].second, o.move_to_shared_memory);
+  int device = cuda_device_of(members);
+  if (device >= 0) tshare_set_builder_set_stream(b.get(), current_stream_of(device));
+  return b;
+}
+
+uint64_t send_builder(tshare_channel *ch, const tshare_set_builder *b, int timeout_ms) {
+  uint64_t id = 0;
+  int rc = tshare_set_send(ch, b, nullptr, timeout_ms, &id);
+  if (rc != TSHARE_OK) fail_channel(ch, rc, "send_set");
+  return id;
+}
+
+// Fan-out through the C calls: one send per channel, then one wait for all
+// the releases together; each consumer's outcome stays its own.
+std::vector<SendResult> send_builder_all(const std::vector<tshare_channel *> &channels, const tshare_set_builder *b,
+                                         int timeout_ms, int release_timeout_ms) {
+  size_t n = channels.size();
+  std::vector<uint64_t> ids(n, 0);
+  std::vector<tshare_error> sent(n), waited(n);
+  std::vector<SendResult> results(n);
+  if (n == 0) return results;
+  tshare_set_send_all(b, channels.data(), n, nullptr, timeout_ms, ids.data(), sent.data());
+  for (size_t i = 0; i < n; i++) {
+    results[i].set_id = ids[i];
+    results[i].code = sent[i].code;
+    if (!results[i].ok()) results[i].error = std::string("tshare: send_set_all: ") + sent[i].message;
+  }
+  if (release_timeout_ms == 0) return results;
+  tshare_set_wait_all(channels.data(), ids.data(), n, release_timeout_ms, waited.data());
+  for (size_t i = 0; i < n; i++) {
+    SendResult &r = results[i];
+    if (!r.ok()) continue;
+    if (waited[i].code == TSHARE_OK) {
+      r.released = true;
+    } else {
+      r.code = waited[i].code;
+      r.error = std::string("tshare: send_set_all: ") + waited[i].message;
+    }
+  }
+  return results;
+}
+
+} // namespace detail
+
+namespace {
+
+uint64_t send_once(tshare_channel *ch, const MemberRefs &members, const SetOptions &o) {
+  if (!ch) fail(TSHARE_E_INVALID_ARG, "send_set: no channel");
+  return detail::send_builder(ch, detail::build_set(members, o).get(), o.timeout_ms);
+}
+
+std::vector<SendResult> send_once_all(const std::vector<tshare_channel *> &channels, const MemberRefs &members,
+                                      const SetOptions &o, int release_timeout_ms) {
+  return detail::send_builder_all(channels, detail::build_set(members, o).get(), o.timeout_ms, release_timeout_ms);
+}
+
+} // namespace
+
 uint64_t send_set(tshare_channel *ch, const NamedTensors &tensors, const SetOptions &options) {
-  return send_built(ch, refs_of(tensors), options);
+  return send_once(ch, refs_of(tensors), options);
 }
 
 uint64_t send_set(tshare_channel *ch, const TensorDict &tensors, const SetOptions &options) {
-  return send_built(ch, refs_of(tensors), options);
+  return send_once(ch, refs_of(tensors), options);
 }
 
 std::vector<SendResult> send_set_all(const std::vector<tshare_channel *> &channels, const NamedTensors &tensors,
                                      const SetOptions &options, int release_timeout_ms) {
-  return send_all_built(channels, refs_of(tensors), options, release_timeout_ms);
+  return send_once_all(channels, refs_of(tensors), options, release_timeout_ms);
 }
 
 std::vector<SendResult> send_set_all(const std::vector<tshare_channel *> &channels, const TensorDict &tensors,
                                      const SetOptions &options, int release_timeout_ms) {
-  return send_all_built(channels, refs_of(tensors), options, release_timeout_ms);
-}
-
-namespace {
-// A set's CUDA tensors are ready for work on the default stream (the set's
-// event is waited for there): a current stream of another kind waits for it
-// too, on the GPU.
-void order_current_after_default(int device) {
-#ifdef TSHARE_TORCH_CUDA
-  auto index = static_cast<c10::DeviceIndex>(device);
-  c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(index);
-  c10::cuda::CUDAStream fallback = c10::cuda::getDefaultCUDAStream(index);
-  if (current == fallback) return;
-  at::cuda::CUDAEvent ready;
-  ready.record(fallback);
-  ready.block(current);
-#else
-  (void)device;
-#endif
-}
-} // namespace
-
-std::optional<ReceivedSet> recv_set(tshare_channel *ch, const RecvOptions &options) {
-  if (!ch) fail(TSHARE_E_INVALID_ARG, "recv_set: no channel");
-  tshare_set *set = nullptr;
-  int rc = tshare_set_recv(ch, options.timeout_ms, &set);
-  if (rc == TSHARE_END) return std::nullopt;
-  if (rc != TSHARE_OK) fail_channel(ch, rc, "recv_set");
-  ReceivedSet r;
-  r.set_id = tshare_set_id(set);
-  size_t meta_len = 0;
-  const void *meta = tshare_set_meta(set, &meta_len);
-  if (meta_len) r.meta.assign(static_cast<const char *>(meta), meta_len);
-  size_t count = tshare_set_count(set);
-  r.tensors.reserve(count);
-  try {
-    for (size_t i = 0; i < count; i++) {
-      tshare_view *view = nullptr;
-      rc = tshare_set_view(set, i, &view);
-      if (rc != TSHARE_OK) fail(rc, "recv_set: a view of tensor " + std::to_string(i) + " of set " +
-                                        std::to_string(r.set_id) + ": out of memory");
-      r.tensors.insert(tshare_set_name(set, i), tensor_from_view(view));
-    }
-  } catch (...) {
-    tshare_set_release(set); // r's tensors go with the exception: the set is released back
-    throw;
-  }
-  int device = -1;
-  for (size_t i = 0; i < count && device < 0; i++) device = tshare_set_cuda_device(set, i);
-  tshare_set_release(set); // the tensors hold the set from here
-  if (device >= 0) order_current_after_default(device);
-  return r;
+  return send_once_all(channels, refs_of(tensors), options, release_timeout_ms);
 }
 
 ::torch::nn::Module &share_module_(::torch::nn::Module &module) {

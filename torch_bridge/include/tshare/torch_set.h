@@ -19,12 +19,16 @@
 // producer's back.
 //
 // The update pattern: keep the storages, update them in place, send the set
-// again with a new version in the metadata.
+// again with a new version in the metadata, through one SetSender kept
+// across steps: it sends the set it built last time again, with the new
+// metadata, as long as the tensors are the same (send_set builds anew on
+// every call: for sets sent once).
 //
 // Consumer: recv_set(ch) returns the next set: its tensors in the sender's
 // order (looked up by name too) and the metadata. Each tensor keeps the set
-// alive; the set is released to the producer, once, when the last of them is
-// gone. Writes through them are the producer's memory.
+// alive (also after the ReceivedSet is gone); the set is released to the
+// producer, once, when the last of them, and of tensors derived from them,
+// is gone. Writes through them are the producer's memory.
 //
 // CUDA tensors (of one device, either allocator mode) go as they are: the set
 // holds each storage until its release and is ordered after the current
@@ -40,6 +44,7 @@
 #include <torch/ordered_dict.h>
 
 #include <initializer_list>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -102,6 +107,64 @@ inline std::vector<SendResult> send_set_all(const std::vector<tshare_channel *> 
                                             const SetOptions &options = {}, int release_timeout_ms = -1) {
   return send_set_all(channels, NamedTensors(tensors), options, release_timeout_ms);
 }
+
+// A producer that sends the same tensors again and again (a trainer's
+// weights, updated in place between versions): keep one SetSender across the
+// steps and call send() or send_all() with the state each time. It keeps the
+// set it built last (a C builder, tshare/set.h) and what it was built from:
+// each member's name, data pointer, sizes, strides, dtype, device and
+// storage. When the tensors given are those again, it only sets the new
+// metadata (and the current CUDA stream) and sends the same set again: no
+// check, lookup or allocation per member. Any change (a tensor reassigned,
+// reshaped, moved to other memory; a member added, removed, renamed or
+// reordered) builds the set anew, checked as send_set checks it.
+//
+// What it keeps alive: the kept set holds a reference on every memory in it
+// (each CPU tensor's shared buffer, each CUDA tensor's storage), so the
+// memory of the last set sent stays allocated until the next rebuild,
+// reset() or the sender's end, even when the producer dropped the tensors.
+// (That is also why the same data pointer means the same memory.)
+//
+// Threads: one SetSender may be used from several threads; its calls are
+// serialised by a mutex, each send whole. Each channel is still driven by
+// one thread at a time (the C rule). Options and results are send_set's and
+// send_set_all's.
+class TSHARE_TORCH_API SetSender {
+ public:
+  SetSender();
+  ~SetSender();
+  SetSender(SetSender &&other) noexcept;
+  SetSender &operator=(SetSender &&other) noexcept;
+  SetSender(const SetSender &) = delete;
+  SetSender &operator=(const SetSender &) = delete;
+
+  uint64_t send(tshare_channel *ch, const NamedTensors &tensors, const SetOptions &options = {});
+  uint64_t send(tshare_channel *ch, const TensorDict &tensors, const SetOptions &options = {});
+  std::vector<SendResult> send_all(const std::vector<tshare_channel *> &channels, const NamedTensors &tensors,
+                                   const SetOptions &options = {}, int release_timeout_ms = -1);
+  std::vector<SendResult> send_all(const std::vector<tshare_channel *> &channels, const TensorDict &tensors,
+                                   const SetOptions &options = {}, int release_timeout_ms = -1);
+  uint64_t send(tshare_channel *ch, std::initializer_list<std::pair<std::string, at::Tensor>> tensors,
+                const SetOptions &options = {}) {
+    return send(ch, NamedTensors(tensors), options);
+  }
+  std::vector<SendResult> send_all(const std::vector<tshare_channel *> &channels,
+                                   std::initializer_list<std::pair<std::string, at::Tensor>> tensors,
+                                   const SetOptions &options = {}, int release_timeout_ms = -1) {
+    return send_all(channels, NamedTensors(tensors), options, release_timeout_ms);
+  }
+
+  // Let go of the kept set and the memory it holds; the next send builds anew.
+  void reset();
+  // How many times a set was built (a send that sent the kept set again
+  // does not count): what shows that the tensors were recognised.
+  uint64_t builds() const;
+
+ private:
+  struct Kept;
+  Kept &kept();
+  std::unique_ptr<Kept> kept_;
+};
 
 struct ReceivedSet {
   TensorDict tensors;  // in the sender's order; tensors["name"], tensors.find("name")

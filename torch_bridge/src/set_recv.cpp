@@ -1,0 +1,172 @@
+// Tensor sets through the bridge, the consumer's half: a received set in, one
+// tensor per member out, all of them holding the set through one counted
+// hold: the set handle, released once when the last tensor (and every
+// tensor derived from them) is gone, on whichever thread that is.
+//
+// Per member that is one from_blob over the set's own pointer and layout
+// (the device given, so nothing asks the driver where the pointer lives) and
+// one count on the hold: no view, lock or allocation of the core's per
+// member. A member sent on with send() gets its view then, on demand.
+#include "tshare/torch_set.h"
+
+#include "bridge_internal.h"
+
+#include <ATen/ops/from_blob.h>
+
+#ifdef TSHARE_TORCH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <atomic>
+#include <memory>
+
+namespace tshare {
+namespace torch {
+namespace {
+
+using detail::fail;
+using detail::fail_channel;
+
+struct SetHold;
+
+// A member tensor's storage context: which set, which member (to make a
+// view of it when the tensor is sent on).
+struct MemberContext {
+  SetHold *hold;
+  size_t index;
+};
+
+// What a received set's tensors share: the set handle and one count per
+// tensor, plus recv_set's own while it builds them.
+struct SetHold {
+  std::atomic<size_t> refs{1};
+  tshare_set *set;
+  std::unique_ptr<MemberContext[]> members;
+
+  explicit SetHold(tshare_set *s) : set(s), members(new MemberContext[tshare_set_count(s)]) {
+    for (size_t i = 0; i < tshare_set_count(s); i++) members[i] = {this, i};
+  }
+  void drop() noexcept {
+    if (refs.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    tshare_set_release(set); // never blocks: the release goes out from here or the channel's next call
+    delete this;
+  }
+};
+
+// The deleter that marks a set member's storage; its address is the identity.
+void drop_member(void *context) { static_cast<MemberContext *>(context)->hold->drop(); }
+
+std::string member_label(const SetHold &hold, size_t i) {
+  return "tensor " + std::to_string(i) + " ('" + tshare_set_name(hold.set, i) + "') of set " +
+         std::to_string(tshare_set_id(hold.set));
+}
+
+at::Device member_device(const SetHold &hold, size_t i) {
+  int index = tshare_set_cuda_device(hold.set, i);
+  if (index < 0) return at::Device(at::kCPU);
+#ifdef TSHARE_TORCH_CUDA
+  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
+#else
+  fail(TSHARE_E_UNSUPPORTED,
+       "recv_set: " + member_label(hold, i) + " is GPU memory and this LibTorch (or tshare) was built without CUDA");
+#endif
+}
+
+// Member i over the set's memory, counted on the hold until its storage goes.
+at::Tensor member_tensor(SetHold &hold, size_t i) {
+  const tshare_tensor_desc *d = tshare_set_desc(hold.set, i);
+  at::ScalarType type = to_scalar_type(d->dtype);
+  for (int32_t k = 0; k < d->ndim; k++)
+    if (d->strides[k] < 0)
+      fail(TSHARE_E_UNSUPPORTED, "recv_set: " + member_label(hold, i) + " has a negative stride (" +
+                                     std::to_string(d->strides[k]) + " in dimension " + std::to_string(k) +
+                                     "), which LibTorch tensors cannot have");
+  at::Device device = member_device(hold, i);
+  at::IntArrayRef sizes(d->shape, static_cast<size_t>(d->ndim)), strides(d->strides, static_cast<size_t>(d->ndim));
+  hold.refs.fetch_add(1, std::memory_order_relaxed);
+  // From here the maker owns the count: its context deleter drops it even if
+  // make_tensor throws, and the tensor's storage owns it afterwards.
+  return at::for_blob(tshare_set_data(hold.set, i), sizes)
+      .strides(strides)
+      .context(&hold.members[i], &drop_member)
+      .options(at::TensorOptions().dtype(type).device(device))
+      .target_device(device)
+      .make_tensor();
+}
+
+// A set's CUDA tensors are ready for work on the default stream (the set's
+// event is waited for there): a current stream of another kind waits for it
+// too, on the GPU.
+void order_current_after_default(int device) {
+#ifdef TSHARE_TORCH_CUDA
+  auto index = static_cast<c10::DeviceIndex>(device);
+  c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(index);
+  c10::cuda::CUDAStream fallback = c10::cuda::getDefaultCUDAStream(index);
+  if (current == fallback) return;
+  at::cuda::CUDAEvent ready;
+  ready.record(fallback);
+  ready.block(current);
+#else
+  (void)device;
+#endif
+}
+
+SetHold *hold_of(const at::Tensor &t) {
+  if (!t.defined() || !t.unsafeGetTensorImpl()->has_storage()) return nullptr;
+  const c10::DataPtr &p = t.storage().data_ptr();
+  return p.get_deleter() == &drop_member ? static_cast<MemberContext *>(p.get_context())->hold : nullptr;
+}
+
+} // namespace
+
+namespace detail {
+
+bool is_set_member(const at::Tensor &t) { return hold_of(t) != nullptr; }
+
+tshare_view *set_member_view(const at::Tensor &t) {
+  if (!hold_of(t)) return nullptr;
+  auto *member = static_cast<MemberContext *>(t.storage().data_ptr().get_context());
+  tshare_view *view = nullptr;
+  if (tshare_set_view(member->hold->set, member->index, &view) != TSHARE_OK)
+    fail(TSHARE_E_NOMEM, "send (a tensor of a received set): out of memory");
+  return view;
+}
+
+} // namespace detail
+
+std::optional<ReceivedSet> recv_set(tshare_channel *ch, const RecvOptions &options) {
+  if (!ch) fail(TSHARE_E_INVALID_ARG, "recv_set: no channel");
+  tshare_set *set = nullptr;
+  int rc = tshare_set_recv(ch, options.timeout_ms, &set);
+  if (rc == TSHARE_END) return std::nullopt;
+  if (rc != TSHARE_OK) fail_channel(ch, rc, "recv_set");
+  SetHold *hold;
+  try {
+    hold = new SetHold(set);
+  } catch (...) {
+    tshare_set_release(set);
+    throw;
+  }
+  ReceivedSet r;
+  size_t count = tshare_set_count(set);
+  try {
+    r.set_id = tshare_set_id(set);
+    size_t meta_len = 0;
+    const void *meta = tshare_set_meta(set, &meta_len);
+    if (meta_len) r.meta.assign(static_cast<const char *>(meta), meta_len);
+    r.tensors.reserve(count);
+    for (size_t i = 0; i < count; i++) r.tensors.insert(tshare_set_name(set, i), member_tensor(*hold, i));
+  } catch (...) {
+    hold->drop(); // r's tensors go with the exception: the last of them releases the set back
+    throw;
+  }
+  int device = -1;
+  for (size_t i = 0; i < count && device < 0; i++) device = tshare_set_cuda_device(set, i);
+  hold->drop(); // the tensors hold the set from here
+  if (device >= 0) order_current_after_default(device);
+  return r;
+}
+
+} // namespace torch
+} // namespace tshare
