@@ -222,6 +222,10 @@ typedef struct ts_backend {
    * source_keep_state. Without it: TS_KEEP_NONE (never sent again as one
    * frame). */
   ts_keep_state (*set_keep_state)(tshare_channel *ch, const ts_set_source *src);
+  /* Optional: src goes again from the peer's kept layout (no memory frame):
+   * *hold gets what the set keeps until its release, as set_send_mem's
+   * (zeroed: nothing). A failure sends the set whole instead. */
+  int (*set_again_hold)(tshare_channel *ch, const ts_set_source *src, ts_keep_ref *hold);
   /* Producer: send src as memory frame f (type, op, set_id and index set;
    * the rest filled here), after what must precede it (chunk frames).
    * *hold gets what the set keeps until its release (zeroed: nothing). */

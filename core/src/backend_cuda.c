@@ -187,6 +187,7 @@ const ts_backend ts_cuda_backend = {
     .set_source_free = ts_cuda_set_source_free,
     .set_check = ts_cuda_set_check,
     .set_keep_state = ts_cuda_set_keep_state,
+    .set_again_hold = ts_cuda_set_again_hold,
     .set_send_mem = ts_cuda_set_send_mem,
     .set_order = ts_cuda_set_order,
     .set_wait = ts_cuda_set_wait,

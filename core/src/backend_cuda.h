@@ -199,6 +199,9 @@ ts_release_done ts_cuda_set_release(tshare_channel *ch, void *const *memories, s
 /* How src would go to ch now (the set_keep_state hook): only VMM runs of
  * another allocator are kept by the peer until retired (TSHARE_MEM_CUDA_HELD). */
 ts_keep_state ts_cuda_set_keep_state(tshare_channel *ch, const ts_set_source *src);
+/* The set_again_hold hook: a segment sent again from the peer's kept layout
+ * is anchored anew, as its memory frame would have been. */
+int ts_cuda_set_again_hold(tshare_channel *ch, const ts_set_source *src, ts_keep_ref *hold);
 void ts_cuda_memory_ref_locked(tshare_channel *ch, void *memory);
 void ts_cuda_memory_unref_locked(tshare_channel *ch, void *memory);
 

@@ -209,9 +209,17 @@ int ts_cuda_set_send_mem(tshare_channel *ch, const ts_set_source *src, tshare_fr
   return ts_channel_send(ch, f, s->x.fd, timeout_ms);
 }
 
+/* Another allocator's cudaMalloc segment: kept by the peer while this end
+ * anchors it (cuda_anchor.h) with no retire notice pending. */
+static ts_keep_state segment_keep_state(struct ts_cuda_chan *c, const cuda_source *s) {
+  if (s->buf || s->x.fd >= 0 || !s->keep.drop || !s->keep.retain) return TS_KEEP_NONE;
+  return ts_anchor_held(&c->anchors, s->x.buffer_id) ? TS_KEEP_KEPT : TS_KEEP_OFFERED;
+}
+
 ts_keep_state ts_cuda_set_keep_state(tshare_channel *ch, const ts_set_source *src) {
   const cuda_source *s = (const cuda_source *)src;
   struct ts_cuda_chan *c = ts_cuda_chan_if_used(ch);
+  if (c && !s->vmm && ch->conn.minor >= 1) return segment_keep_state(c, s);
   if (!s->vmm || !c || !(ch->conn.peer.capabilities & TSHARE_CAP_CUDA_HELD)) return TS_KEEP_NONE;
   bool watched = false, held = false;
   ts_cuda_run_state(c, s->x.buffer_id, &watched, &held);
@@ -223,6 +231,16 @@ ts_keep_state ts_cuda_set_keep_state(tshare_channel *ch, const ts_set_source *sr
   char err[TSHARE_ERROR_MSG_MAX];
   if (ts_cuda_export_vmm(s->ptr, s->extent, &x, &chunks, err, sizeof err) != TSHARE_OK) return TS_KEEP_NONE;
   return x.buffer_id == s->x.buffer_id ? TS_KEEP_KEPT : TS_KEEP_NONE;
+}
+
+int ts_cuda_set_again_hold(tshare_channel *ch, const ts_set_source *src, ts_keep_ref *hold) {
+  const cuda_source *s = (const cuda_source *)src;
+  struct ts_cuda_chan *c = ts_cuda_chan_if_used(ch);
+  memset(hold, 0, sizeof *hold);
+  if (s->vmm || !c || segment_keep_state(c, s) == TS_KEEP_NONE) return TSHARE_OK; /* a watched run needs no hold */
+  if (anchor_segment(c, s, hold)) return TSHARE_OK;
+  return ts_errf(ch->err, sizeof ch->err, TSHARE_E_LIMIT, "set: a CUDA segment could not stay held for the peer (%d "
+                 "segments held per channel at most)", ANCHORS_MAX);
 }
 
 int ts_cuda_set_order(tshare_channel *ch, const ts_set_source *src, void *stream, tshare_frame *end, ts_export *e,

@@ -148,4 +148,9 @@ void ts_anchors_drop_all(ts_anchors *set) {
   ts_u64map_free(&set->by_id);
 }
 
+bool ts_anchor_held(const ts_anchors *set, uint64_t alloc_id) {
+  const struct anchor *a = set->off ? NULL : ts_u64map_get(&set->by_id, alloc_id + 1);
+  return a && !a->retire_pending;
+}
+
 size_t ts_anchors_count(const ts_anchors *set) { return set->by_id.count; }

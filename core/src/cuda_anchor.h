@@ -60,6 +60,10 @@ bool ts_anchor_closed(ts_anchors *set, uint64_t alloc_id);
 /* The peer is gone (its mappings with it): every keep dropped now. */
 void ts_anchors_drop_all(ts_anchors *set);
 
+/* Whether alloc_id is anchored with no retire notice pending: its peer
+ * keeps the segment mapped, and keeps it until it answers a notice. */
+bool ts_anchor_held(const ts_anchors *set, uint64_t alloc_id);
+
 /* How many segments are anchored (statistics, tests). */
 size_t ts_anchors_count(const ts_anchors *set);
 

@@ -398,6 +398,9 @@ static void release_stray_set(tshare_channel *ch, ts_set_rx *rx, uint64_t set_id
  * owner retires it; 0 when it is not such memory. */
 static uint8_t kept_kind_of(const set_mem *m) {
   if (!ts_set_mem_keepable(m->mem_kind, m->share_flags)) return 0;
+  /* A legacy IPC segment stays named by its handle: the import cache finds
+   * its idle mapping by it (and the producer's anchor keeps it alive). */
+  if (m->mem_kind == TSHARE_MEM_CUDA_IPC) return TSHARE_MEM_CUDA_IPC;
   return m->device_type == TSHARE_DEVICE_CPU ? TSHARE_MEM_HOST_KEPT : TSHARE_MEM_CUDA_HELD;
 }
 
@@ -428,7 +431,7 @@ static tshare_set *layout_of(const tshare_set *s) {
       return NULL;
     }
     m.memory = m.base = m.ctx = NULL;
-    m.handle_len = 0;
+    if (m.mem_kind != TSHARE_MEM_CUDA_IPC) m.handle_len = 0;
     /* Host memory is kept already; a held run keeps its retire notice. */
     m.share_flags = m.device_type == TSHARE_DEVICE_CPU ? 0 : m.share_flags & ~TSHARE_SHARE_FLAG_CHUNKS;
     t->mems[i] = m;
@@ -456,6 +459,8 @@ static tshare_set_mem_frame mem_frame_of(const tshare_set *t, uint32_t i) {
   f.device_type = m->device_type;
   f.alloc_size = m->size;
   f.share_flags = m->share_flags;
+  f.handle_len = m->handle_len;
+  memcpy(f.handle, m->handle, m->handle_len);
   memcpy(f.device_uuid, m->device_uuid, 16);
   return f;
 }

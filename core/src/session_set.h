@@ -51,7 +51,8 @@ void ts_set_slots_declared(tshare_channel *ch, unsigned slot, uint64_t builder, 
 static inline bool ts_set_mem_keepable(uint8_t mem_kind, uint32_t share_flags) {
   bool notice = (share_flags & TSHARE_SHARE_FLAG_RETIRE_NOTICE) != 0;
   return mem_kind == TSHARE_MEM_HOST_KEPT || mem_kind == TSHARE_MEM_CUDA_HELD ||
-         (notice && (mem_kind == TSHARE_MEM_HOST_MEMFD || mem_kind == TSHARE_MEM_CUDA_FD));
+         (notice && (mem_kind == TSHARE_MEM_HOST_MEMFD || mem_kind == TSHARE_MEM_CUDA_FD ||
+                     mem_kind == TSHARE_MEM_CUDA_IPC));
 }
 
 /* A set's memory is host memory: the backend of that kind maps it, keeps

@@ -372,6 +372,25 @@ static ts_export *set_export(const tshare_set_builder *b, void *user_data) {
   return e;
 }
 
+/* A set sent again names no memory: what the backends hold for it until
+ * its release (an anchored segment's hold) is taken here, as its memory
+ * frames would have taken it. false: one could not be (what was taken is
+ * let go of), and the set goes whole. */
+static bool hold_again(tshare_channel *ch, const tshare_set_builder *b, set_keep *k) {
+  for (size_t i = 0; i < b->mem_count; i++) {
+    const ts_set_source *src = b->mems[i].device;
+    if (!src || !src->backend->set_again_hold) continue;
+    ts_keep_ref hold = {NULL, NULL, NULL};
+    if (src->backend->set_again_hold(ch, src, &hold) != TSHARE_OK) {
+      for (size_t j = 0; j < k->nholds; j++) drop_keep(&k->keeps[k->nkeeps + j]);
+      k->nholds = 0;
+      return false;
+    }
+    if (hold.drop) k->keeps[k->nkeeps + k->nholds++] = hold;
+  }
+  return true;
+}
+
 static int check_can_send(tshare_channel *ch, const tshare_set_builder *b) {
   if (ch->closed || ch->conn.wfd < 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "set: channel is closed");
   if (b->count == 0) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "set: the set has no tensors");
@@ -547,6 +566,7 @@ static int set_send(tshare_channel *ch, const tshare_set_builder *b, void *user_
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "set: out of memory");
   }
   uint64_t id = e->share_id;
+  if (plan.layout_id && !hold_again(ch, b, e->owner)) plan.layout_id = 0; /* whole, its slot offered anew */
   int64_t deadline = ts_deadline(timeout_ms);
   tshare_frame f = first_frame(b, id, &plan);
   rc = send_step(ch, &f, -1, deadline);

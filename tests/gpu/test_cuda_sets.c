@@ -392,36 +392,19 @@ TS_TEST(mixed_host_and_cuda_members_in_one_set) {
   CHECK(cu->cuMemAddressFree(vmm, size) == CUDA_SUCCESS);
 }
 
-/* Sent again: a set of VMM memory another allocator mapped (which the
- * consumer keeps mapped until retired) and host memory, updated in place and
- * sent 20 times. After the first, each goes as one frame from the layout
- * the consumer kept (the producer's log says so: TSHARE_LOG=info, set for
- * this test), and every tensor holds its round's values. */
-TS_TEST(a_cuda_set_sent_again_goes_from_its_kept_layout_with_each_rounds_data) {
-  need_gpu();
-  peer c = start_role("set_checker");
-  tshare_channel *ch = open_ch(c.channel_fd, "producer");
+/* Sent again: a set of 8 CUDA tensors at mem[0..7] (memory the consumer
+ * keeps mapped until retired) and host memory, updated in place and sent 20
+ * times. After the first, each goes as one frame from the layout the
+ * consumer kept (the producer's log says so: TSHARE_LOG=info, set for this
+ * test), and every tensor holds its round's values. */
+static void send_again_20_rounds(tshare_channel *ch, peer *c, const CUdeviceptr *mem, keep_count *keep) {
   tshare_error err;
-  CUmemAllocationProp prop;
-  memset(&prop, 0, sizeof prop);
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-  size_t size;
-  CUmemGenericAllocationHandle handle;
-  CUdeviceptr vmm;
-  CHECK(cu->cuMemGetAllocationGranularity(&size, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) == CUDA_SUCCESS);
-  CHECK(cu->cuMemCreate(&handle, size, &prop, 0) == CUDA_SUCCESS);
-  CHECK(cu->cuMemAddressReserve(&vmm, size, 0, 0, 0) == CUDA_SUCCESS);
-  CHECK(cu->cuMemMap(vmm, size, 0, handle, 0) == CUDA_SUCCESS);
-  CUmemAccessDesc access = {{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-  CHECK(cu->cuMemSetAccess(vmm, size, &access, 1) == CUDA_SUCCESS);
   tshare_host_buffer *host;
   CHECK_RC(tshare_host_buffer_create(ELEMS * 4, "set-again-host", &host, &err), TSHARE_OK, err.message);
   tshare_set_builder *b = tshare_set_builder_create();
   tshare_tensor_desc d = vec_i32(ELEMS, 0);
   CHECK_RC(tshare_set_builder_add_host(b, "host", host, &d, &err), TSHARE_OK, err.message);
-  add_foreign(b, vmm, 1, 8, 0, NULL);
+  for (int i = 1; i <= 8; i++) add_foreign(b, mem[i - 1], i, 1, 0, keep);
   char log_path[] = "/tmp/tshare-set-again-log-XXXXXX";
   int log_fd = mkstemp(log_path), saved_stderr = dup(2);
   CHECK(log_fd >= 0 && saved_stderr >= 0);
@@ -431,10 +414,9 @@ TS_TEST(a_cuda_set_sent_again_goes_from_its_kept_layout_with_each_rounds_data) {
     int base = 1000 * round;
     int32_t *h = tshare_host_buffer_data(host);
     for (int k = 0; k < ELEMS; k++) h[k] = base + k;
-    for (int i = 1; i <= 8; i++)
-      CHECK(ck_fill(vmm + (size_t)(i - 1) * ELEMS * 4, ELEMS, base + i, 1, NULL) == CUDA_SUCCESS);
+    for (int i = 1; i <= 8; i++) CHECK(ck_fill(mem[i - 1], ELEMS, base + i, 1, NULL) == CUDA_SUCCESS);
     set_meta(b, base, 0);
-    send_and_check(ch, &c, b, 8, NULL);
+    send_and_check(ch, c, b, 8, NULL);
   }
   fflush(stderr);
   dup2(saved_stderr, 2);
@@ -450,10 +432,53 @@ TS_TEST(a_cuda_set_sent_again_goes_from_its_kept_layout_with_each_rounds_data) {
   CHECK(again >= 18); /* the first goes whole; the consumer's keep notice may come after the second */
   tshare_set_builder_destroy(b);
   tshare_host_buffer_destroy(host);
+}
+
+/* VMM memory another allocator mapped (PyTorch's expandable segments). */
+TS_TEST(a_cuda_set_sent_again_goes_from_its_kept_layout_with_each_rounds_data) {
+  need_gpu();
+  peer c = start_role("set_checker");
+  tshare_channel *ch = open_ch(c.channel_fd, "producer");
+  CUmemAllocationProp prop;
+  memset(&prop, 0, sizeof prop);
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  size_t size;
+  CUmemGenericAllocationHandle handle;
+  CUdeviceptr vmm;
+  CHECK(cu->cuMemGetAllocationGranularity(&size, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) == CUDA_SUCCESS);
+  CHECK(cu->cuMemCreate(&handle, size, &prop, 0) == CUDA_SUCCESS);
+  CHECK(cu->cuMemAddressReserve(&vmm, size, 0, 0, 0) == CUDA_SUCCESS);
+  CHECK(cu->cuMemMap(vmm, size, 0, handle, 0) == CUDA_SUCCESS);
+  CUmemAccessDesc access = {{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+  CHECK(cu->cuMemSetAccess(vmm, size, &access, 1) == CUDA_SUCCESS);
+  CUdeviceptr mem[8];
+  for (int i = 0; i < 8; i++) mem[i] = vmm + (size_t)i * ELEMS * 4;
+  send_again_20_rounds(ch, &c, mem, NULL);
   end_stream(ch, &c);
   CHECK(cu->cuMemUnmap(vmm, size) == CUDA_SUCCESS);
   CHECK(cu->cuMemRelease(handle) == CUDA_SUCCESS);
   CHECK(cu->cuMemAddressFree(vmm, size) == CUDA_SUCCESS);
+}
+
+/* cudaMalloc segments held by what keeps them alive (PyTorch's default
+ * caching allocator: a state_dict of one segment per large tensor): each
+ * anchored while sets of it go, so the consumer keeps its IPC mapping and
+ * the set goes again as one frame; every keep is let go of at the end. */
+TS_TEST(a_set_of_cuda_malloc_segments_sent_again_goes_from_its_kept_layout) {
+  need_gpu();
+  peer c = start_role("set_checker");
+  tshare_channel *ch = open_ch(c.channel_fd, "producer");
+  CUdeviceptr mem[8];
+  for (int i = 0; i < 8; i++) CHECK(cu->cuMemAlloc(&mem[i], ELEMS * 4) == CUDA_SUCCESS);
+  keep_count keep = {0, 0, 0};
+  send_again_20_rounds(ch, &c, mem, &keep);
+  end_stream(ch, &c);
+  printf("keeps: %d added, %d retained, %d dropped\n", keep.adds, keep.retains, keep.drops);
+  CHECK_EQ(keep.adds, 8);
+  CHECK_EQ(keep.drops, keep.adds + keep.retains);
+  for (int i = 0; i < 8; i++) cu->cuMemFree(mem[i]);
 }
 
 /* A consumer killed while it holds a set of 16 x 8 MiB: the set comes back
