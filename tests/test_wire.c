@@ -769,7 +769,7 @@ TS_TEST(roundtrip_set_cuda_memories_and_the_end_frames_event) {
   CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
   CHECK_EQ(g.flags, 0);
   CHECK(memcmp(&g.u.set.u.mem, &f.u.set.u.mem, sizeof f.u.set.u.mem) == 0);
-  f = set_mem_cuda(TSHARE_MEM_CUDA_FD, TSHARE_SHARE_FLAG_RETIRE_NOTICE | TSHARE_SHARE_FLAG_CHUNKS);
+  f = set_mem_cuda(TSHARE_MEM_CUDA_FD, TSHARE_SHARE_FLAG_RETIRE_NOTICE | TSHARE_SHARE_FLAG_CHUNKS | TSHARE_SHARE_FLAG_HOLD_OFFER);
   CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
   CHECK_EQ(g.flags, TSHARE_FRAME_FLAG_FD_ATTACHED);
   CHECK(memcmp(&g.u.set.u.mem, &f.u.set.u.mem, sizeof f.u.set.u.mem) == 0);
@@ -828,8 +828,10 @@ TS_TEST(malformed_set_cuda_fields) {
   expect_encode_refused(&f, TSHARE_E_MALFORMED); /* a VMM fd has no handle */
   f = set_mem_cuda(TSHARE_MEM_CUDA_IPC, TSHARE_SHARE_FLAG_CHUNKS);
   expect_encode_refused(&f, TSHARE_E_MALFORMED); /* only VMM fds come in chunks */
-  f = set_mem_cuda(TSHARE_MEM_CUDA_FD, TSHARE_SHARE_FLAG_HOLD_OFFER);
-  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* a set memory is never offered to be held */
+  f = set_mem_cuda(TSHARE_MEM_CUDA_IPC, TSHARE_SHARE_FLAG_HOLD_OFFER);
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* only a VMM run is offered to be held */
+  f = set_mem_cuda(TSHARE_MEM_CUDA_HELD, TSHARE_SHARE_FLAG_HOLD_OFFER);
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* ...and not once it is held */
   f = set_mem();
   f.u.set.u.mem.share_flags = TSHARE_SHARE_FLAG_CHUNKS;
   expect_encode_refused(&f, TSHARE_E_MALFORMED); /* a host memfd knows only the retire notice */

@@ -164,6 +164,11 @@ static int send_vmm(tshare_channel *ch, struct ts_cuda_chan *c, const cuda_sourc
   int64_t deadline = ts_deadline(timeout_ms);
   int fd = -1;
   m->share_flags = watched ? TSHARE_SHARE_FLAG_RETIRE_NOTICE : 0;
+  /* As a single share offers it (to a set's peer of wire 1.6 or newer):
+   * the peer keeps the run mapped and says so, after which the run goes by
+   * its id (and a set of it as one frame). */
+  if (watched && !held && ch->conn.minor >= 6 && (ch->conn.peer.capabilities & TSHARE_CAP_CUDA_HELD))
+    m->share_flags |= TSHARE_SHARE_FLAG_HOLD_OFFER;
   if (held) {
     m->mem_kind = TSHARE_MEM_CUDA_HELD;
   } else {

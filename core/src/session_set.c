@@ -433,7 +433,7 @@ static tshare_set *layout_of(const tshare_set *s) {
     m.memory = m.base = m.ctx = NULL;
     if (m.mem_kind != TSHARE_MEM_CUDA_IPC) m.handle_len = 0;
     /* Host memory is kept already; a held run keeps its retire notice. */
-    m.share_flags = m.device_type == TSHARE_DEVICE_CPU ? 0 : m.share_flags & ~TSHARE_SHARE_FLAG_CHUNKS;
+    m.share_flags = m.device_type == TSHARE_DEVICE_CPU ? 0 : m.share_flags & ~(TSHARE_SHARE_FLAG_CHUNKS | TSHARE_SHARE_FLAG_HOLD_OFFER);
     t->mems[i] = m;
   }
   return t;

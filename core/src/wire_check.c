@@ -93,7 +93,7 @@ static int check_set_again(const tshare_set_again_frame *a, char *err, size_t ca
 /* What a CUDA memory of a set adds: a handle exactly where legacy IPC needs
  * one, and only the share flags a set memory can carry. */
 static int check_set_mem_cuda(const tshare_set_mem_frame *m, char *err, size_t cap) {
-  const uint32_t known = TSHARE_SHARE_FLAG_RETIRE_NOTICE | TSHARE_SHARE_FLAG_CHUNKS;
+  const uint32_t known = TSHARE_SHARE_FLAG_RETIRE_NOTICE | TSHARE_SHARE_FLAG_CHUNKS | TSHARE_SHARE_FLAG_HOLD_OFFER;
   if (!ts_wire_set_mem_has_flags(m->mem_kind)) { /* host memory: only a memfd may be offered to keep */
     if (m->share_flags && (m->mem_kind != TSHARE_MEM_HOST_MEMFD || m->share_flags != TSHARE_SHARE_FLAG_RETIRE_NOTICE))
       return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: memory %u: host memory of mem_kind %u with share flags %#x "
@@ -110,6 +110,9 @@ static int check_set_mem_cuda(const tshare_set_mem_frame *m, char *err, size_t c
   if ((m->share_flags & TSHARE_SHARE_FLAG_CHUNKS) && m->mem_kind != TSHARE_MEM_CUDA_FD)
     return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: memory %u: chunks of mem_kind %u (only VMM fds come in chunks)",
                    m->index, (unsigned)m->mem_kind);
+  if ((m->share_flags & TSHARE_SHARE_FLAG_HOLD_OFFER) && m->mem_kind != TSHARE_MEM_CUDA_FD)
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: memory %u: a hold offered for mem_kind %u (only VMM fds are "
+                   "offered to keep)", m->index, (unsigned)m->mem_kind);
   return TSHARE_OK;
 }
 
