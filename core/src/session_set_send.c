@@ -372,10 +372,8 @@ static ts_export *set_export(const tshare_set_builder *b, void *user_data) {
   return e;
 }
 
-/* A set sent again names no memory: what the backends hold for it until
- * its release (an anchored segment's hold) is taken here, as its memory
- * frames would have taken it. false: one could not be (what was taken is
- * let go of), and the set goes whole. */
+/* A set sent again names no memory: the backends' holds for it (anchored
+ * segments) are taken here. false: one could not be; the set goes whole. */
 static bool hold_again(tshare_channel *ch, const tshare_set_builder *b, set_keep *k) {
   for (size_t i = 0; i < b->mem_count; i++) {
     const ts_set_source *src = b->mems[i].device;
