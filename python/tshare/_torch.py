@@ -205,7 +205,10 @@ def send(ch, tensor, tag="", timeout=None, move_to_shared_memory=True, meta=None
     tensors must be in tshare's shared memory already (share_model_(model)
     before model.state_dict()): a set never moves them, since a state_dict's
     tensors are aliases of the model's. copy=True sends a one-off copy of
-    those that are not. CUDA tensors do not go in sets in this version.
+    those that are not. CUDA tensors (of one device) go as they are, ordered
+    after the device's current stream. Sent again with the same tensors, the
+    set goes as one frame: the channel keeps the last set it sent
+    (ch.forget_set() lets go of it).
     """
     c = ch._c
     if not isinstance(tensor, torch.Tensor) and _sets.is_set(tensor):
