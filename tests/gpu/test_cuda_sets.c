@@ -206,6 +206,36 @@ static void add_foreign(tshare_set_builder *b, CUdeviceptr ptr, int first, int n
   }
 }
 
+/* VMM memory mapped as another allocator maps it (PyTorch's expandable
+ * segments): one granule, exportable as an fd. */
+typedef struct vmm_run {
+  CUmemGenericAllocationHandle handle;
+  CUdeviceptr ptr;
+  size_t size;
+} vmm_run;
+
+static vmm_run vmm_run_map(void) {
+  CUmemAllocationProp prop;
+  memset(&prop, 0, sizeof prop);
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  vmm_run r;
+  CHECK(cu->cuMemGetAllocationGranularity(&r.size, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) == CUDA_SUCCESS);
+  CHECK(cu->cuMemCreate(&r.handle, r.size, &prop, 0) == CUDA_SUCCESS);
+  CHECK(cu->cuMemAddressReserve(&r.ptr, r.size, 0, 0, 0) == CUDA_SUCCESS);
+  CHECK(cu->cuMemMap(r.ptr, r.size, 0, r.handle, 0) == CUDA_SUCCESS);
+  CUmemAccessDesc access = {{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+  CHECK(cu->cuMemSetAccess(r.ptr, r.size, &access, 1) == CUDA_SUCCESS);
+  return r;
+}
+
+static void vmm_run_unmap(const vmm_run *r) {
+  CHECK(cu->cuMemUnmap(r->ptr, r->size) == CUDA_SUCCESS);
+  CHECK(cu->cuMemRelease(r->handle) == CUDA_SUCCESS);
+  CHECK(cu->cuMemAddressFree(r->ptr, r->size) == CUDA_SUCCESS);
+}
+
 /* Members first..first+n-1 in buf, filled for base. */
 static void add_in_buffer(tshare_set_builder *b, tshare_cuda_buffer *buf, int first, int n, int base) {
   CUdeviceptr ptr = (CUdeviceptr)(uintptr_t)tshare_cuda_buffer_ptr(buf);
@@ -366,20 +396,8 @@ TS_TEST(mixed_host_and_cuda_members_in_one_set) {
   tshare_cuda_buffer *buf;
   CHECK_RC(tshare_cuda_buffer_create(0, ELEMS * 4, &buf, &err), TSHARE_OK, err.message);
   add_in_buffer(b, buf, 1, 1, 500);
-  CUmemAllocationProp prop;
-  memset(&prop, 0, sizeof prop);
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-  size_t size;
-  CUmemGenericAllocationHandle handle;
-  CUdeviceptr vmm;
-  CHECK(cu->cuMemGetAllocationGranularity(&size, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) == CUDA_SUCCESS);
-  CHECK(cu->cuMemCreate(&handle, size, &prop, 0) == CUDA_SUCCESS);
-  CHECK(cu->cuMemAddressReserve(&vmm, size, 0, 0, 0) == CUDA_SUCCESS);
-  CHECK(cu->cuMemMap(vmm, size, 0, handle, 0) == CUDA_SUCCESS);
-  CUmemAccessDesc access = {{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-  CHECK(cu->cuMemSetAccess(vmm, size, &access, 1) == CUDA_SUCCESS);
+  vmm_run r = vmm_run_map();
+  CUdeviceptr vmm = r.ptr;
   add_foreign(b, vmm, 2, 2, 500, NULL);
   set_meta(b, 500, 0);
   send_and_check(ch, &c, b, 3, NULL);
@@ -387,9 +405,7 @@ TS_TEST(mixed_host_and_cuda_members_in_one_set) {
   tshare_cuda_buffer_release(buf);
   tshare_host_buffer_destroy(host);
   end_stream(ch, &c);
-  CHECK(cu->cuMemUnmap(vmm, size) == CUDA_SUCCESS);
-  CHECK(cu->cuMemRelease(handle) == CUDA_SUCCESS);
-  CHECK(cu->cuMemAddressFree(vmm, size) == CUDA_SUCCESS);
+  vmm_run_unmap(&r);
 }
 
 /* Sent again: a set of 8 CUDA tensors at mem[0..7] (memory the consumer
@@ -439,27 +455,13 @@ TS_TEST(a_cuda_set_sent_again_goes_from_its_kept_layout_with_each_rounds_data) {
   need_gpu();
   peer c = start_role("set_checker");
   tshare_channel *ch = open_ch(c.channel_fd, "producer");
-  CUmemAllocationProp prop;
-  memset(&prop, 0, sizeof prop);
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-  size_t size;
-  CUmemGenericAllocationHandle handle;
-  CUdeviceptr vmm;
-  CHECK(cu->cuMemGetAllocationGranularity(&size, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) == CUDA_SUCCESS);
-  CHECK(cu->cuMemCreate(&handle, size, &prop, 0) == CUDA_SUCCESS);
-  CHECK(cu->cuMemAddressReserve(&vmm, size, 0, 0, 0) == CUDA_SUCCESS);
-  CHECK(cu->cuMemMap(vmm, size, 0, handle, 0) == CUDA_SUCCESS);
-  CUmemAccessDesc access = {{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-  CHECK(cu->cuMemSetAccess(vmm, size, &access, 1) == CUDA_SUCCESS);
+  vmm_run r = vmm_run_map();
+  CUdeviceptr vmm = r.ptr;
   CUdeviceptr mem[8];
   for (int i = 0; i < 8; i++) mem[i] = vmm + (size_t)i * ELEMS * 4;
   send_again_20_rounds(ch, &c, mem, NULL);
   end_stream(ch, &c);
-  CHECK(cu->cuMemUnmap(vmm, size) == CUDA_SUCCESS);
-  CHECK(cu->cuMemRelease(handle) == CUDA_SUCCESS);
-  CHECK(cu->cuMemAddressFree(vmm, size) == CUDA_SUCCESS);
+  vmm_run_unmap(&r);
 }
 
 /* cudaMalloc segments held by what keeps them alive (PyTorch's default
