@@ -193,14 +193,23 @@ static void hand_consumer(int fd) {
   tshare_channel_close(ch);
 }
 
-TS_TEST(a_set_sent_again_travels_as_its_again_metadata_and_end_frames_naming_the_layout_its_slot_holds) {
+/* run_scenario against consumer (in a child, over a socket), after check
+ * (optional) looked at the open channel; then the bye and the child's exit. */
+static void scenario_against(void (*consumer)(int), void (*check)(tshare_channel *)) {
   int sock;
-  pid_t pid = fork_with_socket(hand_consumer, &sock);
+  pid_t pid = fork_with_socket(consumer, &sock);
   tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
+  if (check) check(ch);
   run_scenario(ch);
   CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
   CHECK_CHILD_OK(pid);
   tshare_channel_close(ch);
+}
+
+static void check_no_again(tshare_channel *ch) { CHECK(!(tshare_channel_peer(ch)->capabilities & TSHARE_CAP_SET_AGAIN)); }
+
+TS_TEST(a_set_sent_again_travels_as_its_again_metadata_and_end_frames_naming_the_layout_its_slot_holds) {
+  scenario_against(hand_consumer, NULL);
 }
 
 /* ---- a real consumer: what arrives ----------------------------------------- */
@@ -248,13 +257,7 @@ static void real_consumer(int fd) {
 }
 
 TS_TEST(sets_sent_again_arrive_with_the_right_names_data_and_metadata_each_time) {
-  int sock;
-  pid_t pid = fork_with_socket(real_consumer, &sock);
-  tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
-  run_scenario(ch);
-  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
-  CHECK_CHILD_OK(pid);
-  tshare_channel_close(ch);
+  scenario_against(real_consumer, NULL);
 }
 
 /* The same with the switch off in the consumer: every set travels whole. */
@@ -264,14 +267,7 @@ static void consumer_without_again(int fd) {
 }
 
 TS_TEST(with_TSHARE_SET_AGAIN_0_every_set_travels_whole_and_arrives_right) {
-  int sock;
-  pid_t pid = fork_with_socket(consumer_without_again, &sock);
-  tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
-  CHECK(!(tshare_channel_peer(ch)->capabilities & TSHARE_CAP_SET_AGAIN));
-  run_scenario(ch);
-  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
-  CHECK_CHILD_OK(pid);
-  tshare_channel_close(ch);
+  scenario_against(consumer_without_again, check_no_again);
 }
 
 /* ---- threads and fork ------------------------------------------------------ */
