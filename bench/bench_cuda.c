@@ -220,7 +220,8 @@ static void raw_ipc_rows(bench *b) {
   tshare_channel *ch = peer->ch;
   char reply[512] = "";
   bs_samples ns = {0}, own = {0};
-  int rc = bp_send(peer, "raw %ld", total) == 0 ? TSHARE_OK : TSHARE_E_PEER_CLOSED;
+  bool ready = bp_send(peer, "raw %ld", total) == 0 && bp_await_ready(peer, reply, sizeof reply, BENCH_TIMEOUT_MS) == 0;
+  int rc = ready ? TSHARE_OK : TSHARE_E_PEER_CLOSED;
   for (long i = 0; i < total && rc == TSHARE_OK; i++) {
     tshare_frame f, back;
     memset(&f, 0, sizeof f);
@@ -255,10 +256,13 @@ static void raw_ipc_rows(bench *b) {
       bs_add(&own, (double)(t1 - t0 + t3 - t2));
     }
   }
-  int ok = bp_reply(peer, reply, sizeof reply, BENCH_TIMEOUT_MS) == 0 && rc == TSHARE_OK;
+  int ok = ready && bp_reply(peer, reply, sizeof reply, BENCH_TIMEOUT_MS) == 0 && rc == TSHARE_OK;
   if (!ok) {
     br_skip(&b->rep, BR_LATENCY, "latency", key, label,
-            rc == TSHARE_E_CUDA ? "a driver call failed" : rc != TSHARE_OK ? tshare_channel_last_error(ch) : reply);
+            !ready                  ? (reply[0] ? reply : "consumer is gone")
+            : rc == TSHARE_E_CUDA   ? "a driver call failed"
+            : rc != TSHARE_OK       ? tshare_channel_last_error(ch)
+                                    : reply);
   } else {
     bench_latency_row(b, key, label, &ns, "floor", "torch_mp_cuda");
     /* The open cost of (a): the driver calls alone, medians added. */
@@ -495,6 +499,7 @@ static int fail(char *reply, size_t cap, const char *what) {
 
 static int consume_raw(tshare_channel *ch, long n, char *reply, size_t cap) {
   bs_samples open_ns = {0}, close_ns = {0};
+  bp_consumer_ready();
   int rc = 0;
   for (long i = 0; i < n && rc == 0; i++) {
     tshare_frame f;

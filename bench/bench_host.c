@@ -74,7 +74,7 @@ static void floor_frame(tshare_frame *f, int cuda_sized, uint64_t id) {
 
 static void floor_row(bench *b, int cuda_sized, const char *key, const char *label) {
   long total = b->opt.warmup + b->opt.iters;
-  char reply[512];
+  char reply[512] = "";
   int fd = -1;
   if (!cuda_sized) {
     fd = memfd_create("tshare-bench-floor", MFD_CLOEXEC);
@@ -83,8 +83,8 @@ static void floor_row(bench *b, int cuda_sized, const char *key, const char *lab
       return;
     }
   }
-  if (bp_send(&b->peers[0], "floor %ld", total) != 0) {
-    br_skip(&b->rep, BR_LATENCY, "latency", key, label, "consumer is gone");
+  if (bp_send(&b->peers[0], "floor %ld", total) != 0 || bp_await_ready(&b->peers[0], reply, sizeof reply, BENCH_TIMEOUT_MS) != 0) {
+    br_skip(&b->rep, BR_LATENCY, "latency", key, label, reply[0] ? reply : "consumer is gone");
     if (fd >= 0) close(fd);
     return;
   }
@@ -100,7 +100,8 @@ static void floor_row(bench *b, int cuda_sized, const char *key, const char *lab
     int back_fd = -1;
     if (rc == TSHARE_OK) rc = tshare_channel_recv_frame(ch, &back, &back_fd, BENCH_TIMEOUT_MS);
     uint64_t t1 = bs_now_ns();
-    if (rc == TSHARE_OK && back.type != TSHARE_FRAME_RELEASE) rc = TSHARE_E_PROTOCOL;
+    if (rc == TSHARE_OK && (back.type != TSHARE_FRAME_RELEASE || back.u.release.share_ids[0] != f.u.share.share_id))
+      rc = TSHARE_E_PROTOCOL; /* a release of another frame: the round trips are out of step */
     if (i >= b->opt.warmup) bs_add(&ns, (double)(t1 - t0));
   }
   if (fd >= 0) close(fd);
@@ -374,6 +375,7 @@ void bench_idle_row(bench *b, int ms) {
 /* ---- consumer side ------------------------------------------------------- */
 
 static int consume_floor(tshare_channel *ch, long n, char *reply, size_t cap) {
+  bp_consumer_ready();
   for (long i = 0; i < n; i++) {
     tshare_frame f;
     int fd = -1;

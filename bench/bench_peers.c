@@ -106,6 +106,20 @@ int bp_reply(bp_peer *p, char *line, size_t cap, int timeout_ms) {
   }
 }
 
+int bp_await_ready(bp_peer *p, char *line, size_t cap, int timeout_ms) {
+  if (bp_reply(p, line, cap, timeout_ms) != 0) return -1;
+  if (strcmp(line, "ok ready") == 0) return 0;
+  char got[256];
+  snprintf(got, sizeof got, "%s", line);
+  snprintf(line, cap, "consumer answered '%s', not ready", got);
+  return -1;
+}
+
+void bp_consumer_ready(void) {
+  static const char ready[] = "ok ready\n";
+  (void)send(BP_CONTROL_FD, ready, sizeof ready - 1, MSG_NOSIGNAL); /* a dead producer: the next read says so */
+}
+
 double bp_field(const char *line, const char *key) {
   size_t k = strlen(key);
   for (const char *s = line; (s = strstr(s, key)); s += k)

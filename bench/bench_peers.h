@@ -49,6 +49,15 @@ double bp_field(const char *line, const char *key);
 /* Tell the consumer to quit, close the channel and reap it. */
 void bp_stop(bp_peer *p);
 
+/* For commands whose frames the consumer reads with the raw frame calls
+ * (tshare_channel_recv_frame): the consumer drives its channel between
+ * commands (tshare_channel_poll), which would queue a frame sent right after
+ * the command line as a share for tshare_view_recv, where the raw read never
+ * sees it. So the consumer says "ready" once it reads raw, and the producer
+ * waits for that before its first frame. 0, or -1 with line saying why. */
+int bp_await_ready(bp_peer *p, char *line, size_t cap, int timeout_ms);
+void bp_consumer_ready(void);
+
 /* The consumer's side: read commands on fd 4 and answer each with handle(). */
 typedef int (*bp_handler)(tshare_channel *ch, const char *cmd, char *reply, size_t cap);
 int bp_consumer_loop(tshare_channel *ch, bp_handler handle);
