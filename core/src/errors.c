@@ -62,5 +62,9 @@ int ts_errsys(char *buf, size_t cap, int status, int err, const char *fmt, ...) 
 void ts_error_fill(tshare_error *out, int status, const char *detail) {
   if (!out) return;
   out->code = (tshare_status)status;
-  snprintf(out->message, sizeof out->message, "%s", detail && detail[0] ? detail : tshare_status_str(status));
+  /* Copied, not formatted: every call that succeeds fills its error too. */
+  const char *text = detail && detail[0] ? detail : tshare_status_str(status);
+  size_t n = strnlen(text, sizeof out->message - 1);
+  memcpy(out->message, text, n);
+  out->message[n] = '\0';
 }

@@ -15,6 +15,7 @@
 #include "error_detail.h"
 #include "log.h"
 #include "session_set.h"
+#include "spare_blocks.h"
 #include "wire_checks.h"
 
 #include <errno.h>
@@ -157,9 +158,13 @@ static ts_release_done release_device_memories(tshare_channel *ch, tshare_set *s
   return done;
 }
 
+/* A set's members: over 500 bytes each, a model's set sent again and again
+ * would allocate (and free) a hundred KiB or more per hand-off. */
+static ts_spare_blocks spare_entries;
+
 static void set_free(tshare_set *s) {
   free(s->mems);
-  free(s->entries);
+  ts_spare_free(&spare_entries, s->entries);
   free(s->names);
   free(s->meta);
   ts_u64map_free(&s->by_name);
@@ -232,7 +237,7 @@ static int begin_set(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *
     s->meta_len = b->meta_bytes;
     s->layout_slot = b->layout_slot;
     s->mems = calloc(b->mem_count, sizeof *s->mems);
-    s->entries = calloc(b->count, sizeof *s->entries);
+    s->entries = ts_spare_alloc(&spare_entries, b->count * sizeof *s->entries); /* each written before it is read */
     s->names = malloc((size_t)b->names_bytes + b->count);
     s->meta = b->meta_bytes ? malloc(b->meta_bytes) : NULL;
   }
@@ -253,9 +258,11 @@ static int begin_set(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *
 /* Memory frame m as the share of the set's id its backend imports. */
 static tshare_frame share_of_mem(uint64_t set_id, const tshare_set_mem_frame *m) {
   tshare_frame share;
-  memset(&share, 0, sizeof share);
+  /* The share's own fields only: a whole frame is three times their size, per memory of every set. */
   share.type = TSHARE_FRAME_SHARE;
+  share.flags = share.major = share.minor = 0;
   tshare_share_frame *f = &share.u.share;
+  memset(f, 0, sizeof *f);
   f->share_id = set_id;
   f->alloc_id = m->alloc_id;
   f->alloc_size = m->alloc_size;
@@ -415,7 +422,7 @@ static tshare_set *layout_of(const tshare_set *s) {
   t->names_bytes = s->names_bytes;
   size_t names = (size_t)s->names_bytes + s->count;
   t->mems = malloc(s->mem_count * sizeof *t->mems);
-  t->entries = malloc(s->count * sizeof *t->entries);
+  t->entries = ts_spare_alloc(&spare_entries, s->count * sizeof *t->entries);
   t->names = malloc(names);
   if (!t->mems || !t->entries || !t->names || ts_u64map_copy(&t->by_name, &s->by_name) != 0) {
     set_free(t);

@@ -9,13 +9,11 @@
 #include "log.h"
 #include "session.h"
 #include "session_set.h"
+#include "spare_blocks.h"
 #include "wire_checks.h"
 
-#include <errno.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 /* A member's name and layout as the wire checks them. */
 static int check_member(const char *name, size_t name_len, const tshare_tensor_desc *desc, char *err, size_t cap) {
@@ -298,17 +296,16 @@ void tshare_set_builder_set_stream(tshare_set_builder *b, void *stream) {
 int tshare_set_builder_set_meta(tshare_set_builder *b, const void *meta, size_t len, tshare_error *err) {
   char msg[TSHARE_ERROR_MSG_MAX] = "";
   int rc = TSHARE_OK;
-  uint8_t *copy = NULL;
+  uint8_t *copy = b && len == b->meta_len ? b->meta : NULL; /* a version sent again: the buffer is reused */
   if (!b || (len && !meta))
     rc = ts_errf(msg, sizeof msg, TSHARE_E_INVALID_ARG, "set: NULL builder or metadata");
   else if (len > TSHARE_SET_META_MAX)
-    rc = ts_errf(msg, sizeof msg, TSHARE_E_TOO_LARGE, "set: %zu bytes of metadata over %u", len,
-                 TSHARE_SET_META_MAX);
-  else if (len && !(copy = malloc(len)))
+    rc = ts_errf(msg, sizeof msg, TSHARE_E_TOO_LARGE, "set: %zu bytes of metadata over %u", len, TSHARE_SET_META_MAX);
+  else if (len && !copy && !(copy = malloc(len)))
     rc = ts_errf(msg, sizeof msg, TSHARE_E_NOMEM, "set: out of memory");
   if (rc == TSHARE_OK) {
-    if (len) memcpy(copy, meta, len);
-    free(b->meta);
+    if (len) memmove(copy, meta, len);
+    if (copy != b->meta) free(b->meta);
     b->meta = copy;
     b->meta_len = len;
   }
@@ -326,6 +323,7 @@ typedef struct set_keep {
   builder_mem *mems;
   ts_keep_ref *keeps; /* nkeeps member keeps, then nholds holds (up to nmems) */
 } set_keep;
+static ts_spare_blocks spare_keeps; /* one set_keep per hand-off, tens of KiB for a model */
 
 static void set_keep_release(void *owner) {
   set_keep *k = owner;
@@ -334,7 +332,7 @@ static void set_keep_release(void *owner) {
     if (k->mems[i].device) source_unref(k->mems[i].device);
   }
   for (size_t i = 0; i < k->nkeeps + k->nholds; i++) drop_keep(&k->keeps[i]);
-  free(k);
+  ts_spare_free(&spare_keeps, k);
 }
 
 static size_t device_keeps(const tshare_set_builder *b) {
@@ -346,10 +344,11 @@ static size_t device_keeps(const tshare_set_builder *b) {
 static ts_export *set_export(const tshare_set_builder *b, void *user_data) {
   size_t nkeeps = device_keeps(b);
   ts_export *e = malloc(sizeof *e);
-  set_keep *k = malloc(sizeof *k + b->mem_count * sizeof(builder_mem) + (nkeeps + b->mem_count) * sizeof(ts_keep_ref));
+  set_keep *k = ts_spare_alloc(&spare_keeps, sizeof *k + b->mem_count * sizeof(builder_mem) +
+                                                 (nkeeps + b->mem_count) * sizeof(ts_keep_ref));
   if (!e || !k) {
     free(e);
-    free(k);
+    ts_spare_free(&spare_keeps, k);
     return NULL;
   }
   k->mems = (builder_mem *)(k + 1);
