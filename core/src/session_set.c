@@ -158,14 +158,15 @@ static ts_release_done release_device_memories(tshare_channel *ch, tshare_set *s
   return done;
 }
 
-/* A set's members: over 500 bytes each, a model's set sent again and again
- * would allocate (and free) a hundred KiB or more per hand-off. */
-static ts_spare_blocks spare_entries;
+/* A set's members (over 500 bytes each), memories and names: a model's set
+ * sent again and again would allocate (and free) a few hundred KiB per
+ * hand-off. Each is written before it is read. */
+static ts_spare_blocks spare_entries, spare_mems, spare_names;
 
 static void set_free(tshare_set *s) {
-  free(s->mems);
+  ts_spare_free(&spare_mems, s->mems);
   ts_spare_free(&spare_entries, s->entries);
-  free(s->names);
+  ts_spare_free(&spare_names, s->names);
   free(s->meta);
   ts_u64map_free(&s->by_name);
   free(s);
@@ -236,9 +237,9 @@ static int begin_set(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *
     s->names_bytes = b->names_bytes;
     s->meta_len = b->meta_bytes;
     s->layout_slot = b->layout_slot;
-    s->mems = calloc(b->mem_count, sizeof *s->mems);
-    s->entries = ts_spare_alloc(&spare_entries, b->count * sizeof *s->entries); /* each written before it is read */
-    s->names = malloc((size_t)b->names_bytes + b->count);
+    s->mems = ts_spare_alloc(&spare_mems, b->mem_count * sizeof *s->mems);
+    s->entries = ts_spare_alloc(&spare_entries, b->count * sizeof *s->entries);
+    s->names = ts_spare_alloc(&spare_names, (size_t)b->names_bytes + b->count);
     s->meta = b->meta_bytes ? malloc(b->meta_bytes) : NULL;
   }
   rx->partial = s;
@@ -421,9 +422,9 @@ static tshare_set *layout_of(const tshare_set *s) {
   t->mem_count = s->mem_count;
   t->names_bytes = s->names_bytes;
   size_t names = (size_t)s->names_bytes + s->count;
-  t->mems = malloc(s->mem_count * sizeof *t->mems);
+  t->mems = ts_spare_alloc(&spare_mems, s->mem_count * sizeof *t->mems);
   t->entries = ts_spare_alloc(&spare_entries, s->count * sizeof *t->entries);
-  t->names = malloc(names);
+  t->names = ts_spare_alloc(&spare_names, names);
   if (!t->mems || !t->entries || !t->names || ts_u64map_copy(&t->by_name, &s->by_name) != 0) {
     set_free(t);
     return NULL;
