@@ -3,6 +3,7 @@
 #include "py_channel.h"
 #include "py_errors.h"
 #include "py_memory.h"
+#include "py_set_fast.h"
 
 static PyObject *configure(PyObject *module, PyObject *args) {
   (void)module;
@@ -89,6 +90,9 @@ static PyMethodDef module_methods[] = {
   {"_memory_kind", memory_kind, METH_VARARGS, NULL},
   {"_host_memory_at", host_memory_at, METH_VARARGS, NULL},
   {"_error", make_error, METH_VARARGS, NULL},
+  {"_set_items", py_set_items, METH_VARARGS, NULL},
+  {"_set_members", py_set_members, METH_VARARGS, NULL},
+  {"_bound_all", py_bound_all, METH_VARARGS, NULL},
   {"_open_socket", (PyCFunction)(void (*)(void))py_open_socket, METH_VARARGS | METH_KEYWORDS, NULL},
   {"_check_options", (PyCFunction)(void (*)(void))py_check_options, METH_VARARGS | METH_KEYWORDS, NULL},
   {"_connect", (PyCFunction)(void (*)(void))py_connect, METH_VARARGS | METH_KEYWORDS, NULL},
@@ -114,7 +118,7 @@ static int add_statuses(PyObject *m) {
 PyMODINIT_FUNC PyInit__tshare(void) {
   PyObject *m = PyModule_Create(&module_def);
   if (!m) return NULL;
-  if (PyType_Ready(&PyChannel_Type) < 0 || PyType_Ready(&PyListener_Type) < 0 || PyType_Ready(&PyRole_Type) < 0 ||
+  if (py_set_fast_init() < 0 || PyType_Ready(&PyChannel_Type) < 0 || PyType_Ready(&PyListener_Type) < 0 || PyType_Ready(&PyRole_Type) < 0 ||
       PyModule_AddObjectRef(m, "Channel", (PyObject *)&PyChannel_Type) < 0 ||
       PyModule_AddObjectRef(m, "Listener", (PyObject *)&PyListener_Type) < 0 ||
       PyModule_AddObjectRef(m, "Role", (PyObject *)&PyRole_Type) < 0 || py_errors_init(m) < 0 ||

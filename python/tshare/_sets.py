@@ -72,13 +72,11 @@ _COMPLEX = (torch.complex64, torch.complex128)  # may be lazily conjugated views
 
 def _items(tensors):
     """What the C side reads of each member, straight off the tensor: the
-    fewest attribute reads (the cost of a set is mostly these); it checks
-    the rest and hands back what it cannot take."""
-    cx = _COMPLEX
-    return [
-        (name, t.data_ptr(), (dt := t.dtype), t.shape, t.stride(), t.is_neg() or (dt in cx and t.is_conj()))
-        for name, t in tensors.items()
-    ]
+    fewest attribute reads (the cost of a set is mostly these), made in one
+    C loop: [(name, data_ptr, dtype, shape, strides, lazy)], lazy for a
+    lazily negated or conjugated view. The C side checks the rest and hands
+    back what it cannot take."""
+    return _tshare._set_items(tensors, _COMPLEX)
 
 
 def _refuse(name, t):
@@ -272,11 +270,10 @@ def received_set(box):
             "recv: set %d: tensor %r has dtype %s, which has no PyTorch equivalent"
             % (set_id, name, _torch._dtype_name(code, bits)),
         )
-    memories = [_bound(capsule) for capsule in bases]
+    memories = _bound_all(bases)
     del bases[:]
     kind_views = [memories[m].narrow(0, 0, usable).view(dtypes[code, bits]) for m, code, bits, usable, _ in kinds]
-    as_strided = torch.Tensor.as_strided
-    tensors = {name: as_strided(kind_views[k], shape, strides, offset) for name, k, shape, strides, offset in views}
+    tensors = _tshare._set_members(kind_views, views)
     if own:
         own = _own_tensors(own)
         tensors = _in_order(tensors, own)
@@ -286,23 +283,20 @@ def received_set(box):
     return set_id, meta, tensors
 
 
-def _bound(capsule):
-    """The torch tensor over capsule, its storage bound to the capsule's memory
-    (what makes its tensors known as received ones, and sent on as such)."""
-    t = _torch._from_dlpack(capsule)
-    _tshare._bind(capsule, _torch._raw_storage(t)._cdata)
-    return t
+def _bound_all(capsules):
+    """The torch tensor over each capsule, its storage bound to the capsule's
+    memory (what makes its tensors known as received ones, and sent on as
+    such), made in one C loop."""
+    return _tshare._bound_all(capsules, _torch._from_dlpack, _torch._raw_storage)
 
 
 def _own_tensors(own):
     """[(index, name, tensor)] of the members with a capsule of their own; own is emptied."""
-    out = []
-    for index, name, capsule, code, bits in own:
-        t = _bound(capsule)
-        if _torch._BOOL_AS_UINT8 and code == _BOOL:
-            t = t.view(torch.bool)
-        out.append((index, name, t))
-    del own[:]
+    tensors = _bound_all([capsule for _, _, capsule, _, _ in own])
+    bool_as_uint8 = _torch._BOOL_AS_UINT8
+    out = [(index, name, t.view(torch.bool) if bool_as_uint8 and code == _BOOL else t)
+           for (index, name, _, code, _), t in zip(own, tensors)]
+    del own[:], tensors
     return out
 
 

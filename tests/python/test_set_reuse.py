@@ -5,10 +5,12 @@ of a set and each member a view of it. One test per argument:
 
     test_set_reuse.py NAME
 """
+import collections
 import gc
 import os
 import threading
 import time
+from collections.abc import Mapping
 
 import harness
 from harness import memfds, pair
@@ -289,6 +291,95 @@ def two_threads_sending_on_one_channel_keep_the_kept_set_whole():
     c.poll(0)
     p.wait_released(timeout=10)
     assert p.outstanding() == 0
+    p.close()
+    c.close()
+
+
+@test
+def tensors_of_a_set_stay_on_its_memory_and_each_set_gets_tensors_of_its_own():
+    """Set N+1 of the same layout (sent again from the kept set) gives new
+    tensor objects, never set N's, and set N's tensors, still held, read set
+    N's memory: the consumer's per-member work is per set."""
+    for layout in ("one memory", "a memory per member"):
+        if layout == "one memory":
+            m = model_of_290()
+            sd = m.state_dict()
+        else:
+            sd = {"t%d" % i: tshare.empty_shared(3, 2) for i in range(40)}
+        p, c = pair()
+        held, ids = [], set()
+        for version in range(3):
+            with torch.no_grad():
+                for t in sd.values():
+                    t.fill_(version)
+            set_id = tshare.send(p, sd, meta=b"%d" % version, timeout=10)
+            r = tshare.recv(c, timeout=10)
+            for name, t in r.tensors.items():
+                assert id(t) not in ids, (layout, version, name, "a tensor handed out twice")
+                assert torch.equal(t, sd[name]), (layout, version, name)
+            ids.update(id(t) for t in r.tensors.values())
+            held.append(r)
+            for old, r_old in enumerate(held[:-1]):
+                # The same memory: the producer's fill is seen through every set still held.
+                assert all(bool((t == version).all()) for t in r_old.tensors.values()), (layout, old)
+                assert all(a is not b for a, b in zip(r_old.tensors.values(), r.tensors.values()))
+            assert p.outstanding() == len(held), (layout, p.outstanding())
+        assert counts(p) == (2, 1), (layout, counts(p))
+        first = held.pop(0)
+        kept = next(iter(first.tensors.values()))
+        del first
+        gc.collect()
+        c.poll(0)
+        p.poll(0.05)
+        assert p.outstanding() == 3, "set 0 went back while one of its tensors lives"
+        del kept, r, r_old, t, held[:]
+        gc.collect()
+        c.poll(0)
+        p.wait_released(timeout=10)
+        assert p.outstanding() == 0
+        p.close()
+        c.close()
+
+
+class Members(Mapping):
+    """A Mapping that is not a dict, in an order of its own."""
+
+    def __init__(self, pairs):
+        self.pairs = list(pairs)
+
+    def __getitem__(self, name):
+        return dict(self.pairs)[name]
+
+    def __iter__(self):
+        return (name for name, _ in self.pairs)
+
+    def __len__(self):
+        return len(self.pairs)
+
+
+@test
+def sets_of_any_mapping_go_in_its_own_order_and_bad_members_are_named():
+    p, c = pair()
+    a, b, z = tshare.empty_shared(2), tshare.empty_shared(3), tshare.empty_shared(4)
+    a.fill_(1), b.fill_(2), z.fill_(3)
+    ordered = collections.OrderedDict([("a", a), ("b", b), ("z", z)])
+    ordered.move_to_end("a")  # OrderedDict's order, not that of the dict beneath
+    round_trip(p, c, ordered, b"ordered")
+    round_trip(p, c, Members([("z", z), ("a", a)]), b"a Mapping")
+    neg = torch._neg_view(tshare.empty_shared(2)) if hasattr(torch, "_neg_view") else None
+    bad = [({"a": a, "x": 3}, tshare.E_INVALID_ARG, "'x' is a int"),
+           (Members([("a", a), ("n", None)]), tshare.E_INVALID_ARG, "'n' is a NoneType"),
+           ({"a": a, 7: b}, tshare.E_INVALID_ARG, "names must be str")]
+    if neg is not None:
+        bad.append(({"a": a, "neg": neg}, tshare.E_UNSUPPORTED, "resolve_neg"))
+    for sent, code, words in bad:
+        try:
+            tshare.send(p, sent, timeout=10)
+        except tshare.Error as e:
+            assert e.code == code and words in str(e), (words, e)
+        else:
+            raise AssertionError("sent: %s" % words)
+    round_trip(p, c, ordered, b"the channel goes on")
     p.close()
     c.close()
 
