@@ -45,6 +45,22 @@ ts_set_again_plan ts_set_slots_plan(tshare_channel *ch, uint64_t builder, uint64
 void ts_set_slots_declared(tshare_channel *ch, unsigned slot, uint64_t builder, uint64_t generation,
                            uint64_t layout_id);
 
+/* The peer lost the layout d names (TSHARE_SET_DROPPED): forgotten if its
+ * slot still records it, else ignored. Never refuses anything. */
+void ts_set_slots_dropped(tshare_channel *ch, const tshare_set_dropped_frame *d);
+
+/* The receiver's notices of layouts lost (session_set_notices.c). Queue one
+ * (ch->lock held): slot (1..TSHARE_SET_LAYOUT_SLOTS) no longer holds
+ * layout_id; one waits per slot, the newest. None on a channel that did not
+ * agree on TSHARE_CAP_SET_AGAIN. */
+void ts_set_notice_dropped_locked(tshare_channel *ch, unsigned slot, uint64_t layout_id);
+/* Whether a notice waits to go (ch->lock held). */
+bool ts_set_notices_waiting_locked(const tshare_channel *ch);
+/* Send the notices that wait, from the thread that drives the channel,
+ * before its releases (ts_share_flush_pending): TSHARE_OK, or the send's
+ * status (TSHARE_E_TIMEOUT: what did not go waits for a later flush). */
+int ts_set_send_notices(tshare_channel *ch, int timeout_ms);
+
 /* Whether memory sent as mem_kind with share_flags is kept mapped by the
  * peer until its owner retires it (then a layout of it may be kept): the
  * kept kinds, and the kinds they come from, offered to be kept. */
