@@ -144,7 +144,8 @@ static seen take_set(hand *h) {
     CHECK_EQ(sf->set_id, s.id);
     if (sf->op == TSHARE_SET_MEM && sf->u.mem.mem_kind == TSHARE_MEM_HOST_MEMFD) {
       tshare_frame kept = frame_of(TSHARE_FRAME_RETIRE);
-      kept.u.retire = (tshare_retire_frame){.closed = TSHARE_RETIRE_KEPT, .count = 1, .mem_kind = TSHARE_MEM_HOST_MEMFD};
+      kept.u.retire =
+          (tshare_retire_frame){.closed = TSHARE_RETIRE_KEPT, .count = 1, .mem_kind = TSHARE_MEM_HOST_MEMFD};
       kept.u.retire.alloc_ids[0] = sf->u.mem.alloc_id;
       send_frame(h->ch, &kept);
     }

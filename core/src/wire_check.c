@@ -97,7 +97,8 @@ static int check_set_dropped(uint64_t set_id, const tshare_set_dropped_frame *d,
     return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: layout dropped from slot %u, outside 1..%u",
                    (unsigned)d->layout_slot, TSHARE_SET_LAYOUT_SLOTS);
   if (d->layout_id != set_id)
-    return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: layout %llu dropped in a frame of set %llu (the same id, never 0)",
+    return ts_errf(err, cap, TSHARE_E_MALFORMED,
+                   "set: layout %llu dropped in a frame of set %llu (the same id, never 0)",
                    (unsigned long long)d->layout_id, (unsigned long long)set_id);
   return TSHARE_OK;
 }
