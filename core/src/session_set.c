@@ -635,18 +635,11 @@ static int on_step(tshare_channel *ch, ts_set_rx *rx, const tshare_frame *frame,
   }
 }
 
-/* The peer lost a layout of this end's sets: its own notice, which may come
- * between the frames of a set it sends here and touches none of them. */
-static int on_dropped(tshare_channel *ch, const tshare_set_frame *f) {
-  if (ts_set_again_agreed(ch)) ts_set_slots_dropped(ch, &f->u.dropped);
-  else TS_LOG(TS_LOG_WARN, "%s dropped a set layout on a channel that keeps none: ignored", ch->conn.peer_label);
-  return TSHARE_OK;
-}
-
 int ts_set_on_frame(tshare_channel *ch, const tshare_frame *f, int fd, int fd_lost) {
-  if (f->u.set.op == TSHARE_SET_DROPPED) {
+  if (f->u.set.op == TSHARE_SET_DROPPED) { /* the peer's notice: no part of a set it may be sending here */
     if (fd >= 0) close(fd);
-    return on_dropped(ch, &f->u.set);
+    ts_set_slots_dropped(ch, &f->u.set.u.dropped);
+    return TSHARE_OK;
   }
   ts_set_rx *rx = set_rx(ch);
   int rc = rx ? on_step(ch, rx, f, &fd, fd_lost)

@@ -52,6 +52,10 @@ void ts_set_slots_declared(tshare_channel *ch, unsigned slot, uint64_t builder, 
 }
 
 void ts_set_slots_dropped(tshare_channel *ch, const tshare_set_dropped_frame *d) {
+  if (!ts_set_again_agreed(ch)) {
+    TS_LOG(TS_LOG_WARN, "%s dropped a set layout on a channel that keeps none: ignored", ch->conn.peer_label);
+    return;
+  }
   pthread_mutex_lock(&ch->lock);
   ts_set_layout_slot *s = &ch->set_layouts[d->layout_slot - 1];
   bool forgotten = s->layout_id == d->layout_id;
