@@ -7,6 +7,8 @@
 #include "session.h"
 #include "tshare/wire.h"
 
+#include <string.h>
+
 /* A set frame from the peer, with the fd that came with it (or -1 and
  * fd_lost, as ts_session_recv says). The fd is always consumed. A set the
  * peer got wrong is refused (released back) and the error kept for the next
@@ -21,6 +23,16 @@ void ts_set_peer_gone(tshare_channel *ch);
 /* The channel goes: sets received but never taken are freed (their
  * mappings go with the channel's). */
 void ts_set_free_queued(tshare_channel *ch);
+
+/* A set frame's step op of set_id, its fields zero. */
+static inline tshare_frame ts_set_step(uint8_t op, uint64_t set_id) {
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_SET;
+  f.u.set.op = op;
+  f.u.set.set_id = set_id;
+  return f;
+}
 
 /* Whether sets may be sent again as one frame on ch (TSHARE_SET_AGAIN, the
  * begin frame's layout_slot): both ends offered TSHARE_CAP_SET_AGAIN. */

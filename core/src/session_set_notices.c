@@ -9,8 +9,6 @@
 #include "session.h"
 #include "session_set.h"
 
-#include <string.h>
-
 void ts_set_notice_dropped_locked(tshare_channel *ch, unsigned slot, uint64_t layout_id) {
   if (!ts_set_again_agreed(ch) || slot == 0 || slot > TSHARE_SET_LAYOUT_SLOTS || layout_id == 0) return;
   ch->set_dropped[slot - 1] = layout_id; /* the newest: the peer's slot records no older one */
@@ -23,16 +21,6 @@ bool ts_set_notices_waiting_locked(const tshare_channel *ch) {
   return false;
 }
 
-static tshare_frame dropped_frame(unsigned slot, uint64_t layout_id) {
-  tshare_frame f;
-  memset(&f, 0, sizeof f);
-  f.type = TSHARE_FRAME_SET;
-  f.u.set.op = TSHARE_SET_DROPPED;
-  f.u.set.set_id = layout_id;
-  f.u.set.u.dropped = (tshare_set_dropped_frame){(uint8_t)slot, layout_id};
-  return f;
-}
-
 int ts_set_send_notices(tshare_channel *ch, int timeout_ms) {
   int64_t deadline = ts_deadline(timeout_ms);
   for (unsigned i = 0; i < TSHARE_SET_LAYOUT_SLOTS; i++) {
@@ -41,7 +29,8 @@ int ts_set_send_notices(tshare_channel *ch, int timeout_ms) {
     ch->set_dropped[i] = 0;
     pthread_mutex_unlock(&ch->lock);
     if (!layout_id) continue;
-    tshare_frame f = dropped_frame(i + 1, layout_id);
+    tshare_frame f = ts_set_step(TSHARE_SET_DROPPED, layout_id);
+    f.u.set.u.dropped = (tshare_set_dropped_frame){(uint8_t)(i + 1), layout_id};
     int rc = ts_channel_send(ch, &f, -1, ts_remaining(deadline));
     if (rc == TSHARE_E_TIMEOUT) { /* nothing went: it waits again, unless a newer one came meanwhile */
       pthread_mutex_lock(&ch->lock);
