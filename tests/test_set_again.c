@@ -399,16 +399,17 @@ TS_TEST(a_forked_child_of_the_producer_cannot_send_from_its_parents_slots) {
 
 enum { ALLOC = 90 };
 
-/* A set of one tensor "w" of FLOATS floats in memfd (alloc ALLOC; offered
- * to be kept with TSHARE_SHARE_FLAG_RETIRE_NOTICE in share_flags), its
- * layout to be kept in slot. */
-static void send_whole(tshare_channel *ch, uint64_t id, int memfd, uint8_t slot, uint32_t share_flags) {
+/* A set of one tensor "w" of FLOATS floats in memfd (allocation alloc;
+ * offered to be kept with TSHARE_SHARE_FLAG_RETIRE_NOTICE in share_flags),
+ * its layout to be kept in slot. */
+static void send_whole(tshare_channel *ch, uint64_t id, int memfd, uint64_t alloc, uint8_t slot,
+                       uint32_t share_flags) {
   tshare_frame f = set_step(TSHARE_SET_BEGIN, id);
   f.u.set.u.begin = (tshare_set_begin_frame){.count = 1, .mem_count = 1, .names_bytes = 1, .layout_slot = slot};
   send_frame(ch, &f, -1);
   f = set_step(TSHARE_SET_MEM, id);
   f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
-  f.u.set.u.mem = (tshare_set_mem_frame){.alloc_id = ALLOC, .mem_kind = TSHARE_MEM_HOST_MEMFD,
+  f.u.set.u.mem = (tshare_set_mem_frame){.alloc_id = alloc, .mem_kind = TSHARE_MEM_HOST_MEMFD,
                                          .device_type = TSHARE_DEVICE_CPU, .alloc_size = FLOATS * sizeof(float),
                                          .share_flags = share_flags};
   send_frame(ch, &f, memfd);
@@ -452,19 +453,34 @@ static void send_bad_again(int sock, uint64_t id, uint8_t slot, uint32_t meta_by
   CHECK(write(sock, buf, len) == (ssize_t)len);
 }
 
-/* The consumer's answers to set id: its release, after any KEPT notice. */
-static void collect_release(tshare_channel *ch, uint64_t id) {
+/* The consumer's answers to set id: its release, after any KEPT notice
+ * and, when dropped_id is not 0, after the notice that it lost the layout
+ * dropped_id of slot dropped_slot (TSHARE_SET_DROPPED); none otherwise. */
+static void collect_dropped_and_release(tshare_channel *ch, uint64_t id, uint8_t dropped_slot, uint64_t dropped_id) {
+  bool dropped = false;
   for (;;) {
     tshare_frame f;
     int fd = -1;
     CHECK_RC(tshare_channel_recv_frame(ch, &f, &fd, 5000), TSHARE_OK, tshare_channel_last_error(ch));
     CHECK_EQ(fd, -1);
     if (f.type == TSHARE_FRAME_RETIRE) continue;
+    if (f.type == TSHARE_FRAME_SET) {
+      CHECK_EQ(f.u.set.op, TSHARE_SET_DROPPED);
+      CHECK(!dropped && dropped_id != 0);
+      CHECK_EQ(f.u.set.u.dropped.layout_slot, dropped_slot);
+      CHECK_EQ(f.u.set.u.dropped.layout_id, dropped_id);
+      CHECK_EQ(f.u.set.set_id, dropped_id);
+      dropped = true;
+      continue;
+    }
     CHECK_EQ(f.type, TSHARE_FRAME_RELEASE);
     CHECK_EQ(f.u.release.share_ids[0], id);
+    CHECK_EQ(dropped, dropped_id != 0);
     return;
   }
 }
+
+static void collect_release(tshare_channel *ch, uint64_t id) { collect_dropped_and_release(ch, id, 0, 0); }
 
 static void expect_refused(tshare_channel *ch, int status, const char *cause) {
   tshare_set *s = NULL;
@@ -494,14 +510,16 @@ static void consumer_of_hand_sets(int fd) {
   expect_round(ch, 1, 1000, -1);
   expect_round(ch, 2, 2000, 2); /* from the layout: the update in place seen */
   expect_refused(ch, TSHARE_E_PROTOCOL, "layout slot 2, which holds no layout");
-  expect_refused(ch, TSHARE_E_PROTOCOL, "layout 99 in slot 1, which holds layout 1");
   expect_refused(ch, TSHARE_E_MALFORMED, "outside 1..4");
   expect_refused(ch, TSHARE_E_TOO_LARGE, "metadata, over");
-  expect_round(ch, 7, 7000, 7); /* the layout survived the refusals */
-  expect_refused(ch, TSHARE_E_PROTOCOL, "keeps no mapping"); /* retired meanwhile */
+  expect_round(ch, 6, 6000, 6); /* the layout survived the refusals of other slots and malformed frames */
+  expect_refused(ch, TSHARE_E_PROTOCOL, "layout 99 in slot 1, which holds layout 1");
+  expect_refused(ch, TSHARE_E_PROTOCOL, "layout slot 1, which holds no layout"); /* emptied by the refusal */
   expect_round(ch, 9, 9000, -1);
-  expect_refused(ch, TSHARE_E_PROTOCOL, "layout slot 1, which holds no layout");
+  expect_refused(ch, TSHARE_E_PROTOCOL, "keeps no mapping"); /* retired meanwhile */
   expect_round(ch, 11, 11000, -1);
+  expect_refused(ch, TSHARE_E_PROTOCOL, "layout slot 1, which holds no layout");
+  expect_round(ch, 13, 13000, -1);
   tshare_set *s;
   CHECK_RC(tshare_set_recv(ch, 5000, &s), TSHARE_END, tshare_channel_last_error(ch));
   tshare_channel_close(ch);
@@ -519,38 +537,44 @@ TS_TEST(a_consumer_refuses_a_set_sent_again_it_cannot_serve_and_goes_on) {
   tshare_host_buffer *buf;
   CHECK_RC(tshare_host_buffer_create(FLOATS * sizeof(float), "tshare-again-hand", &buf, NULL), TSHARE_OK, "");
   fill(buf, 1000);
-  send_whole(ch, 1, tshare_host_buffer_fd(buf), 1, TSHARE_SHARE_FLAG_RETIRE_NOTICE);
+  send_whole(ch, 1, tshare_host_buffer_fd(buf), ALLOC, 1, TSHARE_SHARE_FLAG_RETIRE_NOTICE);
   collect_release(ch, 1);
   fill(buf, 2000);
   send_again(ch, 2, 1, 1, 2);
   collect_release(ch, 2);
+  /* Each AGAIN refused tells the producer the layout it named is lost. */
   send_again(ch, 3, 2, 1, 3);
-  collect_release(ch, 3);
-  send_again(ch, 4, 1, 99, 4);
+  collect_dropped_and_release(ch, 3, 2, 1);
+  send_bad_again(sock, 4, 7, 0); /* malformed: refused as such, naming no layout */
   collect_release(ch, 4);
-  send_bad_again(sock, 5, 7, 0);
+  send_bad_again(sock, 5, 1, TSHARE_SET_META_MAX + 1);
   collect_release(ch, 5);
-  send_bad_again(sock, 6, 1, TSHARE_SET_META_MAX + 1);
+  fill(buf, 6000);
+  send_again(ch, 6, 1, 1, 6);
   collect_release(ch, 6);
-  fill(buf, 7000);
-  send_again(ch, 7, 1, 1, 7);
-  collect_release(ch, 7);
+  send_again(ch, 7, 1, 99, 7); /* the slot holds another: emptied, the producer's id named */
+  collect_dropped_and_release(ch, 7, 1, 99);
+  send_again(ch, 8, 1, 1, 8);
+  collect_dropped_and_release(ch, 8, 1, 1);
+  fill(buf, 9000);
+  send_whole(ch, 9, tshare_host_buffer_fd(buf), ALLOC + 1, 1, TSHARE_SHARE_FLAG_RETIRE_NOTICE);
+  collect_release(ch, 9);
   tshare_frame freed = frame_of(TSHARE_FRAME_RETIRE);
   freed.u.retire = (tshare_retire_frame){.closed = TSHARE_RETIRE_FREED, .count = 1, .mem_kind = TSHARE_MEM_HOST_MEMFD};
-  freed.u.retire.alloc_ids[0] = ALLOC;
+  freed.u.retire.alloc_ids[0] = ALLOC + 1;
   send_frame(ch, &freed, -1);
-  send_again(ch, 8, 1, 1, 8);
-  collect_release(ch, 8);
-  /* A whole set of memory this end does not keep (not offered) names slot
-   * 1: the slot is emptied, its layout not kept, the older one gone too. */
-  fill(buf, 9000);
-  send_whole(ch, 9, tshare_host_buffer_fd(buf), 1, 0);
-  collect_release(ch, 9);
   send_again(ch, 10, 1, 9, 10);
-  collect_release(ch, 10);
+  collect_dropped_and_release(ch, 10, 1, 9);
+  /* A whole set of memory this end does not keep (not offered) names slot
+   * 1: the slot is emptied, its layout not kept, and the producer told. */
   fill(buf, 11000);
-  send_whole(ch, 11, tshare_host_buffer_fd(buf), 0, 0);
-  collect_release(ch, 11);
+  send_whole(ch, 11, tshare_host_buffer_fd(buf), ALLOC + 2, 1, 0);
+  collect_dropped_and_release(ch, 11, 1, 11);
+  send_again(ch, 12, 1, 11, 12);
+  collect_dropped_and_release(ch, 12, 1, 11);
+  fill(buf, 13000);
+  send_whole(ch, 13, tshare_host_buffer_fd(buf), ALLOC + 2, 0, 0);
+  collect_release(ch, 13);
   CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
   CHECK_CHILD_OK(pid);
   tshare_host_buffer_destroy(buf);
@@ -575,10 +599,10 @@ TS_TEST(a_set_sent_again_without_the_capability_agreed_is_refused) {
   tshare_host_buffer *buf;
   CHECK_RC(tshare_host_buffer_create(FLOATS * sizeof(float), "tshare-again-hand", &buf, NULL), TSHARE_OK, "");
   fill(buf, 1000);
-  send_whole(ch, 1, tshare_host_buffer_fd(buf), 1, TSHARE_SHARE_FLAG_RETIRE_NOTICE);
+  send_whole(ch, 1, tshare_host_buffer_fd(buf), ALLOC, 1, TSHARE_SHARE_FLAG_RETIRE_NOTICE);
   collect_release(ch, 1);
   send_again(ch, 2, 1, 1, 2);
-  collect_release(ch, 2);
+  collect_release(ch, 2); /* and no DROPPED: the peer never agreed on sets sent again */
   CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
   CHECK_CHILD_OK(pid);
   tshare_host_buffer_destroy(buf);

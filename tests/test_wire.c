@@ -742,6 +742,46 @@ TS_TEST(malformed_set_fields) {
   CHECK_RC(decode(buf, len, &g), TSHARE_E_MALFORMED, "");
 }
 
+/* A layout the receiver of sets lost: slot and layout id, the layout id also
+ * the frame's set id; a slot outside 1..4 or another id is malformed, from
+ * the encoder as from a peer. */
+TS_TEST(set_dropped_frames_round_trip_and_bad_ones_are_refused) {
+  tshare_frame f = set_frame(TSHARE_SET_DROPPED);
+  f.u.set.u.dropped = (tshare_set_dropped_frame){TSHARE_SET_LAYOUT_SLOTS, 99};
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX];
+  tshare_frame g;
+  size_t len = encode(&f, buf);
+  CHECK_EQ(len, (size_t)SET_AT(1 + 8 + 1 + 8));
+  CHECK_RC(decode(buf, len, &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.set.op, TSHARE_SET_DROPPED);
+  CHECK_EQ(g.u.set.set_id, 99);
+  CHECK_EQ(g.u.set.u.dropped.layout_slot, TSHARE_SET_LAYOUT_SLOTS);
+  CHECK_EQ(g.u.set.u.dropped.layout_id, 99);
+
+  f.u.set.u.dropped.layout_slot = 0;
+  expect_encode_refused(&f, TSHARE_E_MALFORMED);
+  f.u.set.u.dropped.layout_slot = TSHARE_SET_LAYOUT_SLOTS + 1;
+  expect_encode_refused(&f, TSHARE_E_MALFORMED);
+  f.u.set.u.dropped = (tshare_set_dropped_frame){1, 0};
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* layout id 0 */
+  f.u.set.u.dropped = (tshare_set_dropped_frame){1, 98};
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* another id than the set's */
+  f.u.set.u.dropped = (tshare_set_dropped_frame){1, 99};
+  f.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
+  expect_encode_refused(&f, TSHARE_E_MALFORMED); /* an fd where none belongs */
+
+  f.flags = 0;
+  len = encode(&f, buf);
+  buf[SET_AT(9)] = TSHARE_SET_LAYOUT_SLOTS + 1;
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_MALFORMED, "");
+  len = encode(&f, buf);
+  memset(buf + SET_AT(10), 0, 8); /* layout id 0 */
+  CHECK_RC(decode(buf, len, &g), TSHARE_E_MALFORMED, "");
+  len = encode(&f, buf);
+  put_u32(buf + 8, (uint32_t)(len - TSHARE_WIRE_HEADER_SIZE - 1)); /* cut inside the layout id */
+  CHECK_RC(decode(buf, len - 1, &g), TSHARE_E_TRUNCATED, "");
+}
+
 static tshare_frame set_mem_cuda(uint8_t kind, uint32_t flags) {
   tshare_frame f = set_frame(TSHARE_SET_MEM);
   f.flags = kind == TSHARE_MEM_CUDA_FD ? TSHARE_FRAME_FLAG_FD_ATTACHED : 0;

@@ -59,10 +59,11 @@ typedef struct ts_incoming {
 
 /* A set layout this end offered its peer to keep (producer side of sets
  * sent again): the builder and its generation whose set declared it, the
- * layout id (0: none, or its offer is still on its way), and when it was
- * last used (least recently used goes first). */
+ * layout id (0: none, or its offer is still on its way), when it was last
+ * used (least recently used goes first), and a layout the peer said it lost
+ * while its offer was still on its way (never recorded then). */
 typedef struct ts_set_layout_slot {
-  uint64_t builder, generation, layout_id, used;
+  uint64_t builder, generation, layout_id, used, dropped;
 } ts_set_layout_slot;
 
 struct tshare_channel {
@@ -94,6 +95,9 @@ struct tshare_channel {
   struct ts_set_rx *set_rx;  /* tensor sets being received and waiting (session_set.c); NULL until one comes */
   ts_set_layout_slot set_layouts[TSHARE_SET_LAYOUT_SLOTS]; /* under lock (session_set_slots.c) */
   uint64_t set_layout_clock;
+  /* consumer side of sets sent again: per slot, the layout this end lost and
+   * has yet to tell the peer of (0: none), under lock (session_set_notices.c) */
+  uint64_t set_dropped[TSHARE_SET_LAYOUT_SLOTS];
 
   /* Who may call (channel.h's thread and fork rules): the process that
    * opened it, one thread of it at a time. */

@@ -4,6 +4,7 @@
  * another thread when that needs no waiting. */
 #include "error_detail.h"
 #include "session.h"
+#include "session_set.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -51,13 +52,17 @@ static void put_back(tshare_channel *ch, const tshare_frame *f, bool tell_driver
 int ts_share_flush_pending(tshare_channel *ch, int timeout_ms) {
   int64_t deadline = ts_deadline(timeout_ms);
   send_refusal_notice(ch);
+  /* Layouts lost go first: the peer forgets them before it sees the sets
+   * refused come back, and sends their builders whole next. */
+  int rc = ts_set_send_notices(ch, ts_remaining(deadline));
+  if (rc != TSHARE_OK) return rc;
   for (;;) {
     tshare_frame f;
     pthread_mutex_lock(&ch->lock);
     take_pending_locked(ch, &f);
     pthread_mutex_unlock(&ch->lock);
     if (f.u.release.count == 0) return TSHARE_OK;
-    int rc = ts_channel_send(ch, &f, -1, ts_remaining(deadline));
+    rc = ts_channel_send(ch, &f, -1, ts_remaining(deadline));
     if (rc == TSHARE_E_TIMEOUT) put_back(ch, &f, false); /* nothing went: they go with a later flush */
     if (rc != TSHARE_OK) return rc;               /* a dead peer no longer needs the releases */
   }
@@ -69,7 +74,8 @@ void ts_share_send_releases_now(tshare_channel *ch) {
    * send lock is only tried: a driving thread that holds it sends them. */
   if (ts_conn_driven_by_caller(&ch->conn)) return;
   pthread_mutex_lock(&ch->lock);
-  if (ch->closed || ch->pending.len == 0 || ts_conn_driver_blocked(&ch->conn)) {
+  /* A layout lost waits to go ahead of them: the driving thread sends both. */
+  if (ch->closed || ch->pending.len == 0 || ts_conn_driver_blocked(&ch->conn) || ts_set_notices_waiting_locked(ch)) {
     pthread_mutex_unlock(&ch->lock);
     return;
   }

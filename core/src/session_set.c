@@ -206,8 +206,21 @@ static void note_refusal(tshare_channel *ch, ts_set_rx *rx, int status, uint64_t
   TS_LOG(TS_LOG_WARN, "%s", rx->refusal_msg);
 }
 
+/* Slot (1..TSHARE_SET_LAYOUT_SLOTS) holds no layout now, and the peer,
+ * which may count on layout_id there, is told that it is lost. */
+static void drop_layout(tshare_channel *ch, ts_set_rx *rx, unsigned slot, uint64_t layout_id) {
+  tshare_set **kept = &rx->layouts[slot - 1];
+  if (*kept) set_free(*kept);
+  *kept = NULL;
+  pthread_mutex_lock(&ch->lock);
+  ts_set_notice_dropped_locked(ch, slot, layout_id);
+  pthread_mutex_unlock(&ch->lock);
+}
+
 /* The set in progress is refused: its mappings go, the peer gets its release
- * back (unless it is gone), and the reason waits for tshare_set_recv(). */
+ * back (unless it is gone), and the reason waits for tshare_set_recv(). A
+ * set whose begin asked for a layout slot leaves that slot empty: the peer
+ * gave it to this set's layout, which is not kept. */
 TS_PRINTF(4, 5) static int refuse_set(tshare_channel *ch, int status, bool tell_peer, const char *fmt, ...) {
   ts_set_rx *rx = ch->set_rx;
   tshare_set *s = rx->partial;
@@ -218,6 +231,7 @@ TS_PRINTF(4, 5) static int refuse_set(tshare_channel *ch, int status, bool tell_
   va_end(ap);
   rx->partial = NULL;
   rx->refused_id = s->set_id;
+  if (tell_peer && s->layout_slot) drop_layout(ch, rx, s->layout_slot, s->set_id);
   pthread_mutex_lock(&ch->lock);
   drop_mappings_locked(ch, s, true);
   if (tell_peer) ts_share_queue_release_locked(ch, s->set_id);
@@ -249,6 +263,7 @@ static int begin_set(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *
       ts_share_queue_release_locked(ch, f->set_id);
       pthread_mutex_unlock(&ch->lock);
       rx->refused_id = f->set_id;
+      if (b->layout_slot) drop_layout(ch, rx, b->layout_slot, f->set_id);
       return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "receive: out of memory for a tensor set");
     }
     return refuse_set(ch, TSHARE_E_NOMEM, true, "out of memory for %u tensors", b->count);
@@ -449,11 +464,17 @@ static tshare_set *layout_of(const tshare_set *s) {
 
 /* s came whole and asked for its layout to be kept: it replaces what its
  * slot held (the slot is left empty where the layout cannot be kept, so a
- * set sent again from it is refused, never served from an older one). */
-static void keep_layout(ts_set_rx *rx, const tshare_set *s) {
+ * set sent again from it is refused, never served from an older one; the
+ * peer is told, and sends that set whole next). */
+static void keep_layout(tshare_channel *ch, ts_set_rx *rx, const tshare_set *s) {
+  tshare_set *t = layout_of(s);
+  if (!t) {
+    drop_layout(ch, rx, s->layout_slot, s->set_id);
+    return;
+  }
   tshare_set **slot = &rx->layouts[s->layout_slot - 1];
   if (*slot) set_free(*slot);
-  *slot = layout_of(s);
+  *slot = t;
 }
 
 /* Memory i of layout t as the memory frame of the kept kind that names it. */
@@ -497,6 +518,7 @@ static const char *again_refusal(tshare_channel *ch, const ts_set_rx *rx, const 
 static int again_set(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *f) {
   char why[TSHARE_ERROR_MSG_MAX];
   if (again_refusal(ch, rx, &f->u.again, why, sizeof why)) {
+    drop_layout(ch, rx, f->u.again.layout_slot, f->u.again.layout_id);
     release_stray_set(ch, rx, f->set_id);
     note_refusal(ch, rx, TSHARE_E_PROTOCOL, f->set_id, true, why);
     return TSHARE_OK;
@@ -511,7 +533,10 @@ static int again_set(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *
     tshare_set_mem_frame m = mem_frame_of(t, i);
     int fd = -1;
     rc = add_mem(ch, s, &m, &fd);
-    if (rx->partial != s) return rc; /* refused, naming the memory */
+    if (rx->partial != s) { /* refused, naming the memory: the layout cannot serve again */
+      drop_layout(ch, rx, f->u.again.layout_slot, f->u.again.layout_id);
+      return rc;
+    }
   }
   memcpy(s->entries, t->entries, t->count * sizeof *s->entries);
   memcpy(s->names, t->names, (size_t)t->names_bytes + t->count);
@@ -531,7 +556,7 @@ static int end_set(tshare_channel *ch, ts_set_rx *rx, tshare_set *s, const tshar
     return refuse_set(ch, TSHARE_E_PROTOCOL, true,
                       "ended with %u of %u tensors, %u of %u bytes of names and %u of %u bytes of metadata",
                       s->members_got, s->count, s->names_got, s->names_bytes, s->meta_got, s->meta_len);
-  if (s->layout_slot && ts_set_again_agreed(ch)) keep_layout(rx, s);
+  if (s->layout_slot && ts_set_again_agreed(ch)) keep_layout(ch, rx, s);
   if ((end->flags & TSHARE_FRAME_FLAG_HAS_EVENT) && !wait_for_producer(ch, s, end))
     return refuse_set(ch, TSHARE_E_PROTOCOL, true, "ordering after the producer's stream: %s", ch->err);
   if (rx->len == TS_SETS_WAITING_MAX)
@@ -611,6 +636,11 @@ static int on_step(tshare_channel *ch, ts_set_rx *rx, const tshare_frame *frame,
 }
 
 int ts_set_on_frame(tshare_channel *ch, const tshare_frame *f, int fd, int fd_lost) {
+  if (f->u.set.op == TSHARE_SET_DROPPED) { /* the peer's notice: no part of a set it may be sending here */
+    if (fd >= 0) close(fd);
+    ts_set_slots_dropped(ch, &f->u.set.u.dropped);
+    return TSHARE_OK;
+  }
   ts_set_rx *rx = set_rx(ch);
   int rc = rx ? on_step(ch, rx, f, &fd, fd_lost)
               : ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "receive: out of memory for a tensor set");

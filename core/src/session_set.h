@@ -7,6 +7,8 @@
 #include "session.h"
 #include "tshare/wire.h"
 
+#include <string.h>
+
 /* A set frame from the peer, with the fd that came with it (or -1 and
  * fd_lost, as ts_session_recv says). The fd is always consumed. A set the
  * peer got wrong is refused (released back) and the error kept for the next
@@ -21,6 +23,16 @@ void ts_set_peer_gone(tshare_channel *ch);
 /* The channel goes: sets received but never taken are freed (their
  * mappings go with the channel's). */
 void ts_set_free_queued(tshare_channel *ch);
+
+/* A set frame's step op of set_id, its fields zero. */
+static inline tshare_frame ts_set_step(uint8_t op, uint64_t set_id) {
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = TSHARE_FRAME_SET;
+  f.u.set.op = op;
+  f.u.set.set_id = set_id;
+  return f;
+}
 
 /* Whether sets may be sent again as one frame on ch (TSHARE_SET_AGAIN, the
  * begin frame's layout_slot): both ends offered TSHARE_CAP_SET_AGAIN. */
@@ -44,6 +56,22 @@ ts_set_again_plan ts_set_slots_plan(tshare_channel *ch, uint64_t builder, uint64
  * or one of its memories went in a frame the peer keeps no layout of. */
 void ts_set_slots_declared(tshare_channel *ch, unsigned slot, uint64_t builder, uint64_t generation,
                            uint64_t layout_id);
+
+/* The peer lost the layout d names (TSHARE_SET_DROPPED): forgotten if its
+ * slot still records it, else ignored. Never refuses anything. */
+void ts_set_slots_dropped(tshare_channel *ch, const tshare_set_dropped_frame *d);
+
+/* The receiver's notices of layouts lost (session_set_notices.c). Queue one
+ * (ch->lock held): slot (1..TSHARE_SET_LAYOUT_SLOTS) no longer holds
+ * layout_id; one waits per slot, the newest. None on a channel that did not
+ * agree on TSHARE_CAP_SET_AGAIN. */
+void ts_set_notice_dropped_locked(tshare_channel *ch, unsigned slot, uint64_t layout_id);
+/* Whether a notice waits to go (ch->lock held). */
+bool ts_set_notices_waiting_locked(const tshare_channel *ch);
+/* Send the notices that wait, from the thread that drives the channel,
+ * before its releases (ts_share_flush_pending): TSHARE_OK, or the send's
+ * status (TSHARE_E_TIMEOUT: what did not go waits for a later flush). */
+int ts_set_send_notices(tshare_channel *ch, int timeout_ms);
 
 /* Whether memory sent as mem_kind with share_flags is kept mapped by the
  * peer until its owner retires it (then a layout of it may be kept): the

@@ -417,15 +417,6 @@ static int check_can_send(tshare_channel *ch, const tshare_set_builder *b) {
   return TSHARE_OK;
 }
 
-static tshare_frame set_step(uint8_t op, uint64_t set_id) {
-  tshare_frame f;
-  memset(&f, 0, sizeof f);
-  f.type = TSHARE_FRAME_SET;
-  f.u.set.op = op;
-  f.u.set.set_id = set_id;
-  return f;
-}
-
 static int send_step(tshare_channel *ch, const tshare_frame *f, int fd, int64_t deadline) {
   return ts_channel_send(ch, f, fd, ts_remaining(deadline));
 }
@@ -458,7 +449,7 @@ static int send_host_mem(tshare_channel *ch, tshare_host_buffer *buf, tshare_fra
  * peer already released the set). */
 static int send_mem(tshare_channel *ch, const tshare_set_builder *b, size_t i, uint64_t id, int64_t deadline,
                     bool *keepable) {
-  tshare_frame f = set_step(TSHARE_SET_MEM, id);
+  tshare_frame f = ts_set_step(TSHARE_SET_MEM, id);
   const builder_mem *m = &b->mems[i];
   f.u.set.u.mem.index = (uint32_t)i;
   int rc;
@@ -484,7 +475,7 @@ static int send_members(tshare_channel *ch, const tshare_set_builder *b, uint64_
   int rc = TSHARE_OK;
   for (size_t i = 0; i < b->mem_count && rc == TSHARE_OK; i++) rc = send_mem(ch, b, i, id, deadline, keepable);
   for (size_t i = 0; i < b->count && rc == TSHARE_OK; i++) {
-    tshare_frame f = set_step(TSHARE_SET_MEMBER, id);
+    tshare_frame f = ts_set_step(TSHARE_SET_MEMBER, id);
     tshare_set_member_frame *m = &f.u.set.u.member;
     m->index = (uint32_t)i;
     m->mem_index = b->entries[i].mem;
@@ -499,7 +490,7 @@ static int send_members(tshare_channel *ch, const tshare_set_builder *b, uint64_
 static int send_meta(tshare_channel *ch, const tshare_set_builder *b, uint64_t id, int64_t deadline) {
   int rc = TSHARE_OK;
   for (size_t off = 0; off < b->meta_len && rc == TSHARE_OK; off += TSHARE_SET_META_CHUNK_MAX) {
-    tshare_frame f = set_step(TSHARE_SET_META, id);
+    tshare_frame f = ts_set_step(TSHARE_SET_META, id);
     size_t n = b->meta_len - off < TSHARE_SET_META_CHUNK_MAX ? b->meta_len - off : TSHARE_SET_META_CHUNK_MAX;
     f.u.set.u.meta.offset = (uint32_t)off;
     f.u.set.u.meta.len = (uint16_t)n;
@@ -541,11 +532,11 @@ static ts_keep_state keep_state(tshare_channel *ch, const tshare_set_builder *b)
  * plan's slot), or, sent again, the layout it comes from. */
 static tshare_frame first_frame(const tshare_set_builder *b, uint64_t id, const ts_set_again_plan *plan) {
   if (plan->layout_id) {
-    tshare_frame f = set_step(TSHARE_SET_AGAIN, id);
+    tshare_frame f = ts_set_step(TSHARE_SET_AGAIN, id);
     f.u.set.u.again = (tshare_set_again_frame){(uint8_t)plan->slot, plan->layout_id, (uint32_t)b->meta_len};
     return f;
   }
-  tshare_frame f = set_step(TSHARE_SET_BEGIN, id);
+  tshare_frame f = ts_set_step(TSHARE_SET_BEGIN, id);
   f.u.set.u.begin = (tshare_set_begin_frame){(uint32_t)b->count, (uint32_t)b->mem_count, (uint32_t)b->names_bytes,
                                              (uint32_t)b->meta_len, (uint8_t)plan->slot};
   return f;
@@ -578,7 +569,7 @@ static int set_send(tshare_channel *ch, const tshare_set_builder *b, void *user_
   bool keepable = true;
   rc = plan.layout_id ? TSHARE_OK : send_members(ch, b, id, deadline, &keepable);
   if (rc == TSHARE_OK) rc = send_meta(ch, b, id, deadline);
-  f = set_step(TSHARE_SET_END, id);
+  f = ts_set_step(TSHARE_SET_END, id);
   if (rc == TSHARE_OK && b->device_backend) rc = order_after_members(ch, b, &f, id, deadline);
   if (rc == TSHARE_OK) rc = send_step(ch, &f, -1, deadline);
   if (plan.slot && !plan.layout_id) /* the peer keeps the layout of a set that came whole, of kept memories */

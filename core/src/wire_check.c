@@ -90,6 +90,19 @@ static int check_set_again(const tshare_set_again_frame *a, char *err, size_t ca
   return TSHARE_OK;
 }
 
+/* A layout the receiver of sets lost: named as an AGAIN names it, and by
+ * the frame's set_id too. */
+static int check_set_dropped(uint64_t set_id, const tshare_set_dropped_frame *d, char *err, size_t cap) {
+  if (d->layout_slot == 0 || d->layout_slot > TSHARE_SET_LAYOUT_SLOTS)
+    return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: layout dropped from slot %u, outside 1..%u",
+                   (unsigned)d->layout_slot, TSHARE_SET_LAYOUT_SLOTS);
+  if (d->layout_id != set_id)
+    return ts_errf(err, cap, TSHARE_E_MALFORMED,
+                   "set: layout %llu dropped in a frame of set %llu (the same id, never 0)",
+                   (unsigned long long)d->layout_id, (unsigned long long)set_id);
+  return TSHARE_OK;
+}
+
 /* What a CUDA memory of a set adds: a handle exactly where legacy IPC needs
  * one, and only the share flags a set memory can carry. */
 static int check_set_mem_cuda(const tshare_set_mem_frame *m, char *err, size_t cap) {
@@ -173,6 +186,8 @@ int ts_wire_check_set(const tshare_set_frame *f, uint8_t flags, const tshare_wir
     return check_set_mem(&f->u.mem, flags, &limits, err, cap);
   case TSHARE_SET_AGAIN:
     return check_set_again(&f->u.again, err, cap);
+  case TSHARE_SET_DROPPED:
+    return check_set_dropped(f->set_id, &f->u.dropped, err, cap);
   case TSHARE_SET_MEMBER:
     return check_set_member(&f->u.member, &limits, err, cap);
   case TSHARE_SET_META:

@@ -179,6 +179,10 @@ static int decode_set(tshare_decoder *d, ts_reader *r, uint8_t flags, tshare_set
     f->u.again.layout_id = ts_get_u64(r);
     f->u.again.meta_bytes = ts_get_u32(r);
     break;
+  case TSHARE_SET_DROPPED:
+    f->u.dropped.layout_slot = ts_get_u8(r);
+    f->u.dropped.layout_id = ts_get_u64(r);
+    break;
   case TSHARE_SET_MEM: {
     tshare_set_mem_frame *m = &f->u.mem;
     m->index = ts_get_u32(r);

@@ -39,6 +39,10 @@ static int encode_set(const tshare_set_frame *f, uint8_t flags, ts_writer *w, ch
     ts_put_u64(w, f->u.again.layout_id);
     ts_put_u32(w, f->u.again.meta_bytes);
     break;
+  case TSHARE_SET_DROPPED:
+    ts_put_u8(w, f->u.dropped.layout_slot);
+    ts_put_u64(w, f->u.dropped.layout_id);
+    break;
   case TSHARE_SET_MEM: {
     const tshare_set_mem_frame *m = &f->u.mem;
     ts_put_u32(w, m->index);

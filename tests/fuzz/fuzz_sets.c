@@ -1,7 +1,8 @@
 /* Fuzz target: tensor sets assembled by a real channel from a hand-written
  * peer that the input drives, in this process, over a socketpair (the
  * socket transport). The peer sends set steps (BEGIN, MEM, MEMBER, META,
- * END, and AGAIN from a layout the consumer may or may not keep) with
+ * END, AGAIN from a layout the consumer may or may not keep, and DROPPED
+ * naming a layout of the consumer's own sets, inside a set too) with
  * hostile values: ids that repeat or never began, memories and
  * tensors out of order or past the counts, names duplicated, long or not
  * UTF-8, tensors past their memory, metadata past its bound, memfds missing
@@ -169,6 +170,16 @@ static void op_again(harness *h, input *in) {
   peer_send_frame(h, &f, -1);
 }
 
+/* The peer lost a layout of the consumer's own sets (it sent none): never
+ * refuses a set of the peer's, even between its frames. */
+static void op_dropped(harness *h, input *in) {
+  tshare_frame f = set_frame(TSHARE_SET_DROPPED, in);
+  f.u.set.u.dropped.layout_slot = (uint8_t)(take(in) % (TSHARE_SET_LAYOUT_SLOTS + 2));
+  uint8_t pick = take(in);
+  f.u.set.u.dropped.layout_id = pick & 1 ? f.u.set.set_id : pick / 2;
+  peer_send_frame(h, &f, -1);
+}
+
 static void op_share(harness *h, input *in) {
   int64_t n = 16;
   tshare_frame f = memfd_share_frame(SET_FUZZ_MEM, tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_FLOAT, 32, 1}, 1, &n, 0));
@@ -248,6 +259,7 @@ static void run_op(harness *h, input *in) {
   case SET_OP_RECV_SET: recv_set(h); break;
   case SET_OP_RECV_VIEW: recv_view(h); break;
   case SET_OP_AGAIN: op_again(h, in); break;
+  case SET_OP_DROPPED: op_dropped(h, in); break;
   default: /* the peer hangs up; what it sent before is still taken */
     close(h->sock);
     h->peer_gone = true;

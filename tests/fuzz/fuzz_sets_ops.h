@@ -17,6 +17,8 @@ enum {
   SET_OP_RECV_VIEW, /* the consumer takes a single share if one waits */
   SET_OP_PEER_EXIT, /* the peer hangs up: what is left is drained, the rest of the input ignored */
   SET_OP_AGAIN,     /* id, layout slot (mod 6: 0 and 5 are refused by the encoder), layout id pick, meta_bytes */
+  SET_OP_DROPPED,   /* id, layout slot (mod 6, as AGAIN's), layout id pick (odd: the id, even: another, which the
+                       encoder refuses): the peer says it lost a layout of this end's sets */
   SET_OP_COUNT
 };
 

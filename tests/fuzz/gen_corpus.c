@@ -144,6 +144,11 @@ static void write_sets_corpus(const char *dir) {
   OPS(dir, "sent_again_from_a_kept_layout", SET_OP_BEGIN, 0, 1, 1, 4, 0, SET_OP_MEM, 0, 0, 16, SET_OP_MEMBER, 0, 0, 0, 0,
       0, 0, SET_OP_END, 0, SET_OP_RECV_SET, SET_OP_AGAIN, 1, 1, 0, 1, SET_OP_META, 1, 0, 2, SET_OP_END, 1,
       SET_OP_RECV_SET, SET_OP_AGAIN, 3, 1, 2, 0, SET_OP_END, 3, SET_OP_RECV_SET);
+  /* DROPPED between the frames of a set (taken whole), then two the encoder
+   * refuses (slot 5; a layout id other than the set's), which never go. */
+  OPS(dir, "dropped_inside_a_set_and_refused_by_the_encoder", SET_OP_BEGIN, 0, 1, 1, 4, 0, SET_OP_MEM, 0, 0, 0,
+      SET_OP_DROPPED, 2, 1, 3, SET_OP_MEMBER, 0, 0, 0, 0, 0, 0, SET_OP_END, 0, SET_OP_RECV_SET, SET_OP_DROPPED, 1, 5, 3,
+      SET_OP_DROPPED, 1, 1, 6, SET_OP_RECV_SET);
   OPS(dir, "count_at_and_past_the_bound", SET_OP_BEGIN, 0, 0xC0, 1, 0xC0, 0, SET_OP_RECV_SET, SET_OP_BEGIN, 1, 0xC1, 1,
       0, 0, SET_OP_RECV_SET);
   OPS(dir, "frames_of_a_set_that_never_began", SET_OP_MEMBER, 3, 0, 0, 0, 0, 0, SET_OP_END, 3, SET_OP_RECV_SET);

@@ -47,7 +47,7 @@ extern "C" {
        (TSHARE_MEM_UCX_REMOTE, the rkey frame) and kept host mappings in tensor sets (share_flags appended to a     \
        host set memory, TSHARE_CAP_SET_HOST_KEPT); 6: remote memory in tensor sets (set memories of                  \
        TSHARE_MEM_UCX_REMOTE, TSHARE_CAP_UCX_SETS) and a set sent again as one frame (the begin frame's           \
-       layout_slot, TSHARE_SET_AGAIN, TSHARE_CAP_SET_AGAIN) */
+       layout_slot, TSHARE_SET_AGAIN, TSHARE_SET_DROPPED, TSHARE_CAP_SET_AGAIN) */
 #define TSHARE_WIRE_HEADER_SIZE 12
 
 /* Hard maxima of the frame structs below; tshare_wire_limits can only lower them. */
@@ -109,7 +109,7 @@ typedef enum tshare_frame_type {
                 TSHARE_MEM_HOST_KEPT (no fd) */
 #define TSHARE_CAP_SET_AGAIN                                                                                           \
   (1u << 12) /* minor 6: keeps the layout of sets it received, so a set sent again travels as one frame (the begin   \
-                frame's layout_slot, TSHARE_SET_AGAIN) */
+                frame's layout_slot, TSHARE_SET_AGAIN), and says which it lost (TSHARE_SET_DROPPED) */
 #define TSHARE_CAP_UCX_SETS                                                                                            \
   (1u << 13) /* minor 6, with TSHARE_CAP_UCX_REMOTE and TSHARE_CAP_TENSOR_SETS: takes set memories of kind            \
                 TSHARE_MEM_UCX_REMOTE (each after the rkey frame of its allocation) and reads them with UCX */
@@ -258,8 +258,16 @@ typedef struct tshare_rkey_frame {
  * receiver cannot serve (an empty slot, another layout id, a memory retired
  * meanwhile) refuses that set alone.
  *
+ * A receiver that lost a layout the sender may still count on tells it with
+ * DROPPED (slot and layout id; a frame of its own, never inside a set, sent
+ * before the releases of the sets it refused): when it refused an AGAIN it
+ * could not serve, refused a set whose BEGIN asked for a slot, or could not
+ * keep a layout it was asked to keep. It empties that slot; the sender that
+ * still records that layout there sends its builder whole next, and ignores
+ * a DROPPED of any other layout (it crossed a newer declaration).
+ *
  * The sender sends a set's frames back to back; only the peer's own release,
- * event and retire frames may come between them, and, before a MEM frame of
+ * event, retire and DROPPED frames may come between them, and, before a MEM frame of
  * CUDA VMM memory in several chunks, that memory's chunk frames, and, before a
  * MEM frame of remote memory (minor 6), the rkey frame of its allocation. CUDA
  * memories (to a peer with TSHARE_CAP_SET_CUDA only) carry share_flags; the
@@ -280,7 +288,8 @@ typedef enum tshare_set_op {
   TSHARE_SET_MEMBER = 3,
   TSHARE_SET_META = 4,
   TSHARE_SET_END = 5,
-  TSHARE_SET_AGAIN = 6 /* minor 6, to a peer with TSHARE_CAP_SET_AGAIN */
+  TSHARE_SET_AGAIN = 6,  /* minor 6, to a peer with TSHARE_CAP_SET_AGAIN */
+  TSHARE_SET_DROPPED = 7 /* minor 6, from the receiver of sets to a sender with TSHARE_CAP_SET_AGAIN */
 } tshare_set_op;
 
 typedef struct tshare_set_begin_frame {
@@ -301,6 +310,15 @@ typedef struct tshare_set_again_frame {
   uint64_t layout_id;  /* the id of the set whose begin frame declared the layout: never 0 */
   uint32_t meta_bytes; /* 0..TSHARE_SET_META_MAX */
 } tshare_set_again_frame;
+
+/* From the receiver of sets to their sender (minor 6, both ends with
+ * TSHARE_CAP_SET_AGAIN): slot layout_slot does not (or no longer) hold
+ * layout layout_id; the set's set_id is layout_id. The sender that still
+ * records that layout there forgets it and sends its builder whole next. */
+typedef struct tshare_set_dropped_frame {
+  uint8_t layout_slot; /* 1..TSHARE_SET_LAYOUT_SLOTS */
+  uint64_t layout_id;  /* never 0; the frame's set_id */
+} tshare_set_dropped_frame;
 
 /* One memory of the set, described as a share frame describes its memory:
  * TSHARE_MEM_HOST_MEMFD (its fd attached), TSHARE_MEM_CUDA_IPC (its handle),
@@ -363,6 +381,7 @@ typedef struct tshare_set_frame {
     tshare_set_meta_frame meta;
     tshare_set_end_frame end;
     tshare_set_again_frame again;
+    tshare_set_dropped_frame dropped;
   } u;
 } tshare_set_frame;
 
