@@ -29,6 +29,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -77,17 +78,62 @@ static tt::NamedTensors transformer_state(int64_t h, bool cuda) {
   return state;
 }
 
+// The timeline of an update, for where its time goes: the producer writes
+// the send call's start ("at=", CLOCK_MONOTONIC in microseconds, one clock
+// for every process of the machine) into the metadata of an update, and the
+// consumer notes when recv_set gave it the tensors and when dropping them
+// had sent the release, both from that start.
+static double now_us() {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+static double timeline_start(const std::string &meta) {
+  size_t at = meta.find(" at=");
+  return at == std::string::npos ? -1 : std::atof(meta.c_str() + at + 4);
+}
+
+struct Stats {
+  double p50, p99;
+};
+
+static Stats stats(std::vector<double> us) { // nearest rank, as tshare-bench takes it
+  if (us.empty()) return {NAN, NAN};
+  std::sort(us.begin(), us.end());
+  auto pct = [&](double p) {
+    size_t rank = size_t(std::ceil(p / 100.0 * double(us.size())));
+    return us[std::min(us.size(), std::max<size_t>(rank, 1)) - 1];
+  };
+  return {pct(50), pct(99)};
+}
+
+static void print_timeline(long index, const std::vector<double> &received, const std::vector<double> &dropped) {
+  if (received.empty()) return;
+  std::printf("update timeline, consumer %ld, p50 from the send call's start: tensors received %.1f us, "
+              "dropped and release sent %.1f us\n",
+              index, stats(received).p50, stats(dropped).p50);
+  std::fflush(stdout);
+}
+
 // A consumer: takes every hand-off (a set, or tensors until the one tagged
 // "last") and drops it at once, which releases it.
-static int consumer(int fd, bool as_set) {
+static int consumer(int fd, bool as_set, long index) {
   tshare_channel *ch = nullptr;
   tshare_error err;
   if (tshare_channel_open_socket(fd, nullptr, &ch, &err) != TSHARE_OK) return 1;
   tt::ChannelPtr owned(ch);
+  std::vector<double> received_us, dropped_us;
   try {
     for (;;) {
       if (as_set) {
-        if (!tt::recv_set(ch, {TIMEOUT})) return 0;
+        std::optional<tt::ReceivedSet> r = tt::recv_set(ch, {TIMEOUT});
+        if (!r) {
+          print_timeline(index, received_us, dropped_us);
+          return 0;
+        }
+        double sent_at = timeline_start(r->meta);
+        if (sent_at >= 0) received_us.push_back(now_us() - sent_at);
+        r.reset(); // every tensor dropped: the release goes out
+        if (sent_at >= 0) dropped_us.push_back(now_us() - sent_at);
         continue;
       }
       auto r = tt::recv(ch, {TIMEOUT});
@@ -119,11 +165,12 @@ static tt::SetSender sender;
 
 // One hand-off to every consumer and back, in microseconds.
 static double handoff_us(const std::vector<tshare_channel *> &chs, const tt::NamedTensors &state,
-                         const std::string &way, long version) {
+                         const std::string &way, long version, bool update) {
   auto t0 = std::chrono::steady_clock::now();
   if (way != "loop") {
     tt::SetOptions o;
     o.meta = "version=" + std::to_string(version);
+    if (update) o.meta += " at=" + std::to_string(now_us());
     o.timeout_ms = TIMEOUT;
     bool kept = way == "set";
     if (chs.size() == 1) {
@@ -145,19 +192,6 @@ static double handoff_us(const std::vector<tshare_channel *> &chs, const tt::Nam
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
 }
 
-struct Stats {
-  double p50, p99;
-};
-
-static Stats stats(std::vector<double> us) { // nearest rank, as tshare-bench takes it
-  std::sort(us.begin(), us.end());
-  auto pct = [&](double p) {
-    size_t rank = size_t(std::ceil(p / 100.0 * double(us.size())));
-    return us[std::min(us.size(), std::max<size_t>(rank, 1)) - 1];
-  };
-  return {pct(50), pct(99)};
-}
-
 // The GPU done with what came before the clock starts: item() waits for the
 // current stream, where the allocation's and the update's kernels went.
 static void settle(const tt::NamedTensors &state) { (void)state.back().second.sum().item<float>(); }
@@ -169,7 +203,7 @@ static void measure(const std::vector<tshare_channel *> &chs, bool cuda, int64_t
   for (long i = 0; i < warmup + first_iters; i++) {
     tt::NamedTensors fresh = transformer_state(hidden, cuda); // not timed: the model's own allocation
     if (cuda) settle(fresh);
-    double t = handoff_us(chs, fresh, way, i);
+    double t = handoff_us(chs, fresh, way, i, false);
     if (i >= warmup) us.push_back(t);
   }
   *first = stats(us);
@@ -182,7 +216,7 @@ static void measure(const std::vector<tshare_channel *> &chs, bool cuda, int64_t
     for (auto &e : state) e.second.add_(1); // the trainer's in-place step (not timed)
     if (cuda) settle(state);
     last_send_us = NAN; // fan-out to several consumers: sending and waiting are one call
-    double t = handoff_us(chs, state, way, i);
+    double t = handoff_us(chs, state, way, i, i >= warmup);
     if (i >= warmup) us.push_back(t), send_us.push_back(last_send_us);
   }
   *update = stats(us);
@@ -213,7 +247,7 @@ int main(int argc, char **argv) {
     pid_t pid = fork();
     if (pid == 0) {
       close(sv[0]);
-      _exit(consumer(sv[1], as_set));
+      _exit(consumer(sv[1], as_set, i));
     }
     close(sv[1]);
     pids.push_back(pid);

@@ -56,13 +56,30 @@ def state_dict(h, device, impl):
     return sd
 
 
+def now_us():  # CLOCK_MONOTONIC: one clock for every process of the machine
+    return time.monotonic_ns() / 1000.0
+
+
+def timeline_start(meta):  # the send call's start, written by the producer into an update's metadata
+    at = meta.find(b" at=") if meta else -1
+    return float(meta[at + 4:]) if at >= 0 else None
+
+
+def print_timeline(received, dropped):
+    if received:
+        print("update timeline, consumer, p50 from the send call's start: tensors received %.1f us, "
+              "dropped and release sent %.1f us" % (pct(received, 50) * 1000, pct(dropped, 50) * 1000), flush=True)
+
+
 def tshare_consumer(fd, loop):
     import tshare
 
+    received, dropped = [], []  # the update timeline, for where its time goes
     with tshare.open_socket(fd, name="bench consumer") as ch:
         while True:
             r = tshare.recv(ch, timeout=60)
             if r is None:
+                print_timeline(received, dropped)
                 return 0
             if loop:  # one share per tensor, the last tagged "last"
                 while r.tag != "last":
@@ -70,8 +87,13 @@ def tshare_consumer(fd, loop):
                     r = tshare.recv(ch, timeout=60)
             elif len(r.tensors) != 290:
                 return 1
+            sent_at = None if loop else timeline_start(r.meta)
+            if sent_at is not None:
+                received.append(now_us() - sent_at)
             del r  # dropping it releases the set
             ch.poll(0)
+            if sent_at is not None:
+                dropped.append(now_us() - sent_at)
 
 
 def mp_consumer(q, done):
@@ -89,6 +111,7 @@ class TshareWay:
         import tshare
 
         self.tshare, self.loop, self.chs, self.children = tshare, loop, [], []
+        self.sent_ns = None
         for _ in range(consumers):
             a, b = tshare.socketpair()
             pid = os.fork()  # before anything touched CUDA: each consumer starts its own
@@ -101,16 +124,17 @@ class TshareWay:
             self.children.append(pid)
             self.chs.append(tshare.open_socket(a, name="bench producer"))
 
-    def handoff(self, sd, version):
+    def handoff(self, sd, version, timeline=False):
         if self.loop:
             items = list(sd.items())
             for ch in self.chs:
                 for i, (name, t) in enumerate(items):
                     self.tshare.send(ch, t, tag="last" if i + 1 == len(items) else "", timeout=60)
         else:
-            meta = b"version=%d" % version
+            meta = b"version=%d" % version + (b" at=%.3f" % now_us() if timeline else b"")
             for ch in self.chs:
                 self.tshare.send(ch, sd, meta=meta, timeout=60)
+        self.sent_ns = time.perf_counter_ns()  # the send call(s) done, the releases not yet
         for ch in self.chs:
             ch.wait_released(timeout=60)
 
@@ -130,7 +154,7 @@ class TorchMpWay:
         for p in self.procs:
             p.start()
 
-    def handoff(self, sd, version):
+    def handoff(self, sd, version, timeline=False):
         for q, _ in self.qs:
             q.put(sd)
         for _, done in self.qs:
@@ -154,8 +178,8 @@ def measure(way, args, impl):
     import torch
 
     clock = time.perf_counter_ns
-    first, update = [], []
-    for i in range(args.warmup + args.iters):
+    first, update, update_send = [], [], []
+    for i in range(args.warmup + (args.first_iters or args.iters)):
         sd = state_dict(args.hidden, args.device, impl)  # not timed: the model's own allocation
         t0 = clock()
         way.handoff(sd, i)
@@ -170,11 +194,13 @@ def measure(way, args, impl):
         if args.device == "cuda":
             torch.cuda.synchronize()
         t0 = clock()
-        way.handoff(sd, i)
+        way.handoff(sd, i, timeline=i >= args.warmup)
         if i >= args.warmup:
             update.append(clock() - t0)
+            if getattr(way, "sent_ns", None) is not None:
+                update_send.append(way.sent_ns - t0)
     mib = sum(t.numel() * t.element_size() for t in sd.values()) / 2**20
-    return first, update, mib
+    return first, update, update_send, mib
 
 
 def main():
@@ -185,6 +211,8 @@ def main():
     ap.add_argument("--hidden", type=int, default=0)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--first-iters", type=int, default=0,
+                    help="first hand-offs to time (default --iters): fewer keep a profile of the updates short")
     args = ap.parse_args()
     try:
         import torch
@@ -204,7 +232,7 @@ def main():
         print("skip: torch sees no CUDA device", flush=True)
         return 77
     try:
-        first, update, mib = measure(way, args, args.impl)
+        first, update, update_send, mib = measure(way, args, args.impl)
     except tshare.Error as e:
         way.close()
         unsupported = e.code == tshare.E_UNSUPPORTED  # tensor sets of CUDA memory, where this version refuses them
@@ -214,7 +242,8 @@ def main():
         print("error: a consumer failed", flush=True)
         return 1
     print(f"{args.impl}, {args.device}, {args.consumers} consumer(s), 290 bf16 tensors, {mib:.1f} MiB "
-          f"(hidden {args.hidden}): first p50 {pct(first, 50):.1f} us, update p50 {pct(update, 50):.1f} us")
+          f"(hidden {args.hidden}): first p50 {pct(first, 50):.1f} us, update p50 {pct(update, 50):.1f} us"
+          + (f" (of which in the send call {pct(update_send, 50):.1f} us)" if update_send else ""))
     print(f"result first_p50_us={pct(first, 50):.2f} first_p99_us={pct(first, 99):.2f} "
           f"update_p50_us={pct(update, 50):.2f} update_p99_us={pct(update, 99):.2f} n={args.iters} tensors=290 "
           f"mib={mib:.1f} hidden={args.hidden} torch={torch.__version__}", flush=True)
