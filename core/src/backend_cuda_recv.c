@@ -159,7 +159,7 @@ int ts_cuda_import_share(tshare_channel *ch, struct ts_cuda_chan *c, const tshar
   if (!cu) return status;
   if (!c) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
   uint32_t origin = s->origin_pid ? s->origin_pid : ch->conn.peer.pid;
-  if (origin == (uint32_t)getpid())
+  if (origin == (uint32_t)ch->owner_pid) /* the caller is the owner: a forked child's copy refuses calls */
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
                    "import: share %llu is memory of this very process, forwarded back to its owner",
                    (unsigned long long)s->share_id);

@@ -93,8 +93,28 @@ struct tshare_set {
   set_entry *entries;
   char *names; /* each NUL-terminated */
   uint8_t *meta;
-  ts_u64map by_name;
+  struct name_index *by_name; /* NULL until its first member came */
 };
+
+/* A set's index of member names: built as the members come, read-only once
+ * the set is whole, and then shared (counted) by the layout kept of it and
+ * every set sent again from that layout: a model's hundreds of names are
+ * indexed once, not copied per hand-off. */
+typedef struct name_index {
+  atomic_int refs;
+  ts_u64map map;
+} name_index;
+
+static name_index *name_index_ref(name_index *x) {
+  if (x) atomic_fetch_add(&x->refs, 1);
+  return x;
+}
+
+static void name_index_unref(name_index *x) {
+  if (!x || atomic_fetch_sub(&x->refs, 1) != 1) return;
+  ts_u64map_free(&x->map);
+  free(x);
+}
 
 /* A set member's view: the view, and the set it keeps alive. */
 typedef struct set_view {
@@ -168,7 +188,7 @@ static void set_free(tshare_set *s) {
   ts_spare_free(&spare_entries, s->entries);
   ts_spare_free(&spare_names, s->names);
   free(s->meta);
-  ts_u64map_free(&s->by_name);
+  name_index_unref(s->by_name);
   free(s);
 }
 
@@ -352,12 +372,14 @@ static int add_member(tshare_channel *ch, tshare_set *s, const tshare_set_member
   char why[160];
   int rc = ts_tensor_check(&m->tensor, mem->size, NULL, NULL, why, sizeof why);
   if (rc != TSHARE_OK) return refuse_set(ch, rc, true, "tensor %u ('%s'): %s", m->index, m->name, why);
-  if (ts_set_name_lookup(&s->by_name, m->name, set_name_at, s, s->members_got) >= 0)
+  if (!s->by_name && (s->by_name = calloc(1, sizeof *s->by_name)) != NULL) atomic_init(&s->by_name->refs, 1);
+  if (!s->by_name) return refuse_set(ch, TSHARE_E_NOMEM, true, "out of memory");
+  if (ts_set_name_lookup(&s->by_name->map, m->name, set_name_at, s, s->members_got) >= 0)
     return refuse_set(ch, TSHARE_E_PROTOCOL, true, "two tensors are named '%s'", m->name);
   set_entry *e = &s->entries[s->members_got];
   e->name_at = s->names_got + s->members_got; /* each name is followed by its NUL */
   memcpy(s->names + e->name_at, m->name, (size_t)m->name_len + 1);
-  if (ts_set_name_insert(&s->by_name, m->name, s->members_got) != 0)
+  if (ts_set_name_insert(&s->by_name->map, m->name, s->members_got) != 0)
     return refuse_set(ch, TSHARE_E_NOMEM, true, "out of memory");
   e->mem = m->mem_index;
   e->desc = m->tensor;
@@ -440,7 +462,8 @@ static tshare_set *layout_of(const tshare_set *s) {
   t->mems = ts_spare_alloc(&spare_mems, s->mem_count * sizeof *t->mems);
   t->entries = ts_spare_alloc(&spare_entries, s->count * sizeof *t->entries);
   t->names = ts_spare_alloc(&spare_names, names);
-  if (!t->mems || !t->entries || !t->names || ts_u64map_copy(&t->by_name, &s->by_name) != 0) {
+  t->by_name = name_index_ref(s->by_name);
+  if (!t->mems || !t->entries || !t->names) {
     set_free(t);
     return NULL;
   }
@@ -540,7 +563,7 @@ static int again_set(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *
   }
   memcpy(s->entries, t->entries, t->count * sizeof *s->entries);
   memcpy(s->names, t->names, (size_t)t->names_bytes + t->count);
-  if (ts_u64map_copy(&s->by_name, &t->by_name) != 0) return refuse_set(ch, TSHARE_E_NOMEM, true, "out of memory");
+  s->by_name = name_index_ref(t->by_name);
   for (uint32_t i = 0; i < t->count; i++) {
     set_entry *e = &s->entries[i];
     void *base = s->mems[e->mem].base;
@@ -767,7 +790,7 @@ tshare_host_buffer *tshare_set_host_buffer(const tshare_set *s, size_t i) {
 }
 
 long tshare_set_find(const tshare_set *s, const char *name) {
-  return s && name ? ts_set_name_lookup(&s->by_name, name, set_name_at, s, s->count) : -1;
+  return s && name && s->by_name ? ts_set_name_lookup(&s->by_name->map, name, set_name_at, s, s->count) : -1;
 }
 
 const void *tshare_set_meta(const tshare_set *s, size_t *len) {

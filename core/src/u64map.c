@@ -117,19 +117,3 @@ int ts_u64map_next(const ts_u64map *m, size_t *pos, uint64_t *key, void **value)
   return 0;
 }
 
-int ts_u64map_copy(ts_u64map *dst, const ts_u64map *src) {
-  ts_u64map copy = {NULL, NULL, src->cap, src->count, src->used};
-  if (src->cap) {
-    copy.keys = malloc(src->cap * sizeof *copy.keys);
-    copy.values = malloc(src->cap * sizeof *copy.values);
-    if (!copy.keys || !copy.values) {
-      free(copy.keys);
-      free(copy.values);
-      return -1;
-    }
-    memcpy(copy.keys, src->keys, src->cap * sizeof *copy.keys);
-    memcpy(copy.values, src->values, src->cap * sizeof *copy.values);
-  }
-  *dst = copy;
-  return 0;
-}

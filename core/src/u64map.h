@@ -22,9 +22,6 @@ void *ts_u64map_remove(ts_u64map *m, uint64_t key);         /* the removed value
 /* Change the value of a key that is there; never allocates. -1 if absent. */
 int ts_u64map_replace(ts_u64map *m, uint64_t key, void *value);
 
-/* dst (empty) becomes a copy of src: 0, or -1 out of memory (dst untouched). */
-int ts_u64map_copy(ts_u64map *dst, const ts_u64map *src);
-
 /* Iterate: for (size_t i = 0; ts_u64map_next(m, &i, &k, &v);) */
 int ts_u64map_next(const ts_u64map *m, size_t *pos, uint64_t *key, void **value);
 
