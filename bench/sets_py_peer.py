@@ -60,15 +60,19 @@ def now_us():  # CLOCK_MONOTONIC: one clock for every process of the machine
     return time.monotonic_ns() / 1000.0
 
 
-def timeline_start(meta):  # the send call's start, written by the producer into an update's metadata
+def timeline_start(meta):  # the send call's start (us), written by the producer into an update's metadata
     at = meta.find(b" at=") if meta else -1
     return float(meta[at + 4:]) if at >= 0 else None
+
+
+def since_ns(start_us):  # pct() takes nanoseconds
+    return (now_us() - start_us) * 1000.0
 
 
 def print_timeline(received, dropped):
     if received:
         print("update timeline, consumer, p50 from the send call's start: tensors received %.1f us, "
-              "dropped and release sent %.1f us" % (pct(received, 50) * 1000, pct(dropped, 50) * 1000), flush=True)
+              "dropped and release sent %.1f us" % (pct(received, 50), pct(dropped, 50)), flush=True)
 
 
 def tshare_consumer(fd, loop):
@@ -89,11 +93,11 @@ def tshare_consumer(fd, loop):
                 return 1
             sent_at = None if loop else timeline_start(r.meta)
             if sent_at is not None:
-                received.append(now_us() - sent_at)
+                received.append(since_ns(sent_at))
             del r  # dropping it releases the set
             ch.poll(0)
             if sent_at is not None:
-                dropped.append(now_us() - sent_at)
+                dropped.append(since_ns(sent_at))
 
 
 def mp_consumer(q, done):

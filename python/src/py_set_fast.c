@@ -158,6 +158,13 @@ static PyObject *bound_tensor(PyObject *capsule, PyObject *from_dlpack, PyObject
   return t;
 }
 
+PyObject *py_bound(PyObject *module, PyObject *args) {
+  (void)module;
+  PyObject *capsule, *from_dlpack, *raw_storage;
+  if (!PyArg_ParseTuple(args, "OOO", &capsule, &from_dlpack, &raw_storage)) return NULL;
+  return bound_tensor(capsule, from_dlpack, raw_storage);
+}
+
 PyObject *py_bound_all(PyObject *module, PyObject *args) {
   (void)module;
   PyObject *capsules, *from_dlpack, *raw_storage;

@@ -14,6 +14,11 @@ PyObject *py_set_items(PyObject *module, PyObject *args);
  * strides, offset)} for views' (name, kind, shape, strides, offset). */
 PyObject *py_set_members(PyObject *module, PyObject *args);
 
+/* _bound(capsule, from_dlpack, raw_storage) -> tensor: torch's tensor over
+ * capsule, its storage bound to the capsule's memory (what makes its
+ * tensors known as received ones, and sent on as such). */
+PyObject *py_bound(PyObject *module, PyObject *args);
+
 /* _bound_all(capsules, from_dlpack, raw_storage) -> [tensor]: a torch tensor
  * over each capsule, its storage bound to the capsule's memory. */
 PyObject *py_bound_all(PyObject *module, PyObject *args);

@@ -418,8 +418,7 @@ def recv(ch, timeout=None, device=None, as_parameter=False, requires_grad=None) 
     capsule, tag, share_id, code, bits, device_type, _ = r
     dtype = _FROM_DLPACK.get((code, bits))
     if dtype is not None and device_type != _DEVICE_CUDA and not as_parameter:  # the common case, in few steps
-        t = _from_dlpack(capsule)
-        _tshare._bind(capsule, _raw_storage(t)._cdata)
+        t = _tshare._bound(capsule, _from_dlpack, _raw_storage)
         if dtype is torch.bool and _BOOL_AS_UINT8:
             t = t.view(torch.bool)
         return _new_received(Received, (t, tag, share_id))
@@ -435,8 +434,7 @@ def recv(ch, timeout=None, device=None, as_parameter=False, requires_grad=None) 
         except Error:
             del capsule
             raise
-    t = _from_dlpack(capsule)
-    _tshare._bind(capsule, _raw_storage(t)._cdata)
+    t = _tshare._bound(capsule, _from_dlpack, _raw_storage)
     if dtype is torch.bool and _BOOL_AS_UINT8:
         t = t.view(torch.bool)
     if as_parameter:
