@@ -177,3 +177,18 @@ PyObject *py_bound_all(PyObject *module, PyObject *args) {
   }
   return out;
 }
+
+PyObject *py_bind_keys(PyObject *module, PyObject *args) {
+  (void)module;
+  PyObject *capsules, *keys;
+  if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &capsules, &PyList_Type, &keys)) return NULL;
+  if (PyList_GET_SIZE(capsules) != PyList_GET_SIZE(keys)) {
+    PyErr_SetString(PyExc_ValueError, "tshare: bind: a key per capsule");
+    return NULL;
+  }
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(capsules); i++) {
+    unsigned long long key = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(keys, i));
+    if (PyErr_Occurred() || py_memory_bind(PyList_GET_ITEM(capsules, i), (uintptr_t)key) < 0) return NULL;
+  }
+  Py_RETURN_NONE;
+}

@@ -23,6 +23,11 @@ PyObject *py_bound(PyObject *module, PyObject *args);
  * over each capsule, its storage bound to the capsule's memory. */
 PyObject *py_bound_all(PyObject *module, PyObject *args);
 
+/* _bind_keys(capsules, keys) -> None: each consumed capsule's memory bound to
+ * the storage key (StorageImpl address) its tensor got elsewhere
+ * (tshare._torch_native), as _bound binds it. */
+PyObject *py_bind_keys(PyObject *module, PyObject *args);
+
 int py_set_fast_init(void);
 
 #endif

@@ -94,6 +94,7 @@ static PyMethodDef module_methods[] = {
   {"_set_members", py_set_members, METH_VARARGS, NULL},
   {"_bound", py_bound, METH_VARARGS, NULL},
   {"_bound_all", py_bound_all, METH_VARARGS, NULL},
+  {"_bind_keys", py_bind_keys, METH_VARARGS, NULL},
   {"_open_socket", (PyCFunction)(void (*)(void))py_open_socket, METH_VARARGS | METH_KEYWORDS, NULL},
   {"_check_options", (PyCFunction)(void (*)(void))py_check_options, METH_VARARGS | METH_KEYWORDS, NULL},
   {"_connect", (PyCFunction)(void (*)(void))py_connect, METH_VARARGS | METH_KEYWORDS, NULL},

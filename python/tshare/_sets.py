@@ -13,6 +13,8 @@ stream of that device; the set holds each tensor until it is released.
 Tensors on one storage or segment (views, tied weights) travel with their
 memory once: the C library sends each allocation once per set.
 """
+import os
+import re
 from collections.abc import Mapping
 
 import torch
@@ -26,6 +28,23 @@ _torch = None
 META_MAX = 16 * 1024 * 1024  # the wire's bound on a set's metadata (TSHARE_SET_META_MAX)
 NAME_MAX = 1024  # bytes of one name (TSHARE_SET_NAME_MAX)
 _ALIGN = 64  # where share_model_ places each storage in its buffer: any dtype's alignment
+
+
+def _load_native():
+    """tshare._torch_native when it was built against the running torch
+    (the same version), else None: received sets are then made in Python.
+    TSHARE_TORCH_NATIVE=0 turns it off."""
+    if os.environ.get("TSHARE_TORCH_NATIVE", "1") == "0":
+        return None
+    try:
+        from . import _torch_native
+    except ImportError:  # not built, or built against another torch's libraries
+        return None
+    running = re.match(r"[0-9.]*[0-9]", torch.__version__)
+    return _torch_native if running and running.group(0) == _torch_native.torch_version else None
+
+
+_native = _load_native()
 
 
 def _fail(code, message):
@@ -270,6 +289,14 @@ def received_set(box):
             "recv: set %d: tensor %r has dtype %s, which has no PyTorch equivalent"
             % (set_id, name, _torch._dtype_name(code, bits)),
         )
+    if _native is not None:
+        capsules = bases + [capsule for _, _, capsule, _, _ in own]
+        memories, keys, tensors, cuda = _native.set_tensors(bases, kinds, views, own, dtypes)
+        del bases[:], own[:]
+        _tshare._bind_keys(capsules, keys)
+        if cuda >= 0:
+            _after_default_stream(torch.device("cuda", cuda))
+        return set_id, meta, tensors
     memories = _bound_all(bases)
     del bases[:]
     kind_views = [memories[m].narrow(0, 0, usable).view(dtypes[code, bits]) for m, code, bits, usable, _ in kinds]

@@ -1,0 +1,284 @@
+// set_tensors.cpp - tshare._torch_native: the torch tensors of a received
+// set, made in C++ against the torch the interpreter runs.
+//
+// A received set's tensors are made from what _tshare's recv lays out (one
+// DLPack capsule per memory, each member a place in one; py_set_recv.c). The
+// pure Python path makes them with torch's Python API: from_dlpack per
+// memory, narrow and view per dtype, as_strided per member. Each such call
+// costs 2 to 3 us on a recent torch (argument parsing, the dispatcher, view
+// tracking), so a 290-tensor state_dict spends over a millisecond in torch
+// alone. Here each tensor is a TensorImpl over its memory's storage, made
+// directly: the same storages, the same deleters, the same tensors, at a
+// tenth of the cost.
+//
+// Built only against the torch whose Python package the build's interpreter
+// imports (python/CMakeLists.txt); tshare/_sets.py uses it when it loads and
+// its torch version is the running one, and falls back to Python otherwise.
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <c10/core/TensorImpl.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/version.h>
+
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <vector>
+
+namespace dl {
+#include "../src/dlpack_abi.h"
+}  // namespace dl
+
+namespace {
+
+constexpr int kDeviceCuda = 2;  // DLPack's kDLCUDA
+
+// What a capsule holds, whichever DLPack version made it.
+struct Capsule {
+  void *managed = nullptr;
+  dl::DLTensor *tensor = nullptr;
+  bool versioned = false;
+};
+
+bool open_capsule(PyObject *capsule, Capsule *out) {
+  const char *name = PyCapsule_GetName(capsule);
+  if (!name) return false;
+  out->versioned = std::strcmp(name, DLPACK_CAPSULE_VERSIONED) == 0;
+  if (!out->versioned && std::strcmp(name, DLPACK_CAPSULE) != 0) {
+    PyErr_Format(PyExc_ValueError, "tshare: set_tensors: capsule %s was used already", name);
+    return false;
+  }
+  out->managed = PyCapsule_GetPointer(capsule, name);
+  if (!out->managed) return false;
+  out->tensor = out->versioned ? &static_cast<dl::DLManagedTensorVersioned *>(out->managed)->dl_tensor
+                               : &static_cast<dl::DLManagedTensor *>(out->managed)->dl_tensor;
+  return true;
+}
+
+void release_classic(void *managed) {
+  auto *m = static_cast<dl::DLManagedTensor *>(managed);
+  if (m->deleter) m->deleter(m);
+}
+
+void release_versioned(void *managed) {
+  auto *m = static_cast<dl::DLManagedTensorVersioned *>(managed);
+  if (m->deleter) m->deleter(m);
+}
+
+// The tensor over a capsule's memory, as torch.from_dlpack makes it (its
+// storage's deleter is the capsule's), in dtype. The capsule is marked used,
+// as torch marks it.
+at::Tensor consume_capsule(PyObject *capsule, const Capsule &c, at::ScalarType dtype) {
+  const dl::DLTensor *t = c.tensor;
+  c10::Device device = t->device.device_type == kDeviceCuda
+                         ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(t->device.device_id))
+                         : c10::Device(c10::kCPU);
+  at::IntArrayRef sizes(t->shape, static_cast<size_t>(t->ndim));
+  at::Tensor out = at::for_blob(static_cast<char *>(t->data) + t->byte_offset, sizes)
+                     .strides(t->strides ? at::OptionalIntArrayRef(at::IntArrayRef(t->strides, static_cast<size_t>(t->ndim)))
+                                         : at::OptionalIntArrayRef())
+                     .context(c.managed, c.versioned ? release_versioned : release_classic)
+                     .target_device(device)
+                     .options(at::TensorOptions().dtype(dtype).device(device))
+                     .make_tensor();
+  PyCapsule_SetName(capsule, c.versioned ? DLPACK_CAPSULE_VERSIONED_USED : DLPACK_CAPSULE_USED);
+  return out;
+}
+
+// A tensor on base's storage: dtype, sizes, strides and an offset in
+// elements of dtype. No dispatcher call, no view record: what as_strided
+// would make of a base that needs no gradient, without its cost. The place
+// was checked against its memory by the core; it is checked against the
+// storage here again, since a wrong one would read outside it.
+bool member_of(const at::Tensor &base, at::ScalarType dtype, at::IntArrayRef sizes, at::IntArrayRef strides,
+               int64_t offset, at::Tensor *out) {
+  const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
+  int64_t last = offset;  // the highest element's index
+  bool empty = false;
+  for (size_t d = 0; d < sizes.size(); d++) {
+    if (sizes[d] < 0 || strides[d] < 0) return false;
+    if (sizes[d] == 0) empty = true;
+    else last += (sizes[d] - 1) * strides[d];
+  }
+  const int64_t storage_bytes = static_cast<int64_t>(base.storage().nbytes());
+  if (offset < 0 || (!empty && (last + 1) * item > storage_bytes)) return false;
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(),
+                                                   caffe2::TypeMeta::fromScalarType(dtype));
+  impl->set_storage_offset(offset);
+  impl->set_sizes_and_strides(sizes, strides);
+  *out = at::Tensor(std::move(impl));
+  return true;
+}
+
+bool int64s(PyObject *seq, std::vector<int64_t> *out) {
+  if (!PyTuple_Check(seq)) {
+    PyErr_SetString(PyExc_TypeError, "tshare: set_tensors: a shape or strides is not a tuple");
+    return false;
+  }
+  out->resize(static_cast<size_t>(PyTuple_GET_SIZE(seq)));
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(seq); k++) {
+    (*out)[static_cast<size_t>(k)] = PyLong_AsLongLong(PyTuple_GET_ITEM(seq, k));
+    if ((*out)[static_cast<size_t>(k)] == -1 && PyErr_Occurred()) return false;
+  }
+  return true;
+}
+
+// The scalar type of dtypes[(code, bits)]; false with a Python error.
+bool scalar_type(PyObject *dtypes, PyObject *code, PyObject *bits, at::ScalarType *out) {
+  PyObject *key = PyTuple_Pack(2, code, bits);
+  PyObject *dtype = key ? PyDict_GetItemWithError(dtypes, key) : nullptr;
+  Py_XDECREF(key);
+  if (!dtype || !THPDtype_Check(dtype)) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "tshare: set_tensors: a dtype torch does not have");
+    return false;
+  }
+  *out = reinterpret_cast<THPDtype *>(dtype)->scalar_type;
+  return true;
+}
+
+PyObject *wrap(const at::Tensor &t) { return THPVariable_Wrap(t); }
+
+// set_tensors(bases, kinds, views, own, dtypes) -> (memories, keys, tensors, cuda)
+//   bases: [capsule] one per memory; kinds: [(memory, code, bits, usable
+//   bytes, name)]; views: [(name, kind, shape, strides, element offset)] in
+//   the sender's order; own: [(index, name, capsule, code, bits)]; dtypes:
+//   {(code, bits): torch.dtype}. memories: a tensor per base; keys: each
+//   consumed capsule's storage key (its StorageImpl), bases first, then own's;
+//   tensors: {name: tensor} in the sender's order; cuda: the device index of
+//   the first CUDA memory, or -1.
+PyObject *set_tensors(PyObject *, PyObject *args) {
+  PyObject *bases, *kinds, *views, *own, *dtypes;
+  PyObject *memories = nullptr, *keys = nullptr, *tensors = nullptr, *result = nullptr;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!", &PyList_Type, &bases, &PyList_Type, &kinds, &PyList_Type, &views,
+                        &PyList_Type, &own, &PyDict_Type, &dtypes))
+    return nullptr;
+  try {
+    const Py_ssize_t n_bases = PyList_GET_SIZE(bases), n_kinds = PyList_GET_SIZE(kinds);
+    const Py_ssize_t n_views = PyList_GET_SIZE(views), n_own = PyList_GET_SIZE(own);
+    // Every capsule and dtype is looked at before one is consumed: a refusal
+    // leaves them all to their owner.
+    std::vector<Capsule> base_caps(static_cast<size_t>(n_bases)), own_caps(static_cast<size_t>(n_own));
+    for (Py_ssize_t b = 0; b < n_bases; b++)
+      if (!open_capsule(PyList_GET_ITEM(bases, b), &base_caps[static_cast<size_t>(b)])) return nullptr;
+    std::vector<at::ScalarType> kind_dtype(static_cast<size_t>(n_kinds));
+    std::vector<Py_ssize_t> kind_memory(static_cast<size_t>(n_kinds));
+    for (Py_ssize_t k = 0; k < n_kinds; k++) {
+      PyObject *e = PyList_GET_ITEM(kinds, k);
+      if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 5) return PyErr_SetString(PyExc_TypeError, "tshare: set_tensors: a bad kind"), nullptr;
+      kind_memory[static_cast<size_t>(k)] = PyLong_AsSsize_t(PyTuple_GET_ITEM(e, 0));
+      if (PyErr_Occurred()) return nullptr;
+      if (kind_memory[static_cast<size_t>(k)] < 0 || kind_memory[static_cast<size_t>(k)] >= n_bases)
+        return PyErr_SetString(PyExc_IndexError, "tshare: set_tensors: a kind of no memory"), nullptr;
+      if (!scalar_type(dtypes, PyTuple_GET_ITEM(e, 1), PyTuple_GET_ITEM(e, 2), &kind_dtype[static_cast<size_t>(k)]))
+        return nullptr;
+    }
+    std::vector<at::ScalarType> own_dtype(static_cast<size_t>(n_own));
+    std::vector<Py_ssize_t> own_index(static_cast<size_t>(n_own));
+    for (Py_ssize_t o = 0; o < n_own; o++) {
+      PyObject *e = PyList_GET_ITEM(own, o);
+      if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 5) return PyErr_SetString(PyExc_TypeError, "tshare: set_tensors: a bad member"), nullptr;
+      own_index[static_cast<size_t>(o)] = PyLong_AsSsize_t(PyTuple_GET_ITEM(e, 0));
+      if (PyErr_Occurred()) return nullptr;
+      if (!open_capsule(PyTuple_GET_ITEM(e, 2), &own_caps[static_cast<size_t>(o)]) ||
+          !scalar_type(dtypes, PyTuple_GET_ITEM(e, 3), PyTuple_GET_ITEM(e, 4), &own_dtype[static_cast<size_t>(o)]))
+        return nullptr;
+    }
+
+    memories = PyList_New(n_bases), keys = PyList_New(n_bases + n_own), tensors = PyDict_New();
+    long cuda = -1;
+    for (const Capsule &c : base_caps)
+      if (cuda < 0 && c.tensor->device.device_type == kDeviceCuda) cuda = c.tensor->device.device_id;
+    for (const Capsule &c : own_caps)
+      if (cuda < 0 && c.tensor->device.device_type == kDeviceCuda) cuda = c.tensor->device.device_id;
+    std::vector<at::Tensor> memory(static_cast<size_t>(n_bases));
+    std::vector<at::Tensor> own_tensor(static_cast<size_t>(n_own));
+    bool ok = memories && keys && tensors;
+    // Consumed from here: each capsule's memory is its tensor's from now on.
+    for (Py_ssize_t b = 0; ok && b < n_bases; b++) {
+      const Capsule &c = base_caps[static_cast<size_t>(b)];
+      memory[static_cast<size_t>(b)] = consume_capsule(PyList_GET_ITEM(bases, b), c, at::kByte);
+      PyObject *t = wrap(memory[static_cast<size_t>(b)]);
+      PyObject *key = PyLong_FromVoidPtr(memory[static_cast<size_t>(b)].storage().unsafeGetStorageImpl());
+      ok = t && key;
+      if (t) PyList_SET_ITEM(memories, b, t);
+      if (key) PyList_SET_ITEM(keys, b, key);
+    }
+    for (Py_ssize_t o = 0; ok && o < n_own; o++) {
+      PyObject *capsule = PyTuple_GET_ITEM(PyList_GET_ITEM(own, o), 2);
+      own_tensor[static_cast<size_t>(o)] = consume_capsule(capsule, own_caps[static_cast<size_t>(o)], own_dtype[static_cast<size_t>(o)]);
+      PyObject *key = PyLong_FromVoidPtr(own_tensor[static_cast<size_t>(o)].storage().unsafeGetStorageImpl());
+      ok = key != nullptr;
+      if (key) PyList_SET_ITEM(keys, n_bases + o, key);
+    }
+    // The members in the sender's order: own's at their indexes, views in
+    // between, in their order.
+    std::vector<int64_t> sizes, strides;
+    Py_ssize_t next_view = 0, next_own = 0;
+    for (Py_ssize_t i = 0; ok && i < n_views + n_own; i++) {
+      PyObject *name, *t;
+      if (next_own < n_own && own_index[static_cast<size_t>(next_own)] == i) {
+        name = PyTuple_GET_ITEM(PyList_GET_ITEM(own, next_own), 1);
+        t = wrap(own_tensor[static_cast<size_t>(next_own)]);
+        next_own++;
+      } else if (next_view < n_views) {
+        PyObject *e = PyList_GET_ITEM(views, next_view++);
+        Py_ssize_t kind;
+        PyObject *shape, *stride_tuple;
+        long long offset;
+        if (!PyArg_ParseTuple(e, "OnOOL", &name, &kind, &shape, &stride_tuple, &offset)) {
+          ok = false;
+          break;
+        }
+        if (kind < 0 || kind >= n_kinds || !int64s(shape, &sizes) || !int64s(stride_tuple, &strides) ||
+            sizes.size() != strides.size()) {
+          if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "tshare: set_tensors: member %zd has a bad place", i);
+          ok = false;
+          break;
+        }
+        at::Tensor member;
+        if (!member_of(memory[static_cast<size_t>(kind_memory[static_cast<size_t>(kind)])],
+                       kind_dtype[static_cast<size_t>(kind)], sizes, strides, offset, &member)) {
+          PyErr_Format(PyExc_ValueError, "tshare: set_tensors: member %zd lies outside its memory", i);
+          ok = false;
+          break;
+        }
+        t = wrap(member);
+      } else {
+        PyErr_SetString(PyExc_ValueError, "tshare: set_tensors: a member's index is out of order");
+        ok = false;
+        break;
+      }
+      ok = t && PyDict_SetItem(tensors, name, t) == 0;
+      Py_XDECREF(t);
+    }
+    if (ok) result = Py_BuildValue("(OOOl)", memories, keys, tensors, cuda);
+  } catch (const std::exception &e) {
+    PyErr_Format(PyExc_RuntimeError, "tshare: set_tensors: %s", e.what());
+  }
+  Py_XDECREF(memories);
+  Py_XDECREF(keys);
+  Py_XDECREF(tensors);
+  return result;
+}
+
+PyMethodDef methods[] = {
+  {"set_tensors", set_tensors, METH_VARARGS, "The tensors of a received set (tshare/_sets.py)."},
+  {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_torch_native", "tshare's tensor making, in C++", -1, methods,
+                          nullptr, nullptr, nullptr, nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__torch_native(void) {
+  PyObject *m = PyModule_Create(&module_def);
+  if (m && PyModule_AddStringConstant(m, "torch_version", TORCH_VERSION) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}
