@@ -11,7 +11,8 @@
 # the torch bridge (Debian's libtorch-dev, CPU-only, where no LibTorch is found
 # through Torch_DIR, python3's torch or the system), and for the Python package
 # an interpreter with torch and its C headers (Debian's python3-torch and
-# python3-dev, for /usr/bin/python3), and UCX for channels across hosts
+# python3-dev, for /usr/bin/python3; pybind11-dev for tshare._torch_native,
+# which makes received sets in C++), and UCX for channels across hosts
 # (Debian's libucx-dev, which brings libucp.so.0, opened at run time, and
 # ucx-utils, whose ucx_info says what UCX can reach).
 # Environment: TSHARE_WITH_TORCH=OFF / TSHARE_WITH_PYTHON=OFF /
@@ -172,6 +173,10 @@ optional_missing() {
   if [ "${TSHARE_WITH_PYTHON:-AUTO}" != "OFF" ] && ! python_ready; then
     m="$m python3-dev python3-torch"
   fi
+  if [ "${TSHARE_WITH_PYTHON:-AUTO}" != "OFF" ] && [ "${TSHARE_WITH_TORCH:-AUTO}" != "OFF" ] &&
+    [ ! -e /usr/include/pybind11/pybind11.h ]; then
+    m="$m pybind11-dev"
+  fi
   if [ "${TSHARE_WITH_UCX:-AUTO}" != "OFF" ]; then
     have_ucx || m="$m libucx-dev"
     command -v ucx_info >/dev/null 2>&1 || m="$m ucx-utils"
@@ -189,6 +194,7 @@ left_out_by() {
     g++) echo "the LibTorch bridge (no C++ compiler)" ;;
     libtorch-dev) echo "the LibTorch bridge, its examples and tests" ;;
     python3-dev | python3-torch) echo "the Python package's build or tests" ;;
+    pybind11-dev) echo "tshare._torch_native (received sets made in C++; Python makes them without it)" ;;
     libucx-dev) echo "channels across hosts (ucx:// addresses) and their tests, which skip" ;;
     ucx-utils) echo "ucx_info and ucx_perftest, which say what UCX reaches and how fast" ;;
     *) echo "a part of the build" ;;

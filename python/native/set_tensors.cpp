@@ -19,6 +19,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/TensorImpl.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/version.h>
 
@@ -264,7 +265,74 @@ PyObject *set_tensors(PyObject *, PyObject *args) {
   return result;
 }
 
+// ---- what a send reads of each member -----------------------------------------
+
+PyObject *int_tuple(at::IntArrayRef values) {
+  PyObject *t = PyTuple_New(static_cast<Py_ssize_t>(values.size()));
+  for (size_t k = 0; t && k < values.size(); k++) {
+    PyObject *v = PyLong_FromLongLong(values[k]);
+    if (!v) {
+      Py_CLEAR(t);
+      break;
+    }
+    PyTuple_SET_ITEM(t, static_cast<Py_ssize_t>(k), v);
+  }
+  return t;
+}
+
+// (name, data_ptr, dtype, shape, strides, lazy) of member t, as
+// _tshare._set_items reads it through torch's Python methods; nullptr with
+// no error set when t is not a plain tensor (the caller falls back).
+PyObject *member_item(PyObject *name, PyObject *obj, PyObject *plain_types) {
+  if (PySequence_Contains(plain_types, reinterpret_cast<PyObject *>(Py_TYPE(obj))) != 1) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  const at::Tensor &t = THPVariable_Unpack(obj);
+  if (!t.defined() || !t.has_storage()) return nullptr;
+  const bool lazy = t.is_neg() || (t.is_complex() && t.is_conj());
+  PyObject *data = PyLong_FromVoidPtr(t.data_ptr());
+  PyObject *shape = int_tuple(t.sizes()), *strides = int_tuple(t.strides());
+  PyObject *item = nullptr;
+  if (data && shape && strides)
+    item = PyTuple_Pack(6, name, data, reinterpret_cast<PyObject *>(torch::getTHPDtype(t.scalar_type())), shape, strides,
+                        lazy ? Py_True : Py_False);
+  Py_XDECREF(data);
+  Py_XDECREF(shape);
+  Py_XDECREF(strides);
+  return item;
+}
+
+// set_items(pairs, plain_types) -> [(name, data_ptr, dtype, shape, strides,
+// lazy)] for pairs, a list of (name, tensor), or None when a member is not
+// of plain_types (exact types whose methods are torch's own: Tensor,
+// Parameter), which the Python methods then read.
+PyObject *set_items(PyObject *, PyObject *args) {
+  PyObject *pairs, *plain_types;
+  if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &pairs, &PyTuple_Type, &plain_types)) return nullptr;
+  const Py_ssize_t n = PyList_GET_SIZE(pairs);
+  PyObject *out = PyList_New(n);
+  try {
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+      PyObject *pair = PyList_GET_ITEM(pairs, i);
+      if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+        Py_CLEAR(out);
+        break;
+      }
+      PyObject *item = member_item(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), plain_types);
+      if (!item) Py_CLEAR(out);
+      else PyList_SET_ITEM(out, i, item);
+    }
+  } catch (const std::exception &) {
+    Py_CLEAR(out);
+  }
+  if (out) return out;
+  PyErr_Clear();  // the Python methods read it again, and raise what they raise
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
+  {"set_items", set_items, METH_VARARGS, "What a set's send reads of each member (tshare/_sets.py)."},
   {"set_tensors", set_tensors, METH_VARARGS, "The tensors of a received set (tshare/_sets.py)."},
   {nullptr, nullptr, 0, nullptr},
 };

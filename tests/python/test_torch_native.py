@@ -1,0 +1,159 @@
+"""tshare._torch_native: a set's members read and a received set's tensors
+made in C++. It must give what the Python path gives, be used where the build
+made it, and refuse a place outside its memory. One test per argument:
+
+    test_torch_native.py NAME
+
+TSHARE_EXPECT_TORCH_NATIVE=1 (set by the build where it built the module)
+makes its absence a failure, not a skip.
+"""
+import os
+import sys
+
+import harness
+from harness import pair
+
+import torch
+import tshare
+from tshare import _sets, _torch, _tshare
+from test_set_reuse import odd_set
+
+test = harness.Tests("test_torch_native.py")
+
+
+def native():
+    """The module, or exit 77 saying why there is none."""
+    if _sets._native is None:
+        if os.environ.get("TSHARE_EXPECT_TORCH_NATIVE") == "1" and os.environ.get("TSHARE_TORCH_NATIVE") != "0":
+            raise AssertionError("the build made tshare._torch_native, but tshare does not use it")
+        print("SKIP: tshare._torch_native was not built for this torch (python/CMakeLists.txt says why)")
+        sys.exit(77)
+    return _sets._native
+
+
+@test
+def the_module_is_used_where_it_was_built():
+    m = native()
+    assert m.torch_version == torch.__version__.split("+")[0][: len(m.torch_version)]
+
+
+@test
+def members_read_in_cpp_equal_what_torchs_methods_read():
+    m = native()
+    base = torch.arange(24.0).view(4, 6)
+    members = dict(odd_set())
+    members.update({
+        "transposed": base.t(), "offset": base[1:, 2:], "scalar": base[0, 0], "empty": base[:0],
+        "parameter": torch.nn.Parameter(torch.ones(3)), "complex": torch.ones(2, dtype=torch.complex64),
+        "conj": torch.ones(2, dtype=torch.complex64).conj(),
+    })
+    if hasattr(torch, "_neg_view"):
+        members["neg"] = torch._neg_view(torch.ones(2))
+    got = m.set_items(list(members.items()), _sets._PLAIN)
+    want = _tshare._set_items(members, _sets._COMPLEX)
+    assert len(got) == len(want) == len(members)
+    for g, w in zip(got, want):
+        assert g[0] == w[0] and g[1] == w[1] and g[2] is w[2], (g, w)
+        assert tuple(g[3]) == tuple(w[3]) and tuple(g[4]) == tuple(w[4]) and g[5] == w[5], (g, w)
+    assert got == want  # what the kept-set check compares
+
+    class Sub(torch.Tensor):
+        pass
+
+    # Anything but a plain tensor is left to the Python methods.
+    assert m.set_items([("a", base), ("s", base.as_subclass(Sub))], _sets._PLAIN) is None
+    assert m.set_items([("a", base), ("n", None)], _sets._PLAIN) is None
+    assert m.set_items([("a", base), ("x", 3)], _sets._PLAIN) is None
+
+
+@test
+def a_set_made_in_cpp_equals_the_one_made_in_python():
+    native()
+    p, c = pair()
+    sent = odd_set()
+    received = []
+    for way in (_sets._native, None):
+        _sets._native = way
+        set_id = tshare.send(p, sent, meta=b"m")
+        r = tshare.recv(c, timeout=5)
+        received.append((set_id, r))
+    (a_id, a), (b_id, b) = received
+    assert list(a.tensors) == list(b.tensors) == list(sent) and a.meta == b.meta == b"m"
+    key = lambda t: _torch._raw_storage(t)._cdata
+    for name, t in sent.items():
+        x, y = a.tensors[name], b.tensors[name]
+        assert x.dtype == y.dtype == t.dtype and x.shape == y.shape == t.shape, name
+        assert x.stride() == y.stride() == t.stride() and x.storage_offset() == y.storage_offset(), name
+        assert x.data_ptr() == y.data_ptr() == t.data_ptr() or torch.equal(x, t), name
+        assert torch.equal(x, t) and torch.equal(y, t), name
+        assert _torch._memory_kind_of(x) == _torch._memory_kind_of(y) == "view", name
+        assert not x.requires_grad and x.is_leaf, name
+    # The same members share a storage both ways.
+    names = list(sent)
+    same = lambda r: {(m, n) for m in names for n in names if key(r.tensors[m]) == key(r.tensors[n])}
+    assert same(a) == same(b)
+    # Writes go to the producer; a member sent on alone is the producer's memory.
+    a.tensors["row"][0] = -1.0
+    assert sent["one"][2, 0].item() == -1.0
+    p2, c2 = pair()
+    tshare.send(p2, a.tensors["stepped"], tag="on")
+    r2 = tshare.recv(c2, timeout=5)
+    assert torch.equal(r2.tensor, sent["stepped"])
+    del r2
+    c2.poll(0)
+    p2.wait_released(timeout=5)
+    del a, b, received, r, x, y
+    c.poll(0)
+    for set_id in (a_id, b_id):
+        p.wait_released(set_id, timeout=5)
+    assert p.outstanding() == 0
+
+
+@test
+def places_outside_the_memory_are_refused_and_nothing_is_read():
+    m = native()
+    dtypes = _torch._FROM_DLPACK
+    f32 = (2, 32)
+
+    def make(views, kind_memory=0, dtype=f32):
+        bases = [_tshare._host_capsule(64)]  # 64 bytes: 16 floats
+        kinds = [(kind_memory, dtype[0], dtype[1], 64, "x")]
+        return m.set_tensors(bases, kinds, views, [], dtypes)
+
+    memories, keys, tensors, cuda = make([("ok", 0, (4, 4), (4, 1), 0)])
+    assert tensors["ok"].shape == (4, 4) and cuda == -1 and len(keys) == 1
+    bad = [
+        ([("past the end", 0, (17,), (1,), 0)], "outside its memory"),
+        ([("offset past", 0, (2,), (1,), 15)], "outside its memory"),
+        ([("huge stride", 0, (2, 2), (1 << 40, 1), 0)], "outside its memory"),
+        ([("negative stride", 0, (2,), (-1,), 1)], "outside its memory"),
+        ([("negative offset", 0, (1,), (1,), -1)], "outside its memory"),
+        ([("no such kind", 3, (1,), (1,), 0)], "bad place"),
+        ([("ranks differ", 0, (2, 2), (1,), 0)], "bad place"),
+    ]
+    for views, words in bad:
+        try:
+            make(views)
+        except ValueError as e:
+            assert words in str(e), (views, e)
+        else:
+            raise AssertionError("accepted: %r" % (views,))
+    for kwargs, error in (({"kind_memory": 1}, IndexError), ({"dtype": (9, 9)}, ValueError)):
+        try:
+            make([("x", 0, (1,), (1,), 0)], **kwargs)
+        except error:
+            pass
+        else:
+            raise AssertionError("accepted: %r" % (kwargs,))
+    used = _tshare._host_capsule(8)
+    torch.utils.dlpack.from_dlpack(used)
+    try:
+        m.set_tensors([used], [], [], [], dtypes)
+    except ValueError as e:
+        assert "used already" in str(e)
+    else:
+        raise AssertionError("a used capsule was taken again")
+
+
+if __name__ == "__main__":
+    test.main()
