@@ -67,6 +67,9 @@ static void send_round(tshare_channel *ch, weights *w, int k, int round) {
   }
   meta m = {k, round, w->nmem};
   CHECK_RC(tshare_set_builder_set_meta(w->b, &m, sizeof m, NULL), TSHARE_OK, "");
+  /* The stream it was written on, set before each send as the Python
+   * package does: the same stream changes nothing, and the set goes again. */
+  tshare_set_builder_set_stream(w->b, NULL);
   uint64_t id;
   CHECK_RC(tshare_set_send(ch, w->b, NULL, 5000, &id), TSHARE_OK, tshare_channel_last_error(ch));
   CHECK_RC(tshare_channel_wait_released(ch, id, 5000), TSHARE_OK, tshare_channel_last_error(ch));

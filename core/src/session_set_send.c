@@ -288,7 +288,9 @@ int tshare_set_builder_add_cuda_buffer(tshare_set_builder *b, const char *name, 
 }
 
 void tshare_set_builder_set_stream(tshare_set_builder *b, void *stream) {
-  if (!b) return;
+  /* The same stream again (a caller that sets it before every send) changes
+   * nothing: the set may still go again from its layout. */
+  if (!b || b->stream == stream) return;
   b->stream = stream;
   b->generation++; /* its ordering goes with the members' frames */
 }

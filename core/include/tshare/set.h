@@ -19,8 +19,9 @@
  * the consumer keeps every memory of it mapped (tshare host buffers, and
  * VMM memory the consumer keeps: wire 1.6, docs/wire.md): keep the builder
  * between sends and update its tensors in place for that. Any other change
- * (add_*, set_stream) or a new builder sends the set whole once more; the
- * consumer keeps the layouts of the last four builders sent on a channel.
+ * (add_*, set_stream to another stream) or a new builder sends the set whole
+ * once more; the consumer keeps the layouts of the last four builders sent
+ * on a channel.
  *
  * Consumer: tshare_set_recv() takes the next complete set; sets and single
  * shares are received by their own calls, each in the order it was sent. A
