@@ -331,7 +331,56 @@ PyObject *set_items(PyObject *, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+template <typename T>
+void put(std::string *out, T value) {
+  out->append(reinterpret_cast<const char *>(&value), sizeof value);
+}
+
+// set_key(pairs, plain_types) -> bytes: every field set_items reads of each
+// member (its name's UTF-8, address, dtype, lazy bit, shape, strides), laid
+// end to end: equal keys are equal item lists, at a fraction of their cost.
+// None when a member is not of plain_types or a name is not a str.
+PyObject *set_key(PyObject *, PyObject *args) {
+  PyObject *pairs, *plain_types;
+  if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &pairs, &PyTuple_Type, &plain_types)) return nullptr;
+  const Py_ssize_t n = PyList_GET_SIZE(pairs);
+  std::string key;
+  try {
+    key.reserve(static_cast<size_t>(n) * 64);
+    for (Py_ssize_t i = 0; i < n; i++) {
+      PyObject *pair = PyList_GET_ITEM(pairs, i);
+      if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyUnicode_Check(PyTuple_GET_ITEM(pair, 0)))
+        Py_RETURN_NONE;
+      PyObject *obj = PyTuple_GET_ITEM(pair, 1);
+      if (PySequence_Contains(plain_types, reinterpret_cast<PyObject *>(Py_TYPE(obj))) != 1) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+      }
+      Py_ssize_t len;
+      const char *name = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(pair, 0), &len);
+      if (!name) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+      }
+      const at::Tensor &t = THPVariable_Unpack(obj);
+      if (!t.defined() || !t.has_storage()) Py_RETURN_NONE;
+      put(&key, static_cast<uint32_t>(len));
+      key.append(name, static_cast<size_t>(len));
+      put(&key, reinterpret_cast<uintptr_t>(t.data_ptr()));
+      put(&key, static_cast<int16_t>(t.scalar_type()));
+      put(&key, static_cast<uint8_t>(t.is_neg() || (t.is_complex() && t.is_conj())));
+      put(&key, static_cast<uint8_t>(t.dim()));
+      for (int64_t v : t.sizes()) put(&key, v);
+      for (int64_t v : t.strides()) put(&key, v);
+    }
+  } catch (const std::exception &) {
+    Py_RETURN_NONE;
+  }
+  return PyBytes_FromStringAndSize(key.data(), static_cast<Py_ssize_t>(key.size()));
+}
+
 PyMethodDef methods[] = {
+  {"set_key", set_key, METH_VARARGS, "What a kept set is known by (tshare/_sets.py)."},
   {"set_items", set_items, METH_VARARGS, "What a set's send reads of each member (tshare/_sets.py)."},
   {"set_tensors", set_tensors, METH_VARARGS, "The tensors of a received set (tshare/_sets.py)."},
   {nullptr, nullptr, 0, nullptr},

@@ -239,6 +239,7 @@ static PyObject *send_in_guard(PyChannel *self, PyObject *items, PyObject *key, 
   tshare_set_builder *kept = kept_builder_for(self, key, stream_for);
   if (kept) return send_built(self, kept, meta, timeout_ms);
   if (PyErr_Occurred()) return NULL;
+  if (items == Py_None) return Py_BuildValue("(On)", Py_None, (Py_ssize_t)-1); /* the kept set only, and it is not */
   set_build sb = {.b = tshare_set_builder_create(), .dtype_codes = dtype_codes, .cuda_device = -1};
   if (!sb.b) return PyErr_NoMemory();
   tshare_set_builder_set_stream(sb.b, (void *)(uintptr_t)stream);
@@ -259,18 +260,25 @@ static PyObject *send_in_guard(PyChannel *self, PyObject *items, PyObject *key, 
  * view[, cuda]), read straight off the tensors; dtype_codes: {torch dtype:
  * (DLPack code, bits)}; meta: bytes-like; stream_for(device): the current
  * CUDA stream of device (a kept set with CUDA members is ordered after it);
- * keep: whether this set's builder is kept to be sent again; key: the items
- * without their cuda fields, which the kept set is known by (default
- * items); stream: the CUDA stream that wrote the CUDA members (0: the
- * default stream). */
+ * keep: whether this set's builder is kept to be sent again; key: what the
+ * kept set is known by, compared whole (default items; the items without
+ * their cuda fields, or tshare._torch_native's key of the same fields);
+ * stream: the CUDA stream that wrote the CUDA members (0: the default
+ * stream). items None: send the kept set if key is its key, else (None, -1)
+ * and nothing sent. */
 PyObject *py_channel_send_set(PyChannel *self, PyObject *args) {
   PyObject *items, *dtype_codes, *stream_for, *key = NULL;
   Py_buffer meta;
   int timeout_ms, keep;
   unsigned long long stream = 0;
-  if (!PyArg_ParseTuple(args, "O!O!y*iOp|O!K", &PyList_Type, &items, &PyDict_Type, &dtype_codes, &meta, &timeout_ms,
-                        &stream_for, &keep, &PyList_Type, &key, &stream))
+  if (!PyArg_ParseTuple(args, "OO!y*iOp|OK", &items, &PyDict_Type, &dtype_codes, &meta, &timeout_ms, &stream_for,
+                        &keep, &key, &stream))
     return NULL;
+  if ((items != Py_None && !PyList_Check(items)) || (items == Py_None && !key)) {
+    PyBuffer_Release(&meta);
+    PyErr_SetString(PyExc_TypeError, "_send_set: items is a list, or None with a key");
+    return NULL;
+  }
   PyObject *result = NULL;
   if (py_channel_enter(self)) {
     result = send_in_guard(self, items, key ? key : items, dtype_codes, &meta, timeout_ms, stream_for, keep, stream);

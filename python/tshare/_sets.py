@@ -97,8 +97,7 @@ def _items(tensors):
     back what it cannot take. tshare._torch_native reads plain tensors in
     C++, at a fraction of torch's method calls' cost."""
     if _native is not None:
-        pairs = list(tensors.items())
-        items = _native.set_items(pairs, _PLAIN)
+        items = _native.set_items(list(tensors.items()), _PLAIN)
         if items is not None:
             return items
     return _tshare._set_items(tensors, _COMPLEX)
@@ -146,6 +145,18 @@ def send_set(ch, tensors, meta, timeout_ms, copy):
     """Send the Mapping tensors as one set; its id."""
     if copy:
         tensors = _copied(tensors)
+    meta = _meta_bytes(meta)
+    # The channel keeps the builder of the set it sent last and sends it again
+    # while items are equal (a state_dict updated in place); a copy is new
+    # memory every time, never worth keeping. tshare._torch_native gives a key
+    # of the same fields, cheaper than the items: the kept set goes on it alone.
+    keep = not copy
+    c, stream_now = ch._c, _torch._current_stream
+    key = _native_key(tensors) if keep and _native is not None else None
+    if key is not None:
+        set_id, _ = c._send_set(None, _TO_DLPACK, meta, timeout_ms, stream_now, keep, key)
+        if set_id is not None:
+            return set_id
     try:
         items = _items(tensors)
     except (RuntimeError, AttributeError, TypeError):  # not a tensor; sparse, nested...
@@ -154,28 +165,32 @@ def send_set(ch, tensors, meta, timeout_ms, copy):
         raise
     if not items:
         _fail(_tshare.E_INVALID_ARG, "send: the tensor set is empty (a set carries 1 to 65536 tensors)")
-    meta = _meta_bytes(meta)
-    # The channel keeps the builder of the set it sent last and sends it again
-    # while items are equal (a state_dict updated in place); a copy is new
-    # memory every time, never worth keeping.
-    keep = not copy
-    c, stream_now = ch._c, _torch._current_stream
-    set_id, look_at = c._send_set(items, _TO_DLPACK, meta, timeout_ms, stream_now, keep)
+    key = items if key is None else key
+    set_id, look_at = c._send_set(items, _TO_DLPACK, meta, timeout_ms, stream_now, keep, key)
     if set_id is None:  # members in torch's own shared memory go as that memory: tried once more with them
         adopted = _torch.adopt_torch_shared(tensors.values())
         if adopted:
-            set_id, look_at = c._send_set(items, _TO_DLPACK, meta, timeout_ms, stream_now, keep)
+            set_id, look_at = c._send_set(items, _TO_DLPACK, meta, timeout_ms, stream_now, keep, key)
             del adopted
     if set_id is None:
         name, t = list(tensors.items())[look_at]
         if isinstance(t, torch.Tensor) and t.is_cuda:  # CUDA members: what the C side needs of them too
             set_id, look_at = c._send_set(_with_cuda(items, tensors), _TO_DLPACK, meta, timeout_ms, stream_now, keep,
-                                          items, _cuda_stream(tensors))
+                                          key, _cuda_stream(tensors))
             if set_id is None:
                 name, t = list(tensors.items())[look_at]
         if set_id is None:
             _refuse(name, t)
     return set_id
+
+
+def _native_key(tensors):
+    """tshare._torch_native's key of tensors, or None (then the items are the key)."""
+    try:
+        pairs = list(tensors.items())
+    except Exception:  # the items read below raises what the caller should see
+        return None
+    return _native.set_key(pairs, _PLAIN)
 
 
 def _with_cuda(items, tensors):

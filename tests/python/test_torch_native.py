@@ -67,6 +67,46 @@ def members_read_in_cpp_equal_what_torchs_methods_read():
 
 
 @test
+def the_kept_sets_key_changes_with_every_field_the_items_hold():
+    m = native()
+    base = tshare.empty_shared(4, 6)
+    base += torch.arange(24.0).view(4, 6)
+    key = lambda pairs: m.set_key(pairs, _sets._PLAIN)
+    same = [("w", base), ("b", base[0])]
+    assert key(same) == key([("w", base), ("b", base[0])])  # new view objects, same fields
+    changed = [
+        [("v", base), ("b", base[0])],  # a name
+        [("w", base), ("b", base[1])],  # an address
+        [("w", base.view(torch.int32)), ("b", base[0])],  # a dtype
+        [("w", base.view(6, 4)), ("b", base[0])],  # a shape
+        [("w", base.t()), ("b", base[0])],  # strides (and shape)
+        [("w", base.view(2, 12)[:, :6]), ("b", base[0])],  # strides only
+        [("w", base), ("b", base[0]), ("c", base[1])],  # a member more
+        [("b", base[0]), ("w", base)],  # the order
+    ]
+    if hasattr(torch, "_neg_view"):
+        changed.append([("w", torch._neg_view(base)), ("b", base[0])])  # the lazy bit
+    keys = [key(c) for c in changed]
+    assert key(same) not in keys and len(set(keys)) == len(keys)
+    assert key([("w", base), (7, base)]) is None  # left to the items, which name the error
+    p, c = pair()
+    sd = {"w": base, "b": base[0]}
+    for _ in range(3):
+        tshare.send(p, sd, timeout=5)
+        r = tshare.recv(c, timeout=5)
+        assert list(r.tensors) == ["w", "b"]
+        del r
+        c.poll(0)
+        p.wait_released(timeout=5)
+    assert p._c._set_cache_counts == (2, 1)  # built once, sent again twice on its key
+    sd["b"] = base[1]
+    tshare.send(p, sd, timeout=5)
+    r = tshare.recv(c, timeout=5)
+    assert torch.equal(r.tensors["b"], base[1]) and not torch.equal(base[0], base[1])
+    assert p._c._set_cache_counts == (2, 2)
+
+
+@test
 def a_set_made_in_cpp_equals_the_one_made_in_python():
     native()
     p, c = pair()
