@@ -94,6 +94,30 @@ def extension():
     )
 
 
+def torch_native_extension():
+    """tshare._torch_native (python/native/set_tensors.cpp: a received set's
+    tensors made in C++) against the torch of the interpreter running setup.py
+    (pip install --no-build-isolation), or None where it has no torch or
+    TSHARE_TORCH_NATIVE_BUILD=0. Optional: where it does not compile (no
+    pybind11 headers, say) the package is built without it, and works."""
+    if os.environ.get("TSHARE_TORCH_NATIVE_BUILD", "1") == "0":
+        return None
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except Exception:  # no torch here: received sets are made in Python
+        print("setup.py: this interpreter has no torch: tshare._torch_native is not built", file=sys.stderr)
+        return None
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
+    ext = cpp_extension.CppExtension(
+        "tshare._torch_native",
+        ["python/native/set_tensors.cpp"],
+        extra_compile_args=["-std=c++17", "-fvisibility=hidden", "-D_GLIBCXX_USE_CXX11_ABI=%d" % abi],
+    )
+    ext.optional = True
+    return ext
+
+
 class ParallelBuildExt(build_ext):
     """Compiles the extension's files on every CPU this process may use
     (setuptools compiles one file at a time)."""
@@ -126,7 +150,7 @@ setup(
     package_dir={"": "python"},
     packages=["tshare"],
     package_data={"tshare": ["*.pyi", "py.typed"]},
-    ext_modules=[extension()],
+    ext_modules=[e for e in (extension(), torch_native_extension()) if e is not None],
     cmdclass={"build_ext": ParallelBuildExt, "egg_info": EggInfoInBuildDir},
     # setuptools' own build tree, kept inside the ignored build/ (by default
     # it would write build/lib.* beside CMake's files and an egg-info into python/).

@@ -70,6 +70,16 @@ exported=$(readelf --dyn-syms -W "$so" | awk '$5 != "LOCAL" && $7 != "UND" && $4
 [ "$exported" = "PyInit__tshare " ] || fail "$so exports more than PyInit__tshare: $exported"
 echo "extension needs $needed; exports $exported"
 
+# tshare._torch_native: built where the building interpreter has torch (and
+# it compiles); where it was, the installed package must use it.
+if ls "$venv"/lib/python3*/site-packages/tshare/_torch_native*.so >/dev/null 2>&1; then
+  "$venv/bin/python" -c "from tshare import _sets; assert _sets._native is not None, 'installed but not used'" ||
+    fail "tshare._torch_native was installed, and the package does not use it"
+  echo "tshare._torch_native installed and used"
+else
+  echo "tshare._torch_native not built (setup.py says why in its output)"
+fi
+
 TSHARE_TEST_PYTHON=$venv/bin/python "$wrapper" "$src/tests/python/test_api.py" release_once ||
   fail "test_api.py release_once against the installed package"
 TSHARE_TEST_PYTHON=$venv/bin/python "$wrapper" -c "import tshare; assert tshare.__file__.startswith('$venv'), tshare.__file__" ||
