@@ -70,14 +70,17 @@ void release_versioned(void *managed) {
 }
 
 // The tensor over a capsule's memory, as torch.from_dlpack makes it (its
-// storage's deleter is the capsule's), in dtype. The capsule is marked used,
-// as torch marks it.
+// storage's deleter is the capsule's), in dtype.
 at::Tensor consume_capsule(PyObject *capsule, const Capsule &c, at::ScalarType dtype) {
   const dl::DLTensor *t = c.tensor;
   c10::Device device = t->device.device_type == kDeviceCuda
                          ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(t->device.device_id))
                          : c10::Device(c10::kCPU);
   at::IntArrayRef sizes(t->shape, static_cast<size_t>(t->ndim));
+  // Used from here, as torch marks it: the maker owns the context and calls
+  // its deleter once, on the storage's end or on a throw of its own; the
+  // capsule's destructor must not call it again.
+  PyCapsule_SetName(capsule, c.versioned ? DLPACK_CAPSULE_VERSIONED_USED : DLPACK_CAPSULE_USED);
   at::Tensor out = at::for_blob(static_cast<char *>(t->data) + t->byte_offset, sizes)
                      .strides(t->strides ? at::OptionalIntArrayRef(at::IntArrayRef(t->strides, static_cast<size_t>(t->ndim)))
                                          : at::OptionalIntArrayRef())
@@ -85,29 +88,36 @@ at::Tensor consume_capsule(PyObject *capsule, const Capsule &c, at::ScalarType d
                      .target_device(device)
                      .options(at::TensorOptions().dtype(dtype).device(device))
                      .make_tensor();
-  PyCapsule_SetName(capsule, c.versioned ? DLPACK_CAPSULE_VERSIONED_USED : DLPACK_CAPSULE_USED);
   return out;
 }
 
 // A tensor on base's storage: dtype, sizes, strides and an offset in
-// elements of dtype. No dispatcher call, no view record: what as_strided
-// would make of a base that needs no gradient, without its cost. The place
+// elements of dtype. No dispatcher call, no view record (its _base is None):
+// what as_strided would make of a base that needs no gradient, without its
+// cost. The place
 // was checked against its memory by the core; it is checked against the
 // storage here again, since a wrong one would read outside it.
 bool member_of(const at::Tensor &base, at::ScalarType dtype, at::IntArrayRef sizes, at::IntArrayRef strides,
                int64_t offset, at::Tensor *out) {
   const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
+  if (offset < 0) return false;
   int64_t last = offset;  // the highest element's index
   bool empty = false;
   for (size_t d = 0; d < sizes.size(); d++) {
     if (sizes[d] < 0 || strides[d] < 0) return false;
+    int64_t span;
     if (sizes[d] == 0) empty = true;
-    else last += (sizes[d] - 1) * strides[d];
+    else if (__builtin_mul_overflow(sizes[d] - 1, strides[d], &span) || __builtin_add_overflow(last, span, &last))
+      return false;
   }
+  int64_t end;
   const int64_t storage_bytes = static_cast<int64_t>(base.storage().nbytes());
-  if (offset < 0 || (!empty && (last + 1) * item > storage_bytes)) return false;
+  if (!empty && (__builtin_mul_overflow(last + 1, item, &end) || end > storage_bytes)) return false;
   auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(),
                                                    caffe2::TypeMeta::fromScalarType(dtype));
+  // One version counter with its memory's tensor, as a view of it has: an
+  // in-place write through one member is seen by autograd on the others.
+  impl->set_version_counter(base.unsafeGetTensorImpl()->version_counter());
   impl->set_storage_offset(offset);
   impl->set_sizes_and_strides(sizes, strides);
   *out = at::Tensor(std::move(impl));
@@ -146,8 +156,9 @@ PyObject *wrap(const at::Tensor &t) { return THPVariable_Wrap(t); }
 //   bases: [capsule] one per memory; kinds: [(memory, code, bits, usable
 //   bytes, name)]; views: [(name, kind, shape, strides, element offset)] in
 //   the sender's order; own: [(index, name, capsule, code, bits)]; dtypes:
-//   {(code, bits): torch.dtype}. memories: a tensor per base; keys: each
-//   consumed capsule's storage key (its StorageImpl), bases first, then own's;
+//   {(code, bits): torch.dtype}. memories: a tensor per capsule, bases first,
+//   then own's (what holds each capsule's memory until the caller bound its
+//   key); keys: each consumed capsule's storage key (its StorageImpl);
 //   tensors: {name: tensor} in the sender's order; cuda: the device index of
 //   the first CUDA memory, or -1.
 PyObject *set_tensors(PyObject *, PyObject *args) {
@@ -188,7 +199,7 @@ PyObject *set_tensors(PyObject *, PyObject *args) {
         return nullptr;
     }
 
-    memories = PyList_New(n_bases), keys = PyList_New(n_bases + n_own), tensors = PyDict_New();
+    memories = PyList_New(n_bases + n_own), keys = PyList_New(n_bases + n_own), tensors = PyDict_New();
     long cuda = -1;
     for (const Capsule &c : base_caps)
       if (cuda < 0 && c.tensor->device.device_type == kDeviceCuda) cuda = c.tensor->device.device_id;
@@ -210,8 +221,10 @@ PyObject *set_tensors(PyObject *, PyObject *args) {
     for (Py_ssize_t o = 0; ok && o < n_own; o++) {
       PyObject *capsule = PyTuple_GET_ITEM(PyList_GET_ITEM(own, o), 2);
       own_tensor[static_cast<size_t>(o)] = consume_capsule(capsule, own_caps[static_cast<size_t>(o)], own_dtype[static_cast<size_t>(o)]);
+      PyObject *t = wrap(own_tensor[static_cast<size_t>(o)]);
       PyObject *key = PyLong_FromVoidPtr(own_tensor[static_cast<size_t>(o)].storage().unsafeGetStorageImpl());
-      ok = key != nullptr;
+      ok = t && key;
+      if (t) PyList_SET_ITEM(memories, n_bases + o, t);
       if (key) PyList_SET_ITEM(keys, n_bases + o, key);
     }
     // The members in the sender's order: own's at their indexes, views in
@@ -290,12 +303,16 @@ PyObject *member_item(PyObject *name, PyObject *obj, PyObject *plain_types) {
   }
   const at::Tensor &t = THPVariable_Unpack(obj);
   if (!t.defined() || !t.has_storage()) return nullptr;
+  // Every read that may throw before a Python object exists.
   const bool lazy = t.is_neg() || (t.is_complex() && t.is_conj());
-  PyObject *data = PyLong_FromVoidPtr(t.data_ptr());
-  PyObject *shape = int_tuple(t.sizes()), *strides = int_tuple(t.strides());
+  void *address = t.data_ptr();
+  const at::ScalarType dtype = t.scalar_type();
+  const at::IntArrayRef size_values = t.sizes(), stride_values = t.strides();
+  PyObject *data = PyLong_FromVoidPtr(address);
+  PyObject *shape = int_tuple(size_values), *strides = int_tuple(stride_values);
   PyObject *item = nullptr;
   if (data && shape && strides)
-    item = PyTuple_Pack(6, name, data, reinterpret_cast<PyObject *>(torch::getTHPDtype(t.scalar_type())), shape, strides,
+    item = PyTuple_Pack(6, name, data, reinterpret_cast<PyObject *>(torch::getTHPDtype(dtype)), shape, strides,
                         lazy ? Py_True : Py_False);
   Py_XDECREF(data);
   Py_XDECREF(shape);
@@ -369,7 +386,7 @@ PyObject *set_key(PyObject *, PyObject *args) {
       put(&key, reinterpret_cast<uintptr_t>(t.data_ptr()));
       put(&key, static_cast<int16_t>(t.scalar_type()));
       put(&key, static_cast<uint8_t>(t.is_neg() || (t.is_complex() && t.is_conj())));
-      put(&key, static_cast<uint8_t>(t.dim()));
+      put(&key, static_cast<uint32_t>(t.dim()));
       for (int64_t v : t.sizes()) put(&key, v);
       for (int64_t v : t.strides()) put(&key, v);
     }

@@ -274,7 +274,7 @@ PyObject *py_channel_send_set(PyChannel *self, PyObject *args) {
   if (!PyArg_ParseTuple(args, "OO!y*iOp|OK", &items, &PyDict_Type, &dtype_codes, &meta, &timeout_ms, &stream_for,
                         &keep, &key, &stream))
     return NULL;
-  if ((items != Py_None && !PyList_Check(items)) || (items == Py_None && !key)) {
+  if ((items != Py_None && !PyList_Check(items)) || (items == Py_None && !key) || key == Py_None) {
     PyBuffer_Release(&meta);
     PyErr_SetString(PyExc_TypeError, "_send_set: items is a list, or None with a key");
     return NULL;

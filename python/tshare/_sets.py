@@ -315,9 +315,16 @@ def received_set(box):
         )
     if _native is not None:
         capsules = bases + [capsule for _, _, capsule, _, _ in own]
-        memories, keys, tensors, cuda = _native.set_tensors(bases, kinds, views, own, dtypes)
+        try:
+            memories, keys, tensors, cuda = _native.set_tensors(bases, kinds, views, own, dtypes)
+        except BaseException:  # refused: the set goes back at once, not with the traceback
+            del bases[:], own[:], capsules[:]
+            raise
         del bases[:], own[:]
-        _tshare._bind_keys(capsules, keys)
+        try:
+            _tshare._bind_keys(capsules, keys)  # memories holds each capsule's memory meanwhile
+        finally:
+            del capsules[:], memories
         if cuda >= 0:
             _after_default_stream(torch.device("cuda", cuda))
         return set_id, meta, tensors

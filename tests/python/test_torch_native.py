@@ -130,6 +130,12 @@ def a_set_made_in_cpp_equals_the_one_made_in_python():
         assert torch.equal(x, t) and torch.equal(y, t), name
         assert _torch._memory_kind_of(x) == _torch._memory_kind_of(y) == "view", name
         assert not x.requires_grad and x.is_leaf, name
+    # A member written in place counts on its memory's version both ways
+    # (autograd's check of tensors saved for backward sees it).
+    for r in (a, b):
+        before = r.tensors["one"]._version
+        r.tensors["row"].add_(0)
+        assert r.tensors["one"]._version > before
     # The same members share a storage both ways.
     names = list(sent)
     same = lambda r: {(m, n) for m in names for n in names if key(r.tensors[m]) == key(r.tensors[n])}
@@ -169,6 +175,8 @@ def places_outside_the_memory_are_refused_and_nothing_is_read():
         ([("offset past", 0, (2,), (1,), 15)], "outside its memory"),
         ([("huge stride", 0, (2, 2), (1 << 40, 1), 0)], "outside its memory"),
         ([("negative stride", 0, (2,), (-1,), 1)], "outside its memory"),
+        ([("overflowing span", 0, (1 << 62, 3), (1 << 62, 1), 0)], "outside its memory"),
+        ([("overflowing end", 0, (2,), ((1 << 63) - 2,), 0)], "outside its memory"),
         ([("negative offset", 0, (1,), (1,), -1)], "outside its memory"),
         ([("no such kind", 3, (1,), (1,), 0)], "bad place"),
         ([("ranks differ", 0, (2, 2), (1,), 0)], "bad place"),
