@@ -152,6 +152,19 @@ bool scalar_type(PyObject *dtypes, PyObject *code, PyObject *bits, at::ScalarTyp
 
 PyObject *wrap(const at::Tensor &t) { return THPVariable_Wrap(t); }
 
+// A layout entry of kinds or own: a 5-tuple with an index first and (code,
+// bits) at code_at; false with a Python error.
+bool layout_entry(PyObject *e, const char *what, Py_ssize_t code_at, PyObject *dtypes, Py_ssize_t *index,
+                  at::ScalarType *dtype) {
+  if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 5) {
+    PyErr_Format(PyExc_TypeError, "tshare: set_tensors: a bad %s", what);
+    return false;
+  }
+  *index = PyLong_AsSsize_t(PyTuple_GET_ITEM(e, 0));
+  if (PyErr_Occurred()) return false;
+  return scalar_type(dtypes, PyTuple_GET_ITEM(e, code_at), PyTuple_GET_ITEM(e, code_at + 1), dtype);
+}
+
 // set_tensors(bases, kinds, views, own, dtypes) -> (memories, keys, tensors, cuda)
 //   bases: [capsule] one per memory; kinds: [(memory, code, bits, usable
 //   bytes, name)]; views: [(name, kind, shape, strides, element offset)] in
@@ -169,106 +182,85 @@ PyObject *set_tensors(PyObject *, PyObject *args) {
     return nullptr;
   try {
     const Py_ssize_t n_bases = PyList_GET_SIZE(bases), n_kinds = PyList_GET_SIZE(kinds);
-    const Py_ssize_t n_views = PyList_GET_SIZE(views), n_own = PyList_GET_SIZE(own);
-    // Every capsule and dtype is looked at before one is consumed: a refusal
-    // leaves them all to their owner.
-    std::vector<Capsule> base_caps(static_cast<size_t>(n_bases)), own_caps(static_cast<size_t>(n_own));
-    for (Py_ssize_t b = 0; b < n_bases; b++)
-      if (!open_capsule(PyList_GET_ITEM(bases, b), &base_caps[static_cast<size_t>(b)])) return nullptr;
-    std::vector<at::ScalarType> kind_dtype(static_cast<size_t>(n_kinds));
-    std::vector<Py_ssize_t> kind_memory(static_cast<size_t>(n_kinds));
-    for (Py_ssize_t k = 0; k < n_kinds; k++) {
-      PyObject *e = PyList_GET_ITEM(kinds, k);
-      if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 5) return PyErr_SetString(PyExc_TypeError, "tshare: set_tensors: a bad kind"), nullptr;
-      kind_memory[static_cast<size_t>(k)] = PyLong_AsSsize_t(PyTuple_GET_ITEM(e, 0));
-      if (PyErr_Occurred()) return nullptr;
-      if (kind_memory[static_cast<size_t>(k)] < 0 || kind_memory[static_cast<size_t>(k)] >= n_bases)
-        return PyErr_SetString(PyExc_IndexError, "tshare: set_tensors: a kind of no memory"), nullptr;
-      if (!scalar_type(dtypes, PyTuple_GET_ITEM(e, 1), PyTuple_GET_ITEM(e, 2), &kind_dtype[static_cast<size_t>(k)]))
-        return nullptr;
-    }
-    std::vector<at::ScalarType> own_dtype(static_cast<size_t>(n_own));
+    const Py_ssize_t n_views = PyList_GET_SIZE(views), n_own = PyList_GET_SIZE(own), n_caps = n_bases + n_own;
+    // Every capsule (bases', then own's) and dtype is looked at before one
+    // is consumed: a refusal leaves them all to their owner.
+    std::vector<PyObject *> capsule(static_cast<size_t>(n_caps));
+    std::vector<Capsule> opened(static_cast<size_t>(n_caps));
+    std::vector<at::ScalarType> dtype(static_cast<size_t>(n_caps), at::kByte);  // bases are bytes
     std::vector<Py_ssize_t> own_index(static_cast<size_t>(n_own));
     for (Py_ssize_t o = 0; o < n_own; o++) {
       PyObject *e = PyList_GET_ITEM(own, o);
-      if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 5) return PyErr_SetString(PyExc_TypeError, "tshare: set_tensors: a bad member"), nullptr;
-      own_index[static_cast<size_t>(o)] = PyLong_AsSsize_t(PyTuple_GET_ITEM(e, 0));
-      if (PyErr_Occurred()) return nullptr;
-      if (!open_capsule(PyTuple_GET_ITEM(e, 2), &own_caps[static_cast<size_t>(o)]) ||
-          !scalar_type(dtypes, PyTuple_GET_ITEM(e, 3), PyTuple_GET_ITEM(e, 4), &own_dtype[static_cast<size_t>(o)]))
+      if (!layout_entry(e, "member", 3, dtypes, &own_index[static_cast<size_t>(o)],
+                        &dtype[static_cast<size_t>(n_bases + o)]))
         return nullptr;
+      capsule[static_cast<size_t>(n_bases + o)] = PyTuple_GET_ITEM(e, 2);
+    }
+    for (Py_ssize_t b = 0; b < n_bases; b++) capsule[static_cast<size_t>(b)] = PyList_GET_ITEM(bases, b);
+    long cuda = -1;
+    for (size_t j = 0; j < capsule.size(); j++) {
+      if (!open_capsule(capsule[j], &opened[j])) return nullptr;
+      if (cuda < 0 && opened[j].tensor->device.device_type == kDeviceCuda) cuda = opened[j].tensor->device.device_id;
+    }
+    std::vector<at::ScalarType> kind_dtype(static_cast<size_t>(n_kinds));
+    std::vector<Py_ssize_t> kind_memory(static_cast<size_t>(n_kinds));
+    for (size_t k = 0; k < kind_dtype.size(); k++) {
+      if (!layout_entry(PyList_GET_ITEM(kinds, static_cast<Py_ssize_t>(k)), "kind", 1, dtypes, &kind_memory[k],
+                        &kind_dtype[k]))
+        return nullptr;
+      if (kind_memory[k] < 0 || kind_memory[k] >= n_bases)
+        return PyErr_SetString(PyExc_IndexError, "tshare: set_tensors: a kind of no memory"), nullptr;
     }
 
-    memories = PyList_New(n_bases + n_own), keys = PyList_New(n_bases + n_own), tensors = PyDict_New();
-    long cuda = -1;
-    for (const Capsule &c : base_caps)
-      if (cuda < 0 && c.tensor->device.device_type == kDeviceCuda) cuda = c.tensor->device.device_id;
-    for (const Capsule &c : own_caps)
-      if (cuda < 0 && c.tensor->device.device_type == kDeviceCuda) cuda = c.tensor->device.device_id;
-    std::vector<at::Tensor> memory(static_cast<size_t>(n_bases));
-    std::vector<at::Tensor> own_tensor(static_cast<size_t>(n_own));
+    memories = PyList_New(n_caps), keys = PyList_New(n_caps), tensors = PyDict_New();
+    std::vector<at::Tensor> consumed(static_cast<size_t>(n_caps));
     bool ok = memories && keys && tensors;
     // Consumed from here: each capsule's memory is its tensor's from now on.
-    for (Py_ssize_t b = 0; ok && b < n_bases; b++) {
-      const Capsule &c = base_caps[static_cast<size_t>(b)];
-      memory[static_cast<size_t>(b)] = consume_capsule(PyList_GET_ITEM(bases, b), c, at::kByte);
-      PyObject *t = wrap(memory[static_cast<size_t>(b)]);
-      PyObject *key = PyLong_FromVoidPtr(memory[static_cast<size_t>(b)].storage().unsafeGetStorageImpl());
+    for (size_t j = 0; ok && j < capsule.size(); j++) {
+      consumed[j] = consume_capsule(capsule[j], opened[j], dtype[j]);
+      PyObject *t = wrap(consumed[j]);
+      PyObject *key = PyLong_FromVoidPtr(consumed[j].storage().unsafeGetStorageImpl());
       ok = t && key;
-      if (t) PyList_SET_ITEM(memories, b, t);
-      if (key) PyList_SET_ITEM(keys, b, key);
-    }
-    for (Py_ssize_t o = 0; ok && o < n_own; o++) {
-      PyObject *capsule = PyTuple_GET_ITEM(PyList_GET_ITEM(own, o), 2);
-      own_tensor[static_cast<size_t>(o)] = consume_capsule(capsule, own_caps[static_cast<size_t>(o)], own_dtype[static_cast<size_t>(o)]);
-      PyObject *t = wrap(own_tensor[static_cast<size_t>(o)]);
-      PyObject *key = PyLong_FromVoidPtr(own_tensor[static_cast<size_t>(o)].storage().unsafeGetStorageImpl());
-      ok = t && key;
-      if (t) PyList_SET_ITEM(memories, n_bases + o, t);
-      if (key) PyList_SET_ITEM(keys, n_bases + o, key);
+      if (t) PyList_SET_ITEM(memories, static_cast<Py_ssize_t>(j), t);
+      if (key) PyList_SET_ITEM(keys, static_cast<Py_ssize_t>(j), key);
     }
     // The members in the sender's order: own's at their indexes, views in
     // between, in their order.
     std::vector<int64_t> sizes, strides;
     Py_ssize_t next_view = 0, next_own = 0;
     for (Py_ssize_t i = 0; ok && i < n_views + n_own; i++) {
-      PyObject *name, *t;
+      PyObject *name;
+      at::Tensor member;
       if (next_own < n_own && own_index[static_cast<size_t>(next_own)] == i) {
         name = PyTuple_GET_ITEM(PyList_GET_ITEM(own, next_own), 1);
-        t = wrap(own_tensor[static_cast<size_t>(next_own)]);
-        next_own++;
+        member = consumed[static_cast<size_t>(n_bases + next_own++)];
       } else if (next_view < n_views) {
-        PyObject *e = PyList_GET_ITEM(views, next_view++);
         Py_ssize_t kind;
         PyObject *shape, *stride_tuple;
         long long offset;
-        if (!PyArg_ParseTuple(e, "OnOOL", &name, &kind, &shape, &stride_tuple, &offset)) {
-          ok = false;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(views, next_view++), "OnOOL", &name, &kind, &shape, &stride_tuple,
+                              &offset))
           break;
-        }
         if (kind < 0 || kind >= n_kinds || !int64s(shape, &sizes) || !int64s(stride_tuple, &strides) ||
             sizes.size() != strides.size()) {
           if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "tshare: set_tensors: member %zd has a bad place", i);
-          ok = false;
           break;
         }
-        at::Tensor member;
-        if (!member_of(memory[static_cast<size_t>(kind_memory[static_cast<size_t>(kind)])],
-                       kind_dtype[static_cast<size_t>(kind)], sizes, strides, offset, &member)) {
+        const size_t k = static_cast<size_t>(kind);
+        if (!member_of(consumed[static_cast<size_t>(kind_memory[k])], kind_dtype[k], sizes, strides, offset,
+                       &member)) {
           PyErr_Format(PyExc_ValueError, "tshare: set_tensors: member %zd lies outside its memory", i);
-          ok = false;
           break;
         }
-        t = wrap(member);
       } else {
         PyErr_SetString(PyExc_ValueError, "tshare: set_tensors: a member's index is out of order");
-        ok = false;
         break;
       }
+      PyObject *t = wrap(member);
       ok = t && PyDict_SetItem(tensors, name, t) == 0;
       Py_XDECREF(t);
     }
-    if (ok) result = Py_BuildValue("(OOOl)", memories, keys, tensors, cuda);
+    if (ok && !PyErr_Occurred()) result = Py_BuildValue("(OOOl)", memories, keys, tensors, cuda);
   } catch (const std::exception &e) {
     PyErr_Format(PyExc_RuntimeError, "tshare: set_tensors: %s", e.what());
   }
@@ -293,18 +285,34 @@ PyObject *int_tuple(at::IntArrayRef values) {
   return t;
 }
 
-// (name, data_ptr, dtype, shape, strides, lazy) of member t, as
-// _tshare._set_items reads it through torch's Python methods; nullptr with
-// no error set when t is not a plain tensor (the caller falls back).
-PyObject *member_item(PyObject *name, PyObject *obj, PyObject *plain_types) {
+// A member of pairs as a send reads it: its name and its tensor, a plain
+// one (of plain_types: exact types whose methods are torch's own, Tensor and
+// Parameter) with storage; false, with no error set, for anything else,
+// which the Python methods then read.
+struct Member {
+  PyObject *name;
+  const at::Tensor *tensor;
+  bool lazy;  // a lazily negated or conjugated view
+};
+
+bool plain_member(PyObject *pair, PyObject *plain_types, Member *out) {
+  if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) return false;
+  PyObject *obj = PyTuple_GET_ITEM(pair, 1);
   if (PySequence_Contains(plain_types, reinterpret_cast<PyObject *>(Py_TYPE(obj))) != 1) {
     PyErr_Clear();
-    return nullptr;
+    return false;
   }
   const at::Tensor &t = THPVariable_Unpack(obj);
-  if (!t.defined() || !t.has_storage()) return nullptr;
+  if (!t.defined() || !t.has_storage()) return false;
+  *out = {PyTuple_GET_ITEM(pair, 0), &t, t.is_neg() || (t.is_complex() && t.is_conj())};
+  return true;
+}
+
+// (name, data_ptr, dtype, shape, strides, lazy) of m, as _tshare._set_items
+// reads it through torch's Python methods.
+PyObject *member_item(const Member &m) {
+  const at::Tensor &t = *m.tensor;
   // Every read that may throw before a Python object exists.
-  const bool lazy = t.is_neg() || (t.is_complex() && t.is_conj());
   void *address = t.data_ptr();
   const at::ScalarType dtype = t.scalar_type();
   const at::IntArrayRef size_values = t.sizes(), stride_values = t.strides();
@@ -312,8 +320,8 @@ PyObject *member_item(PyObject *name, PyObject *obj, PyObject *plain_types) {
   PyObject *shape = int_tuple(size_values), *strides = int_tuple(stride_values);
   PyObject *item = nullptr;
   if (data && shape && strides)
-    item = PyTuple_Pack(6, name, data, reinterpret_cast<PyObject *>(torch::getTHPDtype(dtype)), shape, strides,
-                        lazy ? Py_True : Py_False);
+    item = PyTuple_Pack(6, m.name, data, reinterpret_cast<PyObject *>(torch::getTHPDtype(dtype)), shape, strides,
+                        m.lazy ? Py_True : Py_False);
   Py_XDECREF(data);
   Py_XDECREF(shape);
   Py_XDECREF(strides);
@@ -322,21 +330,16 @@ PyObject *member_item(PyObject *name, PyObject *obj, PyObject *plain_types) {
 
 // set_items(pairs, plain_types) -> [(name, data_ptr, dtype, shape, strides,
 // lazy)] for pairs, a list of (name, tensor), or None when a member is not
-// of plain_types (exact types whose methods are torch's own: Tensor,
-// Parameter), which the Python methods then read.
+// plain (plain_member).
 PyObject *set_items(PyObject *, PyObject *args) {
   PyObject *pairs, *plain_types;
   if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &pairs, &PyTuple_Type, &plain_types)) return nullptr;
   const Py_ssize_t n = PyList_GET_SIZE(pairs);
   PyObject *out = PyList_New(n);
   try {
+    Member m;
     for (Py_ssize_t i = 0; out && i < n; i++) {
-      PyObject *pair = PyList_GET_ITEM(pairs, i);
-      if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
-        Py_CLEAR(out);
-        break;
-      }
-      PyObject *item = member_item(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), plain_types);
+      PyObject *item = plain_member(PyList_GET_ITEM(pairs, i), plain_types, &m) ? member_item(m) : nullptr;
       if (!item) Py_CLEAR(out);
       else PyList_SET_ITEM(out, i, item);
     }
@@ -356,7 +359,7 @@ void put(std::string *out, T value) {
 // set_key(pairs, plain_types) -> bytes: every field set_items reads of each
 // member (its name's UTF-8, address, dtype, lazy bit, shape, strides), laid
 // end to end: equal keys are equal item lists, at a fraction of their cost.
-// None when a member is not of plain_types or a name is not a str.
+// None when a member is not plain (plain_member) or a name is not a str.
 PyObject *set_key(PyObject *, PyObject *args) {
   PyObject *pairs, *plain_types;
   if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &pairs, &PyTuple_Type, &plain_types)) return nullptr;
@@ -364,28 +367,22 @@ PyObject *set_key(PyObject *, PyObject *args) {
   std::string key;
   try {
     key.reserve(static_cast<size_t>(n) * 64);
+    Member m;
     for (Py_ssize_t i = 0; i < n; i++) {
-      PyObject *pair = PyList_GET_ITEM(pairs, i);
-      if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyUnicode_Check(PyTuple_GET_ITEM(pair, 0)))
-        Py_RETURN_NONE;
-      PyObject *obj = PyTuple_GET_ITEM(pair, 1);
-      if (PySequence_Contains(plain_types, reinterpret_cast<PyObject *>(Py_TYPE(obj))) != 1) {
-        PyErr_Clear();
-        Py_RETURN_NONE;
-      }
       Py_ssize_t len;
-      const char *name = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(pair, 0), &len);
+      const char *name = plain_member(PyList_GET_ITEM(pairs, i), plain_types, &m) && PyUnicode_Check(m.name)
+                           ? PyUnicode_AsUTF8AndSize(m.name, &len)
+                           : nullptr;
       if (!name) {
         PyErr_Clear();
         Py_RETURN_NONE;
       }
-      const at::Tensor &t = THPVariable_Unpack(obj);
-      if (!t.defined() || !t.has_storage()) Py_RETURN_NONE;
+      const at::Tensor &t = *m.tensor;
       put(&key, static_cast<uint32_t>(len));
       key.append(name, static_cast<size_t>(len));
       put(&key, reinterpret_cast<uintptr_t>(t.data_ptr()));
       put(&key, static_cast<int16_t>(t.scalar_type()));
-      put(&key, static_cast<uint8_t>(t.is_neg() || (t.is_complex() && t.is_conj())));
+      put(&key, static_cast<uint8_t>(m.lazy));
       put(&key, static_cast<uint32_t>(t.dim()));
       for (int64_t v : t.sizes()) put(&key, v);
       for (int64_t v : t.strides()) put(&key, v);

@@ -89,18 +89,30 @@ def _name_bytes(name):
 _COMPLEX = (torch.complex64, torch.complex128)  # may be lazily conjugated views
 
 
-def _items(tensors):
+def _items(tensors, pairs):
     """What the C side reads of each member, straight off the tensor: the
     fewest attribute reads (the cost of a set is mostly these), made in one
     C loop: [(name, data_ptr, dtype, shape, strides, lazy)], lazy for a
     lazily negated or conjugated view. The C side checks the rest and hands
     back what it cannot take. tshare._torch_native reads plain tensors in
-    C++, at a fraction of torch's method calls' cost."""
-    if _native is not None:
-        items = _native.set_items(list(tensors.items()), _PLAIN)
+    C++ from pairs (_native_pairs), at a fraction of torch's method calls'
+    cost."""
+    if pairs is not None:
+        items = _native.set_items(pairs, _PLAIN)
         if items is not None:
             return items
     return _tshare._set_items(tensors, _COMPLEX)
+
+
+def _native_pairs(tensors):
+    """tensors' (name, tensor) pairs for tshare._torch_native, or None
+    without it (or where items() fails: the C loop then raises it)."""
+    if _native is None:
+        return None
+    try:
+        return list(tensors.items())
+    except Exception:
+        return None
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # exact types whose methods are torch's own
@@ -152,13 +164,14 @@ def send_set(ch, tensors, meta, timeout_ms, copy):
     # of the same fields, cheaper than the items: the kept set goes on it alone.
     keep = not copy
     c, stream_now = ch._c, _torch._current_stream
-    key = _native_key(tensors) if keep and _native is not None else None
+    pairs = _native_pairs(tensors)
+    key = _native.set_key(pairs, _PLAIN) if keep and pairs is not None else None
     if key is not None:
         set_id, _ = c._send_set(None, _TO_DLPACK, meta, timeout_ms, stream_now, keep, key)
         if set_id is not None:
             return set_id
     try:
-        items = _items(tensors)
+        items = _items(tensors, pairs)
     except (RuntimeError, AttributeError, TypeError):  # not a tensor; sparse, nested...
         for name, t in tensors.items():
             _check_member(name, t)
@@ -182,15 +195,6 @@ def send_set(ch, tensors, meta, timeout_ms, copy):
         if set_id is None:
             _refuse(name, t)
     return set_id
-
-
-def _native_key(tensors):
-    """tshare._torch_native's key of tensors, or None (then the items are the key)."""
-    try:
-        pairs = list(tensors.items())
-    except Exception:  # the items read below raises what the caller should see
-        return None
-    return _native.set_key(pairs, _PLAIN)
 
 
 def _with_cuda(items, tensors):
