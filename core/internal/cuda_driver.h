@@ -42,6 +42,10 @@
   X(cuMemcpyHtoDAsync, CUresult, (CUdeviceptr, const void *, size_t, CUstream))                                       \
   X(cuMemcpyDtoHAsync, CUresult, (void *, CUdeviceptr, size_t, CUstream))                                             \
   X(cuMemcpyDtoDAsync, CUresult, (CUdeviceptr, CUdeviceptr, size_t, CUstream))                                        \
+  X(cuMemAllocAsync, CUresult, (CUdeviceptr *, size_t, CUstream))                                                     \
+  X(cuMemFreeAsync, CUresult, (CUdeviceptr, CUstream))                                                                \
+  X(cuMemHostRegister, CUresult, (void *, size_t, unsigned int))                                                      \
+  X(cuMemHostUnregister, CUresult, (void *))                                                                          \
   X(cuMemsetD8, CUresult, (CUdeviceptr, unsigned char, size_t))                                                       \
   X(cuMemsetD32, CUresult, (CUdeviceptr, unsigned int, size_t))                                                       \
   X(cuIpcGetMemHandle, CUresult, (CUipcMemHandle *, CUdeviceptr))                                                     \

@@ -188,6 +188,12 @@ typedef struct ts_backend {
    * index set; the rest filled here). */
   int (*set_remote_check)(tshare_channel *ch, void *source);
   int (*set_send_remote)(tshare_channel *ch, void *source, tshare_frame *f, int timeout_ms);
+  /* Optional: a share of host memory (source, a tshare_host_buffer) on a
+   * channel that carries no fds, read by the peer; device_type
+   * TSHARE_DEVICE_CUDA marks GPU bytes staged there (session_stage.c), which
+   * set_send_remote also keeps when f's device_type says so. */
+  int (*share_remote)(tshare_channel *ch, void *source, const tshare_tensor_desc *desc, int device_type,
+                      const char *tag, void *user_data, int timeout_ms, uint64_t *share_id);
   /* Optional: how the producer's memory object would go to ch in a set right
    * now (ts_keep_state), asking nothing of anyone. Without it: TS_KEEP_NONE. */
   ts_keep_state (*source_keep_state)(tshare_channel *ch, void *source);
@@ -236,6 +242,12 @@ typedef struct ts_backend {
    * and event) and e (what it holds, given back by export_done). */
   int (*set_order)(tshare_channel *ch, const ts_set_source *src, void *stream, tshare_frame *end,
                    struct ts_export *e, int timeout_ms);
+  /* Optional, staging (session_stage.c): the bytes of GPU memory copied to
+   * host memory dst once the work queued on stream (of its device) so far
+   * is done; the call returns when they are there. stage_out reads len
+   * bytes at ptr, set_stage_out the whole of src. */
+  int (*stage_out)(const void *ptr, uint64_t len, void *stream, void *dst, char *err, size_t cap);
+  int (*set_stage_out)(const ts_set_source *src, void *stream, void *dst, char *err, size_t cap);
   /* Consumer: a set's memory is mapped through on_share and import as a
    * share of the set's id (stream NULL) would be, one memory at a time. */
   /* Consumer: the end frame's event: work on the default stream of

@@ -190,6 +190,8 @@ const ts_backend ts_cuda_backend = {
     .set_again_hold = ts_cuda_set_again_hold,
     .set_send_mem = ts_cuda_set_send_mem,
     .set_order = ts_cuda_set_order,
+    .stage_out = ts_cuda_stage_out, /* to a peer on another host: staged in host memory */
+    .set_stage_out = ts_cuda_set_stage_out,
     .set_wait = ts_cuda_set_wait,
     .set_release = ts_cuda_set_release,
 };

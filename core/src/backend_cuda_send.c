@@ -2,6 +2,7 @@
  * another allocator's memory, views shared on) with the event pool that
  * orders the consumer after the producer's stream. */
 #include "backend_cuda.h"
+#include "session_stage.h"
 #include "clock.h"
 #include "error_detail.h"
 #include "log.h"
@@ -224,6 +225,12 @@ static int share_foreign(tshare_channel *ch, const void *data, const tshare_tens
   int rc = TSHARE_OK;
   if (!data || !desc)
     rc = ch ? ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "share: NULL argument") : TSHARE_E_INVALID_ARG;
+  if (rc == TSHARE_OK && ts_stage_applies(ch)) { /* another host: the bytes go, staged; the memory is free after */
+    rc = ch->closed ? ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: channel is closed")
+                    : ts_stage_share(ch, &ts_cuda_backend, data, desc, stream, tag, user_data, timeout_ms, share_id);
+    drop(keep);
+    return rc;
+  }
   if (rc == TSHARE_OK) rc = check_can_share(ch, tag);
   ts_cuda_export x;
   /* Memory another allocator mapped with the VMM calls (PyTorch's
@@ -322,6 +329,14 @@ static int share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const 
                              const char *tag, void *user_data, int timeout_ms, uint64_t *share_id) {
   if (!buf || !desc) return ch ? ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "share: NULL argument")
                                : TSHARE_E_INVALID_ARG;
+  if (ts_stage_applies(ch)) { /* another host: the layout is checked against the buffer, then its bytes go */
+    char why[160];
+    int rc = ts_tensor_check(desc, tshare_cuda_buffer_size(buf), NULL, NULL, why, sizeof why);
+    if (rc != TSHARE_OK) return ts_errf(ch->err, sizeof ch->err, rc, "share: %s", why);
+    if (ch->closed) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: channel is closed");
+    return ts_stage_share(ch, &ts_cuda_backend, tshare_cuda_buffer_ptr(buf), desc, stream, tag, user_data,
+                          timeout_ms, share_id);
+  }
   int rc = check_can_share(ch, tag);
   if (rc != TSHARE_OK) return rc;
   /* The layout must stay inside the buffer, not just inside its slab. */
@@ -390,3 +405,24 @@ int ts_cuda_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_d
                          timeout_ms, share_id);
 }
 
+
+/* ---- staging for a peer on another host (session_stage.c) ---------------- */
+
+/* len bytes at ptr into host memory dst, after the work queued on stream so
+ * far: on the memory's device (VMM memory has no context of its own: its
+ * device's primary one). */
+int ts_cuda_stage_out(const void *ptr, uint64_t len, void *stream, void *dst, char *err, size_t cap) {
+  int status = TSHARE_OK;
+  const ts_cuda_api *cu = ts_cuda_require(err, cap, &status);
+  if (!cu) return status;
+  int ordinal = -1;
+  CUresult rc = cu->cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, (CUdeviceptr)(uintptr_t)ptr);
+  if (rc != CUDA_SUCCESS) return ts_cuda_fail(err, cap, "share: the memory to stage is not GPU memory", rc);
+  CUcontext ctx = ts_cuda_primary_ctx(ordinal);
+  if (!ctx || !ts_cuda_push(ctx))
+    return ts_errf(err, cap, TSHARE_E_CUDA, "share: cannot enter device %d's context", ordinal);
+  rc = cu->cuMemcpyDtoHAsync(dst, (CUdeviceptr)(uintptr_t)ptr, (size_t)len, (CUstream)stream);
+  if (rc == CUDA_SUCCESS) rc = cu->cuStreamSynchronize((CUstream)stream);
+  ts_cuda_pop();
+  return rc == CUDA_SUCCESS ? TSHARE_OK : ts_cuda_fail(err, cap, "share: staging GPU memory in host memory", rc);
+}

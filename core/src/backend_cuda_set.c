@@ -341,3 +341,10 @@ ts_release_done ts_cuda_set_release(tshare_channel *ch, void *const *memories, s
   pthread_mutex_unlock(&ch->lock);
   return queued ? TS_RELEASE_LATER : TS_RELEASE_NOW;
 }
+
+/* The whole of src into host memory dst, after the work on stream
+ * (staging: session_stage.c). */
+int ts_cuda_set_stage_out(const ts_set_source *src, void *stream, void *dst, char *err, size_t cap) {
+  const cuda_source *cs = (const cuda_source *)src;
+  return ts_cuda_stage_out((const void *)(uintptr_t)cs->x.base, src->size, stream, dst, err, cap);
+}

@@ -73,7 +73,7 @@ static int share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: channel is closed");
   /* Across hosts the memory cannot travel as an fd: the peer reads it. */
   if (!(ts_conn_caps(&ch->conn) & TS_TRANSPORT_PASSES_FDS) && ts_ucx_carries_host(ch))
-    return ts_ucx_share_host(ch, buf, desc, tag, user_data, timeout_ms, share_id);
+    return ts_ucx_share_host(ch, buf, desc, TSHARE_DEVICE_CPU, tag, user_data, timeout_ms, share_id);
   size_t tag_len = tag ? strlen(tag) : 0;
   if (tag_len > TSHARE_TAG_MAX)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TOO_LARGE, "share: tag of %zu bytes over %d", tag_len,
@@ -352,6 +352,7 @@ const ts_backend ts_host_backend = {
     .source_lend = ts_host_lend_in_set,
     .set_remote_check = ts_ucx_set_remote_check, /* across hosts, a set's buffers are read over UCX */
     .set_send_remote = ts_ucx_set_send_remote,
+    .share_remote = ts_ucx_share_remote, /* a share across hosts: read over UCX (GPU bytes staged too) */
     .source_keep_state = ts_host_keep_state_in_set,
     .memory_ref_locked = host_memory_ref_locked,
     .memory_unref_locked = host_memory_unref_locked,

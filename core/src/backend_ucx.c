@@ -86,7 +86,7 @@ static int send_key(tshare_channel *ch, ucx_region *r, int timeout_ms) {
 }
 
 static int share_remote(tshare_channel *ch, ucx_chan *u, tshare_host_buffer *buf, const tshare_tensor_desc *desc,
-                        const char *tag, void *user_data, int timeout_ms, uint64_t *share_id) {
+                        int device_type, const char *tag, void *user_data, int timeout_ms, uint64_t *share_id) {
   if (!(ch->conn.peer.capabilities & TSHARE_CAP_UCX_REMOTE))
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_MISMATCH,
                    "share: peer %s does not read remote memory over UCX (no ucx-remote capability in its hello)",
@@ -110,7 +110,7 @@ static int share_remote(tshare_channel *ch, ucx_chan *u, tshare_host_buffer *buf
   tshare_share_frame *s = &f.u.share;
   s->alloc_id = tshare_host_buffer_id(buf);
   s->mem_kind = TSHARE_MEM_UCX_REMOTE;
-  s->device_type = TSHARE_DEVICE_CPU;
+  s->device_type = (uint8_t)device_type; /* CUDA: staged GPU bytes, placed on a GPU by the peer */
   s->alloc_size = tshare_host_buffer_size(buf);
   s->tensor = *desc;
   s->tag_len = (uint8_t)(tag ? strlen(tag) : 0);
@@ -118,8 +118,8 @@ static int share_remote(tshare_channel *ch, ucx_chan *u, tshare_host_buffer *buf
   return ts_share_send_export(ch, &f, -1, e, ts_remaining(deadline), share_id);
 }
 
-int ts_ucx_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_tensor_desc *desc, const char *tag,
-                      void *user_data, int timeout_ms, uint64_t *share_id) {
+int ts_ucx_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_tensor_desc *desc, int device_type,
+                      const char *tag, void *user_data, int timeout_ms, uint64_t *share_id) {
   ucx_chan *u = ts_ucx_chan(ch);
   if (!u || !ts_ucx_carries_host(ch))
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "share: the channel has no UCX connection");
@@ -127,7 +127,18 @@ int ts_ucx_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_
   if (tag_len > TSHARE_TAG_MAX)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TOO_LARGE, "share: tag of %zu bytes over %d", tag_len,
                    TSHARE_TAG_MAX);
-  return share_remote(ch, u, buf, desc, tag, user_data, timeout_ms, share_id);
+  if (device_type != TSHARE_DEVICE_CPU && !(ch->conn.peer.capabilities & TSHARE_CAP_UCX_STAGED))
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_MISMATCH,
+                   "share: peer %s does not place GPU memory read over UCX on a GPU (no ucx-staged capability in its "
+                   "hello: built without CUDA, or no usable GPU there)",
+                   ch->conn.peer_label);
+  return share_remote(ch, u, buf, desc, device_type, tag, user_data, timeout_ms, share_id);
+}
+
+/* The host table's share_remote hook. */
+int ts_ucx_share_remote(tshare_channel *ch, void *source, const tshare_tensor_desc *desc, int device_type,
+                        const char *tag, void *user_data, int timeout_ms, uint64_t *share_id) {
+  return ts_ucx_share_host(ch, source, desc, device_type, tag, user_data, timeout_ms, share_id);
 }
 
 /* ---- producer: tensor sets --------------------------------------------------- */
@@ -164,7 +175,7 @@ int ts_ucx_set_send_remote(tshare_channel *ch, void *source, tshare_frame *f, in
   f->flags = 0;
   m->alloc_id = tshare_host_buffer_id(buf);
   m->mem_kind = TSHARE_MEM_UCX_REMOTE;
-  m->device_type = TSHARE_DEVICE_CPU;
+  if (m->device_type != TSHARE_DEVICE_CUDA) m->device_type = TSHARE_DEVICE_CPU; /* CUDA: staged by the session */
   m->alloc_size = tshare_host_buffer_size(buf);
   m->share_flags = 0;
   return ts_channel_send(ch, f, -1, ts_remaining(deadline));
@@ -271,14 +282,21 @@ static void ucx_chan_free_in_child(tshare_channel *ch) { *ts_backend_data(ch, &t
 static uint64_t ucx_hello_caps(uint32_t transport_caps) {
   /* Offered where fds cannot travel to another host; a share checks that the channel is
    * really over UCX before it goes this way. */
-  return transport_caps & (TS_TRANSPORT_PASSES_FDS | TS_TRANSPORT_SAME_HOST)
-             ? 0
-             : TSHARE_CAP_UCX_REMOTE | TSHARE_CAP_TENSOR_SETS | TSHARE_CAP_UCX_SETS; /* sets of remote memory */
+  if (transport_caps & (TS_TRANSPORT_PASSES_FDS | TS_TRANSPORT_SAME_HOST)) return 0;
+  uint64_t caps = TSHARE_CAP_UCX_REMOTE | TSHARE_CAP_TENSOR_SETS | TSHARE_CAP_UCX_SETS; /* sets of remote memory */
+  /* GPU bytes staged by the peer are placed on a GPU only where one is usable. */
+  return ts_ucx_device_offered() ? caps | TSHARE_CAP_UCX_STAGED : caps;
+}
+
+/* Staged GPU bytes land on the receiving thread's device (peeked before the
+ * receive, which may name another stream's). */
+static int ucx_device_of(const tshare_share_frame *s) {
+  return s->device_type == TSHARE_DEVICE_CUDA ? ts_ucx_device_target(NULL) : -1;
 }
 
 static const char *ucx_mem_kind_name(int mem_kind) {
   (void)mem_kind;
-  return "host memory read over UCX";
+  return "memory read over UCX";
 }
 
 static int ucx_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_desc *desc, void *stream,
@@ -296,6 +314,7 @@ const ts_backend ts_ucx_backend = {
     .frame_types = TS_FRAME_TYPE_BIT(TSHARE_FRAME_RKEY),
     .views_are_copies = true,
     .mem_kind_name = ucx_mem_kind_name,
+    .device_of = ucx_device_of,
     .hello_caps = ucx_hello_caps,
     .chan_init = ucx_chan_init,
     .peer_gone = ucx_peer_gone,

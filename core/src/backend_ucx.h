@@ -46,11 +46,16 @@ typedef struct ucx_remote {
  * a tshare host buffer, so that what landed can be shared on to this
  * node's processes without another copy (tshare_set_host_buffer). */
 typedef struct ucx_landing {
-  struct tshare_host_buffer *buf; /* one reference, this landing's */
+  struct tshare_host_buffer *buf; /* one reference, this landing's (NULL on a GPU) */
   void *base;                     /* buf's data */
   size_t size;
   ts_ucp_mem_h memh;
   size_t refs; /* the view or set that holds it, and a set's views (ch->lock) */
+  /* GPU bytes the peer staged, placed on a GPU here (backend_ucx_device.c) */
+  bool on_device;
+  uint64_t device_ptr; /* a CUdeviceptr of the device's stream-ordered pool */
+  void *ctx;           /* that device's primary context */
+  int device;
 } ucx_landing;
 
 TS_VEC_DEFINE(ucx_landing_vec, ucx_landing *)
@@ -65,6 +70,7 @@ typedef struct ucx_chan {
   ts_u64map remotes;      /* alloc_id -> ucx_remote, until retired or the peer is gone */
   ucx_landing_vec idle;   /* landing buffers free for the next fetch, under ch->lock */
   ucx_landing_vec stranded; /* a fetch that never finished may still write into these: freed with the channel */
+  struct ucx_device *device; /* the GPU side: bounce buffers, a stream (backend_ucx_device.c), NULL until used */
 } ucx_chan;
 
 extern const ts_backend ts_ucx_backend;
@@ -75,7 +81,9 @@ ucx_chan *ts_ucx_chan(tshare_channel *ch);
 /* backend_ucx.c: share buf over ch's UCX connection (tshare_share_host on a
  * channel that passes no fds, to a peer with TSHARE_CAP_UCX_REMOTE). */
 int ts_ucx_share_host(tshare_channel *ch, struct tshare_host_buffer *buf, const tshare_tensor_desc *desc,
-                      const char *tag, void *user_data, int timeout_ms, uint64_t *share_id);
+                      int device_type, const char *tag, void *user_data, int timeout_ms, uint64_t *share_id);
+int ts_ucx_share_remote(tshare_channel *ch, void *source, const tshare_tensor_desc *desc, int device_type,
+                        const char *tag, void *user_data, int timeout_ms, uint64_t *share_id);
 /* Whether a host share over ch goes as remote memory. */
 bool ts_ucx_carries_host(tshare_channel *ch);
 /* A set's host memory on a channel without fds (the host backend's
@@ -95,5 +103,23 @@ void ts_ucx_memory_unref_locked(tshare_channel *ch, void *memory);
 void ts_ucx_fetch_peer_gone(tshare_channel *ch, ucx_chan *u);
 void ts_ucx_fetch_trim(tshare_channel *ch, ucx_chan *u);
 void ts_ucx_fetch_free(ucx_chan *u);
+/* Read len bytes at the peer's address in allocation alloc_id (its key
+ * came) into dst: TS_UCS_OK, UCX's error, or TS_UCS_INPROGRESS when the
+ * peer did not serve it in time (dst may then still be written). */
+ts_ucs_status ts_ucx_get_remote(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, uint64_t alloc_id,
+                                uint64_t address, void *dst, size_t len);
+
+/* backend_ucx_device.c (backend_ucx_device_none.c without CUDA): GPU bytes
+ * the peer staged in host memory, placed on a GPU of this process's. */
+bool ts_ucx_device_offered(void);      /* a GPU is usable here: the hello offers TSHARE_CAP_UCX_STAGED */
+int ts_ucx_device_target(void *stream); /* the device they land on: stream's, the current one, or 0 */
+/* len bytes at address of allocation alloc_id read into new GPU memory,
+ * *out a landing on_device (refs 1); the bytes are there on return. */
+int ts_ucx_device_land(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, uint64_t alloc_id, uint64_t address,
+                       uint64_t len, void *stream, ucx_landing **out);
+/* l's GPU memory freed after the work queued on stream (NULL: the default
+ * stream); l goes. Never blocks. */
+void ts_ucx_device_free(ucx_landing *l, void *stream);
+void ts_ucx_device_chan_free(ucx_chan *u);
 
 #endif

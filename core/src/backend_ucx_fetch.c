@@ -179,6 +179,16 @@ static ts_ucs_status get_locked(tshare_channel *ch, const ts_ucx_api *ucx, const
   return st;
 }
 
+ts_ucs_status ts_ucx_get_remote(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, uint64_t alloc_id,
+                                uint64_t address, void *dst, size_t len) {
+  if (len == 0) return TS_UCS_OK;
+  pthread_mutex_lock(link->lock);
+  const ucx_remote *now = ts_u64map_get(&u->remotes, alloc_id); /* still there: only this thread drops keys */
+  ts_ucs_status st = now ? get_locked(ch, u->ucx, link, dst, len, address, now->rkey) : TS_UCS_ERR_NO_ELEM;
+  pthread_mutex_unlock(link->lock);
+  return st;
+}
+
 /* The bytes of share s that its layout touches, [*begin, *end) of the
  * allocation, and the region its key reads: checked against each other. */
 static int fetch_span(tshare_channel *ch, const tshare_share_frame *s, const ucx_remote *r, uint64_t *begin,
@@ -209,19 +219,16 @@ static bool remote_of(ucx_chan *u, const ts_ucx_link *link, uint64_t alloc_id, u
 }
 
 /* Bytes [begin, end) of share s's allocation (region r) into a new landing
- * buffer, *out. */
+ * buffer, *out: host memory, or GPU memory (for work on stream) where the
+ * peer staged GPU bytes. */
 static int fetch_span_into(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, const tshare_share_frame *s,
-                           const ucx_remote *r, uint64_t begin, uint64_t end, ucx_landing **out) {
+                           const ucx_remote *r, uint64_t begin, uint64_t end, void *stream, ucx_landing **out) {
   ucx_landing *l = NULL;
+  if (s->device_type == TSHARE_DEVICE_CUDA) /* GPU bytes the peer staged: placed on a GPU here */
+    return ts_ucx_device_land(ch, u, link, s->alloc_id, r->address + begin, end - begin, stream, out);
   int rc = landing_take(ch, u, (size_t)(end - begin), &l);
   if (rc != TSHARE_OK) return rc;
-  ts_ucs_status st = TS_UCS_OK;
-  if (end > begin) {
-    pthread_mutex_lock(link->lock);
-    const ucx_remote *now = ts_u64map_get(&u->remotes, s->alloc_id); /* still there: only this thread drops keys */
-    st = get_locked(ch, u->ucx, link, l->base, (size_t)(end - begin), r->address + begin, now->rkey);
-    pthread_mutex_unlock(link->lock);
-  }
+  ts_ucs_status st = ts_ucx_get_remote(ch, u, link, s->alloc_id, r->address + begin, l->base, (size_t)(end - begin));
   if (st == TS_UCS_INPROGRESS) {
     if (ucx_landing_vec_push(&u->stranded, l) != TSHARE_OK) TS_LOG(TS_LOG_WARN, "a landing buffer is leaked");
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED,
@@ -246,30 +253,43 @@ static int no_key(tshare_channel *ch, const tshare_share_frame *s) {
                  (unsigned long long)s->share_id, (unsigned long long)s->alloc_id);
 }
 
+/* Where a landing's bytes are in this process, and on which device. */
+static void view_of_landing(tshare_view *v, ucx_landing *l, void *stream) {
+  v->memory = l;
+  if (!l->on_device) {
+    v->data = l->base;
+    return;
+  }
+  v->data = (void *)(uintptr_t)l->device_ptr;
+  v->ctx = l->ctx;
+  v->device = l->device;
+  v->stream = stream;
+}
+
 /* The share's bytes into a landing buffer: v->memory, v->data. */
-static int fetch(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, const tshare_share_frame *s,
+static int fetch(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, const tshare_share_frame *s, void *stream,
                  tshare_view *v) {
   ucx_remote r;
   if (!remote_of(u, link, s->alloc_id, &r)) return no_key(ch, s);
   uint64_t begin = 0, end = 0;
   ucx_landing *l = NULL;
   int rc = fetch_span(ch, s, &r, &begin, &end);
-  if (rc == TSHARE_OK) rc = fetch_span_into(ch, u, link, s, &r, begin, end, &l);
+  if (rc == TSHARE_OK) rc = fetch_span_into(ch, u, link, s, &r, begin, end, stream, &l);
   if (rc != TSHARE_OK) return rc;
-  v->memory = l;
-  v->data = end > begin ? (char *)l->base + (s->tensor.byte_offset - begin) : l->base; /* an empty tensor: no byte */
+  view_of_landing(v, l, stream);
+  if (end > begin) v->data = (char *)v->data + (s->tensor.byte_offset - begin); /* an empty tensor: no byte */
   return TSHARE_OK;
 }
 
 int ts_ucx_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v) {
-  (void)fdp, (void)stream;
+  (void)fdp;
   const tshare_share_frame *s = &f->u.share;
   ucx_chan *u = ts_ucx_chan(ch);
   ts_ucx_link link;
   if (!u || !ts_ucx_link_of(&ch->conn, &link))
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
                    "import: share %llu is remote memory on a channel not over UCX", (unsigned long long)s->share_id);
-  int rc = fetch(ch, u, &link, s, v);
+  int rc = fetch(ch, u, &link, s, stream, v);
   if (rc != TSHARE_OK) return rc;
   /* The bytes are here: the producer may reuse its memory now. */
   ts_share_release_back(ch, s->share_id);
@@ -297,16 +317,16 @@ int ts_ucx_import_in_set(tshare_channel *ch, const tshare_frame *f, uint64_t *co
   size_t page = (size_t)sysconf(_SC_PAGESIZE);
   long pages = sysconf(_SC_PHYS_PAGES);
   uint64_t want = (s->alloc_size + page - 1) / page * page;
-  if (pages > 0 && *copied + want > (uint64_t)pages * page)
+  if (s->device_type != TSHARE_DEVICE_CUDA && pages > 0 && *copied + want > (uint64_t)pages * page)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM,
                    "import: the set's landing buffers would take %llu bytes, over this machine's memory (%llu bytes)",
                    (unsigned long long)(*copied + want), (unsigned long long)pages * page);
   ucx_landing *l = NULL;
-  int rc = fetch_span_into(ch, u, &link, s, &r, 0, s->alloc_size, &l);
+  int rc = fetch_span_into(ch, u, &link, s, &r, 0, s->alloc_size, NULL, &l);
   if (rc != TSHARE_OK) return rc;
-  *copied += want;
-  v->memory = l;
-  v->data = s->alloc_size ? l->base : NULL;
+  if (!l->on_device) *copied += want; /* host memory: bounded by this machine's */
+  view_of_landing(v, l, NULL);
+  if (!s->alloc_size) v->data = NULL;
   return TSHARE_OK;
 }
 
@@ -317,16 +337,21 @@ void ts_ucx_memory_ref_locked(tshare_channel *ch, void *memory) {
   ((ucx_landing *)memory)->refs++;
 }
 
-void ts_ucx_memory_unref_locked(tshare_channel *ch, void *memory) {
-  ucx_landing *l = memory;
+/* One reference less; the last one gives a host landing back to the pool
+ * and frees GPU memory after the work queued on stream. */
+static void unref_locked(tshare_channel *ch, ucx_landing *l, void *stream) {
   ucx_chan *u = ts_ucx_chan(ch);
-  if (--l->refs == 0 && u) landing_give_back_locked(u, l); /* no u: a forked child's copy, its parent's to free */
+  if (--l->refs != 0 || !u) return; /* no u: a forked child's copy, its parent's to free */
+  if (l->on_device) ts_ucx_device_free(l, stream);
+  else landing_give_back_locked(u, l);
 }
+
+void ts_ucx_memory_unref_locked(tshare_channel *ch, void *memory) { unref_locked(ch, memory, NULL); }
 
 ts_release_done ts_ucx_release(tshare_view *v) {
   tshare_channel *ch = v->ch;
   pthread_mutex_lock(&ch->lock);
-  if (v->memory) ts_ucx_memory_unref_locked(ch, v->memory);
+  if (v->memory) unref_locked(ch, v->memory, v->stream);
   pthread_mutex_unlock(&ch->lock);
   return TS_RELEASE_LATER; /* released when it was fetched */
 }
@@ -349,6 +374,7 @@ void ts_ucx_fetch_peer_gone(tshare_channel *ch, ucx_chan *u) {
 }
 
 void ts_ucx_fetch_free(ucx_chan *u) {
+  ts_ucx_device_chan_free(u);
   for (size_t i = 0; i < u->idle.len; i++) landing_free(u->ucx, u->idle.items[i]);
   for (size_t i = 0; i < u->stranded.len; i++) landing_free(u->ucx, u->stranded.items[i]);
   ucx_landing_vec_free(&u->idle);

@@ -92,6 +92,7 @@ struct tshare_channel {
   bool refusal_told;
 
   void *backend_data[TS_BACKENDS_MAX]; /* each backend's own state (ts_backend_data) */
+  struct ts_stage_cache *stages; /* producer: GPU memory staged for a peer on another host (session_stage.c) */
   struct ts_set_rx *set_rx;  /* tensor sets being received and waiting (session_set.c); NULL until one comes */
   ts_set_layout_slot set_layouts[TSHARE_SET_LAYOUT_SLOTS]; /* under lock (session_set_slots.c) */
   uint64_t set_layout_clock;

@@ -2,6 +2,7 @@
  * the session's backends can import), low-level frame I/O, bye, close. */
 #include "backend.h"
 #include "session.h"
+#include "session_stage.h"
 
 #include "error_detail.h"
 #include "hello.h"
@@ -286,6 +287,7 @@ int tshare_channel_send_error(tshare_channel *ch, int code, const char *message)
  * them alive belongs to the parent's code) and locks a thread the child does
  * not have may hold: all of it goes when the child exits or execs. */
 static void free_in_child(tshare_channel *ch) {
+  ts_stage_free_in_child(ch);
   ts_backends_chan_free_in_child(ch); /* this process's own mappings (of host memory) */
   ts_share_free_incoming(ch);
   ts_id_vec_free(&ch->pending);
@@ -298,6 +300,7 @@ void ts_channel_unref(tshare_channel *ch) {
     free_in_child(ch);
     return;
   }
+  ts_stage_free(ch); /* before the backends: a staging buffer's registration goes with its channel */
   ts_backends_chan_free(ch);
   ts_conn_destroy(&ch->conn);
   pthread_mutex_destroy(&ch->lock);

@@ -9,6 +9,7 @@
 #include "log.h"
 #include "session.h"
 #include "session_set.h"
+#include "session_stage.h"
 #include "spare_blocks.h"
 #include "wire_checks.h"
 
@@ -404,9 +405,10 @@ static int check_can_send(tshare_channel *ch, const tshare_set_builder *b) {
                    "upgrade it, or share the tensors one by one",
                    ch->conn.peer_label, (unsigned)ch->conn.peer.major, (unsigned)ch->conn.peer.minor,
                    TSHARE_WIRE_MAJOR);
+  bool staged = ts_stage_applies(ch);
   for (size_t i = 0; i < b->mem_count; i++) {
     const ts_set_source *src = b->mems[i].device;
-    int rc = src ? src->backend->set_check(ch, src) : TSHARE_OK;
+    int rc = !src ? TSHARE_OK : staged ? ts_stage_set_check(ch, src) : src->backend->set_check(ch, src);
     if (rc == TSHARE_OK && !src && !passes_fds) rc = host->set_remote_check(ch, b->mems[i].host);
     if (rc != TSHARE_OK) return rc;
     if (!src && passes_fds && !tshare_host_buffer_is_sealed(b->mems[i].host) &&
@@ -457,7 +459,8 @@ static int send_mem(tshare_channel *ch, const tshare_set_builder *b, size_t i, u
   int rc;
   if (m->device) {
     ts_keep_ref hold = {NULL, NULL, NULL};
-    rc = m->device->backend->set_send_mem(ch, m->device, &f, &hold, ts_remaining(deadline));
+    rc = ts_stage_applies(ch) ? ts_stage_set_mem(ch, m->device, b->stream, &f, &hold, ts_remaining(deadline))
+                              : m->device->backend->set_send_mem(ch, m->device, &f, &hold, ts_remaining(deadline));
     ts_export *e = ts_export_find(ch, id);
     set_keep *k = e ? e->owner : NULL;
     if (hold.drop && k) k->keeps[k->nkeeps + k->nholds++] = hold;
@@ -508,6 +511,7 @@ static int order_after_members(tshare_channel *ch, const tshare_set_builder *b, 
                                int64_t deadline) {
   ts_export *e = ts_export_find(ch, id);
   if (!e) return TSHARE_OK; /* the peer released what came of it already */
+  if (ts_stage_applies(ch)) return TSHARE_OK; /* staging waited for the stream: the bytes are in host memory */
   for (size_t i = 0; i < b->mem_count; i++) {
     const ts_set_source *src = b->mems[i].device;
     if (src) return src->backend->set_order(ch, src, b->stream, end, e, ts_remaining(deadline));
@@ -520,8 +524,10 @@ static int order_after_members(tshare_channel *ch, const tshare_set_builder *b, 
 static ts_keep_state keep_state(tshare_channel *ch, const tshare_set_builder *b) {
   const ts_backend *host = ts_set_host_backend();
   ts_keep_state least = TS_KEEP_KEPT;
+  bool staged = ts_stage_applies(ch);
   for (size_t i = 0; i < b->mem_count && least != TS_KEEP_NONE; i++) {
     const ts_set_source *src = b->mems[i].device;
+    if (src && staged) return TS_KEEP_NONE; /* read into the peer's own memory: nothing it keeps */
     ts_keep_state state = src ? (src->backend->set_keep_state ? src->backend->set_keep_state(ch, src) : TS_KEEP_NONE)
                           : host->source_keep_state ? host->source_keep_state(ch, b->mems[i].host)
                                                     : TS_KEEP_NONE;

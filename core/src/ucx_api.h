@@ -18,6 +18,7 @@
 typedef int ts_ucs_status;
 #define TS_UCS_OK 0
 #define TS_UCS_INPROGRESS 1
+#define TS_UCS_ERR_NO_ELEM (-12)
 #define TS_UCS_ERR_BUSY (-15)
 #define TS_UCS_ERR_LAST (-100)
 /* A ucs_status_ptr_t: NULL (done), an error code cast to a pointer, or a request. */

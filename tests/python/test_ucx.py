@@ -122,5 +122,54 @@ def a_set_of_cpu_tensors_crosses_and_is_released_once_read():
         assert r.tensors["t5"].tolist() == [5.0, 6.0, 7.0], r.tensors["t5"]
 
 
+@test
+def a_cuda_state_dict_crosses_staged_through_host_memory():
+    """GPU memory cannot be mapped on another host: its bytes are staged in
+    host memory, read over UCX and placed on this end's GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("SKIP: torch sees no CUDA device")
+        sys.exit(77)
+    os.environ.pop("TSHARE_TOKEN", None)
+    a, b = ucx_pair(TOKEN, TOKEN)
+    with a, b:
+        torch.manual_seed(3)
+        layers = [torch.nn.Linear(64, 64) for _ in range(144)] + [torch.nn.LayerNorm(64)]
+        model = torch.nn.Sequential(*layers).cuda().to(torch.bfloat16)
+        sent = model.state_dict()
+        assert len(sent) == 290, len(sent)
+        sent["strided"] = torch.arange(4096, device="cuda", dtype=torch.float32).view(64, 64).t()[3:, 5:]
+        for round_ in range(2):
+            out = {}
+
+            def receive():
+                try:
+                    out["r"] = tshare.recv(b, timeout=30)
+                except BaseException as e:  # noqa: B902  reported below
+                    out["err"] = e
+
+            th = threading.Thread(target=receive)
+            th.start()
+            set_id = tshare.send(a, sent, meta=b"round=%d" % round_, timeout=30)
+            a.wait_released(set_id, timeout=30)  # released once read
+            th.join(60)
+            assert not th.is_alive(), "the receive did not end"
+            if "err" in out:
+                raise out["err"]
+            r = out["r"]
+            assert r.meta == b"round=%d" % round_, r.meta
+            assert list(r.tensors) == list(sent), "names or order differ"
+            for name, t in sent.items():
+                got = r.tensors[name]
+                assert got.device.type == "cuda", (name, got.device)
+                assert got.dtype == t.dtype and got.shape == t.shape, (name, got.dtype, got.shape)
+                assert torch.equal(got, t), name
+            with torch.no_grad():  # in place, as a trainer's step does: the next round carries it
+                for t in model.parameters():
+                    t.add_(1)
+            del r, out
+
+
 if __name__ == "__main__":
     test.main()

@@ -113,6 +113,10 @@ typedef enum tshare_frame_type {
 #define TSHARE_CAP_UCX_SETS                                                                                            \
   (1u << 13) /* minor 6, with TSHARE_CAP_UCX_REMOTE and TSHARE_CAP_TENSOR_SETS: takes set memories of kind            \
                 TSHARE_MEM_UCX_REMOTE (each after the rkey frame of its allocation) and reads them with UCX */
+#define TSHARE_CAP_UCX_STAGED                                                                                          \
+  (1u << 14) /* minor 6, with TSHARE_CAP_UCX_REMOTE: takes TSHARE_MEM_UCX_REMOTE shares and set memories whose         \
+                device_type is TSHARE_DEVICE_CUDA: GPU bytes the sender staged in host memory, which the receiver    \
+                reads and places on a GPU of its own */
 
 /* Share flags (share_flags, minor 1). Unknown bits are ignored. */
 #define TSHARE_SHARE_FLAG_RETIRE_NOTICE                                                                                \

@@ -1,0 +1,210 @@
+/* Remote memory over UCX, the consumer's GPU side (backend_ucx.h): GPU
+ * bytes a producer on another host staged in host memory
+ * (session_stage.c) are read here and placed on a GPU of this process's.
+ *
+ * The read is double-buffered: chunks come over UCX into two pinned,
+ * registered bounce buffers in turn, and while the GPU copies one chunk up
+ * the next is read into the other. The GPU memory comes from the device's
+ * stream-ordered pool, so that a release frees it after the work queued on
+ * the view's stream (never blocking, as a release must not). When the
+ * receive returns, the bytes are on the GPU: ready for work on any stream.
+ *
+ * Built with the CUDA toolkit's headers only (the driver is loaded at run
+ * time, cuda_driver.h); backend_ucx_device_none.c stands in without them. */
+#include "backend_ucx.h"
+
+#include "cuda_driver.h"
+#include "error_detail.h"
+#include "log.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#define UCX_BOUNCE_BYTES (8u << 20) /* each of the two: a chunk of the read */
+
+struct ucx_device {
+  CUcontext ctx; /* the device's primary context */
+  int device;
+  CUstream stream; /* the copies up to the GPU */
+  void *bounce[2];
+  ts_ucp_mem_h memh[2];
+  bool pinned[2];
+  CUevent done[2]; /* the copy that last read bounce[i] */
+  bool pending[2];
+  bool stranded; /* a read that never finished may still write into the bounce buffers */
+};
+
+bool ts_ucx_device_offered(void) {
+  int status;
+  return ts_cuda(&status, NULL) != NULL;
+}
+
+/* The device staged bytes land on: that of stream's context, else the
+ * calling thread's current context's, else 0. */
+int ts_ucx_device_target(void *stream) {
+  const ts_cuda_api *cu = ts_cuda(NULL, NULL);
+  if (!cu) return -1;
+  CUcontext ctx = NULL;
+  if (stream) (void)cu->cuStreamGetCtx((CUstream)stream, &ctx);
+  if (!ctx) (void)cu->cuCtxGetCurrent(&ctx);
+  if (!ctx) return 0;
+  int ordinal = ts_cuda_primary_ordinal(ctx);
+  if (ordinal >= 0) return ordinal;
+  CUdevice dev = 0;
+  if (!ts_cuda_push(ctx)) return 0;
+  if (cu->cuCtxGetDevice(&dev) != CUDA_SUCCESS) dev = 0;
+  ts_cuda_pop();
+  return (int)dev;
+}
+
+static void device_state_free(const ts_ucx_api *ucx, const ts_cuda_api *cu, struct ucx_device *d) {
+  if (!d) return;
+  bool entered = cu && d->ctx && ts_cuda_push(d->ctx);
+  if (entered && d->stream) cu->cuStreamSynchronize(d->stream);
+  for (int i = 0; i < 2; i++) {
+    if (entered && d->done[i]) cu->cuEventDestroy(d->done[i]);
+    if (d->memh[i]) ucx->ucp_mem_unmap(ucx->context, d->memh[i]);
+    if (entered && d->pinned[i]) cu->cuMemHostUnregister(d->bounce[i]);
+    if (d->bounce[i]) munmap(d->bounce[i], UCX_BOUNCE_BYTES);
+  }
+  if (entered && d->stream) cu->cuStreamDestroy(d->stream);
+  if (entered) ts_cuda_pop();
+  free(d);
+}
+
+/* The stream, events and bounce buffers for device (the channel's, made on
+ * first use, made again for another device). Entered into its context. */
+static int device_state(tshare_channel *ch, ucx_chan *u, const ts_cuda_api *cu, int device, struct ucx_device **out) {
+  struct ucx_device *d = u->device;
+  if (d && d->device == device && !d->stranded) {
+    *out = d;
+    return ts_cuda_push(d->ctx) ? TSHARE_OK
+                                : ts_errf(ch->err, sizeof ch->err, TSHARE_E_CUDA, "import: cannot enter device %d",
+                                          device);
+  }
+  if (d && !d->stranded) device_state_free(u->ucx, cu, d); /* a stranded one stays mapped: a read may still land */
+  u->device = NULL;
+  d = calloc(1, sizeof *d);
+  if (!d) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
+  d->device = device;
+  d->ctx = ts_cuda_primary_ctx(device);
+  if (!d->ctx || !ts_cuda_push(d->ctx)) {
+    free(d);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_CUDA, "import: cannot enter device %d's context", device);
+  }
+  CUresult rc = cu->cuStreamCreate(&d->stream, CU_STREAM_NON_BLOCKING);
+  for (int i = 0; i < 2 && rc == CUDA_SUCCESS; i++) {
+    rc = cu->cuEventCreate(&d->done[i], CU_EVENT_DISABLE_TIMING);
+    d->bounce[i] = mmap(NULL, UCX_BOUNCE_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (d->bounce[i] == MAP_FAILED) {
+      d->bounce[i] = NULL;
+      ts_cuda_pop();
+      device_state_free(u->ucx, cu, d);
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory for a bounce buffer");
+    }
+    /* Pinned, so the copy up runs while the next chunk is read; without,
+     * the driver copies it first and the buffers still take turns. */
+    d->pinned[i] = cu->cuMemHostRegister(d->bounce[i], UCX_BOUNCE_BYTES, CU_MEMHOSTREGISTER_PORTABLE) == CUDA_SUCCESS;
+    ts_ucp_mem_map_params mp = {.field_mask = TS_UCP_MEM_MAP_PARAM_FIELD_ADDRESS | TS_UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+                                .address = d->bounce[i],
+                                .length = UCX_BOUNCE_BYTES};
+    if (u->ucx->ucp_mem_map(u->ucx->context, &mp, &d->memh[i]) != TS_UCS_OK) d->memh[i] = NULL; /* UCX copies then */
+  }
+  if (rc != CUDA_SUCCESS) {
+    ts_cuda_pop();
+    device_state_free(u->ucx, cu, d);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_CUDA, "import: a stream for GPU copies on device %d: %s", device,
+                   ts_cuda_strerror(rc));
+  }
+  u->device = d;
+  *out = d;
+  return TSHARE_OK;
+}
+
+/* Bytes [begin, end) of the peer's region r (allocation alloc_id) into new
+ * GPU memory; entered into d's context. */
+static int read_up(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, const ts_cuda_api *cu,
+                   struct ucx_device *d, uint64_t alloc_id, uint64_t address, uint64_t len, CUdeviceptr *out) {
+  CUdeviceptr dptr = 0;
+  CUresult rc = cu->cuMemAllocAsync(&dptr, len ? (size_t)len : 1, d->stream);
+  if (rc != CUDA_SUCCESS)
+    return ts_errf(ch->err, sizeof ch->err, rc == CUDA_ERROR_OUT_OF_MEMORY ? TSHARE_E_NOMEM : TSHARE_E_CUDA,
+                   "import: %llu bytes of GPU memory on device %d: %s", (unsigned long long)len, d->device,
+                   ts_cuda_strerror(rc));
+  int k = 0;
+  for (uint64_t off = 0; off < len && rc == CUDA_SUCCESS; off += UCX_BOUNCE_BYTES, k ^= 1) {
+    size_t n = len - off < UCX_BOUNCE_BYTES ? (size_t)(len - off) : UCX_BOUNCE_BYTES;
+    if (d->pending[k] && (rc = cu->cuEventSynchronize(d->done[k])) != CUDA_SUCCESS) break; /* its copy up is done */
+    d->pending[k] = false;
+    ts_ucs_status st = ts_ucx_get_remote(ch, u, link, alloc_id, address + off, d->bounce[k], n);
+    if (st != TS_UCS_OK) {
+      d->stranded = st == TS_UCS_INPROGRESS; /* never used again: the read may still land */
+      cu->cuMemFreeAsync(dptr, d->stream);
+      return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED, "import: reading allocation %llu from %s: %s",
+                     (unsigned long long)alloc_id, ch->conn.peer_label,
+                     st == TS_UCS_INPROGRESS ? "the peer did not serve it in time" : ts_ucx_strerror(st));
+    }
+    rc = cu->cuMemcpyHtoDAsync(dptr + off, d->bounce[k], n, d->stream);
+    if (rc == CUDA_SUCCESS) rc = cu->cuEventRecord(d->done[k], d->stream);
+    d->pending[k] = rc == CUDA_SUCCESS;
+  }
+  if (rc == CUDA_SUCCESS) rc = cu->cuStreamSynchronize(d->stream); /* on the GPU: ready for any stream */
+  d->pending[0] = d->pending[1] = false;
+  if (rc != CUDA_SUCCESS) {
+    cu->cuMemFreeAsync(dptr, d->stream);
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_CUDA, "import: copying %llu bytes up to device %d: %s",
+                   (unsigned long long)len, d->device, ts_cuda_strerror(rc));
+  }
+  *out = dptr;
+  return TSHARE_OK;
+}
+
+int ts_ucx_device_land(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, uint64_t alloc_id, uint64_t address,
+                       uint64_t len, void *stream, ucx_landing **out) {
+  int status = TSHARE_OK;
+  const char *why = NULL;
+  const ts_cuda_api *cu = ts_cuda(&status, &why);
+  if (!cu) return ts_errf(ch->err, sizeof ch->err, status, "import: GPU memory staged by the peer: %s", why);
+  ucx_landing *l = calloc(1, sizeof *l);
+  if (!l) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
+  struct ucx_device *d = NULL;
+  int rc = device_state(ch, u, cu, ts_ucx_device_target(stream), &d);
+  if (rc != TSHARE_OK) {
+    free(l);
+    return rc;
+  }
+  CUdeviceptr dptr = 0;
+  rc = read_up(ch, u, link, cu, d, alloc_id, address, len, &dptr);
+  ts_cuda_pop();
+  if (rc != TSHARE_OK) {
+    free(l);
+    return rc;
+  }
+  l->on_device = true;
+  l->device_ptr = (uint64_t)dptr;
+  l->ctx = d->ctx;
+  l->device = d->device;
+  l->size = (size_t)len;
+  l->refs = 1;
+  *out = l;
+  return TSHARE_OK;
+}
+
+void ts_ucx_device_free(ucx_landing *l, void *stream) {
+  const ts_cuda_api *cu = ts_cuda_if_loaded();
+  if (cu && ts_cuda_push(l->ctx)) {
+    /* After the work queued on stream: the memory is not reused before. */
+    CUresult rc = cu->cuMemFreeAsync((CUdeviceptr)l->device_ptr, (CUstream)stream);
+    if (rc != CUDA_SUCCESS && stream) rc = cu->cuMemFreeAsync((CUdeviceptr)l->device_ptr, NULL); /* another context's stream */
+    if (rc != CUDA_SUCCESS)
+      TS_LOG(TS_LOG_WARN, "freeing %zu bytes of GPU memory read over UCX: %s", l->size, ts_cuda_strerror(rc));
+    ts_cuda_pop();
+  }
+  free(l);
+}
+
+void ts_ucx_device_chan_free(ucx_chan *u) {
+  device_state_free(u->ucx, ts_cuda_if_loaded(), u->device);
+  u->device = NULL;
+}
