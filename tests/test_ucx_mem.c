@@ -10,6 +10,7 @@
 #include "tshare/hostmem.h"
 #include "tshare/share.h"
 #include "ucx_api.h" /* a hostile producer registers memory of its own */
+#include "tshare/cuda.h" /* tshare_view_cuda_device: staged GPU bytes */
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -328,19 +329,24 @@ static void hostile_producer(void) {
   send_raw_frame(ch, &f);
   f = share_frame(1004, 104, 1ull << 46, 1ull << 46);
   send_raw_frame(ch, &f);
-  bool released[5] = {false}; /* by raw id - 1000 */
-  for (int i = 0; i < 4; i++) {
+  /* 5: GPU bytes staged in host memory, sent whatever the consumer's hello
+   * offered: placed on its GPU where it has one, else refused */
+  f = share_frame(1005, 103, REGION, 64);
+  f.u.share.device_type = TSHARE_DEVICE_CUDA;
+  send_raw_frame(ch, &f);
+  bool released[6] = {false}; /* by raw id - 1000 */
+  for (int i = 0; i < 5; i++) {
     tshare_frame r;
     int fd;
     CHECK_RC(tshare_channel_recv_frame(ch, &r, &fd, 10000), TSHARE_OK, tshare_channel_last_error(ch));
     CHECK_EQ(r.type, TSHARE_FRAME_RELEASE);
     for (uint32_t k = 0; k < r.u.release.count; k++) {
-      CHECK(r.u.release.share_ids[k] >= 1001 && r.u.release.share_ids[k] <= 1004);
+      CHECK(r.u.release.share_ids[k] >= 1001 && r.u.release.share_ids[k] <= 1005);
       released[r.u.release.share_ids[k] - 1000] = true;
     }
-    if (released[1] && released[2] && released[3] && released[4]) break;
+    if (released[1] && released[2] && released[3] && released[4] && released[5]) break;
   }
-  CHECK(released[1] && released[2] && released[3] && released[4]);
+  CHECK(released[1] && released[2] && released[3] && released[4] && released[5]);
   ucx->ucp_rkey_buffer_release(key);
   /* The channel goes on: a real share. */
   tshare_host_buffer *buf;
@@ -383,12 +389,32 @@ static void key_not_checked(tshare_channel *ch) {
   if (!strstr(tshare_channel_last_error(ch), "1001")) TS_FAIL("the refusal does not name the share");
 }
 
+/* 5: GPU bytes staged by the peer: on a GPU of this process's where one is
+ * usable (a copy), else refused saying why; released back either way. */
+static void staged_gpu_bytes(tshare_channel *ch) {
+  tshare_view *v = NULL;
+  int rc = tshare_view_recv(ch, 10000, &v);
+  if (rc == TSHARE_OK) {
+    printf("staged GPU bytes were placed on GPU %d\n", tshare_view_cuda_device(v));
+    CHECK_EQ(tshare_view_device_type(v), TSHARE_DEVICE_CUDA);
+    CHECK(tshare_view_cuda_device(v) >= 0);
+    CHECK_EQ(tshare_view_is_copy(v), 1);
+    tshare_view_release(v);
+    return;
+  }
+  const char *detail = tshare_channel_last_error(ch);
+  printf("staged GPU bytes were refused: %s\n", detail);
+  CHECK(rc == TSHARE_E_NO_DEVICE || rc == TSHARE_E_UNSUPPORTED);
+  if (!strstr(detail, "GPU memory")) TS_FAIL("the refusal '%s' does not say it was GPU memory", detail);
+}
+
 static void wary_consumer(void) {
   tshare_channel *ch = connect_one(TOKEN);
   key_not_checked(ch);                                          /* 1 */
   expect_refused(ch, TSHARE_E_PROTOCOL, "no usable rkey");     /* 2 */
   expect_refused(ch, TSHARE_E_OUT_OF_BOUNDS, "registered region"); /* 3 */
   expect_refused(ch, TSHARE_E_NOMEM, "landing buffer");           /* 4 */
+  staged_gpu_bytes(ch);                                           /* 5 */
   tshare_view *v;
   CHECK_RC(tshare_view_recv(ch, 10000, &v), TSHARE_OK, tshare_channel_last_error(ch));
   CHECK(strcmp(tshare_view_tag(v), "good") == 0);

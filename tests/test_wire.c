@@ -943,7 +943,10 @@ TS_TEST(roundtrip_rkey_frames_and_remote_shares) {
   f.u.share.handle_len = 8; /* the key travels in its own frame, never in the share */
   expect_encode_refused(&f, TSHARE_E_MALFORMED);
   f.u.share.handle_len = 0;
-  f.u.share.device_type = TSHARE_DEVICE_CUDA;
+  f.u.share.device_type = TSHARE_DEVICE_CUDA; /* GPU bytes staged in host memory (TSHARE_CAP_UCX_STAGED) */
+  CHECK_RC(decode(buf, encode(&f, buf), &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.share.device_type, TSHARE_DEVICE_CUDA);
+  f.u.share.device_type = 3; /* no such device type */
   expect_encode_refused(&f, TSHARE_E_MALFORMED);
 
   tshare_frame r;
@@ -1010,8 +1013,15 @@ TS_TEST(malformed_rkey_frames) {
   tshare_frame bad = m;
   bad.flags = TSHARE_FRAME_FLAG_FD_ATTACHED;
   expect_encode_refused(&bad, TSHARE_E_MALFORMED);
+  tshare_frame staged = m; /* GPU bytes staged in host memory (TSHARE_CAP_UCX_STAGED) */
+  staged.u.set.u.mem.device_type = TSHARE_DEVICE_CUDA;
+  CHECK_RC(decode(buf, encode(&staged, buf), &g), TSHARE_OK, "");
+  CHECK_EQ(g.u.set.u.mem.device_type, TSHARE_DEVICE_CUDA);
   bad = m;
-  bad.u.set.u.mem.device_type = TSHARE_DEVICE_CUDA;
+  bad.u.set.u.mem.device_type = 3;
+  expect_encode_refused(&bad, TSHARE_E_MALFORMED);
+  bad = staged;
+  bad.u.set.u.mem.handle_len = 8;
   expect_encode_refused(&bad, TSHARE_E_MALFORMED);
   bad = m;
   bad.u.set.u.mem.handle_len = 8;

@@ -140,7 +140,9 @@ static int check_set_mem(const tshare_set_mem_frame *m, uint8_t flags, const tsh
     return ts_errf(err, cap, TSHARE_E_TOO_LARGE, "set: memory %u: handle_len %u over %d", m->index,
                    (unsigned)m->handle_len, TSHARE_HANDLE_MAX);
   bool host = ts_wire_kind_is_host(m->mem_kind) || m->mem_kind == TSHARE_MEM_UCX_REMOTE; /* CPU memory, no handle */
-  if (host != (m->device_type == TSHARE_DEVICE_CPU) || (host && m->handle_len != 0))
+  /* Remote memory may hold GPU bytes staged in host memory (TSHARE_CAP_UCX_STAGED). */
+  bool staged = m->mem_kind == TSHARE_MEM_UCX_REMOTE && m->device_type == TSHARE_DEVICE_CUDA;
+  if ((host != (m->device_type == TSHARE_DEVICE_CPU) && !staged) || (host && m->handle_len != 0))
     return ts_errf(err, cap, TSHARE_E_MALFORMED, "set: memory %u: mem_kind %u with device_type %u and %u handle bytes",
                    m->index, (unsigned)m->mem_kind, (unsigned)m->device_type, (unsigned)m->handle_len);
   if (ts_wire_kind_takes_fd(m->mem_kind) != ((flags & TSHARE_FRAME_FLAG_FD_ATTACHED) != 0))
@@ -236,8 +238,8 @@ int ts_wire_check_share(const tshare_share_frame *s, const tshare_wire_limits *l
       return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: CUDA fd memory carries %u handle bytes",
                      (unsigned)s->handle_len);
     break;
-  case TSHARE_MEM_UCX_REMOTE:
-    if (s->device_type != TSHARE_DEVICE_CPU)
+  case TSHARE_MEM_UCX_REMOTE: /* host memory, or GPU bytes staged there (TSHARE_CAP_UCX_STAGED) */
+    if (s->device_type != TSHARE_DEVICE_CPU && s->device_type != TSHARE_DEVICE_CUDA)
       return ts_errf(err, cap, TSHARE_E_MALFORMED, "share: remote host memory with device_type %u",
                      (unsigned)s->device_type);
     if (s->handle_len != 0)
