@@ -34,6 +34,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#define SMALL_FLOATS 1024 /* the native row's share: 4 KiB */
+
 /* The rows and targets, not measured: why (the set rows too unless they
  * were measured). */
 static void skip_all(bench *b, const char *why, bool sets_too) {
@@ -47,6 +49,69 @@ static void skip_all(bench *b, const char *why, bool sets_too) {
   }
   br_target_add(&b->rep, "ucx: 4 KiB share round trip <= 1.2x raw UCP AM + get + AM", -1, "not measured: %s", why);
   br_target_add(&b->rep, "ucx: 64 MiB share >= 0.9x raw ucp_get_nbx bandwidth", -1, "not measured: %s", why);
+}
+
+/* ---- same host: the native path -------------------------------------------- */
+
+/* A channel opened by name on this host (tshare_listen / tshare_connect)
+ * never goes over UCX: UCX is used only where a ucx:// address asks for it.
+ * The row is the 4 KiB host share round trip on such a channel, its label
+ * naming the transport it chose; the target checks that it is not UCX. */
+static void native_consumer(const char *name) {
+  tshare_channel *ch = NULL;
+  if (tshare_connect(name, NULL, 10000, &ch, NULL) != TSHARE_OK) _exit(1);
+  for (;;) {
+    tshare_view *v;
+    if (tshare_view_recv(ch, BENCH_TIMEOUT_MS, &v) != TSHARE_OK) break; /* the producer's bye ends it */
+    tshare_view_release(v);
+  }
+  tshare_channel_close(ch);
+  _exit(0);
+}
+
+static void native_row(bench *b, long iters) {
+  char name[64], why[300] = "";
+  snprintf(name, sizeof name, "tshare-bench-native-%ld", (long)getpid());
+  tshare_listener *l = NULL;
+  tshare_error err;
+  if (tshare_listen(name, &l, &err) != TSHARE_OK) snprintf(why, sizeof why, "%s", err.message);
+  pid_t pid = l ? fork() : -1;
+  if (pid == 0) native_consumer(name);
+  tshare_channel *ch = NULL;
+  if (pid > 0 && tshare_listener_accept(l, NULL, 10000, &ch, &err) != TSHARE_OK) snprintf(why, sizeof why, "%s", err.message);
+  if (l) tshare_listener_close(l);
+  tshare_host_buffer *buf = NULL;
+  int64_t n = SMALL_FLOATS;
+  tshare_tensor_desc d = tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_FLOAT, 32, 1}, 1, &n, 0);
+  bs_samples ts = {0};
+  if (ch && tshare_host_buffer_create(SMALL_FLOATS * 4, "bench-native", &buf, &err) == TSHARE_OK)
+    for (long i = 0; i < iters; i++) {
+      uint64_t id, t0 = bs_now_ns();
+      if (tshare_share_host(ch, buf, &d, NULL, NULL, 10000, &id) != TSHARE_OK ||
+          tshare_channel_wait_released(ch, id, 10000) != TSHARE_OK) {
+        snprintf(why, sizeof why, "%s", tshare_channel_last_error(ch));
+        break;
+      }
+      bs_add(&ts, (double)(bs_now_ns() - t0));
+    }
+  tshare_transport kind = ch ? tshare_channel_transport(ch) : TSHARE_TRANSPORT_DEFAULT;
+  const char *kind_name = kind == TSHARE_TRANSPORT_RING ? "ring" : kind == TSHARE_TRANSPORT_SOCKET ? "socket" : "ucx";
+  if (ch) tshare_channel_close(ch);
+  if (buf) tshare_host_buffer_destroy(buf);
+  if (pid > 0) waitpid(pid, NULL, 0);
+  if (why[0] || !ts.n) {
+    br_skip(&b->rep, BR_LATENCY, "latency", "ucx_same_host_native", "same host, a channel by name: 4 KiB host share",
+            why[0] ? why : "no round trip");
+    br_target_add(&b->rep, "ucx: a same-host channel by name never uses UCX", -1, "not measured: %s", why);
+  } else {
+    char label[96];
+    snprintf(label, sizeof label, "same host, a channel by name: 4 KiB host share [%s]", kind_name);
+    br_row *row = bench_latency_row(b, "ucx_same_host_native", label, &ts, NULL, NULL);
+    snprintf(row->note, sizeof row->note, "share to release: the native path (an fd, mapped), never UCX");
+    br_target_add(&b->rep, "ucx: a same-host channel by name never uses UCX", kind != TSHARE_TRANSPORT_UCX,
+                  "the transport chosen: %s", kind_name);
+  }
+  bs_free(&ts);
 }
 
 #ifdef TSHARE_BENCH_HAVE_UCP
@@ -533,6 +598,7 @@ void bench_ucx(bench *b) {
   char why[200] = "";
   static ucx_results res[2];
   long iters = b->opt.iters < UCX_ITERS_MAX ? b->opt.iters : UCX_ITERS_MAX;
+  native_row(b, iters);
   fprintf(stderr, "tshare-bench: UCX rows (%ld round trips each way, %d x 64 MiB)\n", iters, BIG_ROUNDS);
   if (namespaces_make(why, sizeof why) != 0) {
     skip_all(b, why, true);
@@ -553,6 +619,9 @@ void bench_ucx(bench *b) {
 
 #else
 
-void bench_ucx(bench *b) { skip_all(b, "built without UCX's headers (libucx-dev)", true); }
+void bench_ucx(bench *b) {
+  native_row(b, b->opt.iters < 2000 ? b->opt.iters : 2000);
+  skip_all(b, "built without UCX's headers (libucx-dev)", true);
+}
 
 #endif
