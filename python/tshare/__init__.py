@@ -169,6 +169,15 @@ class Channel:
         return self._c.transport
 
     @property
+    def receives_copies(self):
+        """True where what this end receives is a copy in its own memory
+        (a channel across hosts: the bytes were read over UCX, and GPU
+        tensors placed on this end's GPU), False where received tensors are
+        the producer's memory, mapped (every same-host channel): writes to
+        them are then seen by the producer."""
+        return self._c.transport == "ucx"
+
+    @property
     def peer_name(self):
         return self._c.peer_name
 

@@ -258,6 +258,7 @@ def rendezvous_and_reprs():
     assert tshare.role() is None, "not started by tshare-launch"
     p, c = pair(transport="socket")
     assert p.transport == "socket" and c.transport == "socket"
+    assert not p.receives_copies and not c.receives_copies  # the producer's memory, mapped
     p.close()
     c.close()
 

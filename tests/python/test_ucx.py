@@ -62,6 +62,7 @@ def connect_and_accept_with_a_token_argument():
     with a, b:
         assert a.transport == "ucx", a.transport
         assert b.transport == "ucx", b.transport
+        assert a.receives_copies and b.receives_copies
         assert "over ucx" in repr(a), repr(a)
         assert a.peer_name == "connector" and b.peer_name == "listener", (a.peer_name, b.peer_name)
         b.close()  # the bye: the listener's receive sees the end

@@ -63,6 +63,7 @@ static void plan_consumer(int fd) {
     CHECK(r);
     CHECK_EQ(r->tensors.size(), p.count);
     CHECK(r->meta == meta_of(p));
+    CHECK(!r->is_copy); // the producer's memory, mapped
     for (size_t i = 0; i < p.count; i++) {
       const auto &item = r->tensors[i]; // the sender's order
       if (item.key() != name_of(i)) TS_FAIL("name %zu is '%.40s'", i, item.key().c_str());

@@ -254,6 +254,7 @@ std::optional<Received> recv(tshare_channel *ch, const RecvOptions &options) {
   Received r;
   r.tag = tshare_view_tag(view);
   r.share_id = tshare_view_share_id(view);
+  r.is_copy = tshare_view_is_copy(view) == 1;
   r.tensor = tensor_from_view(view);
   return r;
 }

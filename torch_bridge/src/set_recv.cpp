@@ -152,6 +152,7 @@ std::optional<ReceivedSet> recv_set(tshare_channel *ch, const RecvOptions &optio
   size_t count = tshare_set_count(set);
   try {
     r.set_id = tshare_set_id(set);
+    r.is_copy = tshare_set_is_copy(set) == 1;
     size_t meta_len = 0;
     const void *meta = tshare_set_meta(set, &meta_len);
     if (meta_len) r.meta.assign(static_cast<const char *>(meta), meta_len);

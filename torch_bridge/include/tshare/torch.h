@@ -85,6 +85,9 @@ struct Received {
   at::Tensor tensor;
   std::string tag;
   uint64_t share_id = 0;
+  // A copy in this process's memory (read over a ucx:// channel, a GPU
+  // tensor placed on this end's GPU); false: the producer's memory, mapped.
+  bool is_copy = false;
 };
 
 // The next tensor on ch, or std::nullopt once the peer said bye. A share

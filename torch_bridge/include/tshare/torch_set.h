@@ -170,6 +170,7 @@ struct ReceivedSet {
   TensorDict tensors;  // in the sender's order; tensors["name"], tensors.find("name")
   std::string meta;    // the metadata, as sent
   uint64_t set_id = 0; // the producer's share id of the whole set
+  bool is_copy = false; // a copy in this process's memory (over ucx://), not the producer's memory
 };
 
 // The next set on ch, or std::nullopt once the peer said bye. A set the
