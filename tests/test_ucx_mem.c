@@ -54,12 +54,10 @@ static uint8_t pattern(uint64_t byte, unsigned seed) { return (uint8_t)(byte * 1
 
 /* Every byte of every element of the view is the producer's byte at the
  * same place of its allocation. */
-static void check_elements(const tshare_view *v, unsigned seed) {
-  const tshare_tensor_desc *d = tshare_view_desc(v);
+static void check_layout(const tshare_tensor_desc *d, const uint8_t *data, unsigned seed, uint64_t share_id) {
   size_t item = tshare_dtype_itemsize(d->dtype);
   uint64_t n = 1;
   for (int i = 0; i < d->ndim; i++) n *= (uint64_t)d->shape[i];
-  const uint8_t *data = tshare_view_data(v);
   for (uint64_t e = 0; e < n; e++) {
     int64_t at = 0; /* elements from element [0,...,0] */
     uint64_t rest = e;
@@ -71,11 +69,14 @@ static void check_elements(const tshare_view *v, unsigned seed) {
       uint64_t producer_byte = (uint64_t)((int64_t)d->byte_offset + at * (int64_t)item) + b;
       uint8_t got = data[at * (int64_t)item + (int64_t)b];
       if (got != pattern(producer_byte, seed))
-        TS_FAIL("share %llu, element %llu byte %zu: %u, the producer's was %u",
-                (unsigned long long)tshare_view_share_id(v), (unsigned long long)e, b, got,
-                pattern(producer_byte, seed));
+        TS_FAIL("share %llu, element %llu byte %zu: %u, the producer's was %u", (unsigned long long)share_id,
+                (unsigned long long)e, b, got, pattern(producer_byte, seed));
     }
   }
+}
+
+static void check_elements(const tshare_view *v, unsigned seed) {
+  check_layout(tshare_view_desc(v), tshare_view_data(v), seed, tshare_view_share_id(v));
 }
 
 /* ---- both ways --------------------------------------------------------------- */
@@ -122,6 +123,149 @@ static void exchange(tshare_channel *ch, int side) {
     produce_all(ch);
   else
     consume_all(ch);
+  tshare_channel_close(ch);
+}
+
+/* ---- remote views: slices read on demand --------------------------------------- */
+
+/* The bytes a layout touches, from its element [0,...,0]: [*lo, *hi). */
+static void span_of(const tshare_tensor_desc *d, int64_t *lo, int64_t *hi) {
+  int64_t item = (int64_t)tshare_dtype_itemsize(d->dtype), low = 0, high = item;
+  for (int i = 0; i < d->ndim; i++) {
+    if (d->shape[i] == 0) {
+      *lo = *hi = 0;
+      return;
+    }
+    int64_t reach = (d->shape[i] - 1) * d->strides[i] * item;
+    if (reach < 0) low += reach;
+    else high += reach;
+  }
+  *lo = low, *hi = high;
+}
+
+/* Every layout received as a remote view: no bytes until read; the whole
+ * span read and checked, one element alone, and reads outside refused. */
+static void consume_remote(tshare_channel *ch) {
+  for (unsigned i = 0; i < N_DTYPES * N_LAYOUTS; i++) {
+    tshare_view *v;
+    CHECK_RC(tshare_view_recv_remote(ch, 10000, &v), TSHARE_OK, tshare_channel_last_error(ch));
+    CHECK(tshare_view_data(v) == NULL);
+    CHECK_EQ(tshare_view_is_copy(v), 1);
+    const tshare_tensor_desc *d = tshare_view_desc(v);
+    int64_t lo, hi;
+    span_of(d, &lo, &hi);
+    uint8_t *bytes = malloc((size_t)(hi - lo) + 1);
+    CHECK(bytes != NULL);
+    CHECK_RC(tshare_view_read(v, lo, bytes, (size_t)(hi - lo)), TSHARE_OK, tshare_channel_last_error(ch));
+    check_layout(d, bytes - lo, i, tshare_view_share_id(v));
+    uint8_t one = 0;
+    if (hi > lo) { /* element [0,...,0]'s first byte alone */
+      CHECK_RC(tshare_view_read(v, 0, &one, 1), TSHARE_OK, tshare_channel_last_error(ch));
+      CHECK_EQ(one, pattern(d->byte_offset, i));
+    }
+    CHECK_EQ(tshare_view_read(v, lo - 1, &one, 1), TSHARE_E_OUT_OF_BOUNDS);
+    CHECK_EQ(tshare_view_read(v, hi, &one, 1), TSHARE_E_OUT_OF_BOUNDS);
+    CHECK_EQ(tshare_view_read(v, INT64_MIN, &one, 1), TSHARE_E_OUT_OF_BOUNDS);
+    CHECK_EQ(tshare_view_read(v, lo, &one, SIZE_MAX), TSHARE_E_OUT_OF_BOUNDS);
+    CHECK_EQ(tshare_view_read(v, lo, NULL, 1), TSHARE_E_INVALID_ARG);
+    free(bytes);
+    tshare_view_release(v);
+  }
+}
+
+static void remote_listener(void) {
+  tshare_channel *ch = accept_one(TOKEN);
+  produce_all(ch);
+  tshare_channel_close(ch);
+}
+
+static void remote_connector(void) {
+  tshare_channel *ch = connect_one(TOKEN);
+  consume_remote(ch);
+  tshare_channel_close(ch);
+}
+
+TS_TEST(remote_views_read_slices_of_every_layout_loopback) {
+  use_loopback();
+  run_pair(remote_listener, remote_connector);
+}
+
+TS_TEST(remote_views_read_slices_of_every_layout_netns) {
+  make_namespaces();
+  run_pair(remote_listener, remote_connector);
+}
+
+/* A remote view holds the producer's memory until its release; a fetched
+ * one released it when it was read, and is no remote view. */
+static void hold_listener(void) {
+  tshare_channel *ch = accept_one(TOKEN);
+  tshare_host_buffer *buf;
+  tshare_error err;
+  CHECK_RC(tshare_host_buffer_create(65536, "ucx-hold", &buf, &err), TSHARE_OK, err.message);
+  uint8_t *p = tshare_host_buffer_data(buf);
+  for (size_t i = 0; i < 65536; i++) p[i] = pattern(i, 4);
+  tshare_tensor_desc d = layout((tshare_dtype){TSHARE_DTYPE_INT, 32, 1}, 0);
+  uint64_t remote, fetched;
+  CHECK_RC(tshare_share_host(ch, buf, &d, "remote", NULL, 5000, &remote), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(tshare_channel_wait_released(ch, remote, 300), TSHARE_E_TIMEOUT); /* the consumer holds it 800 ms */
+  CHECK_RC(tshare_channel_wait_released(ch, remote, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_share_host(ch, buf, &d, "fetched", NULL, 5000, &fetched), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_channel_wait_released(ch, fetched, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_host_buffer_destroy(buf);
+  CHECK_RC(tshare_channel_wait_released(ch, 0, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_channel_close(ch);
+}
+
+static void hold_connector(void) {
+  tshare_channel *ch = connect_one(TOKEN);
+  tshare_view *v;
+  CHECK_RC(tshare_view_recv_remote(ch, 10000, &v), TSHARE_OK, tshare_channel_last_error(ch));
+  uint8_t four[4];
+  CHECK_RC(tshare_view_read(v, 0, four, 4), TSHARE_OK, tshare_channel_last_error(ch));
+  for (int b = 0; b < 4; b++) CHECK_EQ(four[b], pattern(tshare_view_desc(v)->byte_offset + (uint64_t)b, 4));
+  usleep(800000);
+  tshare_view_release(v);
+  CHECK_RC(tshare_view_recv(ch, 10000, &v), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_EQ(tshare_view_read(v, 0, four, 4), TSHARE_E_INVALID_ARG); /* its bytes are here already */
+  check_elements(v, 4);
+  tshare_view_release(v);
+  tshare_channel_close(ch);
+}
+
+TS_TEST(a_remote_view_holds_the_producers_memory_until_released_loopback) {
+  use_loopback();
+  run_pair(hold_listener, hold_connector);
+}
+
+/* On a same-host channel there is nothing remote: refused, released back. */
+TS_TEST(a_remote_view_on_a_same_host_channel_is_refused) {
+  int sv[2];
+  tshare_error err;
+  CHECK_RC(tshare_socketpair(sv, &err), TSHARE_OK, err.message);
+  pid_t pid = fork();
+  CHECK(pid >= 0);
+  if (pid == 0) {
+    close(sv[0]);
+    tshare_channel *ch;
+    CHECK_RC(tshare_channel_open_socket(sv[1], NULL, &ch, &err), TSHARE_OK, err.message);
+    tshare_view *v = NULL;
+    CHECK_EQ(tshare_view_recv_remote(ch, 10000, &v), TSHARE_E_UNSUPPORTED);
+    CHECK(v == NULL && strstr(tshare_channel_last_error(ch), "tshare_view_recv()") != NULL);
+    tshare_channel_close(ch);
+    _exit(0);
+  }
+  close(sv[1]);
+  tshare_channel *ch;
+  CHECK_RC(tshare_channel_open_socket(sv[0], NULL, &ch, &err), TSHARE_OK, err.message);
+  tshare_host_buffer *buf;
+  CHECK_RC(tshare_host_buffer_create(4096, "same-host", &buf, &err), TSHARE_OK, err.message);
+  tshare_tensor_desc d = layout((tshare_dtype){TSHARE_DTYPE_INT, 32, 1}, 0);
+  uint64_t id;
+  CHECK_RC(tshare_share_host(ch, buf, &d, NULL, NULL, 5000, &id), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_channel_wait_released(ch, id, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_host_buffer_destroy(buf);
+  int status;
+  CHECK(waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0);
   tshare_channel_close(ch);
 }
 

@@ -156,6 +156,14 @@ typedef struct ts_backend {
    * *copied is the bytes the set's earlier memories copied; the backend
    * adds this memory's and refuses a set whose total it cannot hold. */
   int (*import_in_set)(tshare_channel *ch, const tshare_frame *f, uint64_t *copied, struct tshare_view *v);
+  /* Optional, remote mode (tshare_view_recv_remote), for a backend whose
+   * views are copies: import_remote reads nothing and keeps the share (the
+   * producer holds its memory until the view's release, which is then
+   * TS_RELEASE_NOW); read_remote copies len bytes of the view's memory,
+   * starting offset bytes from its element [0,...,0] (inside the layout's
+   * span: checked here), into dst. */
+  int (*import_remote)(tshare_channel *ch, const tshare_frame *f, struct tshare_view *v);
+  int (*read_remote)(tshare_channel *ch, struct tshare_view *v, int64_t offset, void *dst, size_t len);
   /* Optional: the host buffer of this process's that holds a view's
    * `memory` (a copy landed in tshare_host_buffer memory), or NULL. */
   struct tshare_host_buffer *(*memory_host_buffer)(void *memory);

@@ -51,6 +51,11 @@ typedef struct ucx_landing {
   size_t size;
   ts_ucp_mem_h memh;
   size_t refs; /* the view or set that holds it, and a set's views (ch->lock) */
+  /* remote mode (tshare_view_recv_remote): no bytes here, only where they are */
+  bool remote;
+  uint64_t alloc_id, address; /* the peer's allocation and its region's address */
+  uint64_t begin, end;        /* the span the share's layout touches, in the allocation */
+  uint64_t origin;            /* where its element [0,...,0] is, in the allocation */
   /* GPU bytes the peer staged, placed on a GPU here (backend_ucx_device.c) */
   bool on_device;
   uint64_t device_ptr; /* a CUdeviceptr of the device's stream-ordered pool */
@@ -97,6 +102,8 @@ void ts_ucx_drop_remote_locked(ucx_chan *u, const ts_ucx_link *link, uint64_t al
 int ts_ucx_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, struct tshare_view *v);
 ts_release_done ts_ucx_release(struct tshare_view *v);
 int ts_ucx_import_in_set(tshare_channel *ch, const tshare_frame *f, uint64_t *copied, struct tshare_view *v);
+int ts_ucx_import_remote(tshare_channel *ch, const tshare_frame *f, struct tshare_view *v);
+int ts_ucx_read_remote(tshare_channel *ch, struct tshare_view *v, int64_t offset, void *dst, size_t len);
 struct tshare_host_buffer *ts_ucx_memory_host_buffer(void *memory);
 void ts_ucx_memory_ref_locked(tshare_channel *ch, void *memory);
 void ts_ucx_memory_unref_locked(tshare_channel *ch, void *memory);

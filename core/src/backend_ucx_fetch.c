@@ -218,33 +218,40 @@ static bool remote_of(ucx_chan *u, const ts_ucx_link *link, uint64_t alloc_id, u
   return r != NULL;
 }
 
-/* Bytes [begin, end) of share s's allocation (region r) into a new landing
- * buffer, *out: host memory, or GPU memory (for work on stream) where the
- * peer staged GPU bytes. */
-static int fetch_span_into(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, const tshare_share_frame *s,
-                           const ucx_remote *r, uint64_t begin, uint64_t end, void *stream, ucx_landing **out) {
+/* len bytes at the peer's address (allocation alloc_id, for share_id's
+ * sake) into a landing buffer, *out. */
+static int read_into_landing(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, uint64_t share_id,
+                             uint64_t alloc_id, uint64_t address, size_t len, ucx_landing **out) {
   ucx_landing *l = NULL;
-  if (s->device_type == TSHARE_DEVICE_CUDA) /* GPU bytes the peer staged: placed on a GPU here */
-    return ts_ucx_device_land(ch, u, link, s->alloc_id, r->address + begin, end - begin, stream, out);
-  int rc = landing_take(ch, u, (size_t)(end - begin), &l);
+  int rc = landing_take(ch, u, len, &l);
   if (rc != TSHARE_OK) return rc;
-  ts_ucs_status st = ts_ucx_get_remote(ch, u, link, s->alloc_id, r->address + begin, l->base, (size_t)(end - begin));
+  ts_ucs_status st = ts_ucx_get_remote(ch, u, link, alloc_id, address, l->base, len);
   if (st == TS_UCS_INPROGRESS) {
     if (ucx_landing_vec_push(&u->stranded, l) != TSHARE_OK) TS_LOG(TS_LOG_WARN, "a landing buffer is leaked");
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED,
                    "import: reading share %llu from %s did not finish in %d ms (the peer's process must drive its "
                    "channel for its memory to be read over TCP)",
-                   (unsigned long long)s->share_id, ch->conn.peer_label, UCX_FETCH_TIMEOUT_MS);
+                   (unsigned long long)share_id, ch->conn.peer_label, UCX_FETCH_TIMEOUT_MS);
   }
   if (st != TS_UCS_OK) {
     pthread_mutex_lock(&ch->lock);
     landing_give_back_locked(u, l);
     pthread_mutex_unlock(&ch->lock);
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED, "import: reading share %llu from %s failed: %s",
-                   (unsigned long long)s->share_id, ch->conn.peer_label, ts_ucx_strerror(st));
+                   (unsigned long long)share_id, ch->conn.peer_label, ts_ucx_strerror(st));
   }
   *out = l;
   return TSHARE_OK;
+}
+
+/* Bytes [begin, end) of share s's allocation (region r) into a new landing
+ * buffer, *out: host memory, or GPU memory (for work on stream) where the
+ * peer staged GPU bytes. */
+static int fetch_span_into(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, const tshare_share_frame *s,
+                           const ucx_remote *r, uint64_t begin, uint64_t end, void *stream, ucx_landing **out) {
+  if (s->device_type == TSHARE_DEVICE_CUDA) /* GPU bytes the peer staged: placed on a GPU here */
+    return ts_ucx_device_land(ch, u, link, s->alloc_id, r->address + begin, end - begin, stream, out);
+  return read_into_landing(ch, u, link, s->share_id, s->alloc_id, r->address + begin, (size_t)(end - begin), out);
 }
 
 static int no_key(tshare_channel *ch, const tshare_share_frame *s) {
@@ -294,6 +301,64 @@ int ts_ucx_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *str
   /* The bytes are here: the producer may reuse its memory now. */
   ts_share_release_back(ch, s->share_id);
   (void)ts_share_flush_pending(ch, 0);
+  return TSHARE_OK;
+}
+
+/* Remote mode: where the share's bytes are, checked as a fetch's would be;
+ * nothing read, nothing released (the view's release does it). */
+int ts_ucx_import_remote(tshare_channel *ch, const tshare_frame *f, tshare_view *v) {
+  const tshare_share_frame *s = &f->u.share;
+  ucx_chan *u = ts_ucx_chan(ch);
+  ts_ucx_link link;
+  if (!u || !ts_ucx_link_of(&ch->conn, &link))
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                   "import: share %llu is remote memory on a channel not over UCX", (unsigned long long)s->share_id);
+  ucx_remote r;
+  if (!remote_of(u, &link, s->alloc_id, &r)) return no_key(ch, s);
+  uint64_t begin = 0, end = 0;
+  int rc = fetch_span(ch, s, &r, &begin, &end);
+  if (rc != TSHARE_OK) return rc;
+  ucx_landing *l = calloc(1, sizeof *l);
+  if (!l) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
+  *l = (ucx_landing){.remote = true, .alloc_id = s->alloc_id, .address = r.address, .begin = begin, .end = end,
+                     .origin = s->tensor.byte_offset, .refs = 1};
+  v->memory = l;
+  v->data = NULL; /* read with tshare_view_read() */
+  return TSHARE_OK;
+}
+
+/* Bytes [origin + offset, + len) of a remote view, inside its span, through
+ * a landing buffer (a read that is never served writes there, not into the
+ * caller's dst). */
+int ts_ucx_read_remote(tshare_channel *ch, tshare_view *v, int64_t offset, void *dst, size_t len) {
+  ucx_landing *at = v->memory;
+  ucx_chan *u = ts_ucx_chan(ch);
+  ts_ucx_link link;
+  if (!at || !at->remote)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "read: share %llu is not a remote view",
+                   (unsigned long long)v->share_id);
+  if (!u || !ts_ucx_link_of(&ch->conn, &link))
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED, "read: the channel to %s is closed",
+                   ch->conn.peer_label);
+  /* origin and the span are below 2^62 (checked at import), offset too
+   * before it is added: no overflow. */
+  bool near = offset >= -(INT64_C(1) << 62) && offset <= (INT64_C(1) << 62);
+  int64_t first = near ? (int64_t)at->origin + offset : -1;
+  if (!near || first < (int64_t)at->begin || (uint64_t)first > at->end || len > at->end - (uint64_t)first)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_OUT_OF_BOUNDS,
+                   "read: %zu bytes at %lld from element 0 of share %llu lie outside the %llu bytes its layout "
+                   "touches (%lld to %lld)",
+                   len, (long long)offset, (unsigned long long)v->share_id,
+                   (unsigned long long)(at->end - at->begin), (long long)at->begin - (long long)at->origin,
+                   (long long)at->end - (long long)at->origin);
+  if (len == 0) return TSHARE_OK;
+  ucx_landing *l = NULL;
+  int rc = read_into_landing(ch, u, &link, v->share_id, at->alloc_id, at->address + (uint64_t)first, len, &l);
+  if (rc != TSHARE_OK) return rc;
+  memcpy(dst, l->base, len);
+  pthread_mutex_lock(&ch->lock);
+  landing_give_back_locked(u, l);
+  pthread_mutex_unlock(&ch->lock);
   return TSHARE_OK;
 }
 
@@ -350,6 +415,11 @@ void ts_ucx_memory_unref_locked(tshare_channel *ch, void *memory) { unref_locked
 
 ts_release_done ts_ucx_release(tshare_view *v) {
   tshare_channel *ch = v->ch;
+  ucx_landing *l = v->memory;
+  if (l && l->remote) { /* nothing here: the producer's memory goes back now */
+    free(l);
+    return TS_RELEASE_NOW;
+  }
   pthread_mutex_lock(&ch->lock);
   if (v->memory) unref_locked(ch, v->memory, v->stream);
   pthread_mutex_unlock(&ch->lock);

@@ -489,7 +489,24 @@ int tshare_view_recv(tshare_channel *ch, int timeout_ms, tshare_view **out) {
   return tshare_view_recv_stream(ch, NULL, timeout_ms, out);
 }
 
-static int view_recv(tshare_channel *ch, void *stream, int timeout_ms, tshare_view **out) {
+/* The backend's import, or in remote mode its import_remote (a backend
+ * without one cannot leave the bytes on the producer). */
+static int import_view(tshare_channel *ch, const tshare_frame *f, int *fd, void *stream, bool remote, tshare_view *v) {
+  const tshare_share_frame *s = &f->u.share;
+  if (!v->backend)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
+                   "import: share %llu is memory of kind %u, which no backend of this end imports",
+                   (unsigned long long)s->share_id, s->mem_kind);
+  if (!remote) return v->backend->import(ch, f, fd, stream, v);
+  if (!v->backend->import_remote)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
+                   "receive: share %llu is %s, mapped here, not read remotely (remote views come over ucx:// "
+                   "channels): receive it with tshare_view_recv()",
+                   (unsigned long long)s->share_id, v->backend->mem_kind_name(s->mem_kind));
+  return v->backend->import_remote(ch, f, v);
+}
+
+static int view_recv(tshare_channel *ch, void *stream, bool remote, int timeout_ms, tshare_view **out) {
   if (ch->closed) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_STATE, "receive: channel is closed");
   tshare_frame f;
   int fd = -1;
@@ -518,9 +535,7 @@ static int view_recv(tshare_channel *ch, void *stream, int timeout_ms, tshare_vi
   int rc;
   v->device = -1;
   v->backend = ts_backend_for_mem_kind(s->mem_kind);
-  rc = v->backend ? v->backend->import(ch, &f, &fd, stream, v)
-                  : ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED, "import: share %llu is memory of kind %u, "
-                            "which no backend of this end imports", (unsigned long long)s->share_id, s->mem_kind);
+  rc = import_view(ch, &f, &fd, stream, remote, v);
   if (fd >= 0) close(fd); /* a mapping keeps the first fd of its allocation, if any */
   if (rc != TSHARE_OK) {
     free(v);
@@ -547,7 +562,30 @@ int tshare_view_recv_stream(tshare_channel *ch, void *stream, int timeout_ms, ts
   if (!out) return TSHARE_E_INVALID_ARG;
   *out = NULL;
   if (!ch) return TSHARE_E_INVALID_ARG;
-  TS_CHANNEL_CALL(ch, "receive", view_recv(ch, stream, timeout_ms, out));
+  TS_CHANNEL_CALL(ch, "receive", view_recv(ch, stream, false, timeout_ms, out));
+}
+
+int tshare_view_recv_remote(tshare_channel *ch, int timeout_ms, tshare_view **out) {
+  if (!out) return TSHARE_E_INVALID_ARG;
+  *out = NULL;
+  if (!ch) return TSHARE_E_INVALID_ARG;
+  TS_CHANNEL_CALL(ch, "receive", view_recv(ch, NULL, true, timeout_ms, out));
+}
+
+static int view_read(tshare_view *v, int64_t offset, void *dst, size_t len) {
+  tshare_channel *ch = v->ch;
+  if (!v->backend->read_remote || v->data)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG,
+                   "read: share %llu is not a remote view (tshare_view_recv_remote): its bytes are at "
+                   "tshare_view_data()",
+                   (unsigned long long)v->share_id);
+  if (!dst && len) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_INVALID_ARG, "read: NULL destination");
+  return v->backend->read_remote(ch, v, offset, dst, len);
+}
+
+int tshare_view_read(tshare_view *view, int64_t offset, void *dst, size_t len) {
+  if (!view) return TSHARE_E_INVALID_ARG;
+  TS_CHANNEL_CALL(view->ch, "read", view_read(view, offset, dst, len));
 }
 
 void *tshare_view_data(const tshare_view *v) { return v ? v->data : NULL; }

@@ -74,6 +74,22 @@ typedef struct tshare_view tshare_view;
  * TSHARE_E_TIMEOUT when nothing came in time. On any non-OK return *out is NULL. */
 TSHARE_API int tshare_view_recv(tshare_channel *ch, int timeout_ms, tshare_view **out);
 
+/* Channels across hosts (ucx://): receive the next share without reading
+ * its bytes, for a consumer that needs only part of it (a shard of a large
+ * tensor). tshare_view_data() is NULL; tshare_view_read() reads slices on
+ * demand. The producer holds its memory until the view is released (a view
+ * from tshare_view_recv() releases it as soon as it was read). On a
+ * same-host channel TSHARE_E_UNSUPPORTED (the share is released back): such
+ * views map the producer's memory, use tshare_view_recv(). */
+TSHARE_API int tshare_view_recv_remote(tshare_channel *ch, int timeout_ms, tshare_view **out);
+/* Copy len bytes of a remote view into dst, starting offset bytes from its
+ * element [0,...,0] (negative with negative strides); the bytes must lie in
+ * the span the view's layout touches (TSHARE_E_OUT_OF_BOUNDS otherwise).
+ * Drives the view's channel like a receive (one thread at a time, the
+ * channel's rule); a producer that died gives TSHARE_E_PEER_CLOSED, a read
+ * not served in 30 s too. The detail: tshare_channel_last_error(). */
+TSHARE_API int tshare_view_read(tshare_view *view, int64_t offset, void *dst, size_t len);
+
 TSHARE_API void *tshare_view_data(const tshare_view *view); /* address of element [0,...,0] */
 TSHARE_API const tshare_tensor_desc *tshare_view_desc(const tshare_view *view);
 TSHARE_API const char *tshare_view_tag(const tshare_view *view); /* "" when none */
