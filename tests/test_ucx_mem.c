@@ -206,6 +206,9 @@ static void hold_listener(void) {
   for (size_t i = 0; i < 65536; i++) p[i] = pattern(i, 4);
   tshare_tensor_desc d = layout((tshare_dtype){TSHARE_DTYPE_INT, 32, 1}, 0);
   uint64_t remote, fetched;
+  /* GPU memory would go staged, where the peer said it places staged bytes on a GPU. */
+  bool staged = tshare_channel_peer(ch)->capabilities & TSHARE_CAP_UCX_STAGED;
+  CHECK_EQ(tshare_channel_gpu_path(ch), staged ? TSHARE_GPU_PATH_STAGED : TSHARE_GPU_PATH_NONE);
   CHECK_RC(tshare_share_host(ch, buf, &d, "remote", NULL, 5000, &remote), TSHARE_OK, tshare_channel_last_error(ch));
   CHECK_EQ(tshare_channel_wait_released(ch, remote, 300), TSHARE_E_TIMEOUT); /* the consumer holds it 800 ms */
   CHECK_RC(tshare_channel_wait_released(ch, remote, 10000), TSHARE_OK, tshare_channel_last_error(ch));
@@ -257,6 +260,8 @@ TS_TEST(a_remote_view_on_a_same_host_channel_is_refused) {
   close(sv[1]);
   tshare_channel *ch;
   CHECK_RC(tshare_channel_open_socket(sv[0], NULL, &ch, &err), TSHARE_OK, err.message);
+  bool ipc = tshare_channel_peer(ch)->capabilities & TSHARE_CAP_CUDA_IPC; /* the peer was built with CUDA */
+  CHECK_EQ(tshare_channel_gpu_path(ch), ipc ? TSHARE_GPU_PATH_IPC : TSHARE_GPU_PATH_NONE);
   tshare_host_buffer *buf;
   CHECK_RC(tshare_host_buffer_create(4096, "same-host", &buf, &err), TSHARE_OK, err.message);
   tshare_tensor_desc d = layout((tshare_dtype){TSHARE_DTYPE_INT, 32, 1}, 0);

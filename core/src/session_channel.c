@@ -161,6 +161,14 @@ tshare_transport tshare_channel_transport(const tshare_channel *ch) {
   return ts_conn_uses_ring(&ch->conn) ? TSHARE_TRANSPORT_RING : TSHARE_TRANSPORT_SOCKET;
 }
 
+tshare_gpu_path tshare_channel_gpu_path(const tshare_channel *ch) {
+  if (!ch) return TSHARE_GPU_PATH_NONE;
+  uint64_t peer = ch->conn.peer.capabilities;
+  if (ts_conn_caps(&ch->conn) & TS_TRANSPORT_SAME_HOST)
+    return peer & TSHARE_CAP_CUDA_IPC ? TSHARE_GPU_PATH_IPC : TSHARE_GPU_PATH_NONE;
+  return peer & TSHARE_CAP_UCX_STAGED ? TSHARE_GPU_PATH_STAGED : TSHARE_GPU_PATH_NONE;
+}
+
 static int open_channel(tshare_channel_kind kind, int rfd, int wfd, const tshare_channel_options *opts,
                         tshare_channel **out, tshare_error *err) {
   *out = NULL;

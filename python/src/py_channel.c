@@ -214,6 +214,17 @@ static PyObject *channel_get_transport(PyChannel *self, void *unused) {
   return PyUnicode_FromString(transport_name(ch));
 }
 
+static PyObject *channel_get_gpu_path(PyChannel *self, void *unused) {
+  (void)unused;
+  tshare_channel *ch = py_channel_get(self);
+  if (!ch) return NULL;
+  switch (tshare_channel_gpu_path(ch)) {
+  case TSHARE_GPU_PATH_IPC: return PyUnicode_FromString("ipc");
+  case TSHARE_GPU_PATH_STAGED: return PyUnicode_FromString("staged");
+  default: Py_RETURN_NONE;
+  }
+}
+
 static PyObject *channel_get_peer_name(PyChannel *self, void *unused) {
   (void)unused;
   tshare_channel *ch = py_channel_get(self);
@@ -277,6 +288,9 @@ static PyMethodDef channel_methods[] = {
 static PyGetSetDef channel_getset[] = {
   {"closed", (getter)channel_get_closed, NULL, "True once closed.", NULL},
   {"transport", (getter)channel_get_transport, NULL, "'ring', 'socket', 'pipes' or 'ucx'.", NULL},
+  {"gpu_path", (getter)channel_get_gpu_path, NULL,
+   "How GPU tensors reach the peer: 'ipc' (mapped, same host), 'staged' (through host memory, across hosts) or None.",
+   NULL},
   {"peer_name", (getter)channel_get_peer_name, NULL, "The name the peer gave in its hello.", NULL},
   {"peer_pid", (getter)channel_get_peer_pid, NULL, "The peer's pid as the kernel reports it.", NULL},
   {"last_error", (getter)channel_get_last_error, NULL, "The channel's last error detail.", NULL},

@@ -178,6 +178,14 @@ class Channel:
         return self._c.transport == "ucx"
 
     @property
+    def gpu_path(self):
+        """How CUDA tensors sent on this channel reach the peer: 'ipc'
+        (mapped in place, same host), 'staged' (copied through host memory
+        on both ends, a channel across hosts) or None (the peer takes no GPU
+        memory: built without CUDA, or no usable GPU across hosts)."""
+        return self._c.gpu_path
+
+    @property
     def peer_name(self):
         return self._c.peer_name
 

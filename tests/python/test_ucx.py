@@ -63,6 +63,9 @@ def connect_and_accept_with_a_token_argument():
         assert a.transport == "ucx", a.transport
         assert b.transport == "ucx", b.transport
         assert a.receives_copies and b.receives_copies
+        # A GPU tensor is staged only to a peer that says it can place it on a GPU.
+        want = "staged" if os.path.exists("/dev/nvidiactl") else None
+        assert a.gpu_path == want and b.gpu_path == want, (a.gpu_path, b.gpu_path, want)
         assert "over ucx" in repr(a), repr(a)
         assert a.peer_name == "connector" and b.peer_name == "listener", (a.peer_name, b.peer_name)
         b.close()  # the bye: the listener's receive sees the end

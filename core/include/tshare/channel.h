@@ -178,6 +178,18 @@ TSHARE_API int tshare_channel_fd(const tshare_channel *ch);
  * a channel of a ucx:// address. */
 TSHARE_API tshare_transport tshare_channel_transport(const tshare_channel *ch);
 
+/* How GPU memory shared on this channel reaches the peer, from the two
+ * hellos: mapped in place (CUDA IPC handles or VMM fds, same host), staged
+ * through host memory on both ends (a ucx:// channel to a peer that places
+ * staged bytes on its GPU: docs/ucx.md), or not at all (a peer without
+ * CUDA, or without a usable GPU across hosts: a CUDA share is refused). */
+typedef enum tshare_gpu_path {
+  TSHARE_GPU_PATH_NONE = 0,
+  TSHARE_GPU_PATH_IPC = 1,
+  TSHARE_GPU_PATH_STAGED = 2
+} tshare_gpu_path;
+TSHARE_API tshare_gpu_path tshare_channel_gpu_path(const tshare_channel *ch);
+
 #ifdef __cplusplus
 }
 #endif
