@@ -252,10 +252,12 @@ typedef struct ts_backend {
                    struct ts_export *e, int timeout_ms);
   /* Optional, staging (session_stage.c): the bytes of GPU memory copied to
    * host memory dst once the work queued on stream (of its device) so far
-   * is done; the call returns when they are there. stage_out reads len
-   * bytes at ptr, set_stage_out the whole of src. */
-  int (*stage_out)(const void *ptr, uint64_t len, void *stream, void *dst, char *err, size_t cap);
-  int (*set_stage_out)(const ts_set_source *src, void *stream, void *dst, char *err, size_t cap);
+   * is done; the call returns when they are there, or TSHARE_E_TIMEOUT
+   * when that work did not finish in timeout_ms (< 0: no limit; nothing
+   * is copied then). stage_out reads len bytes at ptr, set_stage_out the
+   * whole of src. */
+  int (*stage_out)(const void *ptr, uint64_t len, void *stream, void *dst, int timeout_ms, char *err, size_t cap);
+  int (*set_stage_out)(const ts_set_source *src, void *stream, void *dst, int timeout_ms, char *err, size_t cap);
   /* Consumer: a set's memory is mapped through on_share and import as a
    * share of the set's id (stream NULL) would be, one memory at a time. */
   /* Consumer: the end frame's event: work on the default stream of

@@ -190,8 +190,8 @@ int ts_cuda_set_source_new(void *ptr, void *buf, const tshare_tensor_desc *desc,
                            uint64_t *offset, ts_keep_ref *member_keep, char *err, size_t cap);
 void ts_cuda_set_source_free(ts_set_source *src);
 /* Staging for a peer on another host: the table's stage_out hooks. */
-int ts_cuda_stage_out(const void *ptr, uint64_t len, void *stream, void *dst, char *err, size_t cap);
-int ts_cuda_set_stage_out(const ts_set_source *src, void *stream, void *dst, char *err, size_t cap);
+int ts_cuda_stage_out(const void *ptr, uint64_t len, void *stream, void *dst, int timeout_ms, char *err, size_t cap);
+int ts_cuda_set_stage_out(const ts_set_source *src, void *stream, void *dst, int timeout_ms, char *err, size_t cap);
 int ts_cuda_set_check(tshare_channel *ch, const ts_set_source *src);
 int ts_cuda_set_send_mem(tshare_channel *ch, const ts_set_source *src, tshare_frame *f, ts_keep_ref *hold,
                          int timeout_ms);

@@ -408,11 +408,36 @@ int ts_cuda_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_d
 
 /* ---- staging for a peer on another host (session_stage.c) ---------------- */
 
+/* The work queued on stream so far has finished, or deadline passed
+ * (TSHARE_E_TIMEOUT); entered into the stream's context. An event is
+ * polled rather than the stream synchronized, so that a stream that never
+ * drains cannot hold the share past its timeout. */
+static int wait_for_stream(const ts_cuda_api *cu, void *stream, int64_t deadline, char *err, size_t cap) {
+  CUevent ev;
+  CUresult rc = cu->cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING);
+  if (rc == CUDA_SUCCESS) rc = cu->cuEventRecord(ev, (CUstream)stream);
+  if (rc != CUDA_SUCCESS) return ts_cuda_fail(err, cap, "share: ordering the staging after the stream", rc);
+  int status = TSHARE_OK;
+  for (unsigned spins = 0; (rc = cu->cuEventQuery(ev)) == CUDA_ERROR_NOT_READY; spins++) {
+    if (ts_remaining(deadline) == 0) {
+      status = ts_errf(err, cap, TSHARE_E_TIMEOUT,
+                       "share: the work queued on the stream before the share did not finish in time");
+      break;
+    }
+    if (spins > 64) usleep(50); /* a long kernel: do not burn a core */
+  }
+  if (status == TSHARE_OK && rc != CUDA_SUCCESS) status = ts_cuda_fail(err, cap, "share: waiting for the stream", rc);
+  ts_cuda_event_destroy(cu, ev);
+  return status;
+}
+
 /* len bytes at ptr into host memory dst, after the work queued on stream so
  * far: on the memory's device (VMM memory has no context of its own: its
- * device's primary one). */
-int ts_cuda_stage_out(const void *ptr, uint64_t len, void *stream, void *dst, char *err, size_t cap) {
+ * device's primary one). Nothing is copied when that work does not finish
+ * in timeout_ms. */
+int ts_cuda_stage_out(const void *ptr, uint64_t len, void *stream, void *dst, int timeout_ms, char *err, size_t cap) {
   int status = TSHARE_OK;
+  int64_t deadline = ts_deadline(timeout_ms);
   const ts_cuda_api *cu = ts_cuda_require(err, cap, &status);
   if (!cu) return status;
   int ordinal = -1;
@@ -421,8 +446,13 @@ int ts_cuda_stage_out(const void *ptr, uint64_t len, void *stream, void *dst, ch
   CUcontext ctx = ts_cuda_primary_ctx(ordinal);
   if (!ctx || !ts_cuda_push(ctx))
     return ts_errf(err, cap, TSHARE_E_CUDA, "share: cannot enter device %d's context", ordinal);
-  rc = cu->cuMemcpyDtoHAsync(dst, (CUdeviceptr)(uintptr_t)ptr, (size_t)len, (CUstream)stream);
-  if (rc == CUDA_SUCCESS) rc = cu->cuStreamSynchronize((CUstream)stream);
+  status = wait_for_stream(cu, stream, deadline, err, cap);
+  if (status == TSHARE_OK) {
+    /* Into pageable memory: returns once the bytes are there. */
+    rc = cu->cuMemcpyDtoHAsync(dst, (CUdeviceptr)(uintptr_t)ptr, (size_t)len, (CUstream)stream);
+    if (rc == CUDA_SUCCESS) rc = cu->cuStreamSynchronize((CUstream)stream);
+    if (rc != CUDA_SUCCESS) status = ts_cuda_fail(err, cap, "share: staging GPU memory in host memory", rc);
+  }
   ts_cuda_pop();
-  return rc == CUDA_SUCCESS ? TSHARE_OK : ts_cuda_fail(err, cap, "share: staging GPU memory in host memory", rc);
+  return status;
 }

@@ -344,7 +344,7 @@ ts_release_done ts_cuda_set_release(tshare_channel *ch, void *const *memories, s
 
 /* The whole of src into host memory dst, after the work on stream
  * (staging: session_stage.c). */
-int ts_cuda_set_stage_out(const ts_set_source *src, void *stream, void *dst, char *err, size_t cap) {
+int ts_cuda_set_stage_out(const ts_set_source *src, void *stream, void *dst, int timeout_ms, char *err, size_t cap) {
   const cuda_source *cs = (const cuda_source *)src;
-  return ts_cuda_stage_out((const void *)(uintptr_t)cs->x.base, src->size, stream, dst, err, cap);
+  return ts_cuda_stage_out((const void *)(uintptr_t)cs->x.base, src->size, stream, dst, timeout_ms, err, cap);
 }

@@ -10,6 +10,7 @@
 #include "backend_host.h"
 #include "error_detail.h"
 #include "log.h"
+#include "tshare/cuda.h"
 #include "tshare/hostmem.h"
 
 #include <stdlib.h>
@@ -206,6 +207,7 @@ static int ucx_housekeeping(tshare_channel *ch, int timeout_ms, ts_backend_wait 
   ucx_chan *u = ts_ucx_chan(ch);
   if (!u) return TSHARE_OK;
   ts_ucx_fetch_trim(ch, u);
+  *wait = ts_ucx_device_reap(ch, u); /* GPU landings released while the GPU still used them */
   if (!ts_ucx_carries_host(ch)) return TSHARE_OK; /* nothing registered: the channel is not over UCX */
   retire_unused(u);
   int rc = u->retired.len ? ts_retire_send_ids(ch, TSHARE_RETIRE_FREED, TSHARE_MEM_UCX_REMOTE, &u->retired, timeout_ms)
@@ -299,13 +301,32 @@ static const char *ucx_mem_kind_name(int mem_kind) {
   return "memory read over UCX";
 }
 
+/* A view read over UCX shared on: what landed here is this process's own
+ * memory (a tshare host or CUDA buffer), shared as such; the new share holds
+ * that buffer, so the view itself is let go at once. */
 static int ucx_share_view(tshare_channel *ch, tshare_view *v, const tshare_tensor_desc *desc, void *stream,
                           const char *tag, ts_export *e, int timeout_ms, uint64_t *share_id) {
-  (void)v, (void)desc, (void)stream, (void)tag, (void)timeout_ms, (void)share_id;
-  ts_export_drop(e);
-  return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
-                 "share: a view fetched over UCX is a copy in this process's memory, not the producer's: copy it "
-                 "into a tshare_host_buffer_create() buffer to share it on");
+  ucx_landing *l = v->memory;
+  void *user_data = e->user_data;
+  int rc = TSHARE_OK;
+  if (!l || l->remote)
+    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
+                 "share: a remote view has no bytes here: read them (tshare_view_read) into memory of this process's "
+                 "and share that");
+  else if (desc->byte_offset < l->begin)
+    rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_OUT_OF_BOUNDS,
+                 "share: the layout starts at byte %llu, before the %llu the view holds",
+                 (unsigned long long)desc->byte_offset, (unsigned long long)l->begin);
+  if (rc != TSHARE_OK) {
+    ts_export_drop(e);
+    return rc;
+  }
+  tshare_tensor_desc here = *desc;
+  here.byte_offset -= l->begin; /* relative to what landed here */
+  rc = l->on_device ? tshare_share_cuda_buffer(ch, l->cuda_buf, &here, stream, tag, user_data, timeout_ms, share_id)
+                    : tshare_share_host(ch, l->buf, &here, tag, user_data, timeout_ms, share_id);
+  ts_export_drop(e); /* the view's hold: the new share holds the buffer itself */
+  return rc;
 }
 
 const ts_backend ts_ucx_backend = {

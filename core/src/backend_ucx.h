@@ -58,9 +58,11 @@ typedef struct ucx_landing {
   uint64_t origin;            /* where its element [0,...,0] is, in the allocation */
   /* GPU bytes the peer staged, placed on a GPU here (backend_ucx_device.c) */
   bool on_device;
-  uint64_t device_ptr; /* a CUdeviceptr of the device's stream-ordered pool */
-  void *ctx;           /* that device's primary context */
+  struct tshare_cuda_buffer *cuda_buf; /* the GPU memory: a tshare CUDA buffer, one reference */
+  uint64_t device_ptr;                 /* its device address */
+  void *ctx;                           /* that device's primary context */
   int device;
+  void *event; /* released: recorded on the view's stream; the buffer goes once it completed */
 } ucx_landing;
 
 TS_VEC_DEFINE(ucx_landing_vec, ucx_landing *)
@@ -76,6 +78,8 @@ typedef struct ucx_chan {
   ucx_landing_vec idle;   /* landing buffers free for the next fetch, under ch->lock */
   ucx_landing_vec stranded; /* a fetch that never finished may still write into these: freed with the channel */
   struct ucx_device *device; /* the GPU side: bounce buffers, a stream (backend_ucx_device.c), NULL until used */
+  struct ucx_device *stranded_devices; /* ones a read that never finished may still write into: freed with the channel */
+  ucx_landing_vec freeing; /* released GPU landings waiting for their event, under ch->lock */
 } ucx_chan;
 
 extern const ts_backend ts_ucx_backend;
@@ -115,6 +119,10 @@ void ts_ucx_fetch_free(ucx_chan *u);
  * peer did not serve it in time (dst may then still be written). */
 ts_ucs_status ts_ucx_get_remote(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, uint64_t alloc_id,
                                 uint64_t address, void *dst, size_t len);
+/* The same, given up at until (ts_ucx_now_ms()'s clock) instead of 30 s from now. */
+ts_ucs_status ts_ucx_get_remote_until(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, uint64_t alloc_id,
+                                      uint64_t address, void *dst, size_t len, int64_t until);
+int64_t ts_ucx_now_ms(void);
 
 /* backend_ucx_device.c (backend_ucx_device_none.c without CUDA): GPU bytes
  * the peer staged in host memory, placed on a GPU of this process's. */
@@ -124,9 +132,12 @@ int ts_ucx_device_target(void *stream); /* the device they land on: stream's, th
  * *out a landing on_device (refs 1); the bytes are there on return. */
 int ts_ucx_device_land(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, uint64_t alloc_id, uint64_t address,
                        uint64_t len, void *stream, ucx_landing **out);
-/* l's GPU memory freed after the work queued on stream (NULL: the default
- * stream); l goes. Never blocks. */
-void ts_ucx_device_free(ucx_landing *l, void *stream);
+/* l's GPU memory let go after the work queued on stream (NULL: the default
+ * stream); l goes. Never blocks (ch->lock held). */
+void ts_ucx_device_free_locked(ucx_chan *u, ucx_landing *l, void *stream);
+/* Housekeeping: landings whose work finished are let go (ch->lock not
+ * held); TS_BACKEND_LATER while some still wait. */
+ts_backend_wait ts_ucx_device_reap(tshare_channel *ch, ucx_chan *u);
 void ts_ucx_device_chan_free(ucx_chan *u);
 
 #endif

@@ -4,10 +4,13 @@
  *
  * The read is double-buffered: chunks come over UCX into two pinned,
  * registered bounce buffers in turn, and while the GPU copies one chunk up
- * the next is read into the other. The GPU memory comes from the device's
- * stream-ordered pool, so that a release frees it after the work queued on
- * the view's stream (never blocking, as a release must not). When the
- * receive returns, the bytes are on the GPU: ready for work on any stream.
+ * the next is read into the other. The bytes land in a tshare CUDA buffer
+ * (tshare_cuda_buffer_create), so that what was received can be shared on
+ * to this host's processes like any owned GPU memory. When the receive
+ * returns, the bytes are on the GPU: ready for work on any stream. A
+ * release never blocks: it records an event on the view's stream, and the
+ * buffer is let go once that event completed (housekeeping, or the
+ * channel's end).
  *
  * Built with the CUDA toolkit's headers only (the driver is loaded at run
  * time, cuda_driver.h); backend_ucx_device_none.c stands in without them. */
@@ -16,7 +19,9 @@
 #include "cuda_driver.h"
 #include "error_detail.h"
 #include "log.h"
+#include "tshare/cuda.h"
 
+#include <dlfcn.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -34,6 +39,7 @@ struct ucx_device {
   CUevent done[2]; /* the copy that last read bounce[i] */
   bool pending[2];
   bool stranded; /* a read that never finished may still write into the bounce buffers */
+  struct ucx_device *next_stranded;
 };
 
 /* Asked at every hello over UCX, so it opens nothing: the driver where it
@@ -41,7 +47,19 @@ struct ucx_device {
  * (a share that comes anyway and finds no usable GPU is refused, saying
  * why, and released back). */
 bool ts_ucx_device_offered(void) {
-  return ts_cuda_if_loaded() != NULL || access("/dev/nvidiactl", F_OK) == 0 || access("/dev/dxg", F_OK) == 0;
+  if (ts_cuda_if_loaded()) return true;
+  const char *visible = getenv("CUDA_VISIBLE_DEVICES");
+  if (visible && (visible[0] == '\0' || strcmp(visible, "-1") == 0 || strcmp(visible, "NoDevFiles") == 0))
+    return false; /* GPUs hidden from this process */
+  if (access("/dev/nvidiactl", F_OK) != 0 && access("/dev/dxg", F_OK) != 0) return false;
+  /* The driver's library loads (this opens no device; cuInit would). */
+  static int driver_there = -1;
+  if (driver_there < 0) {
+    void *lib = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+    driver_there = lib != NULL;
+    if (lib) dlclose(lib);
+  }
+  return driver_there == 1;
 }
 
 /* The device staged bytes land on: that of stream's context, else the
@@ -87,7 +105,8 @@ static int device_state(tshare_channel *ch, ucx_chan *u, const ts_cuda_api *cu, 
                                 : ts_errf(ch->err, sizeof ch->err, TSHARE_E_CUDA, "import: cannot enter device %d",
                                           device);
   }
-  if (d && !d->stranded) device_state_free(u->ucx, cu, d); /* a stranded one stays mapped: a read may still land */
+  if (d && !d->stranded) device_state_free(u->ucx, cu, d);
+  else if (d) d->next_stranded = u->stranded_devices, u->stranded_devices = d; /* freed with the channel */
   u->device = NULL;
   d = calloc(1, sizeof *d);
   if (!d) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
@@ -126,25 +145,23 @@ static int device_state(tshare_channel *ch, ucx_chan *u, const ts_cuda_api *cu, 
   return TSHARE_OK;
 }
 
-/* Bytes [begin, end) of the peer's region r (allocation alloc_id) into new
- * GPU memory; entered into d's context. */
+#define UCX_DEVICE_READ_MS 30000 /* the whole read: a peer that does not serve it in this time fails the share */
+
+/* len bytes at address of the peer's allocation alloc_id into buf's memory
+ * at dptr; entered into d's context. */
 static int read_up(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, const ts_cuda_api *cu,
-                   struct ucx_device *d, uint64_t alloc_id, uint64_t address, uint64_t len, CUdeviceptr *out) {
-  CUdeviceptr dptr = 0;
-  CUresult rc = cu->cuMemAllocAsync(&dptr, len ? (size_t)len : 1, d->stream);
-  if (rc != CUDA_SUCCESS)
-    return ts_errf(ch->err, sizeof ch->err, rc == CUDA_ERROR_OUT_OF_MEMORY ? TSHARE_E_NOMEM : TSHARE_E_CUDA,
-                   "import: %llu bytes of GPU memory on device %d: %s", (unsigned long long)len, d->device,
-                   ts_cuda_strerror(rc));
+                   struct ucx_device *d, uint64_t alloc_id, uint64_t address, uint64_t len, CUdeviceptr dptr) {
+  CUresult rc = CUDA_SUCCESS;
+  int64_t until = ts_ucx_now_ms() + UCX_DEVICE_READ_MS;
   int k = 0;
   for (uint64_t off = 0; off < len && rc == CUDA_SUCCESS; off += UCX_BOUNCE_BYTES, k ^= 1) {
     size_t n = len - off < UCX_BOUNCE_BYTES ? (size_t)(len - off) : UCX_BOUNCE_BYTES;
     if (d->pending[k] && (rc = cu->cuEventSynchronize(d->done[k])) != CUDA_SUCCESS) break; /* its copy up is done */
     d->pending[k] = false;
-    ts_ucs_status st = ts_ucx_get_remote(ch, u, link, alloc_id, address + off, d->bounce[k], n);
+    ts_ucs_status st = ts_ucx_get_remote_until(ch, u, link, alloc_id, address + off, d->bounce[k], n, until);
     if (st != TS_UCS_OK) {
       d->stranded = st == TS_UCS_INPROGRESS; /* never used again: the read may still land */
-      cu->cuMemFreeAsync(dptr, d->stream);
+      if (!d->stranded) cu->cuStreamSynchronize(d->stream);
       return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_CLOSED, "import: reading allocation %llu from %s: %s",
                      (unsigned long long)alloc_id, ch->conn.peer_label,
                      st == TS_UCS_INPROGRESS ? "the peer did not serve it in time" : ts_ucx_strerror(st));
@@ -153,14 +170,12 @@ static int read_up(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, con
     if (rc == CUDA_SUCCESS) rc = cu->cuEventRecord(d->done[k], d->stream);
     d->pending[k] = rc == CUDA_SUCCESS;
   }
-  if (rc == CUDA_SUCCESS) rc = cu->cuStreamSynchronize(d->stream); /* on the GPU: ready for any stream */
+  CUresult synced = cu->cuStreamSynchronize(d->stream); /* on the GPU: ready for any stream */
+  if (rc == CUDA_SUCCESS) rc = synced;
   d->pending[0] = d->pending[1] = false;
-  if (rc != CUDA_SUCCESS) {
-    cu->cuMemFreeAsync(dptr, d->stream);
+  if (rc != CUDA_SUCCESS)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_CUDA, "import: copying %llu bytes up to device %d: %s",
                    (unsigned long long)len, d->device, ts_cuda_strerror(rc));
-  }
-  *out = dptr;
   return TSHARE_OK;
 }
 
@@ -170,23 +185,29 @@ int ts_ucx_device_land(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link,
   const char *why = NULL;
   const ts_cuda_api *cu = ts_cuda(&status, &why);
   if (!cu) return ts_errf(ch->err, sizeof ch->err, status, "import: GPU memory staged by the peer: %s", why);
+  int device = ts_ucx_device_target(stream);
+  tshare_cuda_buffer *buf = NULL;
+  tshare_error err;
+  int rc = tshare_cuda_buffer_create(device, len ? (size_t)len : 1, &buf, &err);
+  if (rc != TSHARE_OK)
+    return ts_errf(ch->err, sizeof ch->err, rc, "import: %llu bytes of GPU memory on device %d: %s",
+                   (unsigned long long)len, device, err.message);
   ucx_landing *l = calloc(1, sizeof *l);
-  if (!l) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
   struct ucx_device *d = NULL;
-  int rc = device_state(ch, u, cu, ts_ucx_device_target(stream), &d);
-  if (rc != TSHARE_OK) {
-    free(l);
-    return rc;
+  rc = l ? device_state(ch, u, cu, device, &d) : ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
+  if (rc == TSHARE_OK) {
+    rc = read_up(ch, u, link, cu, d, alloc_id, address, len, (CUdeviceptr)(uintptr_t)tshare_cuda_buffer_ptr(buf));
+    ts_cuda_pop();
   }
-  CUdeviceptr dptr = 0;
-  rc = read_up(ch, u, link, cu, d, alloc_id, address, len, &dptr);
-  ts_cuda_pop();
   if (rc != TSHARE_OK) {
+    /* A stranded read lands in the bounce buffers, never here: the buffer may go. */
+    tshare_cuda_buffer_release(buf);
     free(l);
     return rc;
   }
   l->on_device = true;
-  l->device_ptr = (uint64_t)dptr;
+  l->cuda_buf = buf;
+  l->device_ptr = (uint64_t)(uintptr_t)tshare_cuda_buffer_ptr(buf);
   l->ctx = d->ctx;
   l->device = d->device;
   l->size = (size_t)len;
@@ -195,20 +216,72 @@ int ts_ucx_device_land(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link,
   return TSHARE_OK;
 }
 
-void ts_ucx_device_free(ucx_landing *l, void *stream) {
+static void landing_let_go(ucx_landing *l) {
   const ts_cuda_api *cu = ts_cuda_if_loaded();
-  if (cu && ts_cuda_push(l->ctx)) {
-    /* After the work queued on stream: the memory is not reused before. */
-    CUresult rc = cu->cuMemFreeAsync((CUdeviceptr)l->device_ptr, (CUstream)stream);
-    if (rc != CUDA_SUCCESS && stream) rc = cu->cuMemFreeAsync((CUdeviceptr)l->device_ptr, NULL); /* another context's stream */
-    if (rc != CUDA_SUCCESS)
-      TS_LOG(TS_LOG_WARN, "freeing %zu bytes of GPU memory read over UCX: %s", l->size, ts_cuda_strerror(rc));
+  if (l->event && cu && ts_cuda_push(l->ctx)) {
+    cu->cuEventDestroy((CUevent)l->event);
     ts_cuda_pop();
   }
+  tshare_cuda_buffer_release(l->cuda_buf); /* the memory lives on while a share of it is out */
   free(l);
 }
 
+void ts_ucx_device_free_locked(ucx_chan *u, ucx_landing *l, void *stream) {
+  const ts_cuda_api *cu = ts_cuda_if_loaded();
+  CUevent ev = NULL;
+  if (cu && ts_cuda_push(l->ctx)) {
+    /* After the work queued on stream: the buffer is not let go before. */
+    CUresult rc = cu->cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING);
+    if (rc == CUDA_SUCCESS) rc = cu->cuEventRecord(ev, (CUstream)stream);
+    if (rc != CUDA_SUCCESS && stream) rc = cu->cuEventRecord(ev, NULL); /* another context's stream */
+    if (rc != CUDA_SUCCESS && ev) cu->cuEventDestroy(ev), ev = NULL;
+    ts_cuda_pop();
+  }
+  l->event = ev;
+  /* Without an event (no driver, no memory for one) the buffer goes now:
+   * its release synchronizes with the device. */
+  if (!ev || ucx_landing_vec_push(&u->freeing, l) != TSHARE_OK) landing_let_go(l);
+}
+
+ts_backend_wait ts_ucx_device_reap(tshare_channel *ch, ucx_chan *u) {
+  const ts_cuda_api *cu = ts_cuda_if_loaded();
+  for (;;) {
+    ucx_landing *done = NULL;
+    bool waiting = false;
+    pthread_mutex_lock(&ch->lock);
+    for (size_t i = 0; i < u->freeing.len && !done; i++) {
+      ucx_landing *l = u->freeing.items[i];
+      bool finished = true;
+      if (cu && ts_cuda_push(l->ctx)) {
+        finished = cu->cuEventQuery((CUevent)l->event) != CUDA_ERROR_NOT_READY;
+        ts_cuda_pop();
+      }
+      if (finished) done = l, ucx_landing_vec_remove(&u->freeing, i, 1);
+      else waiting = true;
+    }
+    pthread_mutex_unlock(&ch->lock);
+    if (!done) return waiting ? TS_BACKEND_LATER : TS_BACKEND_IDLE;
+    landing_let_go(done);
+  }
+}
+
 void ts_ucx_device_chan_free(ucx_chan *u) {
-  device_state_free(u->ucx, ts_cuda_if_loaded(), u->device);
+  const ts_cuda_api *cu = ts_cuda_if_loaded();
+  for (size_t i = 0; i < u->freeing.len; i++) {
+    ucx_landing *l = u->freeing.items[i];
+    if (cu && ts_cuda_push(l->ctx)) {
+      cu->cuEventSynchronize((CUevent)l->event);
+      ts_cuda_pop();
+    }
+    landing_let_go(l);
+  }
+  ucx_landing_vec_free(&u->freeing);
+  device_state_free(u->ucx, cu, u->device);
   u->device = NULL;
+  /* After the worker is gone: no stranded read can land any more. */
+  for (struct ucx_device *d = u->stranded_devices, *next; d; d = next) {
+    next = d->next_stranded;
+    device_state_free(u->ucx, cu, d);
+  }
+  u->stranded_devices = NULL;
 }

@@ -18,13 +18,19 @@ int ts_ucx_device_land(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link,
                        uint64_t len, void *stream, ucx_landing **out) {
   (void)u, (void)link, (void)alloc_id, (void)address, (void)len, (void)stream;
   *out = NULL;
-  return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
-                 "import: the peer sent GPU memory, and tshare was built without CUDA (no CUDA toolkit at build time)");
+  return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NO_DEVICE,
+                 "import: GPU memory staged by the peer: tshare was built without CUDA (no CUDA toolkit at build "
+                 "time)");
 }
 
-void ts_ucx_device_free(ucx_landing *l, void *stream) {
-  (void)stream;
+void ts_ucx_device_free_locked(ucx_chan *u, ucx_landing *l, void *stream) {
+  (void)u, (void)stream;
   free(l);
 }
 
-void ts_ucx_device_chan_free(ucx_chan *u) { (void)u; }
+ts_backend_wait ts_ucx_device_reap(tshare_channel *ch, ucx_chan *u) {
+  (void)ch, (void)u;
+  return TS_BACKEND_IDLE;
+}
+
+void ts_ucx_device_chan_free(ucx_chan *u) { ucx_landing_vec_free(&u->freeing); }

@@ -149,7 +149,7 @@ void ts_ucx_fetch_trim(tshare_channel *ch, ucx_chan *u) {
 
 /* ---- the read ------------------------------------------------------------- */
 
-static int64_t now_ms(void) {
+int64_t ts_ucx_now_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
@@ -159,15 +159,14 @@ static int64_t now_ms(void) {
  * TS_UCS_OK, UCX's error, or TS_UCS_INPROGRESS when the peer did not serve
  * it in time: dst may then still be written, and must be kept. */
 static ts_ucs_status get_locked(tshare_channel *ch, const ts_ucx_api *ucx, const ts_ucx_link *link, void *dst,
-                                size_t len, uint64_t address, ts_ucp_rkey_h rkey) {
+                                size_t len, uint64_t address, ts_ucp_rkey_h rkey, int64_t until) {
   ts_ucp_request_param p = {0};
   void *req = ucx->ucp_get_nbx(link->ep, dst, len, address, rkey, &p);
   if (!req) return TS_UCS_OK;
   if (TS_UCS_PTR_IS_ERR(req)) return TS_UCS_PTR_STATUS(req);
-  int64_t until = now_ms() + UCX_FETCH_TIMEOUT_MS;
   ts_ucs_status st;
   while ((st = ucx->ucp_request_check_status(req)) == TS_UCS_INPROGRESS) {
-    if (ts_ucx_peer_failed_locked(&ch->conn) || now_ms() > until) break;
+    if (ts_ucx_peer_failed_locked(&ch->conn) || ts_ucx_now_ms() > until) break;
     if (!ucx->ucp_worker_progress(link->worker)) {
       /* Writers of other threads get their turn; no yield: a read of a few
        * KiB takes microseconds, a yield on a busy machine a time slice. */
@@ -179,14 +178,19 @@ static ts_ucs_status get_locked(tshare_channel *ch, const ts_ucx_api *ucx, const
   return st;
 }
 
-ts_ucs_status ts_ucx_get_remote(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, uint64_t alloc_id,
-                                uint64_t address, void *dst, size_t len) {
+ts_ucs_status ts_ucx_get_remote_until(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, uint64_t alloc_id,
+                                      uint64_t address, void *dst, size_t len, int64_t until) {
   if (len == 0) return TS_UCS_OK;
   pthread_mutex_lock(link->lock);
   const ucx_remote *now = ts_u64map_get(&u->remotes, alloc_id); /* still there: only this thread drops keys */
-  ts_ucs_status st = now ? get_locked(ch, u->ucx, link, dst, len, address, now->rkey) : TS_UCS_ERR_NO_ELEM;
+  ts_ucs_status st = now ? get_locked(ch, u->ucx, link, dst, len, address, now->rkey, until) : TS_UCS_ERR_NO_ELEM;
   pthread_mutex_unlock(link->lock);
   return st;
+}
+
+ts_ucs_status ts_ucx_get_remote(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, uint64_t alloc_id,
+                                uint64_t address, void *dst, size_t len) {
+  return ts_ucx_get_remote_until(ch, u, link, alloc_id, address, dst, len, ts_ucx_now_ms() + UCX_FETCH_TIMEOUT_MS);
 }
 
 /* The bytes of share s that its layout touches, [*begin, *end) of the
@@ -283,6 +287,7 @@ static int fetch(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, const
   int rc = fetch_span(ch, s, &r, &begin, &end);
   if (rc == TSHARE_OK) rc = fetch_span_into(ch, u, link, s, &r, begin, end, stream, &l);
   if (rc != TSHARE_OK) return rc;
+  l->begin = begin; /* where its first byte is in the producer's allocation */
   view_of_landing(v, l, stream);
   if (end > begin) v->data = (char *)v->data + (s->tensor.byte_offset - begin); /* an empty tensor: no byte */
   return TSHARE_OK;
@@ -313,6 +318,11 @@ int ts_ucx_import_remote(tshare_channel *ch, const tshare_frame *f, tshare_view 
   if (!u || !ts_ucx_link_of(&ch->conn, &link))
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
                    "import: share %llu is remote memory on a channel not over UCX", (unsigned long long)s->share_id);
+  if (s->device_type != TSHARE_DEVICE_CPU)
+    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
+                   "receive: share %llu is GPU memory the peer staged: remote views read host memory; receive it "
+                   "with tshare_view_recv() to have it on this end's GPU",
+                   (unsigned long long)s->share_id);
   ucx_remote r;
   if (!remote_of(u, &link, s->alloc_id, &r)) return no_key(ch, s);
   uint64_t begin = 0, end = 0;
@@ -390,6 +400,7 @@ int ts_ucx_import_in_set(tshare_channel *ch, const tshare_frame *f, uint64_t *co
   int rc = fetch_span_into(ch, u, &link, s, &r, 0, s->alloc_size, NULL, &l);
   if (rc != TSHARE_OK) return rc;
   if (!l->on_device) *copied += want; /* host memory: bounded by this machine's */
+  l->begin = 0; /* the whole allocation */
   view_of_landing(v, l, NULL);
   if (!s->alloc_size) v->data = NULL;
   return TSHARE_OK;
@@ -407,7 +418,7 @@ void ts_ucx_memory_ref_locked(tshare_channel *ch, void *memory) {
 static void unref_locked(tshare_channel *ch, ucx_landing *l, void *stream) {
   ucx_chan *u = ts_ucx_chan(ch);
   if (--l->refs != 0 || !u) return; /* no u: a forked child's copy, its parent's to free */
-  if (l->on_device) ts_ucx_device_free(l, stream);
+  if (l->on_device) ts_ucx_device_free_locked(u, l, stream);
   else landing_give_back_locked(u, l);
 }
 

@@ -134,6 +134,71 @@ TS_TEST(cuda_shares_cross_staged_netns) {
   run_pair(share_producer, share_consumer);
 }
 
+/* ---- shared on to this host's processes ------------------------------------- */
+
+/* A worker of the consumer's host: a CUDA tensor over a local socket (CUDA
+ * IPC), every element checked. Forked before its parent opens CUDA. */
+static void local_worker(int fd) {
+  open_gpu();
+  tshare_channel *ch;
+  tshare_error err;
+  CHECK_RC(tshare_channel_open_socket(fd, NULL, &ch, &err), TSHARE_OK, err.message);
+  CHECK_EQ(tshare_channel_gpu_path(ch), TSHARE_GPU_PATH_IPC);
+  for (int i = 0; i < 2; i++) {
+    tshare_view *v;
+    CHECK_RC(tshare_view_recv(ch, TIMEOUT, &v), TSHARE_OK, tshare_channel_last_error(ch));
+    CHECK_EQ(tshare_view_is_copy(v), 0); /* the relay's memory, mapped */
+    size_t n = (size_t)tshare_view_desc(v)->shape[0];
+    CHECK_EQ(bad_on_gpu(tshare_view_data(v), n, i == 0 ? 11 + 10 : 3), 0);
+    tshare_view_release(v);
+  }
+  tshare_channel_close(ch);
+  _exit(0);
+}
+
+static void keep_nothing(void *keep) { (void)keep; }
+
+/* Receives both shares over UCX and shares them on: the small one in part
+ * (from its element 10), the big one whole. */
+static void relay_consumer(void) {
+  int sv[2];
+  tshare_error err;
+  CHECK_RC(tshare_socketpair(sv, &err), TSHARE_OK, err.message);
+  pid_t worker = fork();
+  CHECK(worker >= 0);
+  if (worker == 0) {
+    close(sv[0]);
+    local_worker(sv[1]);
+  }
+  close(sv[1]);
+  open_gpu();
+  tshare_channel *local;
+  CHECK_RC(tshare_channel_open_socket(sv[0], NULL, &local, &err), TSHARE_OK, err.message);
+  tshare_channel *ch = connect_one(TOKEN);
+  CHECK_EQ(tshare_channel_gpu_path(ch), TSHARE_GPU_PATH_STAGED);
+  tshare_view *small, *big;
+  CHECK_RC(tshare_view_recv(ch, TIMEOUT, &small), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_view_recv(ch, TIMEOUT, &big), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_tensor_desc part = vec_i32(SMALL_ELEMS - 10, 40); /* from tshare_view_data(small) */
+  uint64_t ids[2];
+  CHECK_RC(tshare_share_view_part(local, small, &part, NULL, NULL, keep_nothing, NULL, NULL, TIMEOUT, &ids[0]), TSHARE_OK,
+           tshare_channel_last_error(local));
+  tshare_view_release(small); /* the share on holds the memory */
+  CHECK_RC(tshare_share_view(local, big, NULL, NULL, NULL, TIMEOUT, &ids[1]), TSHARE_OK,
+           tshare_channel_last_error(local));
+  CHECK_RC(tshare_channel_wait_released(local, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(local));
+  int status;
+  CHECK(waitpid(worker, &status, 0) == worker && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  tshare_channel_close(local);
+  tshare_channel_close(ch);
+}
+
+TS_TEST(cuda_views_read_over_ucx_are_shared_on_to_a_local_worker_loopback) {
+  need_gpu();
+  use_loopback();
+  run_pair(share_producer, relay_consumer);
+}
+
 /* ---- a 290-tensor set, updated in place ------------------------------------- */
 
 /* Member i: int32 base + i + k, in one of SEGMENTS allocations; the last
