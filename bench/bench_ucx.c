@@ -17,6 +17,7 @@
  * release: every buffer read once), the first hand-off and the update.
  * Skipped with the reason where UCX, root or `ip netns` is missing. */
 #include "bench.h"
+#include "bench_ucx_common.h"
 
 #include "tshare/hostmem.h"
 #include "tshare/set.h"
@@ -128,10 +129,8 @@ static void native_row(bench *b, long iters) {
  * attention weights and biases, 2 MLP weights, 2 norms per layer; the
  * embedding and the final norm), each in a buffer of its own, as a
  * state_dict's storages are. Hidden 256 on this CPU path: ~37 MiB. */
-#define SET_LAYERS 24
 #define SET_HIDDEN 256
-#define SET_VOCAB 1000
-#define SET_TENSORS (SET_LAYERS * 12 + 2)
+#define SET_TENSORS BENCH_MODEL_TENSORS
 #define SET_ROUNDS 10
 
 typedef struct ucx_results {
@@ -352,29 +351,11 @@ static void raw_consumer(raw_end *r, long iters, ucx_results *out) {
 static tshare_channel *ts_open(int side, char *why, size_t cap) {
   char address[96];
   snprintf(address, sizeof address, "ucx://10.78.%d.1:%d/bench", net, PORT);
-  tshare_channel_options o;
-  tshare_channel_options_init(&o);
-  o.token = "bench-token";
-  o.handshake_timeout_ms = 10000;
   tshare_channel *ch = NULL;
   tshare_error err;
-  int rc;
-  if (side == 0) {
-    tshare_listener *l;
-    rc = tshare_listen(address, &l, &err);
-    if (rc == TSHARE_OK) {
-      rc = tshare_listener_accept(l, &o, 20000, &ch, &err);
-      tshare_listener_close(l);
-    }
-  } else {
-    for (int tries = 0; tries < 50; tries++) { /* the listener may not be up yet */
-      rc = tshare_connect(address, &o, 2000, &ch, &err);
-      if (rc != TSHARE_E_NOT_FOUND && rc != TSHARE_E_TIMEOUT) break;
-      usleep(20000);
-    }
-  }
-  if (rc != TSHARE_OK) snprintf(why, cap, "%.*s", cap > 1 ? (int)cap - 1 : 0, err.message); /* cut to fit */
-  return rc == TSHARE_OK ? ch : NULL;
+  if (bench_ucx_open(address, side == 0, &ch, &err) != TSHARE_OK)
+    snprintf(why, cap, "%.*s", cap > 1 ? (int)cap - 1 : 0, err.message); /* cut to fit */
+  return ch;
 }
 
 static int ts_set_producer(tshare_channel *ch, ucx_results *out);
@@ -422,19 +403,6 @@ static int ts_consumer(tshare_channel *ch, long iters, ucx_results *out) {
   return 0;
 }
 
-/* Tensor i of the model: its name and elements. */
-static int64_t model_tensor(int i, char *name, size_t cap, int64_t *shape) {
-  static const char *const parts[12] = {"q.weight", "k.weight", "v.weight", "o.weight", "q.bias", "k.bias",
-                                        "v.bias",   "o.bias",   "up.weight", "down.weight", "ln1.weight", "ln2.weight"};
-  if (i == SET_TENSORS - 2) return snprintf(name, cap, "embed.weight"), shape[0] = SET_VOCAB, shape[1] = SET_HIDDEN, 2;
-  if (i == SET_TENSORS - 1) return snprintf(name, cap, "norm.weight"), shape[0] = SET_HIDDEN, 1;
-  int part = i % 12;
-  snprintf(name, cap, "layers.%d.%s", i / 12, parts[part]);
-  shape[0] = part == 8 ? 4 * SET_HIDDEN : SET_HIDDEN;
-  shape[1] = part == 9 ? 4 * SET_HIDDEN : SET_HIDDEN;
-  return part < 4 || part == 8 || part == 9 ? 2 : 1;
-}
-
 /* The model as a set of 290 buffers (the builder holds them), or NULL. */
 static tshare_set_builder *model_set(double *mib) {
   tshare_set_builder *b = tshare_set_builder_create();
@@ -442,7 +410,7 @@ static tshare_set_builder *model_set(double *mib) {
   for (int i = 0; b && i < SET_TENSORS; i++) {
     char name[64];
     int64_t shape[2];
-    int ndim = (int)model_tensor(i, name, sizeof name, shape);
+    int ndim = bench_model_tensor(i, SET_HIDDEN, name, sizeof name, shape);
     tshare_tensor_desc d = tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_BFLOAT, 16, 1}, ndim, shape, 0);
     size_t size = (size_t)tshare_tensor_numel(&d) * 2;
     tshare_host_buffer *buf;

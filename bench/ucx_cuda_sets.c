@@ -12,6 +12,7 @@
  * tshare-bench's UCX set rows), 127.0.0.1 (UCX_TLS=tcp unless set). Both
  * ends are children forked before either touches CUDA. Prints the rows and
  * the ratio GPU/host; exits 77 with the reason without a GPU or UCX. */
+#include "bench_ucx_common.h"
 #include "bench_stats.h"
 #include "cudakit.h"
 
@@ -24,9 +25,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#define LAYERS 24
-#define VOCAB 1000
-#define TENSORS (LAYERS * 12 + 2)
+#define TENSORS BENCH_MODEL_TENSORS
 #define WARMUP 2
 #define TIMEOUT_MS 60000
 
@@ -38,19 +37,6 @@ static void die(const char *what, const char *detail) {
   exit(1);
 }
 
-/* Tensor i of the model (as tshare-bench's): its name and shape. */
-static int model_tensor(int i, char *name, size_t cap, int64_t *shape) {
-  static const char *const parts[12] = {"q.weight", "k.weight", "v.weight", "o.weight",  "q.bias",      "k.bias",
-                                        "v.bias",   "o.bias",   "up.weight", "down.weight", "ln1.weight", "ln2.weight"};
-  if (i == TENSORS - 2) return snprintf(name, cap, "embed.weight"), shape[0] = VOCAB, shape[1] = hidden, 2;
-  if (i == TENSORS - 1) return snprintf(name, cap, "norm.weight"), shape[0] = hidden, 1;
-  int part = i % 12;
-  snprintf(name, cap, "layers.%d.%s", i / 12, parts[part]);
-  shape[0] = part == 8 ? 4 * hidden : hidden;
-  shape[1] = part == 9 ? 4 * hidden : hidden;
-  return part < 4 || part == 8 || part == 9 ? 2 : 1;
-}
-
 /* The model in host buffers (gpu 0) or in cuMemAlloc'd memory (gpu 1). */
 static tshare_set_builder *model(const ts_cuda_api *cu, int gpu, double *mib) {
   tshare_set_builder *b = tshare_set_builder_create();
@@ -59,7 +45,7 @@ static tshare_set_builder *model(const ts_cuda_api *cu, int gpu, double *mib) {
   for (int i = 0; i < TENSORS; i++) {
     char name[64];
     int64_t shape[2];
-    int ndim = model_tensor(i, name, sizeof name, shape);
+    int ndim = bench_model_tensor(i, hidden, name, sizeof name, shape);
     tshare_tensor_desc d = tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_BFLOAT, 16, 1}, ndim, shape, 0);
     size_t size = (size_t)tshare_tensor_numel(&d) * 2;
     int rc;
@@ -83,26 +69,10 @@ static tshare_set_builder *model(const ts_cuda_api *cu, int gpu, double *mib) {
 }
 
 static tshare_channel *open_end(int listen) {
-  tshare_channel_options o;
-  tshare_channel_options_init(&o);
-  o.token = "bench-token";
-  o.handshake_timeout_ms = 10000;
   tshare_channel *ch = NULL;
   tshare_error err;
-  int rc;
-  if (listen) {
-    tshare_listener *l;
-    rc = tshare_listen(address, &l, &err);
-    if (rc == TSHARE_E_UNSUPPORTED) printf("skipped: %s\n", err.message), exit(77);
-    if (rc == TSHARE_OK) rc = tshare_listener_accept(l, &o, 20000, &ch, &err), tshare_listener_close(l);
-  } else {
-    for (int tries = 0; tries < 100; tries++) { /* the listener may not be up yet */
-      rc = tshare_connect(address, &o, 2000, &ch, &err);
-      if (rc != TSHARE_E_NOT_FOUND && rc != TSHARE_E_TIMEOUT) break;
-      usleep(20000);
-    }
-    if (rc == TSHARE_E_UNSUPPORTED) exit(77);
-  }
+  int rc = bench_ucx_open(address, listen, &ch, &err);
+  if (rc == TSHARE_E_UNSUPPORTED) printf("skipped: %s\n", err.message), exit(77);
   if (rc != TSHARE_OK) die(listen ? "accept" : "connect", err.message);
   return ch;
 }

@@ -293,15 +293,24 @@ static int fetch(tshare_channel *ch, ucx_chan *u, const ts_ucx_link *link, const
   return TSHARE_OK;
 }
 
+/* The channel's UCX state and link for remote memory s (a share, or a
+ * set's memory under the set's id), or the peer's error: remote memory on a
+ * channel that is not over UCX. */
+static int over_ucx(tshare_channel *ch, const tshare_share_frame *s, ucx_chan **u, ts_ucx_link *link) {
+  *u = ts_ucx_chan(ch);
+  if (*u && ts_ucx_link_of(&ch->conn, link)) return TSHARE_OK;
+  return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
+                 "import: share or set %llu is remote memory on a channel not over UCX",
+                 (unsigned long long)s->share_id);
+}
+
 int ts_ucx_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *stream, tshare_view *v) {
   (void)fdp;
   const tshare_share_frame *s = &f->u.share;
-  ucx_chan *u = ts_ucx_chan(ch);
+  ucx_chan *u;
   ts_ucx_link link;
-  if (!u || !ts_ucx_link_of(&ch->conn, &link))
-    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
-                   "import: share %llu is remote memory on a channel not over UCX", (unsigned long long)s->share_id);
-  int rc = fetch(ch, u, &link, s, stream, v);
+  int rc = over_ucx(ch, s, &u, &link);
+  if (rc == TSHARE_OK) rc = fetch(ch, u, &link, s, stream, v);
   if (rc != TSHARE_OK) return rc;
   /* The bytes are here: the producer may reuse its memory now. */
   ts_share_release_back(ch, s->share_id);
@@ -313,11 +322,10 @@ int ts_ucx_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *str
  * nothing read, nothing released (the view's release does it). */
 int ts_ucx_import_remote(tshare_channel *ch, const tshare_frame *f, tshare_view *v) {
   const tshare_share_frame *s = &f->u.share;
-  ucx_chan *u = ts_ucx_chan(ch);
+  ucx_chan *u;
   ts_ucx_link link;
-  if (!u || !ts_ucx_link_of(&ch->conn, &link))
-    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
-                   "import: share %llu is remote memory on a channel not over UCX", (unsigned long long)s->share_id);
+  int rc = over_ucx(ch, s, &u, &link);
+  if (rc != TSHARE_OK) return rc;
   if (s->device_type != TSHARE_DEVICE_CPU)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
                    "receive: share %llu is GPU memory the peer staged: remote views read host memory; receive it "
@@ -326,7 +334,7 @@ int ts_ucx_import_remote(tshare_channel *ch, const tshare_frame *f, tshare_view 
   ucx_remote r;
   if (!remote_of(u, &link, s->alloc_id, &r)) return no_key(ch, s);
   uint64_t begin = 0, end = 0;
-  int rc = fetch_span(ch, s, &r, &begin, &end);
+  rc = fetch_span(ch, s, &r, &begin, &end);
   if (rc != TSHARE_OK) return rc;
   ucx_landing *l = calloc(1, sizeof *l);
   if (!l) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "import: out of memory");
@@ -377,11 +385,10 @@ int ts_ucx_read_remote(tshare_channel *ch, tshare_view *v, int64_t offset, void 
  * machine's memory. The set is released whole once complete. */
 int ts_ucx_import_in_set(tshare_channel *ch, const tshare_frame *f, uint64_t *copied, tshare_view *v) {
   const tshare_share_frame *s = &f->u.share;
-  ucx_chan *u = ts_ucx_chan(ch);
+  ucx_chan *u;
   ts_ucx_link link;
-  if (!u || !ts_ucx_link_of(&ch->conn, &link))
-    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL,
-                   "import: set %llu has remote memory on a channel not over UCX", (unsigned long long)s->share_id);
+  int rc = over_ucx(ch, s, &u, &link);
+  if (rc != TSHARE_OK) return rc;
   ucx_remote r;
   if (!remote_of(u, &link, s->alloc_id, &r)) return no_key(ch, s);
   if (s->alloc_size > r.length)
@@ -397,7 +404,7 @@ int ts_ucx_import_in_set(tshare_channel *ch, const tshare_frame *f, uint64_t *co
                    "import: the set's landing buffers would take %llu bytes, over this machine's memory (%llu bytes)",
                    (unsigned long long)(*copied + want), (unsigned long long)pages * page);
   ucx_landing *l = NULL;
-  int rc = fetch_span_into(ch, u, &link, s, &r, 0, s->alloc_size, NULL, &l);
+  rc = fetch_span_into(ch, u, &link, s, &r, 0, s->alloc_size, NULL, &l);
   if (rc != TSHARE_OK) return rc;
   if (!l->on_device) *copied += want; /* host memory: bounded by this machine's */
   l->begin = 0; /* the whole allocation */
