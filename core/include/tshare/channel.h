@@ -1,7 +1,8 @@
 /* tshare/channel.h - a connected, framed endpoint between two processes.
  *
- * A channel is either one end of a Unix stream socketpair (frames can carry
- * fds with SCM_RIGHTS) or a pair of pipes (no fds). Opening a channel runs the
+ * A channel is one end of a Unix stream socketpair (frames can carry fds
+ * with SCM_RIGHTS), a pair of pipes (no fds), or, across hosts, a ucx://
+ * connection (tshare_connect, docs/ucx.md: no fds, memory read remotely). Opening a channel runs the
  * hello exchange: both ends send versions, pid, uid, boot id, capabilities and
  * a name, and a peer on another major version or another boot is refused with
  * TSHARE_E_VERSION or TSHARE_E_PEER_MISMATCH. On a socket, the kernel's word

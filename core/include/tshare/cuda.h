@@ -202,7 +202,10 @@ TSHARE_API int tshare_share_cuda_keep(tshare_channel *ch, const void *data, cons
 /* Like tshare_view_recv(); a CUDA share is mapped for use on stream (its
  * context picks the device; NULL: the producer's device as seen here) and the
  * stream waits on the producer's event. The view's release waits for the
- * work queued on the stream before it. Host shares ignore the stream. */
+ * work queued on the stream before it. Host shares ignore the stream. Over
+ * a ucx:// channel GPU memory the peer staged lands on the stream's device
+ * (NULL: the calling thread's current device, else 0), ready for any
+ * stream once the call returns. */
 TSHARE_API int tshare_view_recv_stream(tshare_channel *ch, void *stream, int timeout_ms, tshare_view **out);
 
 /* The ordinal of the device whose context maps a CUDA view; -1 otherwise. */

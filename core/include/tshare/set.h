@@ -26,7 +26,8 @@
  * Consumer: tshare_set_recv() takes the next complete set; sets and single
  * shares are received by their own calls, each in the order it was sent. A
  * set's tensors are the producer's memory: writes through them are visible to
- * the producer.
+ * the producer (on a ucx:// channel they are this process's copy instead:
+ * tshare_set_is_copy, docs/ucx.md).
  *
  * A set carries host memory (tshare host buffers, sent as memfds over a
  * socket channel) and CUDA memory of one device (tshare CUDA buffers, and
@@ -111,9 +112,11 @@ TSHARE_API size_t tshare_set_builder_count(const tshare_set_builder *b);
  * sets: TSHARE_E_PEER_MISMATCH otherwise, naming the peer's wire version).
  * *set_id (optional) gets its id, a share id of ch; user_data comes back in
  * the channel's on_release callback. An empty set is refused. On a ucx://
- * channel (host memory only; a peer of wire 1.6 or newer) each host buffer
- * goes as remote memory, which the peer reads once into memory of its own and
- * then releases the set: docs/ucx.md. */
+ * channel (a peer of wire 1.6 or newer) each host buffer goes as remote
+ * memory, and each CUDA memory is first staged in a host buffer of this
+ * process's (after the work on the builder's stream; to a peer that places
+ * staged bytes on a GPU); the peer reads each once into memory of its own
+ * and then releases the set: docs/ucx.md. */
 TSHARE_API int tshare_set_send(tshare_channel *ch, const tshare_set_builder *b, void *user_data, int timeout_ms,
                                uint64_t *set_id);
 

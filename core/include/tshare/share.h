@@ -20,7 +20,8 @@
  * buffered, they go out together, one frame per batch. A driving thread that
  * stops receiving should call tshare_channel_poll() (timeout 0) after its
  * last release. A view's memory is the producer's: writes through a view are
- * visible to the producer.
+ * visible to the producer (except over a ucx:// channel, where a view is
+ * this process's copy: tshare_view_is_copy).
  *
  * Either end of a channel may share and receive.
  */
@@ -79,8 +80,10 @@ TSHARE_API int tshare_view_recv(tshare_channel *ch, int timeout_ms, tshare_view 
  * tensor). tshare_view_data() is NULL; tshare_view_read() reads slices on
  * demand. The producer holds its memory until the view is released (a view
  * from tshare_view_recv() releases it as soon as it was read). On a
- * same-host channel TSHARE_E_UNSUPPORTED (the share is released back): such
- * views map the producer's memory, use tshare_view_recv(). */
+ * same-host channel, and for GPU memory the peer staged, TSHARE_E_UNSUPPORTED
+ * and the share is released back (it cannot be received again): same-host
+ * views map the producer's memory and staged GPU memory lands on a GPU, so
+ * take those with tshare_view_recv(). */
 TSHARE_API int tshare_view_recv_remote(tshare_channel *ch, int timeout_ms, tshare_view **out);
 /* Copy len bytes of a remote view into dst, starting offset bytes from its
  * element [0,...,0] (negative with negative strides); the bytes must lie in
@@ -103,9 +106,11 @@ TSHARE_API int tshare_view_is_copy(const tshare_view *view);
 
 /* Share a received view on to another channel: the producer's memory
  * travels, not a copy (host views need a socket channel, and a channel that
- * received them with keep_host_fds 1, the default; CUDA views go under
- * their owner's identity, so a process that also gets them from the owner
- * maps them once). stream: CUDA only, the stream whose work the third
+ * received them with keep_host_fds 1, the default; a CUDA view passed on
+ * keeps its owner's identity, so a process that gets it from both maps it
+ * only once). A view read over a ucx:// channel (a copy) goes as this
+ * process's own memory, host or GPU: the one network copy a node's
+ * processes then map (docs/ucx.md); a remote view is refused. stream: CUDA only, the stream whose work the third
  * process must wait for (NULL: the view's). tag NULL: the view's tag.
  * The view is consumed: it stays held until the new share is released, and
  * the caller must not release it itself, also when this fails. */
