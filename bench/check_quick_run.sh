@@ -72,10 +72,12 @@ for dev in ["cpu", "cuda"]:
 if not any(r["key"].startswith("sets_") and not r["skipped"] for r in doc["rows"]) and \
         not rows["torch_bridge_cpu"]["skipped"]:
     fail("the bridge ran, but no state_dict row was measured")
-for key in ["ucx_share_4k", "ucx_share_64m"]:  # measured over a veth pair, or skipped with the reason
+for key in ["ucx_share_4k", "ucx_share_64m", "ucx_same_host_native"]:  # measured, or skipped with the reason
     r = rows.get(key) or fail(f"row {key} missing")
     if not r["skipped"]: measured(key)
-if len(doc["targets"]) != 21: fail("targets missing")
+if not rows["ucx_same_host_native"]["skipped"] and "ucx]" in rows["ucx_same_host_native"]["label"]:
+    fail("a same-host channel by name went over UCX")
+if len(doc["targets"]) != 22: fail("targets missing")
 if not any(t["target"].startswith("sets: repeated update >= 100x") for t in doc["targets"]): fail("sets targets missing")
 with open(f"{out}/bench.csv") as f:
     lines = list(csv.DictReader(f))
