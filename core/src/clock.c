@@ -51,12 +51,18 @@ static int coarse_tick_ms(void) {
   return tick;
 }
 
+/* Below this a timeout's deadline is read from the precise clock: a few ms
+ * of the coarse clock's slack would be much of it. */
+#define COARSE_TIMEOUT_MIN_MS 50
+
 int64_t ts_deadline(int timeout_ms) {
   if (timeout_ms < 0) return -1;
   int tick = coarse_tick_ms();
-  if (tick == 0 || (timeout_ms > 0 && timeout_ms < 2 * tick)) return ts_now_ms() + timeout_ms;
+  if (tick == 0 || (timeout_ms > 0 && timeout_ms < COARSE_TIMEOUT_MIN_MS)) return ts_now_ms() + timeout_ms;
   if (timeout_ms == 0) return coarse_now_ms(); /* at or before now: already passed */
-  return coarse_now_ms() + tick + timeout_ms;  /* no sooner than timeout_ms from now */
+  /* The coarse clock is behind by up to a tick, and on a loaded VM, whose
+   * tick interrupts come late, by up to two: no sooner than timeout_ms. */
+  return coarse_now_ms() + 2 * tick + timeout_ms;
 }
 
 int ts_remaining(int64_t deadline) {
@@ -66,9 +72,11 @@ int ts_remaining(int64_t deadline) {
   if (tick > 0) {
     int64_t most = deadline - coarse_now_ms(); /* the coarse clock is behind: at least this much has passed */
     if (most <= 0) return 0;
-    left = most - tick; /* and at most a tick more */
+    /* And at most two ticks more (see ts_deadline); the last few ticks,
+     * and all of a short timeout, are measured by the precise clock. */
+    left = most > 4 * tick ? most - 2 * tick : -1;
   }
-  if (left <= 0) left = deadline - ts_now_ms(); /* the last tick: the precise clock */
+  if (left <= 0) left = deadline - ts_now_ms(); /* the last ticks: the precise clock */
   if (left <= 0) return 0;
   return left > 0x7fffffff ? 0x7fffffff : (int)left;
 }

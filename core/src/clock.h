@@ -5,9 +5,10 @@
  * enough: a read of it costs a few ns where the precise one costs ~20 ns on
  * bare metal and ~80 ns on a VM's clock source, and a receive or a send
  * that finds its frame waiting reads them several times. A timeout of T ms
- * still lasts at least T ms: at most a tick longer from T of two ticks on,
- * exactly as before below that (the precise clock), and the precise clock
- * decides the last tick before a deadline. */
+ * still lasts at least T ms: at most two ticks longer from T of 50 ms on
+ * (two: on a loaded VM the coarse clock's updates come up to a tick late),
+ * exactly as asked below that (the precise clock), and the precise clock
+ * decides the last ticks before a deadline. */
 #ifndef TSHARE_CLOCK_H
 #define TSHARE_CLOCK_H
 
