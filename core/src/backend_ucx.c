@@ -128,11 +128,7 @@ int ts_ucx_share_host(tshare_channel *ch, tshare_host_buffer *buf, const tshare_
   if (tag_len > TSHARE_TAG_MAX)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TOO_LARGE, "share: tag of %zu bytes over %d", tag_len,
                    TSHARE_TAG_MAX);
-  if (device_type != TSHARE_DEVICE_CPU && !(ch->conn.peer.capabilities & TSHARE_CAP_UCX_STAGED))
-    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_MISMATCH,
-                   "share: peer %s does not place GPU memory read over UCX on a GPU (no ucx-staged capability in its "
-                   "hello: built without CUDA, or no usable GPU there)",
-                   ch->conn.peer_label);
+  /* device_type CUDA comes from the session's staging, which checked the peer. */
   return share_remote(ch, u, buf, desc, device_type, tag, user_data, timeout_ms, share_id);
 }
 

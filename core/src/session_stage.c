@@ -35,9 +35,22 @@ typedef struct ts_stage_cache {
  * still read: bounded by half this machine's memory. */
 static _Atomic uint64_t staged_bytes;
 
+/* Asked by every CUDA share and set send: a same-host channel answers from
+ * its transport's capabilities alone, before any backend lookup. */
 bool ts_stage_applies(tshare_channel *ch) {
+  if (ts_conn_caps(&ch->conn) & TS_TRANSPORT_SAME_HOST) return false;
   const ts_backend *host = ts_set_host_backend();
-  return !(ts_conn_caps(&ch->conn) & TS_TRANSPORT_SAME_HOST) && host && host->share_remote;
+  return host && host->share_remote;
+}
+
+/* Whether ch's peer places staged GPU bytes on a GPU (what, "share" or
+ * "set", names the call in the error). */
+static int peer_takes_staged(tshare_channel *ch, const char *what) {
+  if (ch->conn.peer.capabilities & TSHARE_CAP_UCX_STAGED) return TSHARE_OK;
+  return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_MISMATCH,
+                 "%s: peer %s does not place GPU memory read over UCX on a GPU (no ucx-staged capability in its "
+                 "hello: built without CUDA, no usable GPU there, or an older tshare)",
+                 what, ch->conn.peer_label);
 }
 
 static uint64_t memory_bytes(void) {
@@ -132,16 +145,13 @@ int ts_stage_share(tshare_channel *ch, const ts_backend *device, const void *ptr
   if (tag && strlen(tag) > TSHARE_TAG_MAX)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_TOO_LARGE, "share: tag of %zu bytes over %d", strlen(tag),
                    TSHARE_TAG_MAX);
-  if (!(ch->conn.peer.capabilities & TSHARE_CAP_UCX_STAGED)) /* before any copy */
-    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_MISMATCH,
-                   "share: peer %s does not place GPU memory read over UCX on a GPU (no ucx-staged capability in its "
-                   "hello: built without CUDA, no usable GPU there, or an older tshare)",
-                   ch->conn.peer_label);
+  int rc = peer_takes_staged(ch, "share"); /* before any copy */
+  if (rc != TSHARE_OK) return rc;
   int64_t deadline = ts_deadline(timeout_ms);
   /* Only the bytes the layout touches cross: [begin, end) from ptr. */
   uint64_t begin = 0, end = 0;
   char why[160];
-  int rc = ts_tensor_check(desc, UINT64_C(1) << 62, &begin, &end, why, sizeof why);
+  rc = ts_tensor_check(desc, UINT64_C(1) << 62, &begin, &end, why, sizeof why);
   if (rc != TSHARE_OK) return ts_errf(ch->err, sizeof ch->err, rc, "share: %s", why);
   tshare_host_buffer *buf = NULL;
   rc = stage_take(ch, (uint64_t)(uintptr_t)ptr, end - begin, &buf);
@@ -160,12 +170,7 @@ int ts_stage_set_check(tshare_channel *ch, const ts_set_source *src) {
   if (!src->backend->set_stage_out || !host->set_send_remote)
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_UNSUPPORTED,
                    "set: %s memory cannot be staged for a peer on another host", src->backend->name);
-  if (!(ch->conn.peer.capabilities & TSHARE_CAP_UCX_STAGED) || !(ch->conn.peer.capabilities & TSHARE_CAP_UCX_SETS))
-    return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_MISMATCH,
-                   "set: peer %s does not place GPU memory read over UCX on a GPU (no ucx-staged capability in its "
-                   "hello: built without CUDA, no usable GPU there, or an older tshare)",
-                   ch->conn.peer_label);
-  return TSHARE_OK;
+  return peer_takes_staged(ch, "set"); /* offered only beside TSHARE_CAP_UCX_SETS */
 }
 
 int ts_stage_set_mem(tshare_channel *ch, const ts_set_source *src, void *stream, tshare_frame *f, ts_keep_ref *hold,
