@@ -52,6 +52,16 @@ static tshare_tensor_desc layout(tshare_dtype dt, int which) {
 
 static uint8_t pattern(uint64_t byte, unsigned seed) { return (uint8_t)(byte * 131u + seed * 17u + 5u); }
 
+/* A host buffer of size bytes, each the pattern of its place and seed. */
+static tshare_host_buffer *patterned(size_t size, const char *name, unsigned seed) {
+  tshare_host_buffer *buf;
+  tshare_error err;
+  CHECK_RC(tshare_host_buffer_create(size, name, &buf, &err), TSHARE_OK, err.message);
+  uint8_t *p = tshare_host_buffer_data(buf);
+  for (size_t i = 0; i < tshare_host_buffer_size(buf); i++) p[i] = pattern(i, seed);
+  return buf;
+}
+
 /* Every byte of every element of the view is the producer's byte at the
  * same place of its allocation. */
 static void check_layout(const tshare_tensor_desc *d, const uint8_t *data, unsigned seed, uint64_t share_id) {
@@ -89,11 +99,7 @@ static void produce_all(tshare_channel *ch) {
   unsigned seed = 0;
   for (size_t t = 0; t < N_DTYPES; t++)
     for (int l = 0; l < N_LAYOUTS; l++, seed++) {
-      tshare_host_buffer *buf;
-      tshare_error err;
-      CHECK_RC(tshare_host_buffer_create(16384, "ucx-mem", &buf, &err), TSHARE_OK, err.message);
-      uint8_t *p = tshare_host_buffer_data(buf);
-      for (size_t i = 0; i < tshare_host_buffer_size(buf); i++) p[i] = pattern(i, seed);
+      tshare_host_buffer *buf = patterned(16384, "ucx-mem", seed);
       tshare_tensor_desc d = layout(dtypes[t], l);
       char tag[16];
       snprintf(tag, sizeof tag, "%u", seed);
@@ -199,11 +205,7 @@ TS_TEST(remote_views_read_slices_of_every_layout_netns) {
  * one released it when it was read, and is no remote view. */
 static void hold_listener(void) {
   tshare_channel *ch = accept_one(TOKEN);
-  tshare_host_buffer *buf;
-  tshare_error err;
-  CHECK_RC(tshare_host_buffer_create(65536, "ucx-hold", &buf, &err), TSHARE_OK, err.message);
-  uint8_t *p = tshare_host_buffer_data(buf);
-  for (size_t i = 0; i < 65536; i++) p[i] = pattern(i, 4);
+  tshare_host_buffer *buf = patterned(65536, "ucx-hold", 4);
   tshare_tensor_desc d = layout((tshare_dtype){TSHARE_DTYPE_INT, 32, 1}, 0);
   uint64_t remote, fetched;
   /* GPU memory would go staged, where the peer said it places staged bytes on a GPU. */
@@ -303,11 +305,7 @@ TS_TEST(every_dtype_and_layout_netns) {
 #define BIG (8u << 20)
 
 static void big_producer(tshare_channel *ch) {
-  tshare_host_buffer *buf;
-  tshare_error err;
-  CHECK_RC(tshare_host_buffer_create(BIG, "ucx-big", &buf, &err), TSHARE_OK, err.message);
-  uint8_t *p = tshare_host_buffer_data(buf);
-  for (size_t i = 0; i < BIG; i++) p[i] = pattern(i, 99);
+  tshare_host_buffer *buf = patterned(BIG, "ucx-big", 99);
   int64_t n = BIG;
   tshare_tensor_desc d = tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_UINT, 8, 1}, 1, &n, 0);
   uint64_t id;
@@ -498,11 +496,7 @@ static void hostile_producer(void) {
   CHECK(released[1] && released[2] && released[3] && released[4] && released[5]);
   ucx->ucp_rkey_buffer_release(key);
   /* The channel goes on: a real share. */
-  tshare_host_buffer *buf;
-  tshare_error err;
-  CHECK_RC(tshare_host_buffer_create(4096, "ucx-good", &buf, &err), TSHARE_OK, err.message);
-  uint8_t *p = tshare_host_buffer_data(buf);
-  for (size_t i = 0; i < 4096; i++) p[i] = pattern(i, 7);
+  tshare_host_buffer *buf = patterned(4096, "ucx-good", 7);
   tshare_tensor_desc d = layout((tshare_dtype){TSHARE_DTYPE_INT, 32, 1}, 2);
   uint64_t id;
   CHECK_RC(tshare_share_host(ch, buf, &d, "good", NULL, 5000, &id), TSHARE_OK, tshare_channel_last_error(ch));
