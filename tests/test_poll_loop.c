@@ -87,4 +87,48 @@ TS_TEST(a_poll_loop_that_takes_over_a_channel_drains_it_first_then_wakes_for_new
   CHECK_CHILD_OK(pid);
 }
 
+/* Once told (each time), waits 200 ms, then sends release 10 + the round. */
+static void sends_late_when_told(int fd) {
+  tshare_channel *ch = open_ring_channel(fd, "late peer");
+  for (uint64_t round = 0;; round++) {
+    char b;
+    if (read(go[0], &b, 1) != 1 || b == 'q') break;
+    usleep(200 * 1000);
+    send_release(ch, 10 + round);
+  }
+  tshare_channel_close(ch);
+}
+
+/* A poll loop's look without waiting asks the peer to nudge the socket for
+ * its next frame. A blocking receive that then waits watches the ring
+ * itself and withdraws that: the peer's frame comes through the ring alone,
+ * with no socket write (which would cost the peer a system call per frame,
+ * make it take this end for asleep and stop spinning for the answer, and
+ * wake the fd for nothing). Seen from here: after the blocking receive, the
+ * fd is not readable. The peer sends 200 ms after being told, so the
+ * receive spins first; a round where this end was late is tried again. */
+TS_TEST(a_blocking_receive_after_a_poll_loops_look_takes_the_frame_without_a_nudge) {
+  CHECK(pipe(go) == 0 && pipe(sent) == 0);
+  int sock;
+  pid_t pid = fork_with_socket(sends_late_when_told, &sock);
+  /* This end spins up to a second (the override), so the frame comes while
+   * the receive spins: a sleeping one says so itself, which replaces the
+   * request for a nudge anyway. */
+  CHECK(setenv("TSHARE_SPIN_US", "1000000", 1) == 0);
+  tshare_channel *ch = open_ring_channel(sock, "event loop");
+  CHECK(unsetenv("TSHARE_SPIN_US") == 0);
+  struct pollfd p = {.fd = tshare_channel_fd(ch), .events = POLLIN, .revents = 0};
+  bool quiet = false;
+  for (uint64_t round = 0; round < 3 && !quiet; round++) {
+    CHECK_EQ(next_release(ch, 0), 0); /* the look: nothing there, a nudge asked for */
+    CHECK(write(go[1], "x", 1) == 1);
+    CHECK_EQ(next_release(ch, 5000), 10 + round);
+    quiet = poll(&p, 1, 0) == 0;
+  }
+  if (!quiet) TS_FAIL("every frame taken by a blocking receive still nudged the socket");
+  CHECK(write(go[1], "q", 1) == 1);
+  tshare_channel_close(ch);
+  CHECK_CHILD_OK(pid);
+}
+
 TS_TEST_MAIN

@@ -116,6 +116,12 @@ static inline bool ts_ring_reader_asleep(const ts_ring *r) {
   return how != TS_RING_AWAKE;
 }
 
+/* Reader: what this end last said in reader_waits (TS_RING_*). */
+static inline uint32_t ts_ring_reader_said(const ts_ring *r) {
+  uint32_t how = atomic_load_explicit(&r->ctl->reader_waits_own, memory_order_relaxed);
+  return how == TS_RING_WAITS_UNUSED ? atomic_load_explicit(&r->ctl->reader_waits, memory_order_relaxed) : how;
+}
+
 /* The bell: ring it (any thread, any process), or sleep on it while it still
  * reads `seen` (at most timeout_us; spurious returns are fine). */
 void ts_ring_ring_bell(ts_ring *r);

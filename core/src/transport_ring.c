@@ -219,8 +219,13 @@ static void keep_early(ts_conn *c, const tshare_frame *f, ts_fd_entry e, bool fo
  * nudge behind it would keep the fd readable forever), unless the ring may
  * hold that entry: the caller takes the ring first. A hang-up is left for the
  * caller to see, after the ring is empty. */
-static void drain_nudges(ts_conn *c) {
+enum { HUP_UNKNOWN = -1, HUP_NO = 0, HUP_YES = 1 };
+
+/* Returns what its last look at the socket said of a hang-up (HUP_UNKNOWN
+ * when it did not look), so a poll loop's check asks the socket once. */
+static int drain_nudges(ts_conn *c) {
   ts_ring_link *L = c->frame_data;
+  int hup = HUP_UNKNOWN;
   while (!c->broken && !(L->has_early && ring_may_hold_entry(c))) {
     tshare_frame f;
     ts_fd_entry e;
@@ -230,13 +235,18 @@ static void drain_nudges(ts_conn *c) {
       keep_early(c, &f, e, found);
       continue;
     }
-    if (rc != TSHARE_AGAIN) return;
+    if (rc != TSHARE_AGAIN) return HUP_UNKNOWN;
     if (c->spill_off == c->spill_len) {
       struct pollfd p = {.fd = c->rfd, .events = POLLIN | POLLRDHUP, .revents = 0};
-      if (poll(&p, 1, 0) <= 0 || !(p.revents & POLLIN) || (p.revents & (POLLHUP | POLLRDHUP | POLLERR))) return;
+      int n = poll(&p, 1, 0);
+      if (n < 0) return HUP_UNKNOWN;
+      hup = n > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR)) ? HUP_YES : HUP_NO;
+      if (hup == HUP_YES || !(p.revents & POLLIN)) return hup;
     }
-    if (ts_stream_fill(c, ts_deadline(0)) != TSHARE_OK) return;
+    hup = HUP_UNKNOWN; /* bytes are read now: the next look says */
+    if (ts_stream_fill(c, ts_deadline(0)) != TSHARE_OK) return HUP_UNKNOWN;
   }
+  return hup;
 }
 
 #define RING_SLEEP_SLICE_US 100000 /* a sleeping receive looks for a hang-up this often */
@@ -280,8 +290,13 @@ static int spin_on_ring(ts_conn *c, uint32_t budget_ns) {
  * nudge. */
 static int wait_ring(ts_conn *c, int64_t deadline) {
   ts_ring_link *L = c->frame_data;
-  uint32_t budget =
-      ts_remaining(deadline) != 0 ? ts_spin_plan(&L->spin, ts_spin_cpus_milli(), ts_ring_reader_asleep(&L->out)) : 0;
+  bool waits = ts_remaining(deadline) != 0;
+  /* A receive that waits watches the ring itself: a nudge asked for by an
+   * earlier look without waiting (a poll loop's, or the channel's start) is
+   * withdrawn, or every frame would cost the peer a socket write, and the
+   * peer, taking this end for asleep, would not spin for our answer. */
+  if (waits && ts_ring_reader_said(&L->in) == TS_RING_SOCKET) ts_ring_reader_waits(&L->in, TS_RING_AWAKE);
+  uint32_t budget = waits ? ts_spin_plan(&L->spin, ts_spin_cpus_milli(), ts_ring_reader_asleep(&L->out)) : 0;
   if (budget > 0) {
     int rc = spin_on_ring(c, budget);
     if (rc != SPIN_GAVE_UP) return rc;
@@ -294,8 +309,9 @@ static int wait_ring(ts_conn *c, int64_t deadline) {
     ts_conn_try_flush(c); /* the peer may wait for the rest of an fd frame */
     int left = ts_remaining(deadline);
     if (left == 0) {
+      int hup = HUP_UNKNOWN;
       if (atomic_load(&c->pollable)) { /* ask for a nudge, then look once more: no wake-up falls between */
-        drain_nudges(c);
+        hup = drain_nudges(c);
         if (c->broken) return c->broken;
         ts_ring_reader_waits(&L->in, TS_RING_SOCKET);
         if ((avail = ts_ring_available(&L->in)) != 0) {
@@ -305,7 +321,9 @@ static int wait_ring(ts_conn *c, int64_t deadline) {
         }
       }
       /* Poll loops ask each time (their poll said POLLHUP), others at most once a millisecond. */
-      bool hung_up = atomic_load(&c->pollable) ? socket_hung_up(c) : socket_hung_up_lately(c, &L->hup_recv_us);
+      bool hung_up = !atomic_load(&c->pollable) ? socket_hung_up_lately(c, &L->hup_recv_us)
+                     : hup == HUP_UNKNOWN       ? socket_hung_up(c)
+                                                : hup == HUP_YES;
       if (hung_up && ts_ring_available(&L->in) == 0) return c->broken = ts_conn_peer_closed(c, "receive");
       return ts_errf(c->err, c->err_cap, TSHARE_E_TIMEOUT, "receive: timed out");
     }
