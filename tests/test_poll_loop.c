@@ -94,7 +94,8 @@ static void sends_late_when_told(int fd) {
     char b;
     if (read(go[0], &b, 1) != 1 || b == 'q') break;
     usleep(200 * 1000);
-    send_release(ch, 10 + round);
+    send_release(ch, 10 + round); /* a nudge, if asked for, is written within the send */
+    CHECK(write(sent[1], "x", 1) == 1);
   }
   tshare_channel_close(ch);
 }
@@ -123,6 +124,7 @@ TS_TEST(a_blocking_receive_after_a_poll_loops_look_takes_the_frame_without_a_nud
     CHECK_EQ(next_release(ch, 0), 0); /* the look: nothing there, a nudge asked for */
     CHECK(write(go[1], "x", 1) == 1);
     CHECK_EQ(next_release(ch, 5000), 10 + round);
+    wait_byte(sent[0]); /* the peer's send, nudge and all, is over */
     quiet = poll(&p, 1, 0) == 0;
   }
   if (!quiet) TS_FAIL("every frame taken by a blocking receive still nudged the socket");

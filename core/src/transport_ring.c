@@ -213,16 +213,16 @@ static void keep_early(ts_conn *c, const tshare_frame *f, ts_fd_entry e, bool fo
                       c->peer_label, tshare_frame_type_name(f->type), tshare_frame_type_name(L->early.type));
 }
 
+enum { HUP_UNKNOWN = -1, HUP_NO = 0, HUP_YES = 1 };
+
 /* Take the socket bytes already there, so that nudges stop making the fd
  * readable (a poll loop would spin on them). A real frame read early waits
  * for its SOCKET_NEXT entry; while it waits, the socket is still read (a
  * nudge behind it would keep the fd readable forever), unless the ring may
  * hold that entry: the caller takes the ring first. A hang-up is left for the
- * caller to see, after the ring is empty. */
-enum { HUP_UNKNOWN = -1, HUP_NO = 0, HUP_YES = 1 };
-
-/* Returns what its last look at the socket said of a hang-up (HUP_UNKNOWN
- * when it did not look), so a poll loop's check asks the socket once. */
+ * caller to see, after the ring is empty. Returns what its last look at the
+ * socket said of a hang-up (HUP_UNKNOWN when it did not look), so a poll
+ * loop's check asks the socket once. */
 static int drain_nudges(ts_conn *c) {
   ts_ring_link *L = c->frame_data;
   int hup = HUP_UNKNOWN;

@@ -171,7 +171,11 @@ TSHARE_API int tshare_channel_send_error(tshare_channel *ch, int code, const cha
  * already holds never make it readable (on a channel that was received on
  * before its fd was first asked for, frames may already wait). On a ring
  * channel it becomes readable when frames arrive while no receive runs (the
- * peer nudges the socket). */
+ * peer nudges the socket), once a call that did not wait asked for it: a
+ * receive that waits, or a send that waited for room, watches the ring
+ * itself and withdraws that. So the call that reports TSHARE_E_TIMEOUT is
+ * the last one before waiting on the fd, also where other threads receive
+ * on the channel with a timeout. */
 TSHARE_API int tshare_channel_fd(const tshare_channel *ch);
 
 /* The transport in use: TSHARE_TRANSPORT_RING or TSHARE_TRANSPORT_SOCKET
