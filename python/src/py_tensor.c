@@ -220,12 +220,22 @@ typedef struct peek_call {
 } peek_call;
 
 /* Without waiting: OK when a share or a set waits, TSHARE_END once the peer
- * said bye and nothing does, TSHARE_E_TIMEOUT when nothing came yet. */
+ * said bye and nothing does, TSHARE_E_TIMEOUT when nothing came yet. The
+ * set look reads frames too: a share that lands between the two looks is
+ * queued by the set look, which reports only sets. So the share queue is
+ * looked at again (at once, without reading, when the share is there), or
+ * _peek would say nothing waits while a share does, and a poll loop would
+ * wait for a frame that already came. */
 static int look(peek_call *p) {
   int rc = tshare_channel_peek_share(p->self->ch, 0, &p->info);
   p->share_waits = rc == TSHARE_OK;
   if (rc != TSHARE_OK && rc != TSHARE_E_TIMEOUT && rc != TSHARE_END) return rc;
   p->set_waits = py_set_waiting(p->self);
+  if (!p->share_waits && !p->set_waits && rc == TSHARE_E_TIMEOUT) {
+    rc = tshare_channel_peek_share(p->self->ch, 0, &p->info);
+    p->share_waits = rc == TSHARE_OK;
+    if (rc != TSHARE_OK && rc != TSHARE_E_TIMEOUT && rc != TSHARE_END) return rc;
+  }
   return p->share_waits || p->set_waits ? TSHARE_OK : rc;
 }
 

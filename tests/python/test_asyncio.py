@@ -136,6 +136,54 @@ def a_recv_woken_for_a_share_and_then_cancelled_leaves_it_queued():
 
 
 @test
+def a_share_that_lands_while_the_loop_looks_for_sets_wakes_its_await():
+    """The loop's look at a channel asks for a waiting share, then for a
+    waiting set; the set look reads what came meanwhile, and a share that
+    lands between the two is queued by it. The look must still say a share
+    waits, or the await sleeps on an fd that its frame no longer makes
+    readable. Thousands of hand-offs from a producer process that waits for
+    each release, each awaited for at most 5 s, with the watcher's periodic
+    drive off (it would find the share after 100 ms). The same loop without
+    awaits (_peek, then poll) stalled in about one run in three on the look
+    that asked once."""
+    aio._RELEASE_FLUSH_S = 1000.0
+    n = 5000
+    a, b = tshare.socketpair()
+    pid = os.fork()
+    if pid == 0:  # the producer: blocking calls only
+        code = 1
+        try:
+            os.close(b)
+            p = tshare.open_socket(a, name="producer")
+            buf = tshare.empty_shared(8)
+            for k in range(n):
+                sid = tshare.send(p, buf[k % 8 : k % 8 + 1], tag=str(k), timeout=10)
+                p.wait_released(sid, timeout=10)
+            p.send_bye(timeout=10)
+            p.close()
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(a)
+    c = tshare.open_socket(b, name="consumer")
+
+    async def main():
+        for k in range(n):
+            try:
+                r = await asyncio.wait_for(aio.recv(c), timeout=5)
+            except asyncio.TimeoutError:
+                raise AssertionError("hand-off %d of %d: the await slept 5 s with its share already taken off the channel" % (k, n))
+            assert r is not None and r.tag == str(k), "hand-off %d came as %r" % (k, r and r.tag)
+            del r
+        assert await asyncio.wait_for(aio.recv(c), timeout=10) is None  # the bye, after the last release went
+
+    asyncio.run(main())
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the producer failed: status %d" % status
+    c.close()
+
+
+@test
 def a_call_that_takes_frames_another_await_waits_for_wakes_it():
     """An await's own call takes frames off the channel that another await
     sleeps for, so the fd says nothing more (on a socket channel): the drain
