@@ -273,7 +273,9 @@ static int share_foreign(tshare_channel *ch, const void *data, const tshare_tens
   e->user_data = user_data;
   uint32_t flags = watched || anchored ? TSHARE_SHARE_FLAG_RETIRE_NOTICE : 0;
   if (watched && !held && (ch->conn.peer.capabilities & TSHARE_CAP_CUDA_HELD)) flags |= TSHARE_SHARE_FLAG_HOLD_OFFER;
-  rc = send_cuda_share(ch, &x, vmm && !held ? &chunks : NULL, held, (uint64_t)(ptr - x.base), (uint32_t)getpid(),
+  /* The channel's owner is this process (a forked child's calls are
+   * refused), known without getpid()'s system call. */
+  rc = send_cuda_share(ch, &x, vmm && !held ? &chunks : NULL, held, (uint64_t)(ptr - x.base), (uint32_t)ch->owner_pid,
                        flags, desc, stream, tag, e, timeout_ms, share_id);
   if (owned) ts_vmm_chunks_close(&chunks); /* the peer has its own; a watched run keeps them */
   return rc;
@@ -364,7 +366,7 @@ static int share_cuda_buffer(tshare_channel *ch, tshare_cuda_buffer *buf, const 
   e->owner = buf;
   e->user_data = user_data;
   ts_cuda_buffer_retain(buf);
-  return send_cuda_share(ch, x, NULL, held, ts_cuda_buffer_offset(buf), (uint32_t)getpid(), flags, desc, stream, tag,
+  return send_cuda_share(ch, x, NULL, held, ts_cuda_buffer_offset(buf), (uint32_t)ch->owner_pid, flags, desc, stream, tag,
                          e, timeout_ms, share_id);
 }
 

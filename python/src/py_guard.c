@@ -4,22 +4,40 @@
 #include "py_errors.h"
 
 #include <limits.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <time.h>
 #include <unistd.h>
 
+/* This process's pid, kept by an atfork handler: every call on a channel
+ * enters and leaves its guard, and getpid() is a system call each time
+ * (glibc no longer caches it; over a microsecond on some VMs, several per
+ * hand-off). */
+static atomic_long process_pid;
+static pthread_once_t watch_forks_once = PTHREAD_ONCE_INIT;
+
+static void note_pid(void) { atomic_store(&process_pid, (long)getpid()); }
+
+static void watch_forks(void) {
+  note_pid();
+  pthread_atfork(NULL, NULL, note_pid);
+}
+
+static long this_pid(void) { return atomic_load_explicit(&process_pid, memory_order_relaxed); }
+
 void py_guard_init(py_guard *g, const char *noun) {
+  pthread_once(&watch_forks_once, watch_forks);
   pthread_mutex_init(&g->mutex, NULL);
   pthread_cond_init(&g->turn_changed, NULL);
   g->next_ticket = g->serving = 0;
   g->owner = 0;
   g->closing = 0;
-  g->pid = getpid();
+  g->pid = (pid_t)this_pid();
   g->noun = noun;
 }
 
 /* Made by the process this one was forked from: see py_guard.h. */
-static int inherited(const py_guard *g) { return g->pid != getpid(); }
+static int inherited(const py_guard *g) { return (long)g->pid != this_pid(); }
 
 void py_guard_destroy(py_guard *g) {
   if (inherited(g)) return; /* the mutex may be held by a thread this process does not have */
