@@ -4,7 +4,7 @@
  *
  *   tshare-bench [--quick] [--out DIR] [--iters N] [--warmup N]
  *                [--pipelined N] [--memory-shares N] [--bw-mib N]
- *                [--python PATH] [--no-peers] [--ucx-only]
+ *                [--python PATH] [--no-peers] [--ucx-only] [--contention-only]
  */
 #include "bench.h"
 
@@ -82,7 +82,7 @@ static void stop_consumers(bench *b) {
 static void usage(FILE *out) {
   fprintf(out, "usage: tshare-bench [--quick] [--out DIR] [--iters N] [--warmup N] [--pipelined N]\n"
                "                    [--memory-shares N] [--bw-mib N] [--python PATH] [--no-peers]\n"
-               "                    [--set-iters N] [--ucx-only]\n"
+               "                    [--set-iters N] [--ucx-only] [--contention-only]\n"
                "  --quick           few iterations: checks that every row runs, numbers are rough\n"
                "  --out DIR         write bench.json and bench.csv there (default: bench-results)\n"
                "  --iters N         timed hand-offs per latency row (default 20000)\n"
@@ -93,7 +93,8 @@ static void usage(FILE *out) {
                "  --python PATH     interpreter for the torch.multiprocessing peer (default python3)\n"
                "  --no-peers        skip the rows run by other programs\n"
                "  --set-iters N     timed hand-offs per state_dict row (default 200; a tenth untimed first)\n"
-               "  --ucx-only        only the UCX rows (host memory across a veth pair; root)\n");
+               "  --ucx-only        only the UCX rows (host memory across a veth pair; root)\n"
+               "  --contention-only only the rows where CPUs are scarce (one CPU, every CPU busy)\n");
 }
 
 static int parse_long(const char *s, long *out) {
@@ -238,7 +239,7 @@ int main(int argc, char **argv) {
   b.opt.torch_sets_bench = TSHARE_BENCH_TORCH_SETS;
 #endif
   const char *out_dir = "bench-results";
-  int peers = 1, ucx_only = 0;
+  int peers = 1, ucx_only = 0, contention_only = 0;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -259,6 +260,8 @@ int main(int argc, char **argv) {
       peers = 0;
     } else if (strcmp(a, "--ucx-only") == 0) {
       ucx_only = 1;
+    } else if (strcmp(a, "--contention-only") == 0) {
+      contention_only = 1;
     } else if (v && strcmp(a, "--out") == 0) {
       out_dir = v, i++;
     } else if (v && strcmp(a, "--python") == 0) {
@@ -296,6 +299,11 @@ int main(int argc, char **argv) {
 
   if (ucx_only) {
     bench_ucx(&b);
+    br_print(&b.rep, stdout);
+    return 0;
+  }
+  if (contention_only) { /* what the waiting policy is tuned against, alone */
+    bench_contention(&b);
     br_print(&b.rep, stdout);
     return 0;
   }

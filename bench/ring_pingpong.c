@@ -8,8 +8,12 @@
  * the time is tshare's own work (encode, copy, decode, the atomics and the
  * checks), the part of a round trip a busy or shared machine cannot blur.
  *
+ * The same for a whole host-share hand-off of a buffer the consumer already
+ * maps (share, import, release, the release applied): the library's part of
+ * the bench's "host: share a memfd tensor (buffer reused)" row.
+ *
  *   tshare-ring-pingpong [N]   N round trips per row (default 200000)
- *   tshare-ring-pingpong --own N   only the one-thread row */
+ *   tshare-ring-pingpong --own N   only the one-thread rows */
 #include "bench_stats.h"
 
 #include <tshare/tshare.h>
@@ -141,17 +145,69 @@ static void *open_end(void *arg) {
   return NULL;
 }
 
-/* Both ends in this thread: the round trip's CPU work in ns (the best of
- * five runs of n), or -1. */
-static double own_work_ns(long n) {
+/* Both ends of one ring channel, opened in this thread and a helper. */
+static int open_pair(opener *a, opener *b) {
   int fds[2];
   tshare_error err;
   if (tshare_socketpair(fds, &err) != TSHARE_OK) return -1;
-  opener a = {fds[0], NULL}, b = {fds[1], NULL};
+  *a = (opener){fds[0], NULL};
+  *b = (opener){fds[1], NULL};
   pthread_t t;
-  if (pthread_create(&t, NULL, open_end, &b) != 0) return -1;
-  open_end(&a);
+  if (pthread_create(&t, NULL, open_end, b) != 0) return -1;
+  open_end(a);
   pthread_join(t, NULL);
+  return a->ch && b->ch ? 0 : -1;
+}
+
+/* One host-share hand-off with both ends in this thread. */
+static int host_handoff(tshare_channel *p, tshare_channel *c, tshare_host_buffer *buf, const tshare_tensor_desc *d) {
+  uint64_t id;
+  tshare_view *v;
+  int rc = tshare_share_host(p, buf, d, NULL, NULL, TIMEOUT_MS, &id);
+  if (rc == TSHARE_OK) rc = tshare_view_recv(c, TIMEOUT_MS, &v);
+  if (rc != TSHARE_OK) return rc;
+  tshare_view_release(v);
+  (void)tshare_channel_poll(c, 0);
+  return tshare_channel_wait_released(p, id, TIMEOUT_MS);
+}
+
+/* The host hand-off's CPU work in ns (the best of five runs of n), or -1. */
+static double own_host_ns(long n) {
+  opener a = {-1, NULL}, b = {-1, NULL};
+  tshare_host_buffer *buf = NULL;
+  tshare_error err;
+  double best = -1;
+  int64_t shape[1] = {1024};
+  tshare_tensor_desc d = tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_FLOAT, 32, 1}, 1, shape, 0);
+  if (open_pair(&a, &b) == 0 && tshare_host_buffer_create(1u << 20, "pingpong", &buf, &err) == TSHARE_OK) {
+    int rc = host_handoff(a.ch, b.ch, buf, &d); /* the first: the memfd travels, the mapping is made */
+    for (int run = 0; run < 5 && rc == TSHARE_OK; run++) {
+      uint64_t t0 = bs_now_ns();
+      for (long i = 0; i < n && rc == TSHARE_OK; i++) rc = host_handoff(a.ch, b.ch, buf, &d);
+      double ns = (double)(bs_now_ns() - t0) / (double)n;
+      if (best < 0 || ns < best) best = ns;
+    }
+    if (rc != TSHARE_OK) {
+      fprintf(stderr, "tshare-ring-pingpong: host: %s / %s\n", tshare_channel_last_error(a.ch),
+              tshare_channel_last_error(b.ch));
+      best = -1;
+    }
+  }
+  if (buf) tshare_host_buffer_destroy(buf);
+  if (a.ch) tshare_channel_close(a.ch);
+  if (b.ch) tshare_channel_close(b.ch);
+  return best;
+}
+
+/* Both ends in this thread: the round trip's CPU work in ns (the best of
+ * five runs of n), or -1. */
+static double own_work_ns(long n) {
+  opener a = {-1, NULL}, b = {-1, NULL};
+  if (open_pair(&a, &b) != 0) {
+    if (a.ch) tshare_channel_close(a.ch);
+    if (b.ch) tshare_channel_close(b.ch);
+    return -1;
+  }
   double best = -1;
   for (int run = 0; run < 5 && a.ch && b.ch; run++) {
     int rc = TSHARE_OK, fd = -1;
@@ -181,9 +237,10 @@ static double own_work_ns(long n) {
 
 int main(int argc, char **argv) {
   if (argc > 2 && strcmp(argv[1], "--own") == 0) {
-    double own = own_work_ns(atol(argv[2]));
-    if (own < 0) return 1;
+    double own = own_work_ns(atol(argv[2])), host = own < 0 ? -1 : own_host_ns(atol(argv[2]));
+    if (own < 0 || host < 0) return 1;
     printf("ring frame round trip, one thread  %.3f us of tshare's own work\n", own / 1000.0);
+    printf("host share hand-off, one thread    %.3f us of tshare's own work (buffer reused)\n", host / 1000.0);
     return 0;
   }
   long n = argc > 1 ? atol(argv[1]) : 200000;

@@ -61,8 +61,8 @@ static void heap_peer_gone(tshare_channel *ch) {
   atomic_fetch_add(&gone, 1);
 }
 
-static int heap_housekeeping(tshare_channel *ch, int timeout_ms, ts_backend_wait *wait) {
-  (void)ch, (void)timeout_ms;
+static int heap_housekeeping(tshare_channel *ch, int64_t deadline, ts_backend_wait *wait) {
+  (void)ch, (void)deadline;
   *wait = TS_BACKEND_IDLE;
   atomic_fetch_add(&housekeepings, 1);
   return TSHARE_OK;

@@ -138,8 +138,10 @@ typedef struct ts_backend {
    * filed under its id goes. */
   void (*share_dropped)(tshare_channel *ch, uint64_t share_id);
   /* Optional: before every receive may block: work that finished is done
-   * with (releases queued), notices go out; *wait as above. */
-  int (*housekeeping)(tshare_channel *ch, int timeout_ms, ts_backend_wait *wait);
+   * with (releases queued), notices go out by deadline (clock.h); *wait as
+   * above. A deadline, not a timeout: a turn with nothing to send, the usual
+   * one, reads no clock. */
+  int (*housekeeping)(tshare_channel *ch, int64_t deadline, ts_backend_wait *wait);
   /* Optional: before this end closes, while the peer can still answer. */
   void (*before_close)(tshare_channel *ch, int timeout_ms);
   /* Optional: a share this backend sent was released, dropped, or never
@@ -300,7 +302,7 @@ void ts_backends_chan_free(tshare_channel *ch);
 void ts_backends_chan_free_in_child(tshare_channel *ch);
 int ts_backends_on_share(tshare_channel *ch, const tshare_frame *f);
 void ts_backends_share_dropped(tshare_channel *ch, uint64_t share_id);
-int ts_backends_housekeeping(tshare_channel *ch, int timeout_ms, ts_backend_wait *wait);
+int ts_backends_housekeeping(tshare_channel *ch, int64_t deadline, ts_backend_wait *wait);
 void ts_backends_before_close(tshare_channel *ch, int timeout_ms);
 void ts_backends_export_done(tshare_channel *ch, const struct ts_export *e);
 

@@ -81,13 +81,13 @@ static void cuda_hello_devices(tshare_hello *h) {
 
 /* ---- frames and housekeeping --------------------------------------------- */
 
-static int cuda_housekeeping(tshare_channel *ch, int timeout_ms, ts_backend_wait *busy) {
+static int cuda_housekeeping(tshare_channel *ch, int64_t deadline, ts_backend_wait *busy) {
   *busy = TS_BACKEND_IDLE;
   struct ts_cuda_chan *c = ts_cuda_chan_if_used(ch);
   if (!c) return TSHARE_OK;
   const ts_cuda_api *cu = ts_cuda_if_loaded();
   ts_cuda_finish_drains(ch, c, cu, busy);
-  return ts_cuda_send_notices(ch, c, cu, timeout_ms);
+  return ts_cuda_send_notices(ch, c, cu, deadline);
 }
 
 static void cuda_peer_gone(tshare_channel *ch) {

@@ -219,7 +219,7 @@ void ts_cuda_watched_runs_free(struct ts_cuda_chan *c);
 void ts_cuda_keep_run(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t alloc_id, ts_cuda_mapping *imp);
 void ts_cuda_drop_kept_run(struct ts_cuda_chan *c, uint64_t alloc_id);
 int ts_cuda_on_retire(tshare_channel *ch, const tshare_frame *f);
-int ts_cuda_send_notices(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cuda_api *cu, int timeout_ms);
+int ts_cuda_send_notices(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cuda_api *cu, int64_t deadline);
 void ts_cuda_before_close(tshare_channel *ch, int timeout_ms);
 
 #endif

@@ -258,7 +258,7 @@ void ts_cuda_before_close(tshare_channel *ch, int timeout_ms) {
 
 /* The notices this end owes: retire notices of runs gone and segments idle (looked
  * at every WATCH_CHECK_US) and of allocations nobody holds; KEPT notices; CLOSED answers. */
-int ts_cuda_send_notices(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cuda_api *cu, int timeout_ms) {
+int ts_cuda_send_notices(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cuda_api *cu, int64_t deadline) {
   if (c->watched_runs.count || ts_anchors_count(&c->anchors)) {
     int64_t now = ts_now_us();
     if (now - c->watched_checked_us >= WATCH_CHECK_US) {
@@ -268,7 +268,6 @@ int ts_cuda_send_notices(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cu
   }
   if (!queue_unused_allocs(c)) return retire_nomem(ch);
   if (!c->freed_notices.len && !c->kept_notices.len && !c->closed_notices.len) return TSHARE_OK; /* the usual turn */
-  int64_t deadline = ts_deadline(timeout_ms);
   int rc = send_ids(ch, TSHARE_RETIRE_FREED, &c->freed_notices, ts_remaining(deadline));
   if (rc == TSHARE_OK) rc = send_ids(ch, TSHARE_RETIRE_KEPT, &c->kept_notices, ts_remaining(deadline));
   if (rc == TSHARE_OK) rc = send_ids(ch, TSHARE_RETIRE_CLOSED, &c->closed_notices, ts_remaining(deadline));

@@ -239,10 +239,9 @@ int ts_host_on_retire(tshare_channel *ch, const tshare_frame *f, int fd, int fd_
 
 /* ---- both --------------------------------------------------------------- */
 
-int ts_host_housekeeping(tshare_channel *ch, int timeout_ms, ts_backend_wait *wait) {
+int ts_host_housekeeping(tshare_channel *ch, int64_t deadline, ts_backend_wait *wait) {
   *wait = TS_BACKEND_IDLE;
   host_chan *h = ts_host_chan(ch);
-  int64_t deadline = ts_deadline(timeout_ms);
   int rc = retire_unused(ch, h);
   if (rc == TSHARE_OK && h->freed_notices.len)
     rc = ts_retire_send_ids(ch, TSHARE_RETIRE_FREED, TSHARE_MEM_HOST_MEMFD, &h->freed_notices,

@@ -198,7 +198,7 @@ static void retire_unused(ucx_chan *u) {
   }
 }
 
-static int ucx_housekeeping(tshare_channel *ch, int timeout_ms, ts_backend_wait *wait) {
+static int ucx_housekeeping(tshare_channel *ch, int64_t deadline, ts_backend_wait *wait) {
   *wait = TS_BACKEND_IDLE;
   ucx_chan *u = ts_ucx_chan(ch);
   if (!u) return TSHARE_OK;
@@ -206,7 +206,8 @@ static int ucx_housekeeping(tshare_channel *ch, int timeout_ms, ts_backend_wait 
   *wait = ts_ucx_device_reap(ch, u); /* GPU landings released while the GPU still used them */
   if (!ts_ucx_carries_host(ch)) return TSHARE_OK; /* nothing registered: the channel is not over UCX */
   retire_unused(u);
-  int rc = u->retired.len ? ts_retire_send_ids(ch, TSHARE_RETIRE_FREED, TSHARE_MEM_UCX_REMOTE, &u->retired, timeout_ms)
+  int rc = u->retired.len ? ts_retire_send_ids(ch, TSHARE_RETIRE_FREED, TSHARE_MEM_UCX_REMOTE, &u->retired,
+                                              ts_remaining(deadline))
                           : TSHARE_OK;
   if (rc == TSHARE_E_PEER_CLOSED) { /* nobody is left to tell; the receive reports the end */
     u->retired.len = 0;

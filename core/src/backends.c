@@ -113,13 +113,12 @@ void ts_backends_share_dropped(tshare_channel *ch, uint64_t share_id) {
     if (backends[i]->share_dropped) backends[i]->share_dropped(ch, share_id);
 }
 
-int ts_backends_housekeeping(tshare_channel *ch, int timeout_ms, ts_backend_wait *wait) {
+int ts_backends_housekeeping(tshare_channel *ch, int64_t deadline, ts_backend_wait *wait) {
   *wait = TS_BACKEND_IDLE;
-  int64_t deadline = ts_deadline(timeout_ms);
   for (size_t i = 0; i < count(); i++) {
     if (!backends[i]->housekeeping) continue;
     ts_backend_wait mine = TS_BACKEND_IDLE;
-    int rc = backends[i]->housekeeping(ch, ts_remaining(deadline), &mine);
+    int rc = backends[i]->housekeeping(ch, deadline, &mine);
     /* The soonest look any backend asks for. */
     if (mine == TS_BACKEND_SOON || (mine == TS_BACKEND_LATER && *wait == TS_BACKEND_IDLE)) *wait = mine;
     if (rc != TSHARE_OK) return rc;

@@ -88,7 +88,7 @@ static int wait_writable(ts_conn *c, int64_t deadline) {
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return ts_errsys(c->err, c->err_cap, TSHARE_E_SYSTEM, errno, "poll (send)");
     if (c->t->send_wait) c->t->send_wait(c, false);
-    if (n == 0) return ts_errf(c->err, c->err_cap, TSHARE_E_TIMEOUT, "send: timed out");
+    if (n == 0) return ts_err_text(c->err, c->err_cap, TSHARE_E_TIMEOUT, "send: timed out");
     if (p[0].revents) return TSHARE_OK; /* errors and hangups surface in the write */
     if (can_read && p[1].revents) ts_conn_spill_read(c);
   }
@@ -323,7 +323,7 @@ int ts_stream_wait(ts_conn *c, int64_t deadline) {
     }
     if (p[0].revents) return TSHARE_OK;
     if (n == 0 && ts_remaining(deadline) == 0)
-      return ts_errf(c->err, c->err_cap, TSHARE_E_TIMEOUT, "receive: timed out");
+      return ts_err_text(c->err, c->err_cap, TSHARE_E_TIMEOUT, "receive: timed out");
   }
 }
 
@@ -453,13 +453,17 @@ int ts_conn_deliver(ts_conn *c, const tshare_frame *f, ts_fd_entry e, bool found
 }
 
 int ts_conn_recv(ts_conn *c, tshare_frame *f, int *fd_out, int *fd_lost, int timeout_ms) {
+  return ts_conn_recv_by(c, f, fd_out, fd_lost, ts_deadline(timeout_ms));
+}
+
+int ts_conn_recv_by(ts_conn *c, tshare_frame *f, int *fd_out, int *fd_lost, int64_t deadline) {
   *fd_out = -1;
   *fd_lost = 0;
   mark_driver(c);
   if (c->rfd < 0) return ts_errf(c->err, c->err_cap, TSHARE_E_STATE, "receive: channel is closed");
   ts_fd_entry e;
   bool found;
-  int rc = c->t->recv(c, f, &e, &found, ts_deadline(timeout_ms));
+  int rc = c->t->recv(c, f, &e, &found, deadline);
   if (rc != TSHARE_OK) return rc;
   return ts_conn_deliver(c, f, e, found, fd_out, fd_lost);
 }

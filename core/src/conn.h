@@ -130,6 +130,8 @@ void ts_conn_flush_tail(ts_conn *c, int timeout_ms);
 /* The next frame, see session.h's ts_channel_recv_raw; or
  * TS_CONN_WOKEN when ts_conn_wake() was called before one came. */
 int ts_conn_recv(ts_conn *c, tshare_frame *f, int *fd_out, int *fd_lost, int timeout_ms);
+/* The same by a deadline (clock.h): a caller that holds one reads no clock. */
+int ts_conn_recv_by(ts_conn *c, tshare_frame *f, int *fd_out, int *fd_lost, int64_t deadline);
 /* Bytes received that do not form a frame yet, or wait in the ring (0: a
  * receive would wait). */
 size_t ts_conn_buffered(ts_conn *c);

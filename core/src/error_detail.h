@@ -16,6 +16,11 @@
  * `return ts_errf(obj->err, sizeof obj->err, TSHARE_E_X, "...")`. */
 int ts_errf(char *buf, size_t cap, int status, const char *fmt, ...) TS_PRINTF(4, 5);
 
+/* Same for a fixed text, without formatting: for outcomes a caller meets on
+ * every turn (a poll with nothing there times out), where vsnprintf cost
+ * more than the rest of the call. */
+int ts_err_text(char *buf, size_t cap, int status, const char *text);
+
 /* Same, appending ": strerror(err) (errno N)". */
 int ts_errsys(char *buf, size_t cap, int status, int err, const char *fmt, ...) TS_PRINTF(5, 6);
 

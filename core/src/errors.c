@@ -48,6 +48,16 @@ int ts_errf(char *buf, size_t cap, int status, const char *fmt, ...) {
   return status;
 }
 
+int ts_err_text(char *buf, size_t cap, int status, const char *text) {
+  if (buf && cap) {
+    size_t n = strlen(text);
+    if (n >= cap) n = cap - 1;
+    memcpy(buf, text, n);
+    buf[n] = '\0';
+  }
+  return status;
+}
+
 int ts_errsys(char *buf, size_t cap, int status, int err, const char *fmt, ...) {
   if (buf && cap) {
     va_list ap;

@@ -6,6 +6,7 @@
 #include "session.h"
 #include "session_set.h"
 
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,7 +14,9 @@
 /* Move the oldest queued release ids, at most one frame's worth, into a
  * release frame (with ch->lock held); its count is 0 when none were queued. */
 static void take_pending_locked(tshare_channel *ch, tshare_frame *f) {
-  memset(f, 0, sizeof *f);
+  /* The header and the count: the ids past it are never read (a whole frame
+   * is over 2 KiB, zeroed on every release sent). */
+  memset(f, 0, offsetof(tshare_frame, u) + offsetof(tshare_release_frame, share_ids));
   f->type = TSHARE_FRAME_RELEASE;
   uint32_t n =
       ch->pending.len < ch->conn.limits.max_release_ids ? (uint32_t)ch->pending.len : ch->conn.limits.max_release_ids;
@@ -50,8 +53,12 @@ static void put_back(tshare_channel *ch, const tshare_frame *f, bool tell_driver
 }
 
 int ts_share_flush_pending(tshare_channel *ch, int timeout_ms) {
-  int64_t deadline = ts_deadline(timeout_ms);
   send_refusal_notice(ch);
+  pthread_mutex_lock(&ch->lock);
+  bool owed = ch->pending.len > 0 || ts_set_notices_waiting_locked(ch);
+  pthread_mutex_unlock(&ch->lock);
+  if (!owed) return TSHARE_OK; /* the usual turn of a receive: nothing to send, no clock read */
+  int64_t deadline = ts_deadline(timeout_ms);
   /* Layouts lost go first: the peer forgets them before it sees the sets
    * refused come back, and sends their builders whole next. */
   int rc = ts_set_send_notices(ch, ts_remaining(deadline));

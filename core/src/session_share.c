@@ -304,7 +304,7 @@ static bool releases_due(tshare_channel *ch) {
  * and pending releases go out (all of them when all_releases, else when
  * releases_due). *wait: whether a backend's work still waits. */
 static int housekeeping(tshare_channel *ch, int64_t deadline, bool all_releases, ts_backend_wait *wait) {
-  int rc = ts_backends_housekeeping(ch, ts_remaining(deadline), wait);
+  int rc = ts_backends_housekeeping(ch, deadline, wait);
   if (rc == TSHARE_OK && (all_releases || releases_due(ch))) rc = ts_share_flush_pending(ch, ts_remaining(deadline));
   return rc;
 }
@@ -314,9 +314,10 @@ static int housekeeping(tshare_channel *ch, int64_t deadline, bool all_releases,
  * thread is seen between turns. */
 #define TS_OWED_SLICE_MS 10
 
+/* The sooner of a deadline and one slice_ms from now, with one clock read. */
 static int64_t slice_of(int64_t deadline, int slice_ms) {
-  int left = ts_remaining(deadline);
-  return left >= 0 && left <= slice_ms ? deadline : ts_deadline(slice_ms);
+  int64_t slice = ts_deadline(slice_ms);
+  return deadline >= 0 && deadline < slice ? deadline : slice;
 }
 
 int ts_session_recv(tshare_channel *ch, tshare_frame *f, int *fd_out, int *fd_lost, int timeout_ms) {
@@ -337,10 +338,10 @@ int ts_session_recv(tshare_channel *ch, tshare_frame *f, int *fd_out, int *fd_lo
     bool owed = rc == TSHARE_E_TIMEOUT;
     /* A backend's waiting work (releases waiting for the GPU) is looked at
      * again at once while it is fresh, then every millisecond. */
-    int wait_ms = ts_remaining(deadline);
-    int cap = wait == TS_BACKEND_SOON ? 0 : wait != TS_BACKEND_IDLE ? 1 : TS_OWED_SLICE_MS;
-    if ((wait != TS_BACKEND_IDLE || owed) && (wait_ms < 0 || wait_ms > cap)) wait_ms = cap;
-    rc = ts_conn_recv(&ch->conn, f, fd_out, fd_lost, wait_ms);
+    int64_t by = deadline; /* the usual turn: no clock read here */
+    if (wait != TS_BACKEND_IDLE || owed)
+      by = slice_of(deadline, wait == TS_BACKEND_SOON ? 0 : wait != TS_BACKEND_IDLE ? 1 : TS_OWED_SLICE_MS);
+    rc = ts_conn_recv_by(&ch->conn, f, fd_out, fd_lost, by);
     woken = rc == TS_CONN_WOKEN; /* releases were queued: out with them before waiting on */
     if (woken || (rc == TSHARE_E_TIMEOUT && (wait != TS_BACKEND_IDLE || owed) && ts_remaining(deadline) != 0)) continue;
     return rc;

@@ -325,7 +325,7 @@ static int wait_ring(ts_conn *c, int64_t deadline) {
                      : hup == HUP_UNKNOWN       ? socket_hung_up(c)
                                                 : hup == HUP_YES;
       if (hung_up && ts_ring_available(&L->in) == 0) return c->broken = ts_conn_peer_closed(c, "receive");
-      return ts_errf(c->err, c->err_cap, TSHARE_E_TIMEOUT, "receive: timed out");
+      return ts_err_text(c->err, c->err_cap, TSHARE_E_TIMEOUT, "receive: timed out");
     }
     uint32_t seen = atomic_load_explicit(&L->in.ctl->bell, memory_order_acquire);
     pthread_mutex_lock(&c->wake_lock);

@@ -455,7 +455,9 @@ TSHARE_API int tshare_decoder_feed(tshare_decoder *dec, const void *bytes, size_
 TSHARE_API int tshare_decoder_space(tshare_decoder *dec, uint8_t **ptr, size_t *avail);
 TSHARE_API void tshare_decoder_commit(tshare_decoder *dec, size_t n);
 
-/* Take the next complete frame. TSHARE_OK: *out holds it. TSHARE_AGAIN: feed
+/* Take the next complete frame. TSHARE_OK: *out holds it (its header fields
+ * and the union member of its type; a release's or retire's ids past its
+ * count, and the other members, are not written). TSHARE_AGAIN: feed
  * more bytes (out untouched). Negative: the stream is invalid (see
  * tshare_decoder_last_error); every later call returns the same status. */
 TSHARE_API int tshare_decoder_next(tshare_decoder *dec, tshare_frame *out);
