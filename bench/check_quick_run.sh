@@ -77,7 +77,7 @@ for key in ["ucx_share_4k", "ucx_share_64m", "ucx_same_host_native"]:  # measure
     if not r["skipped"]: measured(key)
 if not rows["ucx_same_host_native"]["skipped"] and "ucx]" in rows["ucx_same_host_native"]["label"]:
     fail("a same-host channel by name went over UCX")
-if len(doc["targets"]) != 22: fail("targets missing")
+if len(doc["targets"]) != 23: fail("targets missing")
 if not any(t["target"].startswith("sets: repeated update >= 100x") for t in doc["targets"]): fail("sets targets missing")
 with open(f"{out}/bench.csv") as f:
     lines = list(csv.DictReader(f))

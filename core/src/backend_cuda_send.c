@@ -179,8 +179,7 @@ static int send_cuda_share(tshare_channel *ch, const ts_cuda_export *x, const ts
   }
   int64_t deadline = ts_deadline(timeout_ms);
   tshare_frame f;
-  memset(&f, 0, sizeof f);
-  f.type = TSHARE_FRAME_SHARE;
+  ts_frame_clear(&f, TSHARE_FRAME_SHARE);
   tshare_share_frame *s = &f.u.share;
   s->alloc_id = x->buffer_id;
   s->device_type = TSHARE_DEVICE_CUDA;

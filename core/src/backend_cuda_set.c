@@ -261,8 +261,7 @@ int ts_cuda_set_wait(tshare_channel *ch, const tshare_frame *end, void *memory) 
   struct ts_cuda_chan *c = ts_cuda_chan_of(ch);
   if (!c) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "receive: out of memory");
   tshare_frame f;
-  memset(&f, 0, sizeof f);
-  f.type = TSHARE_FRAME_SHARE;
+  ts_frame_clear(&f, TSHARE_FRAME_SHARE);
   f.flags = TSHARE_FRAME_FLAG_HAS_EVENT;
   f.u.share.share_id = end->u.set.set_id;
   f.u.share.event_slot = end->u.set.u.end.event_slot;

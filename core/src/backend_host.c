@@ -7,6 +7,7 @@
 #include "error_detail.h"
 #include "log.h"
 #include "session.h"
+#include "wire_checks.h"
 #include "tshare/share.h"
 
 #include <errno.h>
@@ -52,8 +53,7 @@ static int send_memfd_share(tshare_channel *ch, uint64_t alloc_id, uint64_t allo
                    ch->conn.peer_label);
   }
   tshare_frame f;
-  memset(&f, 0, sizeof f);
-  f.type = TSHARE_FRAME_SHARE;
+  ts_frame_clear(&f, TSHARE_FRAME_SHARE);
   f.flags = fd >= 0 ? TSHARE_FRAME_FLAG_FD_ATTACHED : 0;
   tshare_share_frame *s = &f.u.share;
   s->alloc_id = alloc_id;

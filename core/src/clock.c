@@ -65,6 +65,10 @@ int64_t ts_deadline(int timeout_ms) {
   return coarse_now_ms() + 2 * tick + timeout_ms;
 }
 
+int64_t ts_turn_deadline(int ms) {
+  return ms >= TS_TURN_COARSE_MS && coarse_tick_ms() > 0 ? coarse_now_ms() + ms : ts_deadline(ms);
+}
+
 int ts_remaining(int64_t deadline) {
   if (deadline < 0) return -1;
   int tick = coarse_tick_ms();

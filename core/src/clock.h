@@ -19,5 +19,13 @@ int64_t ts_now_us(void);
 int64_t ts_coarse_now_us(void);      /* the coarse clock: behind ts_now_us() by up to its tick */
 int64_t ts_deadline(int timeout_ms); /* < 0 (wait forever) gives -1: no deadline */
 int ts_remaining(int64_t deadline);  /* -1 none, 0 expired, else ms left (never more than are) */
+/* A deadline already passed, made without reading a clock: look, don't wait. */
+#define TS_DEADLINE_PASSED 0
+/* A deadline for a turn of the library's own work, never a caller's timeout,
+ * where ending early only starts the next turn sooner: from TS_TURN_COARSE_MS
+ * on, the coarse clock alone (it may come up to two ticks early), cheap
+ * enough for every receive; shorter turns as ts_deadline(). */
+#define TS_TURN_COARSE_MS 10
+int64_t ts_turn_deadline(int ms);
 
 #endif

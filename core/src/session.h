@@ -153,14 +153,15 @@ static inline bool ts_channel_close_waits(tshare_channel *ch) {
 int ts_retire_send_ids(tshare_channel *ch, uint8_t closed, uint8_t mem_kind, ts_id_vec *ids, int timeout_ms);
 
 /* session_share.c */
-/* The next frame from the peer, the session's housekeeping done while it
- * waits: releases queued here or on other threads go out (the peer may wait
- * for them before it sends), GPU releases are looked after. A frame
+/* The next frame from the peer by deadline (clock.h: a caller's loop reads
+ * no clock per turn), the session's housekeeping done while it waits:
+ * releases queued here or on other threads go out (the peer may wait for
+ * them before it sends), GPU releases are looked after. A frame
  * announcing an fd comes with it in *fd_out, or with *fd_out -1 and *fd_lost
  * saying why it could not be kept (an errno such as EMFILE, or
  * TS_FD_OVER_BUDGET); a missing fd is a protocol error. fds riding on frames
  * that announce none are closed. */
-int ts_session_recv(tshare_channel *ch, tshare_frame *f, int *fd_out, int *fd_lost, int timeout_ms);
+int ts_session_recv_by(tshare_channel *ch, tshare_frame *f, int *fd_out, int *fd_lost, int64_t deadline);
 /* strict: an id not outstanding is the peer's error (TSHARE_E_PROTOCOL, in
  * ch->err); else it is passed over without a word (a raw receive's, whose
  * caller may have sent that share itself). */

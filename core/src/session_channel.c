@@ -248,7 +248,7 @@ int tshare_channel_send_frame(tshare_channel *ch, const tshare_frame *f, int fd,
 
 static int recv_frame(tshare_channel *ch, tshare_frame *f, int *fd_out, int timeout_ms) {
   int fd_lost;
-  int rc = ts_session_recv(ch, f, fd_out, &fd_lost, timeout_ms);
+  int rc = ts_session_recv_by(ch, f, fd_out, &fd_lost, ts_deadline(timeout_ms));
   if (rc == TSHARE_OK && fd_lost) {
     (void)ts_share_fd_lost(ch, f, fd_lost); /* the frame is filled; its fd could not be kept */
     return TSHARE_E_LIMIT;

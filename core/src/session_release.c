@@ -5,8 +5,8 @@
 #include "error_detail.h"
 #include "session.h"
 #include "session_set.h"
+#include "wire_checks.h"
 
-#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,10 +14,7 @@
 /* Move the oldest queued release ids, at most one frame's worth, into a
  * release frame (with ch->lock held); its count is 0 when none were queued. */
 static void take_pending_locked(tshare_channel *ch, tshare_frame *f) {
-  /* The header and the count: the ids past it are never read (a whole frame
-   * is over 2 KiB, zeroed on every release sent). */
-  memset(f, 0, offsetof(tshare_frame, u) + offsetof(tshare_release_frame, share_ids));
-  f->type = TSHARE_FRAME_RELEASE;
+  ts_frame_clear(f, TSHARE_FRAME_RELEASE); /* the ids past the count are never read */
   uint32_t n =
       ch->pending.len < ch->conn.limits.max_release_ids ? (uint32_t)ch->pending.len : ch->conn.limits.max_release_ids;
   if (n == 0) return; /* pending may still be NULL */

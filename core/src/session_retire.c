@@ -1,6 +1,7 @@
 /* Retire frames out of a backend's queue of allocation ids: the one way
  * every backend that keeps or lends memory tells its peer (backend.h). */
 #include "session.h"
+#include "wire_checks.h"
 
 #include <string.h>
 
@@ -10,8 +11,7 @@ int ts_retire_send_ids(tshare_channel *ch, uint8_t closed, uint8_t mem_kind, ts_
   int rc = TSHARE_OK;
   while (at < ids->len && rc == TSHARE_OK) {
     tshare_frame f;
-    memset(&f, 0, sizeof f);
-    f.type = TSHARE_FRAME_RETIRE;
+    ts_frame_clear(&f, TSHARE_FRAME_RETIRE);
     f.u.retire.closed = closed;
     f.u.retire.mem_kind = mem_kind;
     for (size_t i = at; i < ids->len && f.u.retire.count < TSHARE_RELEASE_MAX; i++)

@@ -10,7 +10,7 @@
 #include <string.h>
 
 /* A set frame from the peer, with the fd that came with it (or -1 and
- * fd_lost, as ts_session_recv says). The fd is always consumed. A set the
+ * fd_lost, as ts_session_recv_by says). The fd is always consumed. A set the
  * peer got wrong is refused (released back) and the error kept for the next
  * tshare_set_recv(); TSHARE_OK then, so other callers driving the channel go
  * on. */

@@ -314,14 +314,14 @@ static int housekeeping(tshare_channel *ch, int64_t deadline, bool all_releases,
  * thread is seen between turns. */
 #define TS_OWED_SLICE_MS 10
 
-/* The sooner of a deadline and one slice_ms from now, with one clock read. */
+/* The sooner of a deadline and one slice_ms from now, with one read of the
+ * coarse clock. */
 static int64_t slice_of(int64_t deadline, int slice_ms) {
-  int64_t slice = ts_deadline(slice_ms);
+  int64_t slice = slice_ms == 0 ? TS_DEADLINE_PASSED : ts_turn_deadline(slice_ms);
   return deadline >= 0 && deadline < slice ? deadline : slice;
 }
 
-int ts_session_recv(tshare_channel *ch, tshare_frame *f, int *fd_out, int *fd_lost, int timeout_ms) {
-  int64_t deadline = ts_deadline(timeout_ms);
+int ts_session_recv_by(tshare_channel *ch, tshare_frame *f, int *fd_out, int *fd_lost, int64_t deadline) {
   bool woken = false;
   for (;;) {
     if (ts_channel_close_waits(ch))
@@ -352,71 +352,72 @@ int ts_session_recv(tshare_channel *ch, tshare_frame *f, int *fd_out, int *fd_lo
  * caller asked for one (share != NULL), otherwise queued. After the peer's
  * bye no share comes, so a receive ends there (TSHARE_END); but its releases
  * still come until it closes, and past_bye reads on for them. */
-static int drive_once(tshare_channel *ch, int timeout_ms, tshare_frame *share, int *fd, bool *got_share,
+static int drive_once(tshare_channel *ch, int64_t deadline, tshare_frame *share, int *fd, bool *got_share,
                       bool past_bye) {
   *got_share = false;
-  tshare_frame f;
+  /* A share is read straight into the caller's frame (read only when
+   * *got_share): a whole frame copied costs more than its decoding. */
+  tshare_frame mine, *fr = share ? share : &mine;
   int frame_fd, fd_lost;
   int rc;
   if (ch->peer_bye && !past_bye) { /* nothing more comes; what this end owes still goes */
     ts_backend_wait wait;
-    rc = housekeeping(ch, ts_deadline(timeout_ms), false, &wait);
+    rc = housekeeping(ch, deadline, false, &wait);
     if (rc == TSHARE_E_PEER_CLOSED) ts_share_drop_all(ch, rc);
     return rc == TSHARE_OK ? TSHARE_END : rc;
   }
-  rc = ts_session_recv(ch, &f, &frame_fd, &fd_lost, timeout_ms);
+  rc = ts_session_recv_by(ch, fr, &frame_fd, &fd_lost, deadline);
   if (rc == TSHARE_E_PEER_CLOSED) ts_share_drop_all(ch, rc);
   if (rc != TSHARE_OK) return rc;
-  const ts_backend *owner = ts_backend_for_received(&f); /* frames of a backend's own: chunks, events, retires */
-  if (!owner && f.type == TSHARE_FRAME_RETIRE) { /* nothing here is kept of that kind: nothing to close */
+  const ts_backend *owner = ts_backend_for_received(fr); /* frames of a backend's own: chunks, events, retires */
+  if (!owner && fr->type == TSHARE_FRAME_RETIRE) { /* nothing here is kept of that kind: nothing to close */
     if (frame_fd >= 0) close(frame_fd);
     TS_LOG(TS_LOG_WARN, "%s retires memory of kind %u, which no backend of this end keeps: ignored",
-           ch->conn.peer_label, (unsigned)f.u.retire.mem_kind);
+           ch->conn.peer_label, (unsigned)fr->u.retire.mem_kind);
     return TSHARE_OK;
   }
-  if (frame_fd >= 0 && !owner && f.type != TSHARE_FRAME_SHARE &&
-      f.type != TSHARE_FRAME_SET) { /* only these carry memory */
+  if (frame_fd >= 0 && !owner && fr->type != TSHARE_FRAME_SHARE &&
+      fr->type != TSHARE_FRAME_SET) { /* only these carry memory */
     close(frame_fd);
     frame_fd = -1;
   }
-  if (f.type != TSHARE_FRAME_SET) ts_set_on_other_frame(ch, f.type);
-  if (owner) return owner->on_frame(ch, &f, frame_fd, fd_lost);
-  switch (f.type) {
+  if (fr->type != TSHARE_FRAME_SET) ts_set_on_other_frame(ch, fr->type);
+  if (owner) return owner->on_frame(ch, fr, frame_fd, fd_lost);
+  switch (fr->type) {
   case TSHARE_FRAME_SET:
-    return ts_set_on_frame(ch, &f, frame_fd, fd_lost);
+    return ts_set_on_frame(ch, fr, frame_fd, fd_lost);
   case TSHARE_FRAME_RELEASE:
-    return ts_share_apply_release(ch, &f.u.release, true);
+    return ts_share_apply_release(ch, &fr->u.release, true);
   case TSHARE_FRAME_SHARE:
-    if ((rc = ts_backends_on_share(ch, &f)) != TSHARE_OK) {
+    if ((rc = ts_backends_on_share(ch, fr)) != TSHARE_OK) {
       if (frame_fd >= 0) close(frame_fd);
-      ts_share_release_back(ch, f.u.share.share_id);
+      ts_share_release_back(ch, fr->u.share.share_id);
       return rc;
     }
-    if (fd_lost) return ts_share_fd_lost(ch, &f, fd_lost); /* refused; the loop goes on to the next frame */
+    if (fd_lost) return ts_share_fd_lost(ch, fr, fd_lost); /* refused; the loop goes on to the next frame */
     if (share) {
-      *share = f;
       *fd = frame_fd;
       *got_share = true;
       return TSHARE_OK;
     }
-    return enqueue_incoming(ch, &f, frame_fd);
+    return enqueue_incoming(ch, fr, frame_fd);
   case TSHARE_FRAME_BYE:
     ch->peer_bye = true;
     return TSHARE_END;
   case TSHARE_FRAME_ERROR:
     ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_ERROR, "peer %s reported %s: %s", ch->conn.peer_label,
-            tshare_status_name(f.u.error.code), f.u.error.message);
+            tshare_status_name(fr->u.error.code), fr->u.error.message);
     TS_LOG(TS_LOG_WARN, "%s", ch->err);
     return TSHARE_E_PEER_ERROR;
   default: /* a second hello, or a frame of a backend this end has not */
     return ts_errf(ch->err, sizeof ch->err, TSHARE_E_PROTOCOL, "receive: unexpected %s frame",
-                   tshare_frame_type_name(f.type));
+                   tshare_frame_type_name(fr->type));
   }
 }
 
 int ts_share_drive(tshare_channel *ch, int timeout_ms) {
   bool got;
-  return drive_once(ch, timeout_ms, NULL, NULL, &got, true);
+  return drive_once(ch, ts_deadline(timeout_ms), NULL, NULL, &got, true);
 }
 
 static int channel_poll(tshare_channel *ch, int timeout_ms) {
@@ -424,10 +425,10 @@ static int channel_poll(tshare_channel *ch, int timeout_ms) {
   /* Once the peer said bye the answer is TSHARE_END at once, after what it
    * still sent (its releases) was read without waiting. */
   bool ended = ch->peer_bye;
-  int rc = drive_once(ch, ended ? 0 : timeout_ms, NULL, NULL, &got, true);
+  int rc = drive_once(ch, ended ? TS_DEADLINE_PASSED : ts_deadline(timeout_ms), NULL, NULL, &got, true);
   /* Drain whatever else is already buffered without waiting. */
   while (rc == TSHARE_OK) {
-    int more = drive_once(ch, 0, NULL, NULL, &got, true);
+    int more = drive_once(ch, TS_DEADLINE_PASSED, NULL, NULL, &got, true);
     if (more == TSHARE_E_TIMEOUT) break;
     rc = more;
   }
@@ -446,7 +447,7 @@ static int wait_released(tshare_channel *ch, uint64_t share_id, int timeout_ms) 
     bool done = share_id ? tshare_share_is_released(ch, share_id) != 0 : tshare_channel_outstanding(ch) == 0;
     if (done) return TSHARE_OK;
     bool got;
-    int rc = drive_once(ch, ts_remaining(deadline), NULL, NULL, &got, true);
+    int rc = drive_once(ch, deadline, NULL, NULL, &got, true);
     if (rc == TSHARE_E_PEER_CLOSED) return TSHARE_OK; /* everything it held was dropped */
     if (rc == TSHARE_END) continue;                   /* a peer that said bye still sends its releases */
     if (rc != TSHARE_OK) {
@@ -468,7 +469,7 @@ static int peek_share(tshare_channel *ch, int timeout_ms, tshare_share_info *inf
   int64_t deadline = ts_deadline(timeout_ms);
   while (!ch->in_len) {
     bool got;
-    int rc = drive_once(ch, ts_remaining(deadline), NULL, NULL, &got, false);
+    int rc = drive_once(ch, deadline, NULL, NULL, &got, false);
     if (rc != TSHARE_OK) return rc;
   }
   const tshare_share_frame *s = &ch->incoming[ch->in_head].frame.u.share;
@@ -522,7 +523,7 @@ static int view_recv(tshare_channel *ch, void *stream, bool remote, int timeout_
     int64_t deadline = ts_deadline(timeout_ms);
     for (;;) {
       bool got;
-      int rc = drive_once(ch, ts_remaining(deadline), &f, &fd, &got, false);
+      int rc = drive_once(ch, deadline, &f, &fd, &got, false);
       if (rc != TSHARE_OK) return rc;
       if (got) break;
     }

@@ -1,10 +1,14 @@
 /* The wire format's shared vocabulary: the default limits and how a caller's
- * limits are clamped to the hard maxima, and the frame types' names used in
- * error details. The checks are in wire_check.c, the encoder in
- * wire_encode.c, the decoder in wire_decode.c. */
+ * limits are clamped to the hard maxima, a frame zeroed for its type, and
+ * the frame types' names used in error details. The checks are in
+ * wire_check.c, the encoder in wire_encode.c, the decoder in wire_decode.c. */
 #include "tshare/wire.h"
 
+#include "wire_checks.h"
 #include "wire_rules.h"
+
+#include <stddef.h>
+#include <string.h>
 
 tshare_wire_limits tshare_wire_limits_default(void) {
   tshare_wire_limits l;
@@ -25,6 +29,52 @@ tshare_wire_limits ts_wire_limits_clamp(const tshare_wire_limits *in) {
   if (l.max_tag > d.max_tag) l.max_tag = d.max_tag;
   if (l.max_release_ids > d.max_release_ids) l.max_release_ids = d.max_release_ids;
   return l;
+}
+
+tshare_frame *ts_frame_clear(tshare_frame *f, uint8_t type) {
+  size_t member;
+  switch (type) {
+  case TSHARE_FRAME_HELLO:
+    member = sizeof(tshare_hello);
+    break;
+  case TSHARE_FRAME_SHARE:
+    member = sizeof(tshare_share_frame);
+    break;
+  case TSHARE_FRAME_RELEASE:
+    member = offsetof(tshare_release_frame, share_ids);
+    break;
+  case TSHARE_FRAME_RETIRE:
+    member = offsetof(tshare_retire_frame, alloc_ids);
+    f->u.retire.mem_kind = 0; /* after the ids */
+    break;
+  case TSHARE_FRAME_BYE:
+    member = sizeof(tshare_bye_frame);
+    break;
+  case TSHARE_FRAME_ERROR:
+    member = sizeof(tshare_error_frame);
+    break;
+  case TSHARE_FRAME_EVENT:
+    member = sizeof(tshare_event_frame);
+    break;
+  case TSHARE_FRAME_CHUNK:
+    member = sizeof(tshare_chunk_frame);
+    break;
+  case TSHARE_FRAME_SET:
+    member = sizeof(tshare_set_frame);
+    break;
+  case TSHARE_FRAME_RING:
+    member = sizeof(tshare_ring_frame);
+    break;
+  case TSHARE_FRAME_RKEY:
+    member = sizeof(tshare_rkey_frame);
+    break;
+  default:
+    member = sizeof f->u;
+    break;
+  }
+  memset(f, 0, offsetof(tshare_frame, u) + member);
+  f->type = type;
+  return f;
 }
 
 const char *tshare_frame_type_name(int type) {

@@ -22,6 +22,13 @@ int ts_wire_check_set(const tshare_set_frame *set, uint8_t flags, const tshare_w
 #define TS_SET_OP_REFUSED 0 /* never a set op on the wire */
 int ts_decoder_next(tshare_decoder *d, tshare_frame *out, int *refused);
 
+/* Zero a frame of this type for building or decoding it: the header and its
+ * type's union member, a release's or retire's ids only up to their arrays
+ * (filled up to the count, never read past it). A whole tshare_frame is over
+ * 2 KiB, which zeroed for every share sent and every frame read cost more
+ * than encoding or decoding it. Returns f. */
+tshare_frame *ts_frame_clear(tshare_frame *f, uint8_t type);
+
 int ts_tensor_check(const tshare_tensor_desc *desc, uint64_t alloc_size, uint64_t *span_begin, uint64_t *span_end,
                     char *err, size_t err_cap);
 

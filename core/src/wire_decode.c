@@ -102,8 +102,8 @@ TS_PRINTF(3, 4) static int fail(tshare_decoder *d, int status, const char *fmt, 
   return d->failed = status;
 }
 
+/* The decoders below fill a member ts_frame_clear() zeroed. */
 static int decode_hello(tshare_decoder *d, ts_reader *r, tshare_hello *h) {
-  memset(h, 0, sizeof *h);
   h->pid = ts_get_u32(r);
   h->uid = ts_get_u32(r);
   ts_get_bytes(r, h->boot_id, 16);
@@ -122,7 +122,6 @@ static int decode_hello(tshare_decoder *d, ts_reader *r, tshare_hello *h) {
 }
 
 static int decode_share(tshare_decoder *d, ts_reader *r, uint8_t flags, tshare_share_frame *s) {
-  memset(s, 0, sizeof *s);
   s->share_id = ts_get_u64(r);
   s->alloc_id = ts_get_u64(r);
   s->mem_kind = ts_get_u8(r);
@@ -405,51 +404,6 @@ static bool refusable_alone(const frame_header *fh, tshare_frame *out) {
   return true;
 }
 
-/* How much of a frame is zeroed before its payload is read: the header and
- * the union member of its type, id arrays only up to their counts (filled
- * from the payload). Zeroing the whole frame (over 2 KiB, for the largest
- * member) cost more than the rest of a share frame's decoding. */
-static size_t zeroed_len(uint8_t type) {
-  size_t u = offsetof(tshare_frame, u), member;
-  switch (type) {
-  case TSHARE_FRAME_RELEASE:
-    member = offsetof(tshare_release_frame, share_ids);
-    break;
-  case TSHARE_FRAME_RETIRE:
-    member = offsetof(tshare_retire_frame, alloc_ids); /* mem_kind, after them, is always written */
-    break;
-  case TSHARE_FRAME_HELLO:
-  case TSHARE_FRAME_SHARE:
-    member = 0; /* their decoders zero the member themselves */
-    break;
-  case TSHARE_FRAME_BYE:
-    member = sizeof(tshare_bye_frame);
-    break;
-  case TSHARE_FRAME_ERROR:
-    member = sizeof(tshare_error_frame);
-    break;
-  case TSHARE_FRAME_EVENT:
-    member = sizeof(tshare_event_frame);
-    break;
-  case TSHARE_FRAME_CHUNK:
-    member = sizeof(tshare_chunk_frame);
-    break;
-  case TSHARE_FRAME_SET:
-    member = sizeof(tshare_set_frame);
-    break;
-  case TSHARE_FRAME_RING:
-    member = sizeof(tshare_ring_frame);
-    break;
-  case TSHARE_FRAME_RKEY:
-    member = sizeof(tshare_rkey_frame);
-    break;
-  default:
-    member = sizeof(((tshare_frame *)0)->u);
-    break;
-  }
-  return u + member;
-}
-
 int ts_decoder_next(tshare_decoder *d, tshare_frame *out, int *refused) {
   if (!d || !out) return TSHARE_E_INVALID_ARG;
   if (refused) *refused = TSHARE_OK;
@@ -459,8 +413,7 @@ int ts_decoder_next(tshare_decoder *d, tshare_frame *out, int *refused) {
   if (rc != TSHARE_OK) return rc;
 
   ts_reader r = {d->buf + d->start + TSHARE_WIRE_HEADER_SIZE, fh.length, false};
-  memset(out, 0, zeroed_len(fh.type));
-  out->type = fh.type;
+  ts_frame_clear(out, fh.type);
   out->flags = fh.flags;
   out->major = fh.major;
   out->minor = fh.minor;
