@@ -4,7 +4,7 @@
  *
  *   tshare-bench [--quick] [--out DIR] [--iters N] [--warmup N]
  *                [--pipelined N] [--memory-shares N] [--bw-mib N]
- *                [--python PATH] [--no-peers] [--ucx-only] [--contention-only]
+ *                [--python PATH] [--no-peers] [--no-sets] [--ucx-only] [--contention-only]
  */
 #include "bench.h"
 
@@ -82,7 +82,7 @@ static void stop_consumers(bench *b) {
 static void usage(FILE *out) {
   fprintf(out, "usage: tshare-bench [--quick] [--out DIR] [--iters N] [--warmup N] [--pipelined N]\n"
                "                    [--memory-shares N] [--bw-mib N] [--python PATH] [--no-peers]\n"
-               "                    [--set-iters N] [--ucx-only] [--contention-only]\n"
+               "                    [--set-iters N] [--no-sets] [--ucx-only] [--contention-only]\n"
                "  --quick           few iterations: checks that every row runs, numbers are rough\n"
                "  --out DIR         write bench.json and bench.csv there (default: bench-results)\n"
                "  --iters N         timed hand-offs per latency row (default 20000)\n"
@@ -93,6 +93,7 @@ static void usage(FILE *out) {
                "  --python PATH     interpreter for the torch.multiprocessing peer (default python3)\n"
                "  --no-peers        skip the rows run by other programs\n"
                "  --set-iters N     timed hand-offs per state_dict row (default 200; a tenth untimed first)\n"
+               "  --no-sets         skip the state_dict rows (the longest part of a run)\n"
                "  --ucx-only        only the UCX rows (host memory across a veth pair; root)\n"
                "  --contention-only only the rows where CPUs are scarce (one CPU, every CPU busy)\n");
 }
@@ -246,7 +247,7 @@ int main(int argc, char **argv) {
   b.opt.torch_sets_bench = TSHARE_BENCH_TORCH_SETS;
 #endif
   const char *out_dir = "bench-results";
-  int peers = 1, ucx_only = 0, contention_only = 0;
+  int peers = 1, sets = 1, ucx_only = 0, contention_only = 0;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -265,6 +266,8 @@ int main(int argc, char **argv) {
       b.opt.set_hidden_cpu = 64;
     } else if (strcmp(a, "--no-peers") == 0) {
       peers = 0;
+    } else if (strcmp(a, "--no-sets") == 0) {
+      sets = 0;
     } else if (strcmp(a, "--ucx-only") == 0) {
       ucx_only = 1;
     } else if (strcmp(a, "--contention-only") == 0) {
@@ -356,7 +359,7 @@ int main(int argc, char **argv) {
   bench_ucx(&b);
   if (peers) {
     bench_peers_external(&b);
-    bench_sets(&b);
+    if (sets) bench_sets(&b);
   }
   targets(&b);
   bench_sets_targets(&b);

@@ -2,6 +2,7 @@
  * malformed input. Frames are built by the encoder and then corrupted through
  * the documented header layout, so each test breaks exactly one thing. */
 #include "harness.h"
+#include <stddef.h>
 #include "tshare/errors.h"
 #include "tshare/wire.h"
 
@@ -1029,6 +1030,109 @@ TS_TEST(malformed_rkey_frames) {
   bad = m;
   bad.u.set.u.mem.share_flags = TSHARE_SHARE_FLAG_RETIRE_NOTICE;
   expect_encode_refused(&bad, TSHARE_E_MALFORMED);
+}
+
+/* The decoder writes a frame's header and its type's member only (a release's
+ * or retire's ids up to their count), not the whole frame: what a caller's
+ * frame held before, garbage included, must never show through. Each kind of
+ * frame decoded into a frame full of 0xa5 bytes encodes back to the very
+ * bytes it came from, and reads the same as one decoded into zeros. */
+static void check_decodes_clean(const tshare_frame *f) {
+  uint8_t buf[TSHARE_WIRE_FRAME_MAX], again[TSHARE_WIRE_FRAME_MAX];
+  size_t len = encode(f, buf);
+  static tshare_frame dirty, clean;
+  memset(&dirty, 0xa5, sizeof dirty);
+  memset(&clean, 0, sizeof clean);
+  CHECK_RC(decode(buf, len, &dirty), TSHARE_OK, tshare_frame_type_name(f->type));
+  CHECK_RC(decode(buf, len, &clean), TSHARE_OK, tshare_frame_type_name(f->type));
+  CHECK_EQ(dirty.type, f->type);
+  CHECK_EQ(dirty.flags, f->flags);
+  size_t len2 = encode(&dirty, again);
+  CHECK_EQ(len2, len);
+  CHECK(memcmp(again, buf, len) == 0);
+  CHECK_EQ(encode(&clean, again), len);
+  CHECK(memcmp(again, buf, len) == 0);
+  /* Byte for byte the same member (padding included): fields the wire
+   * does not carry (a handle or tag past its length) read as zeros. */
+  static const size_t member[] = {
+      [TSHARE_FRAME_HELLO] = sizeof dirty.u.hello, [TSHARE_FRAME_SHARE] = sizeof dirty.u.share,
+      [TSHARE_FRAME_EVENT] = sizeof dirty.u.event, [TSHARE_FRAME_BYE] = sizeof dirty.u.bye,
+      [TSHARE_FRAME_ERROR] = sizeof dirty.u.error, [TSHARE_FRAME_RING] = sizeof dirty.u.ring,
+      [TSHARE_FRAME_SET] = sizeof dirty.u.set,     [TSHARE_FRAME_RKEY] = sizeof dirty.u.rkey,
+  };
+  const void *a = &dirty.u, *b = &clean.u;
+  size_t n = f->type < sizeof member / sizeof *member ? member[f->type] : 0;
+  if (f->type == TSHARE_FRAME_RELEASE) /* the ids up to the count */
+    n = offsetof(tshare_release_frame, share_ids) + dirty.u.release.count * sizeof(uint64_t);
+  if (f->type == TSHARE_FRAME_RETIRE) {
+    n = offsetof(tshare_retire_frame, alloc_ids) + dirty.u.retire.count * sizeof(uint64_t);
+    CHECK_EQ(dirty.u.retire.mem_kind, clean.u.retire.mem_kind);
+  }
+  CHECK(n > 0 && memcmp(a, b, n) == 0);
+}
+
+static tshare_frame blank(uint8_t type) {
+  tshare_frame f;
+  memset(&f, 0, sizeof f);
+  f.type = type;
+  return f;
+}
+
+TS_TEST(decoding_into_a_used_frame_leaves_nothing_of_it) {
+  tshare_frame f;
+  check_decodes_clean((f = sample_share(), &f));
+  f = sample_share(); /* a CUDA share: a handle, an event, a uuid, the minor-1 fields */
+  f.flags = TSHARE_FRAME_FLAG_HAS_EVENT;
+  f.u.share.mem_kind = TSHARE_MEM_CUDA_IPC;
+  f.u.share.device_type = TSHARE_DEVICE_CUDA;
+  f.u.share.handle_len = TSHARE_HANDLE_MAX;
+  memset(f.u.share.handle, 0x3c, TSHARE_HANDLE_MAX);
+  memset(f.u.share.device_uuid, 0x11, sizeof f.u.share.device_uuid);
+  f.u.share.event_slot = 3;
+  f.u.share.event_generation = 9;
+  f.u.share.origin_pid = 77;
+  check_decodes_clean(&f);
+
+  f = blank(TSHARE_FRAME_HELLO);
+  f.u.hello.pid = 5;
+  strcpy(f.u.hello.name, "a");
+  f.u.hello.device_count = 1;
+  check_decodes_clean(&f);
+
+  f = blank(TSHARE_FRAME_RELEASE);
+  f.u.release.count = 3;
+  for (uint32_t i = 0; i < 3; i++) f.u.release.share_ids[i] = 10 + i;
+  check_decodes_clean(&f);
+
+  f = blank(TSHARE_FRAME_RETIRE);
+  f.u.retire.closed = TSHARE_RETIRE_KEPT;
+  f.u.retire.count = 2;
+  f.u.retire.alloc_ids[1] = 8;
+  f.u.retire.mem_kind = TSHARE_MEM_HOST_MEMFD;
+  check_decodes_clean(&f);
+  f.u.retire.mem_kind = 0; /* CUDA memory: no trailing byte on the wire */
+  check_decodes_clean(&f);
+
+  f = blank(TSHARE_FRAME_EVENT);
+  f.u.event.slot = 2;
+  check_decodes_clean(&f);
+
+  f = blank(TSHARE_FRAME_BYE);
+  check_decodes_clean(&f);
+
+  f = blank(TSHARE_FRAME_ERROR);
+  f.u.error.code = TSHARE_E_LIMIT;
+  strcpy(f.u.error.message, "x");
+  check_decodes_clean(&f);
+
+  f = blank(TSHARE_FRAME_RING);
+  f.u.ring.op = TSHARE_RING_NUDGE;
+  check_decodes_clean(&f);
+
+  check_decodes_clean((f = set_begin(2, 1, 3, 0), &f));
+  check_decodes_clean((f = set_member("ab", 2), &f));
+  check_decodes_clean((f = set_mem(), &f));
+  check_decodes_clean((f = sample_rkey(), &f));
 }
 
 TS_TEST(decoder_error_is_sticky) {

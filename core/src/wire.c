@@ -31,48 +31,27 @@ tshare_wire_limits ts_wire_limits_clamp(const tshare_wire_limits *in) {
   return l;
 }
 
+/* The bytes of each type's member that ts_frame_clear zeroes. */
+static const size_t cleared_member[] = {
+    [TSHARE_FRAME_HELLO] = sizeof(tshare_hello),
+    [TSHARE_FRAME_SHARE] = sizeof(tshare_share_frame),
+    [TSHARE_FRAME_RELEASE] = offsetof(tshare_release_frame, share_ids),
+    [TSHARE_FRAME_BYE] = sizeof(tshare_bye_frame),
+    [TSHARE_FRAME_ERROR] = sizeof(tshare_error_frame),
+    [TSHARE_FRAME_EVENT] = sizeof(tshare_event_frame),
+    [TSHARE_FRAME_RETIRE] = offsetof(tshare_retire_frame, alloc_ids),
+    [TSHARE_FRAME_RING] = sizeof(tshare_ring_frame),
+    [TSHARE_FRAME_CHUNK] = sizeof(tshare_chunk_frame),
+    [TSHARE_FRAME_SET] = sizeof(tshare_set_frame),
+    [TSHARE_FRAME_RKEY] = sizeof(tshare_rkey_frame),
+};
+
 tshare_frame *ts_frame_clear(tshare_frame *f, uint8_t type) {
-  size_t member;
-  switch (type) {
-  case TSHARE_FRAME_HELLO:
-    member = sizeof(tshare_hello);
-    break;
-  case TSHARE_FRAME_SHARE:
-    member = sizeof(tshare_share_frame);
-    break;
-  case TSHARE_FRAME_RELEASE:
-    member = offsetof(tshare_release_frame, share_ids);
-    break;
-  case TSHARE_FRAME_RETIRE:
-    member = offsetof(tshare_retire_frame, alloc_ids);
-    f->u.retire.mem_kind = 0; /* after the ids */
-    break;
-  case TSHARE_FRAME_BYE:
-    member = sizeof(tshare_bye_frame);
-    break;
-  case TSHARE_FRAME_ERROR:
-    member = sizeof(tshare_error_frame);
-    break;
-  case TSHARE_FRAME_EVENT:
-    member = sizeof(tshare_event_frame);
-    break;
-  case TSHARE_FRAME_CHUNK:
-    member = sizeof(tshare_chunk_frame);
-    break;
-  case TSHARE_FRAME_SET:
-    member = sizeof(tshare_set_frame);
-    break;
-  case TSHARE_FRAME_RING:
-    member = sizeof(tshare_ring_frame);
-    break;
-  case TSHARE_FRAME_RKEY:
-    member = sizeof(tshare_rkey_frame);
-    break;
-  default:
-    member = sizeof f->u;
-    break;
-  }
+  size_t member = type < sizeof cleared_member / sizeof *cleared_member && cleared_member[type]
+                      ? cleared_member[type]
+                      : sizeof f->u; /* no such type: all of it */
   memset(f, 0, offsetof(tshare_frame, u) + member);
+  if (type == TSHARE_FRAME_RETIRE) f->u.retire.mem_kind = 0; /* after the ids */
   f->type = type;
   return f;
 }
