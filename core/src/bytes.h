@@ -34,6 +34,9 @@ static inline void ts_put_u8(ts_writer *w, uint8_t v) { ts_put_bytes(w, &v, 1); 
  * on, a byte swap elsewhere. Loads and stores go through memcpy (no casts
  * onto a buffer), which compilers turn into one move; a loop over the bytes
  * was not merged and cost eight steps per field on every frame. */
+#ifndef __BYTE_ORDER__
+#error "tshare: the compiler does not say the byte order (__BYTE_ORDER__)"
+#endif
 static inline uint16_t ts_le16(uint16_t v) {
 #if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
   return __builtin_bswap16(v);

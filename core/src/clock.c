@@ -66,7 +66,10 @@ int64_t ts_deadline(int timeout_ms) {
 }
 
 int64_t ts_turn_deadline(int ms) {
-  return ms >= TS_TURN_COARSE_MS && coarse_tick_ms() > 0 ? coarse_now_ms() + ms : ts_deadline(ms);
+  int tick = coarse_tick_ms();
+  /* Two ticks of slack, as ts_deadline() takes: a turn over before it began
+   * (the coarse clock lagging by its whole length) would be a spin. */
+  return ms >= TS_TURN_COARSE_MS && tick > 0 ? coarse_now_ms() + 2 * tick + ms : ts_deadline(ms);
 }
 
 int ts_remaining(int64_t deadline) {

@@ -21,10 +21,10 @@ int64_t ts_deadline(int timeout_ms); /* < 0 (wait forever) gives -1: no deadline
 int ts_remaining(int64_t deadline);  /* -1 none, 0 expired, else ms left (never more than are) */
 /* A deadline already passed, made without reading a clock: look, don't wait. */
 #define TS_DEADLINE_PASSED 0
-/* A deadline for a turn of the library's own work, never a caller's timeout,
- * where ending early only starts the next turn sooner: from TS_TURN_COARSE_MS
- * on, the coarse clock alone (it may come up to two ticks early), cheap
- * enough for every receive; shorter turns as ts_deadline(). */
+/* A deadline for a turn of the library's own work, never a caller's timeout:
+ * from TS_TURN_COARSE_MS on, one read of the coarse clock, cheap enough for
+ * every receive (a timeout under 50 ms reads the precise one). It lasts at
+ * least ms and up to two ticks more; shorter turns as ts_deadline(). */
 #define TS_TURN_COARSE_MS 10
 int64_t ts_turn_deadline(int ms);
 

@@ -338,7 +338,7 @@ int ts_session_recv_by(tshare_channel *ch, tshare_frame *f, int *fd_out, int *fd
     bool owed = rc == TSHARE_E_TIMEOUT;
     /* A backend's waiting work (releases waiting for the GPU) is looked at
      * again at once while it is fresh, then every millisecond. */
-    int64_t by = deadline; /* the usual turn: no clock read here */
+    int64_t by = deadline; /* the usual turn: no second clock read */
     if (wait != TS_BACKEND_IDLE || owed)
       by = slice_of(deadline, wait == TS_BACKEND_SOON ? 0 : wait != TS_BACKEND_IDLE ? 1 : TS_OWED_SLICE_MS);
     rc = ts_conn_recv_by(&ch->conn, f, fd_out, fd_lost, by);

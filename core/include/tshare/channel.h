@@ -154,6 +154,9 @@ TSHARE_API const char *tshare_channel_last_error(const tshare_channel *ch);   /*
  * TSHARE_E_LIMIT; a share is released back to the peer. fds riding on frames
  * that announce none are closed. */
 TSHARE_API int tshare_channel_send_frame(tshare_channel *ch, const tshare_frame *frame, int fd, int timeout_ms);
+/* A received frame's header and its type's union member are written (as
+ * tshare_decoder_next does), not the rest of *frame: a release's ids past
+ * its count, and the other members, keep what they held. */
 TSHARE_API int tshare_channel_recv_frame(tshare_channel *ch, tshare_frame *frame, int *fd_out, int timeout_ms);
 
 /* Tell the peer the stream is over (reason 0: done). */
