@@ -314,7 +314,7 @@ int ts_ucx_import(tshare_channel *ch, const tshare_frame *f, int *fdp, void *str
   if (rc != TSHARE_OK) return rc;
   /* The bytes are here: the producer may reuse its memory now. */
   ts_share_release_back(ch, s->share_id);
-  (void)ts_share_flush_pending(ch, 0);
+  (void)ts_share_flush_pending(ch, TS_DEADLINE_PASSED);
   return TSHARE_OK;
 }
 

@@ -1,8 +1,12 @@
 /* Internal little-endian put/get helpers. Fields are never read by casting a
- * struct onto a buffer: every multi-byte value goes through these. */
+ * struct onto a buffer: every multi-byte value goes through these, one
+ * memcpy and <endian.h>'s conversion each (a no-op on little-endian hosts;
+ * a loop over the bytes was not merged by the compiler and cost eight steps
+ * per field on every frame). */
 #ifndef TSHARE_BYTES_H
 #define TSHARE_BYTES_H
 
+#include <endian.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -30,45 +34,16 @@ static inline void ts_put_bytes(ts_writer *w, const void *src, size_t n) {
   w->left -= n;
 }
 static inline void ts_put_u8(ts_writer *w, uint8_t v) { ts_put_bytes(w, &v, 1); }
-/* Host order to little-endian and back: a no-op on the machines tshare runs
- * on, a byte swap elsewhere. Loads and stores go through memcpy (no casts
- * onto a buffer), which compilers turn into one move; a loop over the bytes
- * was not merged and cost eight steps per field on every frame. */
-#ifndef __BYTE_ORDER__
-#error "tshare: the compiler does not say the byte order (__BYTE_ORDER__)"
-#endif
-static inline uint16_t ts_le16(uint16_t v) {
-#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-  return __builtin_bswap16(v);
-#else
-  return v;
-#endif
-}
-static inline uint32_t ts_le32(uint32_t v) {
-#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-  return __builtin_bswap32(v);
-#else
-  return v;
-#endif
-}
-static inline uint64_t ts_le64(uint64_t v) {
-#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-  return __builtin_bswap64(v);
-#else
-  return v;
-#endif
-}
-
 static inline void ts_put_u16(ts_writer *w, uint16_t v) {
-  v = ts_le16(v);
+  v = htole16(v);
   ts_put_bytes(w, &v, 2);
 }
 static inline void ts_put_u32(ts_writer *w, uint32_t v) {
-  v = ts_le32(v);
+  v = htole32(v);
   ts_put_bytes(w, &v, 4);
 }
 static inline void ts_put_u64(ts_writer *w, uint64_t v) {
-  v = ts_le64(v);
+  v = htole64(v);
   ts_put_bytes(w, &v, 8);
 }
 
@@ -91,17 +66,17 @@ static inline uint8_t ts_get_u8(ts_reader *r) {
 static inline uint16_t ts_get_u16(ts_reader *r) {
   uint16_t v = 0;
   ts_get_bytes(r, &v, 2);
-  return ts_le16(v);
+  return le16toh(v);
 }
 static inline uint32_t ts_get_u32(ts_reader *r) {
   uint32_t v = 0;
   ts_get_bytes(r, &v, 4);
-  return ts_le32(v);
+  return le32toh(v);
 }
 static inline uint64_t ts_get_u64(ts_reader *r) {
   uint64_t v = 0;
   ts_get_bytes(r, &v, 8);
-  return ts_le64(v);
+  return le64toh(v);
 }
 
 #endif

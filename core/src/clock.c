@@ -57,9 +57,9 @@ static int coarse_tick_ms(void) {
 
 int64_t ts_deadline(int timeout_ms) {
   if (timeout_ms < 0) return -1;
+  if (timeout_ms == 0) return TS_DEADLINE_PASSED; /* a look: no clock read */
   int tick = coarse_tick_ms();
-  if (tick == 0 || (timeout_ms > 0 && timeout_ms < COARSE_TIMEOUT_MIN_MS)) return ts_now_ms() + timeout_ms;
-  if (timeout_ms == 0) return coarse_now_ms(); /* at or before now: already passed */
+  if (tick == 0 || timeout_ms < COARSE_TIMEOUT_MIN_MS) return ts_now_ms() + timeout_ms;
   /* The coarse clock is behind by up to a tick, and on a loaded VM, whose
    * tick interrupts come late, by up to two: no sooner than timeout_ms. */
   return coarse_now_ms() + 2 * tick + timeout_ms;

@@ -19,7 +19,8 @@ int64_t ts_now_us(void);
 int64_t ts_coarse_now_us(void);      /* the coarse clock: behind ts_now_us() by up to its tick */
 int64_t ts_deadline(int timeout_ms); /* < 0 (wait forever) gives -1: no deadline */
 int ts_remaining(int64_t deadline);  /* -1 none, 0 expired, else ms left (never more than are) */
-/* A deadline already passed, made without reading a clock: look, don't wait. */
+/* A deadline already passed, made without reading a clock: look, don't
+ * wait. ts_deadline(0) gives it. */
 #define TS_DEADLINE_PASSED 0
 /* A deadline for a turn of the library's own work, never a caller's timeout:
  * from TS_TURN_COARSE_MS on, one read of the coarse clock, cheap enough for

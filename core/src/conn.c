@@ -452,10 +452,6 @@ int ts_conn_deliver(ts_conn *c, const tshare_frame *f, ts_fd_entry e, bool found
   return TSHARE_OK;
 }
 
-int ts_conn_recv(ts_conn *c, tshare_frame *f, int *fd_out, int *fd_lost, int timeout_ms) {
-  return ts_conn_recv_by(c, f, fd_out, fd_lost, ts_deadline(timeout_ms));
-}
-
 int ts_conn_recv_by(ts_conn *c, tshare_frame *f, int *fd_out, int *fd_lost, int64_t deadline) {
   *fd_out = -1;
   *fd_lost = 0;

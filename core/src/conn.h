@@ -127,10 +127,8 @@ int ts_conn_send_error(ts_conn *c, int code, const char *message);
 /* Finish a frame a timeout cut short, waiting up to timeout_ms. */
 void ts_conn_flush_tail(ts_conn *c, int timeout_ms);
 
-/* The next frame, see session.h's ts_channel_recv_raw; or
- * TS_CONN_WOKEN when ts_conn_wake() was called before one came. */
-int ts_conn_recv(ts_conn *c, tshare_frame *f, int *fd_out, int *fd_lost, int timeout_ms);
-/* The same by a deadline (clock.h): a caller that holds one reads no clock. */
+/* The next frame by deadline (clock.h), see session.h's ts_session_recv_by;
+ * or TS_CONN_WOKEN when ts_conn_wake() was called before one came. */
 int ts_conn_recv_by(ts_conn *c, tshare_frame *f, int *fd_out, int *fd_lost, int64_t deadline);
 /* Bytes received that do not form a frame yet, or wait in the ring (0: a
  * receive would wait). */

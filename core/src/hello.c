@@ -108,7 +108,7 @@ static int exchange_hellos(ts_conn *c, int64_t deadline) {
   /* The peer may send its first frames right behind its hello: they stay on
    * the socket, where a poll loop started once the channel is open sees them. */
   c->frame_at_a_time = true;
-  while (rc == TSHARE_OK && (rc = ts_conn_recv(c, &f, &fd, &fd_lost, ts_remaining(deadline))) == TS_CONN_WOKEN) {
+  while (rc == TSHARE_OK && (rc = ts_conn_recv_by(c, &f, &fd, &fd_lost, deadline)) == TS_CONN_WOKEN) {
   }
   c->frame_at_a_time = false;
   if (rc != TSHARE_OK) {

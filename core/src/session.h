@@ -171,7 +171,9 @@ int ts_share_apply_release(tshare_channel *ch, const tshare_release_frame *r, bo
  * TSHARE_E_LIMIT, or TSHARE_OK for a refusal the peer is told about. */
 int ts_share_fd_lost(tshare_channel *ch, const tshare_frame *f, int lost);
 void ts_share_drop_all(tshare_channel *ch, int status); /* peer gone or channel closed */
-int ts_share_flush_pending(tshare_channel *ch, int timeout_ms);
+/* Releases and layout notices owed go out by deadline (clock.h); with
+ * nothing owed, one look under the lock and no clock read. */
+int ts_share_flush_pending(tshare_channel *ch, int64_t deadline);
 /* After a release was queued (ch->lock not held): from a thread other than
  * the driving one, while the driving thread is not blocked in a receive,
  * send the queued releases now if that needs no waiting. */

@@ -268,7 +268,7 @@ int tshare_channel_recv_frame(tshare_channel *ch, tshare_frame *f, int *fd_out, 
 
 static int send_bye(tshare_channel *ch, uint32_t reason, int timeout_ms) {
   int64_t deadline = ts_deadline(timeout_ms);
-  int rc = ts_share_flush_pending(ch, ts_remaining(deadline));
+  int rc = ts_share_flush_pending(ch, deadline);
   if (rc != TSHARE_OK) return rc;
   tshare_frame f;
   memset(&f, 0, sizeof f);
@@ -325,7 +325,7 @@ static void close_now(tshare_channel *ch) {
   if (ch->conn.wfd >= 0 && !ch->conn.broken) {
     ts_backends_before_close(ch, 100); /* memory kept for the peer's mappings: answered before it goes */
     if (ch->bye_sent)
-      ts_share_flush_pending(ch, 100);
+      ts_share_flush_pending(ch, ts_deadline(100));
     else
       (void)send_bye(ch, 0, 100); /* which flushes the releases first */
   }

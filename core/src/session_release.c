@@ -49,16 +49,15 @@ static void put_back(tshare_channel *ch, const tshare_frame *f, bool tell_driver
   pthread_mutex_unlock(&ch->lock);
 }
 
-int ts_share_flush_pending(tshare_channel *ch, int timeout_ms) {
+int ts_share_flush_pending(tshare_channel *ch, int64_t deadline) {
   send_refusal_notice(ch);
   pthread_mutex_lock(&ch->lock);
-  bool owed = ch->pending.len > 0 || ts_set_notices_waiting_locked(ch);
+  bool notices = ts_set_notices_waiting_locked(ch), releases = ch->pending.len > 0;
   pthread_mutex_unlock(&ch->lock);
-  if (!owed) return TSHARE_OK; /* the usual turn of a receive: nothing to send, no clock read */
-  int64_t deadline = ts_deadline(timeout_ms);
+  if (!notices && !releases) return TSHARE_OK; /* the usual turn of a receive: one look, no clock read */
   /* Layouts lost go first: the peer forgets them before it sees the sets
    * refused come back, and sends their builders whole next. */
-  int rc = ts_set_send_notices(ch, ts_remaining(deadline));
+  int rc = notices ? ts_set_send_notices(ch, deadline) : TSHARE_OK;
   if (rc != TSHARE_OK) return rc;
   for (;;) {
     tshare_frame f;

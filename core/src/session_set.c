@@ -588,7 +588,7 @@ static int end_set(tshare_channel *ch, ts_set_rx *rx, tshare_set *s, const tshar
   if (set_is_copy(s)) { /* every byte is here: the producer may reuse its memory now */
     s->released_back = true;
     ts_share_release_back(ch, s->set_id);
-    (void)ts_share_flush_pending(ch, 0);
+    (void)ts_share_flush_pending(ch, TS_DEADLINE_PASSED);
   }
   rx->partial = NULL;
   rx->waiting[(rx->head + rx->len++) % TS_SETS_WAITING_MAX] = s;

@@ -68,10 +68,11 @@ void ts_set_slots_dropped(tshare_channel *ch, const tshare_set_dropped_frame *d)
 void ts_set_notice_dropped_locked(tshare_channel *ch, unsigned slot, uint64_t layout_id);
 /* Whether a notice waits to go (ch->lock held). */
 bool ts_set_notices_waiting_locked(const tshare_channel *ch);
-/* Send the notices that wait, from the thread that drives the channel,
- * before its releases (ts_share_flush_pending): TSHARE_OK, or the send's
- * status (TSHARE_E_TIMEOUT: what did not go waits for a later flush). */
-int ts_set_send_notices(tshare_channel *ch, int timeout_ms);
+/* Send the notices that wait by deadline (clock.h), from the thread that
+ * drives the channel, before its releases (ts_share_flush_pending, which
+ * looks first whether any wait): TSHARE_OK, or the send's status
+ * (TSHARE_E_TIMEOUT: what did not go waits for a later flush). */
+int ts_set_send_notices(tshare_channel *ch, int64_t deadline);
 
 /* Whether memory sent as mem_kind with share_flags is kept mapped by the
  * peer until its owner retires it (then a layout of it may be kept): the

@@ -21,12 +21,7 @@ bool ts_set_notices_waiting_locked(const tshare_channel *ch) {
   return false;
 }
 
-int ts_set_send_notices(tshare_channel *ch, int timeout_ms) {
-  pthread_mutex_lock(&ch->lock);
-  bool waiting = ts_set_notices_waiting_locked(ch);
-  pthread_mutex_unlock(&ch->lock);
-  if (!waiting) return TSHARE_OK; /* the usual case: one look under the lock */
-  int64_t deadline = ts_deadline(timeout_ms);
+int ts_set_send_notices(tshare_channel *ch, int64_t deadline) {
   for (unsigned i = 0; i < TSHARE_SET_LAYOUT_SLOTS; i++) {
     pthread_mutex_lock(&ch->lock);
     uint64_t layout_id = ch->set_dropped[i];

@@ -305,7 +305,7 @@ static bool releases_due(tshare_channel *ch) {
  * releases_due). *wait: whether a backend's work still waits. */
 static int housekeeping(tshare_channel *ch, int64_t deadline, bool all_releases, ts_backend_wait *wait) {
   int rc = ts_backends_housekeeping(ch, deadline, wait);
-  if (rc == TSHARE_OK && (all_releases || releases_due(ch))) rc = ts_share_flush_pending(ch, ts_remaining(deadline));
+  if (rc == TSHARE_OK && (all_releases || releases_due(ch))) rc = ts_share_flush_pending(ch, deadline);
   return rc;
 }
 
@@ -317,7 +317,7 @@ static int housekeeping(tshare_channel *ch, int64_t deadline, bool all_releases,
 /* The sooner of a deadline and one slice_ms from now, with one read of the
  * coarse clock. */
 static int64_t slice_of(int64_t deadline, int slice_ms) {
-  int64_t slice = slice_ms == 0 ? TS_DEADLINE_PASSED : ts_turn_deadline(slice_ms);
+  int64_t slice = ts_turn_deadline(slice_ms);
   return deadline >= 0 && deadline < slice ? deadline : slice;
 }
 

@@ -9,21 +9,15 @@
 #include <time.h>
 #include <unistd.h>
 
-/* This process's pid, kept by an atfork handler: every call on a channel
- * enters and leaves its guard, and getpid() is a system call each time
- * (glibc no longer caches it; over a microsecond on some VMs, several per
- * hand-off). */
-static atomic_long process_pid;
+/* Forks seen in this process's line, counted in each child by an atfork
+ * handler: a guard made before the last fork belongs to a parent. Every
+ * call on a channel enters and leaves its guard, where comparing pids would
+ * cost a getpid() system call each time (glibc no longer caches it). */
+static atomic_ulong forks;
 static pthread_once_t watch_forks_once = PTHREAD_ONCE_INIT;
 
-static void note_pid(void) { atomic_store(&process_pid, (long)getpid()); }
-
-static void watch_forks(void) {
-  note_pid();
-  pthread_atfork(NULL, NULL, note_pid);
-}
-
-static long this_pid(void) { return atomic_load_explicit(&process_pid, memory_order_relaxed); }
+static void count_fork(void) { atomic_fetch_add(&forks, 1); }
+static void watch_forks(void) { pthread_atfork(NULL, NULL, count_fork); }
 
 void py_guard_init(py_guard *g, const char *noun) {
   pthread_once(&watch_forks_once, watch_forks);
@@ -32,12 +26,12 @@ void py_guard_init(py_guard *g, const char *noun) {
   g->next_ticket = g->serving = 0;
   g->owner = 0;
   g->closing = 0;
-  g->pid = (pid_t)this_pid();
+  g->forks = atomic_load(&forks);
   g->noun = noun;
 }
 
 /* Made by the process this one was forked from: see py_guard.h. */
-static int inherited(const py_guard *g) { return (long)g->pid != this_pid(); }
+static int inherited(const py_guard *g) { return g->forks != atomic_load_explicit(&forks, memory_order_relaxed); }
 
 void py_guard_destroy(py_guard *g) {
   if (inherited(g)) return; /* the mutex may be held by a thread this process does not have */

@@ -38,7 +38,7 @@ typedef struct py_guard {
   unsigned long next_ticket, serving; /* a ticket per caller: turns in arrival order */
   unsigned long owner;                /* the thread inside (PyThread_get_thread_ident), 0 if none */
   int closing;                        /* set by the first close: every later entry is refused */
-  pid_t pid;                          /* the process the guard belongs to */
+  unsigned long forks;                /* forks seen when it was made: another count, another process */
   const char *noun;                   /* "channel" or "listener", for messages */
 } py_guard;
 
