@@ -20,6 +20,7 @@
 
 #include <errno.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,8 +62,7 @@ int ts_set_name_insert(ts_u64map *index, const char *name, size_t i) {
 typedef struct set_entry {
   uint32_t name_at; /* offset in names */
   uint32_t mem;
-  tshare_tensor_desc desc;
-  void *data;
+  tshare_tensor_desc desc; /* its place: at byte_offset of its memory's base */
 } set_entry;
 
 /* One memory of a set, mapped by the backend of its kind. */
@@ -90,30 +90,67 @@ struct tshare_set {
   bool released_back;  /* a copy: released back once complete, not at its last reference */
   uint8_t layout_slot; /* 1..TSHARE_SET_LAYOUT_SLOTS: its begin frame asked this end to keep its layout */
   set_mem *mems;
-  set_entry *entries;
-  char *names; /* each NUL-terminated */
+  struct set_catalog *catalog; /* its members and names */
+  set_entry *entries;          /* the catalog's */
+  char *names;                 /* the catalog's, each NUL-terminated */
   uint8_t *meta;
-  struct name_index *by_name; /* NULL until its first member came */
 };
 
-/* A set's index of member names: built as the members come, read-only once
- * the set is whole, and then shared (counted) by the layout kept of it and
- * every set sent again from that layout: a model's hundreds of names are
- * indexed once, not copied per hand-off. */
-typedef struct name_index {
+/* A set's members (over 500 bytes each), their names and the index of the
+ * names: written as the members come, read-only once the set is whole, and
+ * then shared (counted) by the layout kept of it and every set sent again
+ * from that layout. A model sent again costs no copy of its hundreds of
+ * members (each set has memories of its own; a member's data is its
+ * memory's base plus its offset). */
+typedef struct set_catalog {
   atomic_int refs;
-  ts_u64map map;
-} name_index;
+  set_entry *entries;
+  char *names;
+  ts_u64map by_name;
+} set_catalog;
 
-static name_index *name_index_ref(name_index *x) {
-  if (x) atomic_fetch_add(&x->refs, 1);
-  return x;
+/* Members and names are large blocks, allocated per set whole (glibc
+ * consolidates its fast bins first at that size): spares are kept. */
+static ts_spare_blocks spare_entries, spare_mems, spare_names;
+
+static set_catalog *catalog_ref(set_catalog *c) {
+  if (c) atomic_fetch_add(&c->refs, 1);
+  return c;
 }
 
-static void name_index_unref(name_index *x) {
-  if (!x || atomic_fetch_sub(&x->refs, 1) != 1) return;
-  ts_u64map_free(&x->map);
-  free(x);
+static void catalog_unref(set_catalog *c) {
+  if (!c || atomic_fetch_sub(&c->refs, 1) != 1) return;
+  ts_spare_free(&spare_entries, c->entries);
+  ts_spare_free(&spare_names, c->names);
+  ts_u64map_free(&c->by_name);
+  free(c);
+}
+
+/* An empty catalog for count members and names_bytes of names, or NULL. */
+static set_catalog *catalog_new(uint32_t count, uint32_t names_bytes) {
+  set_catalog *c = calloc(1, sizeof *c);
+  if (!c) return NULL;
+  atomic_init(&c->refs, 1);
+  c->entries = ts_spare_alloc(&spare_entries, count * sizeof *c->entries);
+  c->names = ts_spare_alloc(&spare_names, (size_t)names_bytes + count);
+  if (!c->entries || !c->names) {
+    catalog_unref(c);
+    return NULL;
+  }
+  return c;
+}
+
+/* Set s takes catalog c (its reference). */
+static void set_take_catalog(tshare_set *s, set_catalog *c) {
+  s->catalog = c;
+  s->entries = c ? c->entries : NULL;
+  s->names = c ? c->names : NULL;
+}
+
+/* Where member e of s starts: NULL in empty memory. */
+static void *member_data(const tshare_set *s, const set_entry *e) {
+  void *base = s->mems[e->mem].base;
+  return base ? (char *)base + e->desc.byte_offset : NULL;
 }
 
 /* A set member's view: the view, and the set it keeps alive. */
@@ -178,17 +215,10 @@ static ts_release_done release_device_memories(tshare_channel *ch, tshare_set *s
   return done;
 }
 
-/* A set's members (over 500 bytes each), memories and names: a model's set
- * sent again and again would allocate (and free) a few hundred KiB per
- * hand-off. Each is written before it is read. */
-static ts_spare_blocks spare_entries, spare_mems, spare_names;
-
 static void set_free(tshare_set *s) {
   ts_spare_free(&spare_mems, s->mems);
-  ts_spare_free(&spare_entries, s->entries);
-  ts_spare_free(&spare_names, s->names);
+  catalog_unref(s->catalog);
   free(s->meta);
-  name_index_unref(s->by_name);
   free(s);
 }
 
@@ -261,7 +291,9 @@ TS_PRINTF(4, 5) static int refuse_set(tshare_channel *ch, int status, bool tell_
   return TSHARE_OK;
 }
 
-static int begin_set(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *f) {
+/* A set begins: with a catalog of its own to fill, or (sent again) with
+ * the layout's catalog, shared. */
+static int begin_set(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *f, set_catalog *shared) {
   const tshare_set_begin_frame *b = &f->u.begin;
   tshare_set *s = calloc(1, sizeof *s);
   if (s) {
@@ -272,12 +304,11 @@ static int begin_set(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *
     s->meta_len = b->meta_bytes;
     s->layout_slot = b->layout_slot;
     s->mems = ts_spare_alloc(&spare_mems, b->mem_count * sizeof *s->mems);
-    s->entries = ts_spare_alloc(&spare_entries, b->count * sizeof *s->entries);
-    s->names = ts_spare_alloc(&spare_names, (size_t)b->names_bytes + b->count);
+    set_take_catalog(s, shared ? catalog_ref(shared) : catalog_new(b->count, b->names_bytes));
     s->meta = b->meta_bytes ? malloc(b->meta_bytes) : NULL;
   }
   rx->partial = s;
-  if (!s || !s->mems || !s->entries || !s->names || (b->meta_bytes && !s->meta)) {
+  if (!s || !s->mems || !s->catalog || (b->meta_bytes && !s->meta)) {
     if (!s) { /* nothing to keep: released back at once */
       pthread_mutex_lock(&ch->lock);
       ts_share_queue_release_locked(ch, f->set_id);
@@ -294,11 +325,17 @@ static int begin_set(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *
 /* Memory frame m as the share of the set's id its backend imports. */
 static tshare_frame share_of_mem(uint64_t set_id, const tshare_set_mem_frame *m) {
   tshare_frame share;
-  /* The share's own fields only: a whole frame is three times their size, per memory of every set. */
+  /* The share's own fields only: a whole frame is three times their size. */
   share.type = TSHARE_FRAME_SHARE;
   share.flags = share.major = share.minor = 0;
   tshare_share_frame *f = &share.u.share;
-  memset(f, 0, sizeof *f);
+  /* Not the tensor's shape and strides (a memory has none: ndim 0), over
+   * two thirds of a share frame: a model's hundreds of memories per set. */
+  memset(f, 0, offsetof(tshare_share_frame, tensor.shape));
+  f->tensor.byte_offset = 0;
+  f->tag_len = 0;
+  f->tag[0] = '\0';
+  f->origin_pid = 0;
   f->share_id = set_id;
   f->alloc_id = m->alloc_id;
   f->alloc_size = m->alloc_size;
@@ -372,18 +409,15 @@ static int add_member(tshare_channel *ch, tshare_set *s, const tshare_set_member
   char why[160];
   int rc = ts_tensor_check(&m->tensor, mem->size, NULL, NULL, why, sizeof why);
   if (rc != TSHARE_OK) return refuse_set(ch, rc, true, "tensor %u ('%s'): %s", m->index, m->name, why);
-  if (!s->by_name && (s->by_name = calloc(1, sizeof *s->by_name)) != NULL) atomic_init(&s->by_name->refs, 1);
-  if (!s->by_name) return refuse_set(ch, TSHARE_E_NOMEM, true, "out of memory");
-  if (ts_set_name_lookup(&s->by_name->map, m->name, set_name_at, s, s->members_got) >= 0)
+  if (ts_set_name_lookup(&s->catalog->by_name, m->name, set_name_at, s, s->members_got) >= 0)
     return refuse_set(ch, TSHARE_E_PROTOCOL, true, "two tensors are named '%s'", m->name);
   set_entry *e = &s->entries[s->members_got];
   e->name_at = s->names_got + s->members_got; /* each name is followed by its NUL */
   memcpy(s->names + e->name_at, m->name, (size_t)m->name_len + 1);
-  if (ts_set_name_insert(&s->by_name->map, m->name, s->members_got) != 0)
+  if (ts_set_name_insert(&s->catalog->by_name, m->name, s->members_got) != 0)
     return refuse_set(ch, TSHARE_E_NOMEM, true, "out of memory");
   e->mem = m->mem_index;
   e->desc = m->tensor;
-  e->data = mem->base ? (char *)mem->base + m->tensor.byte_offset : NULL;
   s->names_got += m->name_len;
   s->members_got++;
   return TSHARE_OK;
@@ -458,17 +492,12 @@ static tshare_set *layout_of(const tshare_set *s) {
   t->count = s->count;
   t->mem_count = s->mem_count;
   t->names_bytes = s->names_bytes;
-  size_t names = (size_t)s->names_bytes + s->count;
   t->mems = ts_spare_alloc(&spare_mems, s->mem_count * sizeof *t->mems);
-  t->entries = ts_spare_alloc(&spare_entries, s->count * sizeof *t->entries);
-  t->names = ts_spare_alloc(&spare_names, names);
-  t->by_name = name_index_ref(s->by_name);
-  if (!t->mems || !t->entries || !t->names) {
+  set_take_catalog(t, catalog_ref(s->catalog)); /* read-only from here */
+  if (!t->mems) {
     set_free(t);
     return NULL;
   }
-  memcpy(t->entries, s->entries, s->count * sizeof *t->entries);
-  memcpy(t->names, s->names, names);
   for (uint32_t i = 0; i < s->mem_count; i++) {
     set_mem m = s->mems[i];
     m.mem_kind = kept_kind_of(&s->mems[i]);
@@ -549,7 +578,7 @@ static int again_set(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *
   const tshare_set *t = rx->layouts[f->u.again.layout_slot - 1];
   tshare_set_frame begin = {.op = TSHARE_SET_BEGIN, .set_id = f->set_id};
   begin.u.begin = (tshare_set_begin_frame){t->count, t->mem_count, t->names_bytes, f->u.again.meta_bytes, 0};
-  int rc = begin_set(ch, rx, &begin);
+  int rc = begin_set(ch, rx, &begin, t->catalog);
   tshare_set *s = rx->partial;
   if (rc != TSHARE_OK || !s) return rc;
   for (uint32_t i = 0; i < t->mem_count; i++) {
@@ -560,14 +589,6 @@ static int again_set(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *
       drop_layout(ch, rx, f->u.again.layout_slot, f->u.again.layout_id);
       return rc;
     }
-  }
-  memcpy(s->entries, t->entries, t->count * sizeof *s->entries);
-  memcpy(s->names, t->names, (size_t)t->names_bytes + t->count);
-  s->by_name = name_index_ref(t->by_name);
-  for (uint32_t i = 0; i < t->count; i++) {
-    set_entry *e = &s->entries[i];
-    void *base = s->mems[e->mem].base;
-    e->data = base ? (char *)base + e->desc.byte_offset : NULL;
   }
   s->members_got = t->count;
   s->names_got = t->names_bytes;
@@ -631,7 +652,7 @@ static int on_step(tshare_channel *ch, ts_set_rx *rx, const tshare_frame *frame,
   if (f->op == TS_SET_OP_REFUSED) return refused_by_decoder(ch, rx, f);
   if (f->op == TSHARE_SET_BEGIN || f->op == TSHARE_SET_AGAIN) {
     if (s) refuse_set(ch, TSHARE_E_PROTOCOL, true, "cut off by the beginning of set %llu", (unsigned long long)f->set_id);
-    return f->op == TSHARE_SET_BEGIN ? begin_set(ch, rx, f) : again_set(ch, rx, f);
+    return f->op == TSHARE_SET_BEGIN ? begin_set(ch, rx, f, NULL) : again_set(ch, rx, f);
   }
   if (!s || s->set_id != f->set_id) {
     if (f->set_id == rx->refused_id) { /* the rest of a refused set */
@@ -779,7 +800,7 @@ int tshare_set_cuda_device(const tshare_set *s, size_t i) {
   return m->device_type == TSHARE_DEVICE_CUDA ? m->device : -1;
 }
 
-void *tshare_set_data(const tshare_set *s, size_t i) { return s && i < s->count ? s->entries[i].data : NULL; }
+void *tshare_set_data(const tshare_set *s, size_t i) { return s && i < s->count ? member_data(s, &s->entries[i]) : NULL; }
 
 int tshare_set_is_copy(const tshare_set *s) { return s && set_is_copy(s) ? 1 : 0; }
 
@@ -790,7 +811,7 @@ tshare_host_buffer *tshare_set_host_buffer(const tshare_set *s, size_t i) {
 }
 
 long tshare_set_find(const tshare_set *s, const char *name) {
-  return s && name && s->by_name ? ts_set_name_lookup(&s->by_name->map, name, set_name_at, s, s->count) : -1;
+  return s && name ? ts_set_name_lookup(&s->catalog->by_name, name, set_name_at, s, s->count) : -1;
 }
 
 const void *tshare_set_meta(const tshare_set *s, size_t *len) {
@@ -879,7 +900,7 @@ int tshare_set_view(tshare_set *s, size_t i, tshare_view **out) {
   v->ch = ch;
   v->backend = mem->backend->views_are_copies ? &member_copy_backend : &member_backend;
   v->share_id = s->set_id;
-  v->data = e->data;
+  v->data = member_data(s, e);
   v->desc = e->desc;
   describe_member(v, mem, s->set_id);
   v->frame.tensor = e->desc;

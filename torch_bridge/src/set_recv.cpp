@@ -3,15 +3,16 @@
 // hold: the set handle, released once when the last tensor (and every
 // tensor derived from them) is gone, on whichever thread that is.
 //
-// Per member that is one from_blob over the set's own pointer and layout
-// (the device given, so nothing asks the driver where the pointer lives) and
-// one count on the hold: no view, lock or allocation of the core's per
-// member. A member sent on with send() gets its view then, on demand.
+// Per member that is one storage over the set's own pointer and a tensor
+// on it (the device given, so nothing asks the driver where the pointer
+// lives) and one count on the hold: no view, lock or allocation of the
+// core's per member. A member sent on with send() gets its view then, on demand.
 #include "tshare/torch_set.h"
 
 #include "bridge_internal.h"
 
-#include <ATen/ops/from_blob.h>
+#include <ATen/ATen.h>
+#include <c10/core/TensorImpl.h>
 
 #ifdef TSHARE_TORCH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
@@ -73,7 +74,21 @@ at::Device member_device(const SetHold &hold, size_t i) {
 #endif
 }
 
+// The bytes a member's tensor spans from its first element: the core
+// checked that they lie in its memory, so nothing here overflows.
+size_t member_nbytes(const tshare_tensor_desc *d, size_t item) {
+  int64_t last = 0;
+  for (int32_t k = 0; k < d->ndim; k++) {
+    if (d->shape[k] == 0) return 0;
+    last += (d->shape[k] - 1) * d->strides[k];
+  }
+  return static_cast<size_t>(last + 1) * item;
+}
+
 // Member i over the set's memory, counted on the hold until its storage goes.
+// Made as at::for_blob would make it (a storage over the member's bytes with
+// the context deleter, a tensor on it), without the maker's checks and
+// dispatch guard: a model's hundreds of members per hand-off.
 at::Tensor member_tensor(SetHold &hold, size_t i) {
   const tshare_tensor_desc *d = tshare_set_desc(hold.set, i);
   at::ScalarType type = to_scalar_type(d->dtype);
@@ -83,16 +98,18 @@ at::Tensor member_tensor(SetHold &hold, size_t i) {
                                      std::to_string(d->strides[k]) + " in dimension " + std::to_string(k) +
                                      "), which LibTorch tensors cannot have");
   at::Device device = member_device(hold, i);
-  at::IntArrayRef sizes(d->shape, static_cast<size_t>(d->ndim)), strides(d->strides, static_cast<size_t>(d->ndim));
+  size_t nbytes = member_nbytes(d, c10::elementSize(type));
   hold.refs.fetch_add(1, std::memory_order_relaxed);
-  // From here the maker owns the count: its context deleter drops it even if
-  // make_tensor throws, and the tensor's storage owns it afterwards.
-  return at::for_blob(tshare_set_data(hold.set, i), sizes)
-      .strides(strides)
-      .context(&hold.members[i], &drop_member)
-      .options(at::TensorOptions().dtype(type).device(device))
-      .target_device(device)
-      .make_tensor();
+  // From here the data pointer owns the count: its deleter drops it even if
+  // what follows throws, and the tensor's storage owns it afterwards.
+  c10::DataPtr data(tshare_set_data(hold.set, i), &hold.members[i], &drop_member, device);
+  c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(data), nullptr, false);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::computeDispatchKey(type, at::kStrided, device)),
+      c10::scalarTypeToTypeMeta(type));
+  impl->set_sizes_and_strides(at::IntArrayRef(d->shape, static_cast<size_t>(d->ndim)),
+                              at::IntArrayRef(d->strides, static_cast<size_t>(d->ndim)));
+  return at::Tensor(std::move(impl));
 }
 
 // A set's CUDA tensors are ready for work on the default stream (the set's
