@@ -11,11 +11,12 @@
 //
 //   bench_torch_sets [--device cpu|cuda] [--consumers N] [--way set|set-free|loop]
 //                    [--hidden H] [--iters N] [--warmup W] [--first-iters N]
-//                    [--consumer bridge|core]
+//                    [--consumer bridge|core|split]
 //
 // --consumer core takes each set through the C API alone (tshare_set_recv,
-// tshare_set_release), with no tensors made: its timeline beside the
-// bridge's is where a consumer's time goes, the core's part or LibTorch's.
+// tshare_set_release), with no tensors made; split takes it so and then
+// makes its tensors (adopt_set), timing each step: where a consumer's time
+// goes, the core's part or the bridge's and LibTorch's.
 //
 // Prints one line per measurement, then, last, the line tshare-bench reads:
 // "result first_p50_us=... first_p99_us=... update_p50_us=... update_p99_us=...
@@ -121,32 +122,51 @@ static void print_timeline(long index, const std::vector<double> &received, cons
 
 // A consumer: takes every hand-off (a set, or tensors until the one tagged
 // "last") and drops it at once, which releases it.
-// The core's part of a consumer: the set taken and released, no tensors.
-static void consume_core(tshare_channel *ch, long index, std::vector<double> &received_us,
+// The core's part of a consumer: the set taken and released, no tensors
+// (split: its tensors made by adopt_set, then dropped, each step timed).
+static void consume_core(tshare_channel *ch, long index, bool split, std::vector<double> &received_us,
                          std::vector<double> &dropped_us) {
+  std::vector<double> made_us, drop_us;
   for (;;) {
     tshare_set *set = nullptr;
     int rc = tshare_set_recv(ch, TIMEOUT, &set);
-    if (rc == TSHARE_END) return print_timeline(index, received_us, dropped_us);
+    if (rc == TSHARE_END) {
+      print_timeline(index, received_us, dropped_us);
+      if (split && !made_us.empty())
+        std::printf("consumer %ld, p50: the set taken by the core at %.1f us, then its tensors made in %.1f us "
+                    "(%.2f us per tensor) and dropped (the release sent) in %.1f us\n",
+                    index, stats(received_us).p50, stats(made_us).p50, stats(made_us).p50 / 290, stats(drop_us).p50);
+      std::fflush(stdout);
+      return;
+    }
     if (rc != TSHARE_OK) throw tt::Error(rc, tshare_channel_last_error(ch));
     size_t len = 0;
     const char *meta = static_cast<const char *>(tshare_set_meta(set, &len));
     double sent_at = timeline_start(std::string(meta ? meta : "", len));
-    if (sent_at >= 0) received_us.push_back(now_us() - sent_at);
-    tshare_set_release(set);
+    double taken = now_us();
+    if (sent_at >= 0) received_us.push_back(taken - sent_at);
+    if (split) {
+      std::optional<tt::ReceivedSet> r = tt::adopt_set(set);
+      double made = now_us();
+      r.reset();
+      double gone = now_us();
+      if (sent_at >= 0) made_us.push_back(made - taken), drop_us.push_back(gone - made);
+    } else {
+      tshare_set_release(set);
+    }
     if (sent_at >= 0) dropped_us.push_back(now_us() - sent_at);
   }
 }
 
-static int consumer(int fd, bool as_set, bool core_only, long index) {
+static int consumer(int fd, bool as_set, const std::string &kind, long index) {
   tshare_channel *ch = nullptr;
   tshare_error err;
   if (tshare_channel_open_socket(fd, nullptr, &ch, &err) != TSHARE_OK) return 1;
   tt::ChannelPtr owned(ch);
   std::vector<double> received_us, dropped_us;
   try {
-    if (as_set && core_only) {
-      consume_core(ch, index, received_us, dropped_us);
+    if (as_set && kind != "bridge") {
+      consume_core(ch, index, kind == "split", received_us, dropped_us);
       return 0;
     }
     for (;;) {
@@ -256,7 +276,7 @@ int main(int argc, char **argv) {
   long first_iters = std::max(1L, arg_long(argc, argv, "--first-iters", iters));
   long consumers = std::max(1L, std::min(16L, arg_long(argc, argv, "--consumers", 1)));
   bool cuda = device == "cuda", as_set = way != "loop";
-  bool core_only = arg_str(argc, argv, "--consumer", "bridge") == "core";
+  std::string consumer_kind = arg_str(argc, argv, "--consumer", "bridge");
   if (way != "set" && way != "set-free" && way != "loop") {
     std::printf("error: --way %s: set, set-free or loop\n", way.c_str());
     return 2;
@@ -274,7 +294,7 @@ int main(int argc, char **argv) {
     pid_t pid = fork();
     if (pid == 0) {
       close(sv[0]);
-      _exit(consumer(sv[1], as_set, core_only, i));
+      _exit(consumer(sv[1], as_set, consumer_kind, i));
     }
     close(sv[1]);
     pids.push_back(pid);

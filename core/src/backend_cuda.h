@@ -99,6 +99,7 @@ struct ts_cuda_chan {
    * keeps them mapped between hand-offs (cuda_anchor.h) */
   ts_anchors anchors;
   int64_t watched_checked_us; /* the last look at the runs and the anchors */
+  size_t watch_pos;           /* where in watched_runs the next look goes on */
   unsigned unused_seen;       /* ts_cuda_alloc_unused_generation() when every lent allocation was last looked at */
   /* consumer: VMM mappings of the peer's watched runs this end keeps (a
    * reference each) until the peer retires them, having told the peer so
@@ -108,10 +109,11 @@ struct ts_cuda_chan {
   ts_id_vec kept_notices;   /* TSHARE_RETIRE_KEPT notices to send */
 };
 
-#define KEPT_RUNS_MAX 64 /* mappings a consumer keeps for one channel's peer; past it shares keep carrying fds */
+#define KEPT_RUNS_MAX 1024 /* mappings a consumer keeps for one channel's peer (a model in expandable segments is a run per tensor); past it shares keep carrying fds */
 
-#define WATCHED_RUNS_MAX 256 /* runs watched per channel; past it shares go without a retire notice */
+#define WATCHED_RUNS_MAX 1024 /* runs watched per channel; past it shares go without a retire notice */
 #define WATCH_CHECK_US 1000 /* how often a driven channel looks at its runs and anchors */
+#define WATCH_CHUNKS_PER_LOOK 32 /* chunks of watched runs a look asks the driver about, at most */
 
 /* A watched run keeps the fds it was exported as, while the process-wide
  * budget allows: the next share of it sends them again without the

@@ -100,13 +100,28 @@ void ts_cuda_run_state(struct ts_cuda_chan *c, uint64_t run_id, bool *watched, b
 }
 
 /* Runs whose chunks are no longer where they were, as their owner's
- * allocator left them: into ids (up to cap), no longer watched. */
+ * allocator left them: into ids (up to cap), no longer watched. A look
+ * asks the driver about WATCH_CHUNKS_PER_LOOK chunks at most, going on
+ * where the last look stopped: a model in expandable segments is hundreds
+ * of runs of a few chunks each, and a look at all of them (a driver call
+ * per chunk) took most of a millisecond, every millisecond, out of the
+ * owner's sends. Only the peer's freeing of a stale mapping waits for it: a
+ * send looks its run up itself. */
 static size_t watched_runs_gone(struct ts_cuda_chan *c, const ts_cuda_api *cu, uint64_t *ids, size_t cap) {
-  size_t n = 0;
+  size_t n = 0, asked = 0;
   uint64_t key;
   void *value;
-  for (size_t pos = 0; n < cap && ts_u64map_next(&c->watched_runs, &pos, &key, &value);) {
+  size_t pos = c->watch_pos;
+  bool wrapped = false;
+  while (n < cap && asked < WATCH_CHUNKS_PER_LOOK) {
+    if (!ts_u64map_next(&c->watched_runs, &pos, &key, &value)) {
+      if (wrapped || pos == 0) break;
+      pos = 0; /* once around: from the start */
+      wrapped = true;
+      continue;
+    }
     struct watched_run *r = value;
+    asked += (size_t)r->n;
     bool same = true;
     for (int i = 0; same && i < r->n; i++) {
       unsigned long long id = 0;
@@ -119,6 +134,7 @@ static size_t watched_runs_gone(struct ts_cuda_chan *c, const ts_cuda_api *cu, u
     ids[n++] = key - 1;
     watched_run_free(ts_u64map_remove(&c->watched_runs, key));
   }
+  c->watch_pos = pos;
   return n;
 }
 

@@ -408,19 +408,19 @@ TS_TEST(mixed_host_and_cuda_members_in_one_set) {
   vmm_run_unmap(&r);
 }
 
-/* Sent again: a set of 8 CUDA tensors at mem[0..7] (memory the consumer
+/* Sent again: a set of n CUDA tensors at mem[0..n-1] (memory the consumer
  * keeps mapped until retired) and host memory, updated in place and sent 20
  * times. After the first, each goes as one frame from the layout the
  * consumer kept (the producer's log says so: TSHARE_LOG=info, set for this
  * test), and every tensor holds its round's values. */
-static void send_again_20_rounds(tshare_channel *ch, peer *c, const CUdeviceptr *mem, keep_count *keep) {
+static void send_again_20_rounds(tshare_channel *ch, peer *c, const CUdeviceptr *mem, int n, keep_count *keep) {
   tshare_error err;
   tshare_host_buffer *host;
   CHECK_RC(tshare_host_buffer_create(ELEMS * 4, "set-again-host", &host, &err), TSHARE_OK, err.message);
   tshare_set_builder *b = tshare_set_builder_create();
   tshare_tensor_desc d = vec_i32(ELEMS, 0);
   CHECK_RC(tshare_set_builder_add_host(b, "host", host, &d, &err), TSHARE_OK, err.message);
-  for (int i = 1; i <= 8; i++) add_foreign(b, mem[i - 1], i, 1, 0, keep);
+  for (int i = 1; i <= n; i++) add_foreign(b, mem[i - 1], i, 1, 0, keep);
   char log_path[] = "/tmp/tshare-set-again-log-XXXXXX";
   int log_fd = mkstemp(log_path), saved_stderr = dup(2);
   CHECK(log_fd >= 0 && saved_stderr >= 0);
@@ -430,18 +430,18 @@ static void send_again_20_rounds(tshare_channel *ch, peer *c, const CUdeviceptr 
     int base = 1000 * round;
     int32_t *h = tshare_host_buffer_data(host);
     for (int k = 0; k < ELEMS; k++) h[k] = base + k;
-    for (int i = 1; i <= 8; i++) CHECK(ck_fill(mem[i - 1], ELEMS, base + i, 1, NULL) == CUDA_SUCCESS);
+    for (int i = 1; i <= n; i++) CHECK(ck_fill(mem[i - 1], ELEMS, base + i, 1, NULL) == CUDA_SUCCESS);
     set_meta(b, base, 0);
-    send_and_check(ch, c, b, 8, NULL);
+    send_and_check(ch, c, b, (size_t)n, NULL);
   }
   fflush(stderr);
   dup2(saved_stderr, 2);
   close(saved_stderr);
-  char text[1 << 16];
-  ssize_t n = pread(log_fd, text, sizeof text - 1, 0);
+  static char text[1 << 20];
+  ssize_t got = pread(log_fd, text, sizeof text - 1, 0);
   close(log_fd);
   unlink(log_path);
-  text[n > 0 ? n : 0] = '\0';
+  text[got > 0 ? got : 0] = '\0';
   int again = 0;
   for (const char *p = text; (p = strstr(p, "again from its layout")) != NULL; p++) again++;
   printf("%d of 20 sets sent again as one frame\n", again);
@@ -459,9 +459,32 @@ TS_TEST(a_cuda_set_sent_again_goes_from_its_kept_layout_with_each_rounds_data) {
   CUdeviceptr vmm = r.ptr;
   CUdeviceptr mem[8];
   for (int i = 0; i < 8; i++) mem[i] = vmm + (size_t)i * ELEMS * 4;
-  send_again_20_rounds(ch, &c, mem, NULL);
+  send_again_20_rounds(ch, &c, mem, 8, NULL);
   end_stream(ch, &c);
   vmm_run_unmap(&r);
+}
+
+/* A state_dict in expandable segments: each tensor a run of VMM chunks of
+ * its own, here 100 (more than a consumer kept mapped before: then such a
+ * set went whole every time), each kept alive by a reference the builder
+ * holds, which spares its send the driver lookup of every chunk. */
+TS_TEST(a_set_of_100_vmm_runs_kept_alive_goes_again_from_its_kept_layout) {
+  need_gpu();
+  peer c = start_role("set_checker");
+  tshare_channel *ch = open_ch(c.channel_fd, "producer");
+  enum { RUNS = 100 };
+  static vmm_run runs[RUNS];
+  CUdeviceptr mem[RUNS];
+  for (int i = 0; i < RUNS; i++) {
+    runs[i] = vmm_run_map();
+    mem[i] = runs[i].ptr;
+  }
+  keep_count keep = {0, 0, 0};
+  send_again_20_rounds(ch, &c, mem, RUNS, &keep);
+  end_stream(ch, &c);
+  CHECK_EQ(keep.adds, RUNS);
+  CHECK_EQ(keep.drops, keep.adds + keep.retains);
+  for (int i = 0; i < RUNS; i++) vmm_run_unmap(&runs[i]);
 }
 
 /* cudaMalloc segments held by what keeps them alive (PyTorch's default
@@ -475,7 +498,7 @@ TS_TEST(a_set_of_cuda_malloc_segments_sent_again_goes_from_its_kept_layout) {
   CUdeviceptr mem[8];
   for (int i = 0; i < 8; i++) CHECK(cu->cuMemAlloc(&mem[i], ELEMS * 4) == CUDA_SUCCESS);
   keep_count keep = {0, 0, 0};
-  send_again_20_rounds(ch, &c, mem, &keep);
+  send_again_20_rounds(ch, &c, mem, 8, &keep);
   end_stream(ch, &c);
   printf("keeps: %d added, %d retained, %d dropped\n", keep.adds, keep.retains, keep.drops);
   CHECK_EQ(keep.adds, 8);

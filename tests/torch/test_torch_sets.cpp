@@ -506,4 +506,65 @@ TS_TEST(a_c_producer_and_a_cpp_consumer) {
   tshare_channel_close(ch);
 }
 
+// A consumer that takes sets through the C API, looks at one before it
+// makes tensors of it (adopt_set), and meets one LibTorch cannot hold.
+static void adopting_consumer(int fd) {
+  tshare_channel *ch = open_channel(fd, "adopting consumer");
+  tshare_set *set = nullptr;
+  CHECK_RC(tshare_set_recv(ch, 10000, &set), TSHARE_OK, tshare_channel_last_error(ch));
+  size_t len = 0;
+  CHECK(tshare_set_count(set) == 2 && tshare_set_meta(set, &len) && len == 6);
+  tt::ReceivedSet r = tt::adopt_set(set); // the tensors hold the set from here
+  CHECK(r.meta == "from C" && r.tensors.size() == 2 && r.set_id == tshare_set_id(set));
+  CHECK(r.tensors[0].key() == "b" && r.tensors[1].key() == "a");
+  CHECK(at::equal(r.tensors["a"], at::arange(8, at::kFloat)));
+  CHECK(at::equal(r.tensors["b"], at::arange(8, at::kFloat).narrow(0, 4, 4)));
+  at::Tensor kept = r.tensors["b"];
+  r.tensors.clear();
+  kept.fill_(0.5f); // the set is released with this last tensor
+  kept.reset();
+  CHECK_RC(tshare_set_recv(ch, 10000, &set), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_THROWS_CODE(tt::adopt_set(set), TSHARE_E_UNSUPPORTED, "negative stride"); // and released back
+  CHECK_THROWS_CODE(tt::adopt_set(nullptr), TSHARE_E_INVALID_ARG, "no set");
+  CHECK_RC(tshare_set_recv(ch, 10000, &set), TSHARE_END, "bye");
+  tshare_channel_close(ch);
+}
+
+TS_TEST(a_set_taken_through_the_c_api_is_adopted_as_tensors) {
+  int sock;
+  pid_t pid = fork_with_socket(adopting_consumer, &sock);
+  tshare_channel *ch = open_channel(sock, "C producer");
+  tshare_host_buffer *buf;
+  CHECK_RC(tshare_host_buffer_create(8 * sizeof(float), "tshare-c", &buf, NULL), TSHARE_OK, "");
+  float *f = static_cast<float *>(tshare_host_buffer_data(buf));
+  for (int i = 0; i < 8; i++) f[i] = float(i);
+  int64_t eight = 8, four = 4;
+  tshare_dtype f32 = {TSHARE_DTYPE_FLOAT, 32, 1};
+  tshare_tensor_desc whole = tshare_tensor_contiguous(f32, 1, &eight, 0);
+  tshare_tensor_desc tail = tshare_tensor_contiguous(f32, 1, &four, 4 * sizeof(float));
+  tshare_tensor_desc reversed = whole;
+  reversed.strides[0] = -1;
+  reversed.byte_offset = 7 * sizeof(float);
+  tshare_error err;
+  for (int round = 0; round < 2; round++) {
+    tshare_set_builder *b = tshare_set_builder_create();
+    if (round == 0) {
+      CHECK_RC(tshare_set_builder_add_host(b, "b", buf, &tail, &err), TSHARE_OK, err.message);
+      CHECK_RC(tshare_set_builder_add_host(b, "a", buf, &whole, &err), TSHARE_OK, err.message);
+      CHECK_RC(tshare_set_builder_set_meta(b, "from C", 6, &err), TSHARE_OK, err.message);
+    } else {
+      CHECK_RC(tshare_set_builder_add_host(b, "reversed", buf, &reversed, &err), TSHARE_OK, err.message);
+    }
+    uint64_t id;
+    CHECK_RC(tshare_set_send(ch, b, NULL, 5000, &id), TSHARE_OK, tshare_channel_last_error(ch));
+    tshare_set_builder_destroy(b);
+    CHECK_RC(tshare_channel_wait_released(ch, id, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+  }
+  for (int i = 0; i < 8; i++) CHECK(f[i] == (i < 4 ? float(i) : 0.5f));
+  tshare_host_buffer_destroy(buf);
+  bye_and_wait_released(ch, 10000);
+  CHECK_CHILD_OK(pid);
+  tshare_channel_close(ch);
+}
+
 TS_TEST_MAIN

@@ -21,6 +21,7 @@
 
 #include <atomic>
 #include <memory>
+#include <string>
 
 namespace tshare {
 namespace torch {
@@ -70,7 +71,7 @@ at::Device member_device(const SetHold &hold, size_t i) {
   return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
 #else
   fail(TSHARE_E_UNSUPPORTED,
-       "recv_set: " + member_label(hold, i) + " is GPU memory and this LibTorch (or tshare) was built without CUDA");
+       "received set: " + member_label(hold, i) + " is GPU memory and this LibTorch (or tshare) was built without CUDA");
 #endif
 }
 
@@ -94,7 +95,7 @@ at::Tensor member_tensor(SetHold &hold, size_t i) {
   at::ScalarType type = to_scalar_type(d->dtype);
   for (int32_t k = 0; k < d->ndim; k++)
     if (d->strides[k] < 0)
-      fail(TSHARE_E_UNSUPPORTED, "recv_set: " + member_label(hold, i) + " has a negative stride (" +
+      fail(TSHARE_E_UNSUPPORTED, "received set: " + member_label(hold, i) + " has a negative stride (" +
                                      std::to_string(d->strides[k]) + " in dimension " + std::to_string(k) +
                                      "), which LibTorch tensors cannot have");
   at::Device device = member_device(hold, i);
@@ -152,12 +153,8 @@ tshare_view *set_member_view(const at::Tensor &t) {
 
 } // namespace detail
 
-std::optional<ReceivedSet> recv_set(tshare_channel *ch, const RecvOptions &options) {
-  if (!ch) fail(TSHARE_E_INVALID_ARG, "recv_set: no channel");
-  tshare_set *set = nullptr;
-  int rc = tshare_set_recv(ch, options.timeout_ms, &set);
-  if (rc == TSHARE_END) return std::nullopt;
-  if (rc != TSHARE_OK) fail_channel(ch, rc, "recv_set");
+ReceivedSet adopt_set(tshare_set *set) {
+  if (!set) fail(TSHARE_E_INVALID_ARG, "adopt_set: no set");
   SetHold *hold;
   try {
     hold = new SetHold(set);
@@ -174,7 +171,12 @@ std::optional<ReceivedSet> recv_set(tshare_channel *ch, const RecvOptions &optio
     const void *meta = tshare_set_meta(set, &meta_len);
     if (meta_len) r.meta.assign(static_cast<const char *>(meta), meta_len);
     r.tensors.reserve(count);
-    for (size_t i = 0; i < count; i++) r.tensors.insert(tshare_set_name(set, i), member_tensor(*hold, i));
+    for (size_t i = 0; i < count; i++) {
+      // A string of its own, moved into the index: insert() given a char
+      // pointer makes three (one to look the name up with).
+      std::string name = tshare_set_name(set, i);
+      r.tensors.insert(std::move(name), member_tensor(*hold, i));
+    }
   } catch (...) {
     hold->drop(); // r's tensors go with the exception: the last of them releases the set back
     throw;
@@ -184,6 +186,15 @@ std::optional<ReceivedSet> recv_set(tshare_channel *ch, const RecvOptions &optio
   hold->drop(); // the tensors hold the set from here
   if (device >= 0) order_current_after_default(device);
   return r;
+}
+
+std::optional<ReceivedSet> recv_set(tshare_channel *ch, const RecvOptions &options) {
+  if (!ch) fail(TSHARE_E_INVALID_ARG, "recv_set: no channel");
+  tshare_set *set = nullptr;
+  int rc = tshare_set_recv(ch, options.timeout_ms, &set);
+  if (rc == TSHARE_END) return std::nullopt;
+  if (rc != TSHARE_OK) fail_channel(ch, rc, "recv_set");
+  return adopt_set(set);
 }
 
 } // namespace torch

@@ -178,6 +178,12 @@ struct ReceivedSet {
 // producer) is released back and reported as an Error; the channel stays usable.
 TSHARE_TORCH_API std::optional<ReceivedSet> recv_set(tshare_channel *ch, const RecvOptions &options = {});
 
+// The tensors of a set received through the C API (tshare_set_recv): the
+// same as recv_set gives. Takes over the handle: the tensors release the set
+// (on an Error, it is released at once). For a program that looks at a set
+// (its metadata, names, sizes) before it makes tensors of it.
+TSHARE_TORCH_API ReceivedSet adopt_set(tshare_set *set);
+
 // The C++ counterpart of Python's share_model_: move the module's CPU
 // parameters and buffers (its submodules' too) into one shared buffer in
 // place, values copied once, so the module itself owns the memory sets carry
