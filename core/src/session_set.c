@@ -565,8 +565,9 @@ static const char *again_refusal(tshare_channel *ch, const ts_set_rx *rx, const 
 
 /* A set sent again: built from the layout in its slot, each memory taken
  * as a memory frame of its kept kind would be (a kept mapping looked up:
- * one no longer kept refuses the set), members and names copied as they
- * were checked when the layout came. Metadata and the end follow. */
+ * one no longer kept refuses the set), members and names the layout's own
+ * catalog, as they were checked when the layout came. Metadata and the end
+ * follow. */
 static int again_set(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *f) {
   char why[TSHARE_ERROR_MSG_MAX];
   if (again_refusal(ch, rx, &f->u.again, why, sizeof why)) {
