@@ -478,33 +478,70 @@ static void cpp_consumer(int fd) {
   tshare_channel_close(ch);
 }
 
-TS_TEST(a_c_producer_and_a_cpp_consumer) {
-  int sock;
-  pid_t pid = fork_with_socket(cpp_consumer, &sock);
-  tshare_channel *ch = open_channel(sock, "C producer");
+// A C producer's memory: 8 floats 0..7 in one host buffer.
+static tshare_host_buffer *numbered_buffer() {
   tshare_host_buffer *buf;
   CHECK_RC(tshare_host_buffer_create(8 * sizeof(float), "tshare-c", &buf, NULL), TSHARE_OK, "");
   float *f = static_cast<float *>(tshare_host_buffer_data(buf));
   for (int i = 0; i < 8; i++) f[i] = float(i);
-  int64_t eight = 8, four = 4;
+  return buf;
+}
+
+static tshare_tensor_desc floats_at(int64_t n, size_t first) {
   tshare_dtype f32 = {TSHARE_DTYPE_FLOAT, 32, 1};
-  tshare_tensor_desc whole = tshare_tensor_contiguous(f32, 1, &eight, 0);
-  tshare_tensor_desc tail = tshare_tensor_contiguous(f32, 1, &four, 4 * sizeof(float));
+  return tshare_tensor_contiguous(f32, 1, &n, first * sizeof(float));
+}
+
+// Builder b sent (and destroyed), then released by the consumer.
+static void send_until_released(tshare_channel *ch, tshare_set_builder *b) {
+  uint64_t id;
+  CHECK_RC(tshare_set_send(ch, b, NULL, 5000, &id), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_set_builder_destroy(b);
+  CHECK_RC(tshare_channel_wait_released(ch, id, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+}
+
+// The C producer's set: "b" (the buffer's last 4 floats), then "a" (all 8),
+// metadata "from C".
+static void send_c_set(tshare_channel *ch, tshare_host_buffer *buf) {
+  tshare_tensor_desc whole = floats_at(8, 0), tail = floats_at(4, 4);
   tshare_set_builder *b = tshare_set_builder_create();
   tshare_error err;
   CHECK_RC(tshare_set_builder_add_host(b, "b", buf, &tail, &err), TSHARE_OK, err.message);
   CHECK_RC(tshare_set_builder_add_host(b, "a", buf, &whole, &err), TSHARE_OK, err.message);
   CHECK_RC(tshare_set_builder_set_meta(b, "from C", 6, &err), TSHARE_OK, err.message);
-  uint64_t id;
-  CHECK_RC(tshare_set_send(ch, b, NULL, 5000, &id), TSHARE_OK, tshare_channel_last_error(ch));
-  tshare_set_builder_destroy(b);
-  CHECK_RC(tshare_channel_wait_released(ch, id, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+  send_until_released(ch, b);
+}
+
+// The consumer wrote 0.5 into "b"; the producer says bye.
+static void end_c_producer(tshare_channel *ch, tshare_host_buffer *buf, pid_t pid) {
+  const float *f = static_cast<const float *>(tshare_host_buffer_data(buf));
   for (int i = 0; i < 8; i++) CHECK(f[i] == (i < 4 ? float(i) : 0.5f));
   tshare_host_buffer_destroy(buf);
   bye_and_wait_released(ch, 10000);
   CHECK_CHILD_OK(pid);
   tshare_channel_close(ch);
 }
+
+// A C producer to consumer: the C set; then (reversed) a set of one
+// float32 view with a negative stride, which LibTorch cannot hold.
+static void run_c_producer(void (*consumer)(int), bool reversed) {
+  int sock;
+  pid_t pid = fork_with_socket(consumer, &sock);
+  tshare_channel *ch = open_channel(sock, "C producer");
+  tshare_host_buffer *buf = numbered_buffer();
+  send_c_set(ch, buf);
+  if (reversed) {
+    tshare_tensor_desc backwards = floats_at(8, 7);
+    backwards.strides[0] = -1;
+    tshare_set_builder *b = tshare_set_builder_create();
+    tshare_error err;
+    CHECK_RC(tshare_set_builder_add_host(b, "reversed", buf, &backwards, &err), TSHARE_OK, err.message);
+    send_until_released(ch, b); // refused by the consumer: released back
+  }
+  end_c_producer(ch, buf, pid);
+}
+
+TS_TEST(a_c_producer_and_a_cpp_consumer) { run_c_producer(cpp_consumer, false); }
 
 // A consumer that takes sets through the C API, looks at one before it
 // makes tensors of it (adopt_set), and meets one LibTorch cannot hold.
@@ -530,41 +567,6 @@ static void adopting_consumer(int fd) {
   tshare_channel_close(ch);
 }
 
-TS_TEST(a_set_taken_through_the_c_api_is_adopted_as_tensors) {
-  int sock;
-  pid_t pid = fork_with_socket(adopting_consumer, &sock);
-  tshare_channel *ch = open_channel(sock, "C producer");
-  tshare_host_buffer *buf;
-  CHECK_RC(tshare_host_buffer_create(8 * sizeof(float), "tshare-c", &buf, NULL), TSHARE_OK, "");
-  float *f = static_cast<float *>(tshare_host_buffer_data(buf));
-  for (int i = 0; i < 8; i++) f[i] = float(i);
-  int64_t eight = 8, four = 4;
-  tshare_dtype f32 = {TSHARE_DTYPE_FLOAT, 32, 1};
-  tshare_tensor_desc whole = tshare_tensor_contiguous(f32, 1, &eight, 0);
-  tshare_tensor_desc tail = tshare_tensor_contiguous(f32, 1, &four, 4 * sizeof(float));
-  tshare_tensor_desc reversed = whole;
-  reversed.strides[0] = -1;
-  reversed.byte_offset = 7 * sizeof(float);
-  tshare_error err;
-  for (int round = 0; round < 2; round++) {
-    tshare_set_builder *b = tshare_set_builder_create();
-    if (round == 0) {
-      CHECK_RC(tshare_set_builder_add_host(b, "b", buf, &tail, &err), TSHARE_OK, err.message);
-      CHECK_RC(tshare_set_builder_add_host(b, "a", buf, &whole, &err), TSHARE_OK, err.message);
-      CHECK_RC(tshare_set_builder_set_meta(b, "from C", 6, &err), TSHARE_OK, err.message);
-    } else {
-      CHECK_RC(tshare_set_builder_add_host(b, "reversed", buf, &reversed, &err), TSHARE_OK, err.message);
-    }
-    uint64_t id;
-    CHECK_RC(tshare_set_send(ch, b, NULL, 5000, &id), TSHARE_OK, tshare_channel_last_error(ch));
-    tshare_set_builder_destroy(b);
-    CHECK_RC(tshare_channel_wait_released(ch, id, 10000), TSHARE_OK, tshare_channel_last_error(ch));
-  }
-  for (int i = 0; i < 8; i++) CHECK(f[i] == (i < 4 ? float(i) : 0.5f));
-  tshare_host_buffer_destroy(buf);
-  bye_and_wait_released(ch, 10000);
-  CHECK_CHILD_OK(pid);
-  tshare_channel_close(ch);
-}
+TS_TEST(a_set_taken_through_the_c_api_is_adopted_as_tensors) { run_c_producer(adopting_consumer, true); }
 
 TS_TEST_MAIN
