@@ -217,6 +217,9 @@ int ts_cuda_vmm_fds(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t run_id,
 /* Whether the run is watched for retiring, and whether the peer keeps it
  * mapped (its shares then go as TSHARE_MEM_CUDA_HELD), changing nothing. */
 void ts_cuda_run_state(struct ts_cuda_chan *c, uint64_t run_id, bool *watched, bool *held);
+/* Every chunk of the watched run still the allocation it was shared as: a
+ * driver call per chunk, where exporting the run again takes four and more. */
+bool ts_cuda_run_still_mapped(struct ts_cuda_chan *c, uint64_t run_id);
 void ts_cuda_watched_runs_free(struct ts_cuda_chan *c);
 void ts_cuda_keep_run(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t alloc_id, ts_cuda_mapping *imp);
 void ts_cuda_drop_kept_run(struct ts_cuda_chan *c, uint64_t alloc_id);

@@ -99,6 +99,23 @@ void ts_cuda_run_state(struct ts_cuda_chan *c, uint64_t run_id, bool *watched, b
   *held = r && r->peer_keeps;
 }
 
+/* Each chunk of watched run r still the allocation it was shared as. */
+static bool run_unchanged(const ts_cuda_api *cu, const struct watched_run *r) {
+  for (int i = 0; i < r->n; i++) {
+    unsigned long long id = 0;
+    if (cu->cuPointerGetAttribute(&id, CU_POINTER_ATTRIBUTE_BUFFER_ID, (CUdeviceptr)r->v[i]) != CUDA_SUCCESS ||
+        id != r->v[r->n + i])
+      return false;
+  }
+  return true;
+}
+
+bool ts_cuda_run_still_mapped(struct ts_cuda_chan *c, uint64_t run_id) {
+  const struct watched_run *r = ts_u64map_get(&c->watched_runs, run_id + 1);
+  const ts_cuda_api *cu = ts_cuda(NULL, NULL);
+  return r && cu && run_unchanged(cu, r);
+}
+
 /* Runs whose chunks are no longer where they were, as their owner's
  * allocator left them: into ids (up to cap), no longer watched. A look
  * asks the driver about WATCH_CHUNKS_PER_LOOK chunks at most, going on
@@ -111,24 +128,18 @@ static size_t watched_runs_gone(struct ts_cuda_chan *c, const ts_cuda_api *cu, u
   size_t n = 0, asked = 0;
   uint64_t key;
   void *value;
-  size_t pos = c->watch_pos;
+  size_t start = c->watch_pos, pos = start;
   bool wrapped = false;
-  while (n < cap && asked < WATCH_CHUNKS_PER_LOOK) {
+  while (n < cap && asked < WATCH_CHUNKS_PER_LOOK && !(wrapped && pos >= start)) {
     if (!ts_u64map_next(&c->watched_runs, &pos, &key, &value)) {
-      if (wrapped || pos == 0) break;
-      pos = 0; /* once around: from the start */
+      if (wrapped || start == 0) break;
+      pos = 0; /* once around: from the start to where this look began */
       wrapped = true;
       continue;
     }
     struct watched_run *r = value;
     asked += (size_t)r->n;
-    bool same = true;
-    for (int i = 0; same && i < r->n; i++) {
-      unsigned long long id = 0;
-      same = cu->cuPointerGetAttribute(&id, CU_POINTER_ATTRIBUTE_BUFFER_ID, (CUdeviceptr)r->v[i]) == CUDA_SUCCESS &&
-             id == r->v[r->n + i];
-    }
-    if (same) continue;
+    if (run_unchanged(cu, r)) continue;
     TS_LOG(TS_LOG_DEBUG, "VMM memory %llu (%d chunks) is no longer mapped as it was shared: retiring it",
            (unsigned long long)(key - 1), r->n);
     ids[n++] = key - 1;

@@ -229,12 +229,12 @@ ts_keep_state ts_cuda_set_keep_state(tshare_channel *ch, const ts_set_source *sr
   bool watched = false, held = false;
   ts_cuda_run_state(c, s->x.buffer_id, &watched, &held);
   if (!held) return TS_KEEP_OFFERED; /* watched, or to be watched by its first send */
-  /* Memory a reference keeps alive (a LibTorch storage) keeps its chunks:
-   * an allocator maps anew only what nothing holds. Looking the run up again
-   * costs a few driver calls per chunk, a model's whole extent per send. */
-  if (s->keep.drop) return TS_KEEP_KEPT;
-  /* Other memory must still be the run the peer keeps: memory mapped anew
-   * since goes whole (and its send says why). */
+  /* Still the run the peer keeps: memory mapped anew since goes whole (and
+   * its send says why). Memory a reference keeps alive (a LibTorch storage)
+   * is looked at chunk by chunk, one driver call each: a storage resized to
+   * nothing and back may sit at its old address on new chunks. Other memory
+   * is exported again (a few calls per chunk, and its extent checked). */
+  if (s->keep.drop) return ts_cuda_run_still_mapped(c, s->x.buffer_id) ? TS_KEEP_KEPT : TS_KEEP_NONE;
   static _Thread_local ts_vmm_chunks chunks; /* 7 KiB: not on the stack */
   ts_cuda_export x;
   char err[TSHARE_ERROR_MSG_MAX];

@@ -89,11 +89,8 @@ TSHARE_API int tshare_set_builder_add_cuda(tshare_set_builder *b, const char *na
  * caller's reference on keep (dropped when it is destroyed), each sent set
  * takes its own with retain(keep) and drops it at its release, and a
  * segment may be held a while longer so the consumer keeps it mapped between
- * sets (docs/cuda.md: the caching allocator's segments). What keep holds
- * stays mapped as it is (VMM memory: the same chunks at the same addresses),
- * so a builder sent again does not look its memory up in the driver again.
- * drop(keep) runs at once when the call fails. What a binding uses for a
- * tensor's storage. */
+ * sets (docs/cuda.md: the caching allocator's segments). drop(keep) runs
+ * at once when the call fails. What a binding uses for a tensor's storage. */
 TSHARE_API int tshare_set_builder_add_cuda_keep(tshare_set_builder *b, const char *name, void *ptr,
                                                 const tshare_tensor_desc *desc, void (*retain)(void *keep),
                                                 tshare_drop_fn drop, void *keep, tshare_error *err);
