@@ -522,21 +522,32 @@ static void end_c_producer(tshare_channel *ch, tshare_host_buffer *buf, pid_t pi
   tshare_channel_close(ch);
 }
 
-// A C producer to consumer: the C set; then (reversed) a set of one
-// float32 view with a negative stride, which LibTorch cannot hold.
-static void run_c_producer(void (*consumer)(int), bool reversed) {
+// A C producer to consumer: the C set; then (odd) a set of odd shapes (a
+// scalar, an empty tensor, a stride-0 one), and one of a good tensor
+// followed by a float32 view with a negative stride, which LibTorch cannot
+// hold.
+static void run_c_producer(void (*consumer)(int), bool odd) {
   int sock;
   pid_t pid = fork_with_socket(consumer, &sock);
   tshare_channel *ch = open_channel(sock, "C producer");
   tshare_host_buffer *buf = numbered_buffer();
   send_c_set(ch, buf);
-  if (reversed) {
-    tshare_tensor_desc backwards = floats_at(8, 7);
-    backwards.strides[0] = -1;
+  if (odd) {
+    tshare_tensor_desc scalar = floats_at(1, 1), empty = floats_at(0, 2), repeated = floats_at(4, 3);
+    scalar.ndim = 0;
+    repeated.strides[0] = 0;
     tshare_set_builder *b = tshare_set_builder_create();
     tshare_error err;
+    CHECK_RC(tshare_set_builder_add_host(b, "scalar", buf, &scalar, &err), TSHARE_OK, err.message);
+    CHECK_RC(tshare_set_builder_add_host(b, "empty", buf, &empty, &err), TSHARE_OK, err.message);
+    CHECK_RC(tshare_set_builder_add_host(b, "repeated", buf, &repeated, &err), TSHARE_OK, err.message);
+    send_until_released(ch, b);
+    tshare_tensor_desc whole = floats_at(8, 0), backwards = floats_at(8, 7);
+    backwards.strides[0] = -1;
+    b = tshare_set_builder_create();
+    CHECK_RC(tshare_set_builder_add_host(b, "whole", buf, &whole, &err), TSHARE_OK, err.message);
     CHECK_RC(tshare_set_builder_add_host(b, "reversed", buf, &backwards, &err), TSHARE_OK, err.message);
-    send_until_released(ch, b); // refused by the consumer: released back
+    send_until_released(ch, b); // refused by the consumer after its first tensor: released back
   }
   end_c_producer(ch, buf, pid);
 }
@@ -560,6 +571,14 @@ static void adopting_consumer(int fd) {
   r.tensors.clear();
   kept.fill_(0.5f); // the set is released with this last tensor
   kept.reset();
+  // Each storage spans its tensor's elements, as at::from_blob's would.
+  CHECK_RC(tshare_set_recv(ch, 10000, &set), TSHARE_OK, tshare_channel_last_error(ch));
+  r = tt::adopt_set(set);
+  const at::Tensor &scalar = r.tensors["scalar"], &empty = r.tensors["empty"], &repeated = r.tensors["repeated"];
+  CHECK(scalar.dim() == 0 && scalar.item<float>() == 1.0f && scalar.storage().nbytes() == 4);
+  CHECK(empty.numel() == 0 && empty.storage().nbytes() == 0);
+  CHECK(at::equal(repeated, at::full({4}, 3.0f)) && repeated.storage().nbytes() == 4);
+  r.tensors.clear();
   CHECK_RC(tshare_set_recv(ch, 10000, &set), TSHARE_OK, tshare_channel_last_error(ch));
   CHECK_THROWS_CODE(tt::adopt_set(set), TSHARE_E_UNSUPPORTED, "negative stride"); // and released back
   CHECK_THROWS_CODE(tt::adopt_set(nullptr), TSHARE_E_INVALID_ARG, "no set");
