@@ -91,8 +91,6 @@ struct tshare_set {
   uint8_t layout_slot; /* 1..TSHARE_SET_LAYOUT_SLOTS: its begin frame asked this end to keep its layout */
   set_mem *mems;
   struct set_catalog *catalog; /* its members and names */
-  set_entry *entries;          /* the catalog's */
-  char *names;                 /* the catalog's, each NUL-terminated */
   uint8_t *meta;
 };
 
@@ -105,7 +103,7 @@ struct tshare_set {
 typedef struct set_catalog {
   atomic_int refs;
   set_entry *entries;
-  char *names;
+  char *names; /* each NUL-terminated */
   ts_u64map by_name;
 } set_catalog;
 
@@ -140,12 +138,8 @@ static set_catalog *catalog_new(uint32_t count, uint32_t names_bytes) {
   return c;
 }
 
-/* Set s takes catalog c (its reference). */
-static void set_take_catalog(tshare_set *s, set_catalog *c) {
-  s->catalog = c;
-  s->entries = c ? c->entries : NULL;
-  s->names = c ? c->names : NULL;
-}
+static const set_entry *entry_of(const tshare_set *s, size_t i) { return &s->catalog->entries[i]; }
+static const char *name_of(const tshare_set *s, size_t i) { return s->catalog->names + entry_of(s, i)->name_at; }
 
 /* Where member e of s starts: NULL in empty memory. */
 static void *member_data(const tshare_set *s, const set_entry *e) {
@@ -304,7 +298,7 @@ static int begin_set(tshare_channel *ch, ts_set_rx *rx, const tshare_set_frame *
     s->meta_len = b->meta_bytes;
     s->layout_slot = b->layout_slot;
     s->mems = ts_spare_alloc(&spare_mems, b->mem_count * sizeof *s->mems);
-    set_take_catalog(s, shared ? catalog_ref(shared) : catalog_new(b->count, b->names_bytes));
+    s->catalog = shared ? catalog_ref(shared) : catalog_new(b->count, b->names_bytes);
     s->meta = b->meta_bytes ? malloc(b->meta_bytes) : NULL;
   }
   rx->partial = s;
@@ -390,10 +384,7 @@ static void skip_mem(tshare_channel *ch, const tshare_set_frame *f) {
   if (ts_backends_on_share(ch, &share) == TSHARE_OK) ts_backends_share_dropped(ch, f->set_id);
 }
 
-static const char *set_name_at(const void *owner, size_t i) {
-  const tshare_set *s = owner;
-  return s->names + s->entries[i].name_at;
-}
+static const char *set_name_at(const void *owner, size_t i) { return name_of(owner, i); }
 
 static int add_member(tshare_channel *ch, tshare_set *s, const tshare_set_member_frame *m) {
   if (s->mems_got != s->mem_count || m->index != s->members_got || m->index >= s->count)
@@ -411,9 +402,9 @@ static int add_member(tshare_channel *ch, tshare_set *s, const tshare_set_member
   if (rc != TSHARE_OK) return refuse_set(ch, rc, true, "tensor %u ('%s'): %s", m->index, m->name, why);
   if (ts_set_name_lookup(&s->catalog->by_name, m->name, set_name_at, s, s->members_got) >= 0)
     return refuse_set(ch, TSHARE_E_PROTOCOL, true, "two tensors are named '%s'", m->name);
-  set_entry *e = &s->entries[s->members_got];
+  set_entry *e = &s->catalog->entries[s->members_got];
   e->name_at = s->names_got + s->members_got; /* each name is followed by its NUL */
-  memcpy(s->names + e->name_at, m->name, (size_t)m->name_len + 1);
+  memcpy(s->catalog->names + e->name_at, m->name, (size_t)m->name_len + 1);
   if (ts_set_name_insert(&s->catalog->by_name, m->name, s->members_got) != 0)
     return refuse_set(ch, TSHARE_E_NOMEM, true, "out of memory");
   e->mem = m->mem_index;
@@ -493,7 +484,7 @@ static tshare_set *layout_of(const tshare_set *s) {
   t->mem_count = s->mem_count;
   t->names_bytes = s->names_bytes;
   t->mems = ts_spare_alloc(&spare_mems, s->mem_count * sizeof *t->mems);
-  set_take_catalog(t, catalog_ref(s->catalog)); /* read-only from here */
+  t->catalog = catalog_ref(s->catalog); /* read-only from here */
   if (!t->mems) {
     set_free(t);
     return NULL;
@@ -790,24 +781,24 @@ int tshare_set_recv(tshare_channel *ch, int timeout_ms, tshare_set **out) {
 uint64_t tshare_set_id(const tshare_set *s) { return s ? s->set_id : 0; }
 size_t tshare_set_count(const tshare_set *s) { return s ? s->count : 0; }
 const char *tshare_set_name(const tshare_set *s, size_t i) {
-  return s && i < s->count ? s->names + s->entries[i].name_at : NULL;
+  return s && i < s->count ? name_of(s, i) : NULL;
 }
 const tshare_tensor_desc *tshare_set_desc(const tshare_set *s, size_t i) {
-  return s && i < s->count ? &s->entries[i].desc : NULL;
+  return s && i < s->count ? &entry_of(s, i)->desc : NULL;
 }
 int tshare_set_cuda_device(const tshare_set *s, size_t i) {
   if (!s || i >= s->count) return -1;
-  const set_mem *m = &s->mems[s->entries[i].mem];
+  const set_mem *m = &s->mems[entry_of(s, i)->mem];
   return m->device_type == TSHARE_DEVICE_CUDA ? m->device : -1;
 }
 
-void *tshare_set_data(const tshare_set *s, size_t i) { return s && i < s->count ? member_data(s, &s->entries[i]) : NULL; }
+void *tshare_set_data(const tshare_set *s, size_t i) { return s && i < s->count ? member_data(s, entry_of(s, i)) : NULL; }
 
 int tshare_set_is_copy(const tshare_set *s) { return s && set_is_copy(s) ? 1 : 0; }
 
 tshare_host_buffer *tshare_set_host_buffer(const tshare_set *s, size_t i) {
   if (!s || i >= s->count) return NULL;
-  const set_mem *m = &s->mems[s->entries[i].mem];
+  const set_mem *m = &s->mems[entry_of(s, i)->mem];
   return m->backend->memory_host_buffer ? m->backend->memory_host_buffer(m->memory) : NULL;
 }
 
@@ -888,7 +879,7 @@ int tshare_set_view(tshare_set *s, size_t i, tshare_view **out) {
   if (!sv) return TSHARE_E_NOMEM;
   tshare_view *v = &sv->view;
   tshare_channel *ch = s->ch;
-  const set_entry *e = &s->entries[i];
+  const set_entry *e = entry_of(s, i);
   sv->set = s;
   atomic_fetch_add(&s->refs, 1);
   atomic_fetch_add(&ch->refs, 1);
