@@ -263,6 +263,39 @@ TS_TEST(sets_sent_again_arrive_with_the_right_names_data_and_metadata_each_time)
   scenario_against(real_consumer, NULL);
 }
 
+static void *release_set(void *set) {
+  tshare_set_release(set);
+  return NULL;
+}
+
+/* Each set released on a thread of its own while this one receives the
+ * next: a set sent again and its layout share their catalog across threads
+ * (TSan, in CI, watches the counts). */
+static void consumer_releasing_on_threads(int fd) {
+  tshare_channel *ch = open_socket_channel(fd, "consumer", NULL, NULL);
+  int sets = 0;
+  pthread_t releaser;
+  bool releasing = false;
+  for (;;) {
+    tshare_set *s;
+    int rc = tshare_set_recv(ch, 5000, &s);
+    if (releasing) CHECK(pthread_join(releaser, NULL) == 0);
+    releasing = false;
+    if (rc == TSHARE_END) break;
+    CHECK_RC(rc, TSHARE_OK, tshare_channel_last_error(ch));
+    check_set(s);
+    CHECK(pthread_create(&releaser, NULL, release_set, s) == 0);
+    releasing = true;
+    sets++;
+  }
+  CHECK_EQ(sets, expected_sets);
+  tshare_channel_close(ch);
+}
+
+TS_TEST(sets_sent_again_released_on_other_threads_arrive_right) {
+  scenario_against(consumer_releasing_on_threads, NULL);
+}
+
 /* The same with the switch off in the consumer: every set travels whole. */
 static void consumer_without_again(int fd) {
   setenv("TSHARE_SET_AGAIN", "0", 1);
