@@ -4,7 +4,8 @@
  *
  *   tshare-bench [--quick] [--out DIR] [--iters N] [--warmup N]
  *                [--pipelined N] [--memory-shares N] [--bw-mib N]
- *                [--python PATH] [--no-peers] [--no-sets] [--ucx-only] [--contention-only]
+ *                [--python PATH] [--no-peers] [--no-sets] [--sets-only] [--ucx-only]
+ *                [--contention-only]
  */
 #include "bench.h"
 
@@ -82,7 +83,7 @@ static void stop_consumers(bench *b) {
 static void usage(FILE *out) {
   fprintf(out, "usage: tshare-bench [--quick] [--out DIR] [--iters N] [--warmup N] [--pipelined N]\n"
                "                    [--memory-shares N] [--bw-mib N] [--python PATH] [--no-peers]\n"
-               "                    [--set-iters N] [--no-sets] [--ucx-only] [--contention-only]\n"
+               "                    [--set-iters N] [--no-sets] [--sets-only] [--ucx-only] [--contention-only]\n"
                "  --quick           few iterations: checks that every row runs, numbers are rough\n"
                "  --out DIR         write bench.json and bench.csv there (default: bench-results)\n"
                "  --iters N         timed hand-offs per latency row (default 20000)\n"
@@ -94,6 +95,7 @@ static void usage(FILE *out) {
                "  --no-peers        skip the rows run by other programs\n"
                "  --set-iters N     timed hand-offs per state_dict row (default 200; a tenth untimed first)\n"
                "  --no-sets         skip the state_dict rows (the longest part of a run)\n"
+               "  --sets-only       only the state_dict rows and their targets\n"
                "  --ucx-only        only the UCX rows (host memory across a veth pair; root)\n"
                "  --contention-only only the rows where CPUs are scarce (one CPU, every CPU busy)\n");
 }
@@ -247,7 +249,7 @@ int main(int argc, char **argv) {
   b.opt.torch_sets_bench = TSHARE_BENCH_TORCH_SETS;
 #endif
   const char *out_dir = "bench-results";
-  int peers = 1, sets = 1, ucx_only = 0, contention_only = 0;
+  int peers = 1, sets = 1, ucx_only = 0, contention_only = 0, sets_only = 0;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -272,6 +274,8 @@ int main(int argc, char **argv) {
       ucx_only = 1;
     } else if (strcmp(a, "--contention-only") == 0) {
       contention_only = 1;
+    } else if (strcmp(a, "--sets-only") == 0) {
+      sets_only = 1;
     } else if (v && strcmp(a, "--out") == 0) {
       out_dir = v, i++;
     } else if (v && strcmp(a, "--python") == 0) {
@@ -309,6 +313,12 @@ int main(int argc, char **argv) {
 
   if (ucx_only) {
     bench_ucx(&b);
+    br_print(&b.rep, stdout);
+    return 0;
+  }
+  if (sets_only) { /* a model's state_dict, whole, beside torch.mp: its rows and targets alone */
+    bench_sets(&b);
+    bench_sets_targets(&b);
     br_print(&b.rep, stdout);
     return 0;
   }

@@ -11,9 +11,12 @@
 //
 //   bench_torch_sets [--device cpu|cuda] [--consumers N] [--way set|set-free|loop]
 //                    [--hidden H] [--iters N] [--warmup W] [--first-iters N]
-//                    [--consumer bridge|core|split]
+//                    [--consumer bridge|recv-set|core|split]
 //
-// --consumer core takes each set through the C API alone (tshare_set_recv,
+// --consumer bridge (the default) takes each set through one SetReceiver
+// kept across them, as the update pattern does (the tensors of a set sent
+// again made while it waited); recv-set through recv_set, each set's
+// tensors made when it comes; core takes each set through the C API alone (tshare_set_recv,
 // tshare_set_release), with no tensors made; split takes it so and then
 // makes its tensors (adopt_set), timing each step: where a consumer's time
 // goes, the core's part or the bridge's and LibTorch's.
@@ -165,17 +168,24 @@ static int consumer(int fd, bool as_set, const std::string &kind, long index) {
   tt::ChannelPtr owned(ch);
   std::vector<double> received_us, dropped_us;
   try {
-    if (as_set && kind != "bridge") {
+    if (as_set && (kind == "core" || kind == "split")) {
       consume_core(ch, index, kind == "split", received_us, dropped_us);
       return 0;
     }
+    tt::SetReceiver receiver; // the update pattern's consumer; recv-set: each set made as it comes
+    uint64_t sets = 0;
     for (;;) {
       if (as_set) {
-        std::optional<tt::ReceivedSet> r = tt::recv_set(ch, {TIMEOUT});
+        std::optional<tt::ReceivedSet> r = kind == "recv-set" ? tt::recv_set(ch, {TIMEOUT}) : receiver.recv(ch, {TIMEOUT});
         if (!r) {
           print_timeline(index, received_us, dropped_us);
+          if (kind != "recv-set")
+            std::printf("consumer %ld: %llu of %llu sets came with their tensors made ahead (SetReceiver)\n", index,
+                        (unsigned long long)receiver.ready_made(), (unsigned long long)sets);
+          std::fflush(stdout);
           return 0;
         }
+        sets++;
         double sent_at = timeline_start(r->meta);
         if (sent_at >= 0) received_us.push_back(now_us() - sent_at);
         r.reset(); // every tensor dropped: the release goes out
@@ -277,6 +287,10 @@ int main(int argc, char **argv) {
   long consumers = std::max(1L, std::min(16L, arg_long(argc, argv, "--consumers", 1)));
   bool cuda = device == "cuda", as_set = way != "loop";
   std::string consumer_kind = arg_str(argc, argv, "--consumer", "bridge");
+  if (consumer_kind != "bridge" && consumer_kind != "recv-set" && consumer_kind != "core" && consumer_kind != "split") {
+    std::printf("error: --consumer %s: bridge, recv-set, core or split\n", consumer_kind.c_str());
+    return 2;
+  }
   if (way != "set" && way != "set-free" && way != "loop") {
     std::printf("error: --way %s: set, set-free or loop\n", way.c_str());
     return 2;

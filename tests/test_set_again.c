@@ -239,16 +239,46 @@ static void check_set(tshare_set *s) {
 }
 
 static int expected_sets = SETS_WHOLE + SETS_AGAIN; /* what real_consumer counts, set before the fork */
+static bool scenario_counts = true;                   /* and whether they are run_scenario's whole and again */
+
+/* Each set sent whole gets a layout id of its own (kept where sets go
+ * again, 0 where they do not); each set sent again has the id of its
+ * builder's last set. */
+typedef struct layouts_seen {
+  uint64_t last_of[BUILDERS];
+  int whole, again;
+} layouts_seen;
+
+static void check_layout(layouts_seen *seen, const tshare_set *s, bool kept) {
+  const meta *m = tshare_set_meta(s, NULL);
+  uint64_t id = tshare_set_layout(s);
+  if (!kept) {
+    CHECK_EQ(id, 0);
+    return;
+  }
+  CHECK(id != 0);
+  bool known = false;
+  for (int k = 0; k < BUILDERS; k++) known |= seen->last_of[k] == id;
+  if (known && seen->last_of[m->builder] != id)
+    TS_FAIL("set of builder %d round %d has the layout of another builder's set", m->builder, m->round);
+  if (known) seen->again++;
+  else seen->whole++;
+  seen->last_of[m->builder] = id;
+}
 
 static void real_consumer(int fd) {
   tshare_channel *ch = open_socket_channel(fd, "consumer", NULL, NULL);
+  bool kept = (tshare_channel_peer(ch)->capabilities & TSHARE_CAP_SET_AGAIN) != 0;
+  layouts_seen seen = {{0}, 0, 0};
   int sets = 0;
+  CHECK_EQ(tshare_set_layout(NULL), 0);
   for (;;) {
     tshare_set *s;
     int rc = tshare_set_recv(ch, 5000, &s);
     if (rc == TSHARE_END) break;
     CHECK_RC(rc, TSHARE_OK, tshare_channel_last_error(ch));
     check_set(s);
+    check_layout(&seen, s, kept);
     tshare_view *v; /* a view keeps its set after the handle goes */
     CHECK_RC(tshare_set_view(s, 0, &v), TSHARE_OK, "");
     tshare_set_release(s);
@@ -256,6 +286,10 @@ static void real_consumer(int fd) {
     sets++;
   }
   CHECK_EQ(sets, expected_sets);
+  if (kept && scenario_counts) {
+    CHECK_EQ(seen.whole, SETS_WHOLE);
+    CHECK_EQ(seen.again, SETS_AGAIN);
+  }
   tshare_channel_close(ch);
 }
 
@@ -351,6 +385,7 @@ static void fill_round_0(weights *w, int k) {
 
 TS_TEST(two_threads_sending_two_builders_or_one_on_a_channel_get_their_own_sets) {
   expected_sets = 4 * THREAD_SENDS;
+  scenario_counts = false;
   int sock;
   pid_t pid = fork_with_socket(real_consumer, &sock);
   tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
@@ -372,6 +407,7 @@ TS_TEST(two_threads_sending_two_builders_or_one_on_a_channel_get_their_own_sets)
 TS_TEST(a_set_sent_again_to_two_consumers_at_once_arrives_right_at_both) {
   enum { ROUNDS = 12 };
   expected_sets = ROUNDS;
+  scenario_counts = false;
   int socks[2];
   pid_t pids[2];
   tshare_channel *chs[2];
@@ -413,6 +449,7 @@ static void child_of_producer(int unused) {
 
 TS_TEST(a_forked_child_of_the_producer_cannot_send_from_its_parents_slots) {
   expected_sets = 4;
+  scenario_counts = false;
   int sock;
   pid_t consumer = fork_with_socket(real_consumer, &sock);
   tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);

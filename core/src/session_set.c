@@ -102,6 +102,7 @@ struct tshare_set {
  * memory's base plus its offset). */
 typedef struct set_catalog {
   atomic_int refs;
+  uint64_t layout_id; /* non-zero once a layout kept of it: tshare_set_layout() */
   set_entry *entries;
   char *names; /* each NUL-terminated */
   ts_u64map by_name;
@@ -110,6 +111,9 @@ typedef struct set_catalog {
 /* Members and names are large blocks, allocated per set whole (glibc
  * consolidates its fast bins first at that size): spares are kept. */
 static ts_spare_blocks spare_entries, spare_mems, spare_names;
+
+/* Layout ids count up per process: one names one catalog for good. */
+static atomic_uint_least64_t next_layout_id = 1;
 
 static set_catalog *catalog_ref(set_catalog *c) {
   if (c) atomic_fetch_add(&c->refs, 1);
@@ -502,6 +506,9 @@ static tshare_set *layout_of(const tshare_set *s) {
     m.share_flags = m.device_type == TSHARE_DEVICE_CPU ? 0 : m.share_flags & ~(TSHARE_SHARE_FLAG_CHUNKS | TSHARE_SHARE_FLAG_HOLD_OFFER);
     t->mems[i] = m;
   }
+  /* Written before s is handed to the user (it waits in the channel still),
+   * and never again: the sets sent again from t read it. */
+  if (!t->catalog->layout_id) t->catalog->layout_id = atomic_fetch_add(&next_layout_id, 1);
   return t;
 }
 
@@ -779,6 +786,7 @@ int tshare_set_recv(tshare_channel *ch, int timeout_ms, tshare_set **out) {
 }
 
 uint64_t tshare_set_id(const tshare_set *s) { return s ? s->set_id : 0; }
+uint64_t tshare_set_layout(const tshare_set *s) { return s ? s->catalog->layout_id : 0; }
 size_t tshare_set_count(const tshare_set *s) { return s ? s->count : 0; }
 const char *tshare_set_name(const tshare_set *s, size_t i) {
   return s && i < s->count ? name_of(s, i) : NULL;

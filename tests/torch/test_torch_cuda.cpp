@@ -396,11 +396,22 @@ static int role_set_reader(tshare_channel *ch) {
 // Versions from a SetSender: member k of version v holds 1000v + k in each
 // of its values, read on this process's own pool stream; from the second
 // version on, nothing new is mapped (the same set, sent again).
-static int role_versions_reader(tshare_channel *ch) {
+// With a SetReceiver (ahead): versions 2 to 30 come with their tensors made
+// ahead, and read right (ordered after the producer's stream all the same).
+static int read_versions(tshare_channel *ch, tt::SetReceiver *receiver) {
   c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
   int v = 0;
   unsigned long long opens;
-  while (auto r = recv_set_counting_opens(ch, &opens)) {
+  auto next = [&]() -> std::optional<tt::ReceivedSet> {
+    if (!receiver) return recv_set_counting_opens(ch, &opens);
+    tshare_cuda_export_stats st0, st;
+    tshare_cuda_stats(&st0);
+    auto r = receiver->recv(ch, {TIMEOUT});
+    tshare_cuda_stats(&st);
+    opens = (st.imports + st.fd_imports) - (st0.imports + st0.fd_imports);
+    return r;
+  };
+  while (auto r = next()) {
     v++;
     CHECK(r->meta == "version=" + std::to_string(v));
     int64_t k = 0, wrong = 0;
@@ -414,7 +425,15 @@ static int role_versions_reader(tshare_channel *ch) {
     if (v > 1) CHECK_EQ(opens, 0);
   }
   CHECK_EQ(v, 30);
+  if (receiver) CHECK_EQ(receiver->ready_made(), 29);
   return 0;
+}
+
+static int role_versions_reader(tshare_channel *ch) { return read_versions(ch, nullptr); }
+
+static int role_versions_reader_ahead(tshare_channel *ch) {
+  tt::SetReceiver receiver;
+  return read_versions(ch, &receiver);
 }
 
 static int role_set_killed(tshare_channel *ch) {
@@ -443,6 +462,7 @@ static int role_main(int argc, char **argv) {
            : role == "set_reader"         ? role_set_reader(ch)
            : role == "set_killed"         ? role_set_killed(ch)
            : role == "versions_reader"    ? role_versions_reader(ch)
+           : role == "versions_reader_ahead" ? role_versions_reader_ahead(ch)
                                           : 2;
   tshare_channel_close(ch);
   fflush(stdout);
@@ -742,10 +762,10 @@ TS_TEST(cuda_sets_of_1_290_and_10000_tensors) {
 // written on a pool stream behind a long sleep, version 21 on the default
 // stream again: only the kept set's stream, renewed per send, orders the
 // consumer after the right work.
-TS_TEST(cuda_set_sender_sends_the_kept_set_again) {
+static void send_versions(const char *reader) {
   need_gpu();
   int fd;
-  tshare_process *p = start("versions_reader", &fd);
+  tshare_process *p = start(reader, &fd);
   tshare_channel *ch = open_channel(fd, "trainer");
   tt::NamedTensors state = numbered_set(290, true);
   tt::SetSender sender;
@@ -764,6 +784,12 @@ TS_TEST(cuda_set_sender_sends_the_kept_set_again) {
   finish(p, "consumer");
   tshare_channel_close(ch);
 }
+
+TS_TEST(cuda_set_sender_sends_the_kept_set_again) { send_versions("versions_reader"); }
+
+// The same versions to a SetReceiver: each set sent again gets the tensors
+// it made while it waited, version 20 (behind the sleep) read right too.
+TS_TEST(cuda_set_receiver_makes_the_tensors_of_versions_ahead) { send_versions("versions_reader_ahead"); }
 
 // A consumer killed while it holds a set: released as one, nothing left.
 TS_TEST(cuda_set_consumer_killed_frees_everything) {

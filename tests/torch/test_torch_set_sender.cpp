@@ -6,60 +6,9 @@
 // one sender. On the consumer: tensors kept after the ReceivedSet is gone
 // hold the set until the last goes, then one release; a member sent on is
 // the producer's memory.
-#include "torch_test_util.h"
+#include "set_test_util.h"
 
-#include "tshare/torch_set.h"
-
-#include <map>
-#include <mutex>
 #include <thread>
-
-static const int TIMEOUT = 10000;
-
-// Releases seen by the producer, per set id (the channel's on_release).
-struct ReleaseCounts {
-  std::mutex lock;
-  std::map<uint64_t, int> by_id;
-  int of(uint64_t id) {
-    std::lock_guard<std::mutex> g(lock);
-    return by_id.count(id) ? by_id[id] : 0;
-  }
-};
-
-static void count_release(void *user, uint64_t share_id, void *, int) {
-  auto *counts = static_cast<ReleaseCounts *>(user);
-  std::lock_guard<std::mutex> g(counts->lock);
-  counts->by_id[share_id]++;
-}
-
-static void wait_released_once(tshare_channel *ch, ReleaseCounts &counts, uint64_t id) {
-  CHECK_RC(tshare_channel_wait_released(ch, id, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
-  CHECK_EQ(counts.of(id), 1);
-}
-
-// Everything a consumer can see of a set's tensors, as text: names in order,
-// dtype, sizes, strides and values. The producer sends its own as the
-// metadata; the consumer compares what it received with it.
-static const std::string &key_of(const std::pair<std::string, at::Tensor> &e) { return e.first; }
-static const at::Tensor &value_of(const std::pair<std::string, at::Tensor> &e) { return e.second; }
-static const std::string &key_of(const tt::TensorDict::Item &item) { return item.key(); }
-static const at::Tensor &value_of(const tt::TensorDict::Item &item) { return item.value(); }
-
-template <class Tensors> static std::string describe(const Tensors &tensors) {
-  std::string out;
-  for (const auto &e : tensors) {
-    const at::Tensor &t = value_of(e);
-    out += key_of(e) + " " + c10::toString(t.scalar_type()) + " sizes";
-    for (int64_t s : t.sizes()) out += " " + std::to_string(s);
-    out += " strides";
-    for (int64_t s : t.strides()) out += " " + std::to_string(s);
-    out += " values";
-    at::Tensor flat = t.reshape({-1}).to(at::kDouble).contiguous();
-    for (int64_t i = 0; i < flat.numel(); i++) out += " " + std::to_string(flat.data_ptr<double>()[i]);
-    out += "\n";
-  }
-  return out;
-}
 
 // Takes sets until bye; each must be what its metadata describes.
 static void describing_consumer(int fd) {
@@ -74,11 +23,6 @@ static void describing_consumer(int fd) {
 }
 
 // ---- 290 tensors, 30 versions, one build ------------------------------------
-
-// Member k of version v holds 1000v + k + {0, 1, 2, 3}; 290 members in 7 memories.
-static at::Tensor version_values(int v, size_t k) { return at::arange(4, at::kFloat) + (1000.0 * v + double(k)); }
-
-static std::string member_name(size_t k) { return "model.layers." + std::to_string(k / 12) + ".w" + std::to_string(k); }
 
 static void versions_consumer(int fd) {
   tshare_channel *ch = open_channel(fd, "versions consumer");
@@ -97,27 +41,7 @@ static void versions_consumer(int fd) {
   tshare_channel_close(ch);
 }
 
-TS_TEST(a_290_tensor_set_sent_30_times_through_one_sender_is_built_once) {
-  int sock;
-  pid_t pid = fork_with_socket(versions_consumer, &sock);
-  ReleaseCounts releases;
-  tshare_channel *ch = open_channel(sock, "trainer", count_release, &releases);
-  std::vector<at::Tensor> bases;
-  for (int m = 0; m < 7; m++) bases.push_back(tt::empty_shared({42, 4}));
-  tt::NamedTensors state;
-  for (size_t k = 0; k < 290; k++) state.emplace_back(member_name(k), bases[k % 7][int64_t(k / 7)]);
-  tt::SetSender sender;
-  for (int v = 1; v <= 30; v++) {
-    for (size_t k = 0; k < 290; k++) state[k].second.copy_(version_values(v, k)); // in place, as a training step
-    uint64_t id = sender.send(ch, state, {"version=" + std::to_string(v), TIMEOUT});
-    wait_released_once(ch, releases, id);
-  }
-  CHECK_EQ(sender.builds(), 1);
-  bye_and_wait_released(ch, TIMEOUT);
-  CHECK_EQ(tshare_channel_outstanding(ch), 0);
-  CHECK_CHILD_OK(pid);
-  tshare_channel_close(ch);
-}
+TS_TEST(a_290_tensor_set_sent_30_times_through_one_sender_is_built_once) { send_30_versions(versions_consumer, false); }
 
 // ---- what makes the sender build anew -----------------------------------------
 
@@ -126,10 +50,9 @@ static uint64_t send_described(tt::SetSender &sender, tshare_channel *ch, const 
 }
 
 TS_TEST(the_sender_builds_anew_when_the_tensors_change_and_not_otherwise) {
-  int sock;
-  pid_t pid = fork_with_socket(describing_consumer, &sock);
-  ReleaseCounts releases;
-  tshare_channel *ch = open_channel(sock, "trainer", count_release, &releases);
+  ForkedConsumer consumer(describing_consumer);
+  tshare_channel *ch = consumer.ch;
+  ReleaseCounts &releases = consumer.releases;
   at::Tensor base = tt::empty_shared({4, 4});
   base.copy_(at::arange(16, at::kFloat).view({4, 4}));
   tt::NamedTensors state = {{"a", base.narrow(0, 0, 1)}, {"b", base[1]}, {"c", base.narrow(0, 2, 2)}};
@@ -168,9 +91,7 @@ TS_TEST(the_sender_builds_anew_when_the_tensors_change_and_not_otherwise) {
   step(true, "reordered");
   step(false, "again");
   CHECK_THROWS_CODE(sender.send(nullptr, state), TSHARE_E_INVALID_ARG, "no channel");
-  bye_and_wait_released(ch, TIMEOUT);
-  CHECK_CHILD_OK(pid);
-  tshare_channel_close(ch);
+  consumer.finish();
 }
 
 // ---- what the sender keeps alive ----------------------------------------------

@@ -21,7 +21,10 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace tshare {
 namespace torch {
@@ -43,11 +46,11 @@ struct MemberContext {
 // tensor, plus recv_set's own while it builds them.
 struct SetHold {
   std::atomic<size_t> refs{1};
-  tshare_set *set;
+  tshare_set *set; // nullptr while a SetReceiver's prepared tensors wait for their set
   std::unique_ptr<MemberContext[]> members;
 
-  explicit SetHold(tshare_set *s) : set(s), members(new MemberContext[tshare_set_count(s)]) {
-    for (size_t i = 0; i < tshare_set_count(s); i++) members[i] = {this, i};
+  SetHold(tshare_set *s, size_t count) : set(s), members(new MemberContext[count]) {
+    for (size_t i = 0; i < count; i++) members[i] = {this, i};
   }
   void drop() noexcept {
     if (refs.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
@@ -59,57 +62,70 @@ struct SetHold {
 // The deleter that marks a set member's storage; its address is the identity.
 void drop_member(void *context) { static_cast<MemberContext *>(context)->hold->drop(); }
 
-std::string member_label(const SetHold &hold, size_t i) {
-  return "tensor " + std::to_string(i) + " ('" + tshare_set_name(hold.set, i) + "') of set " +
-         std::to_string(tshare_set_id(hold.set));
+std::string member_label(const tshare_set *set, size_t i) {
+  return "tensor " + std::to_string(i) + " ('" + tshare_set_name(set, i) + "') of set " +
+         std::to_string(tshare_set_id(set));
 }
 
-at::Device member_device(const SetHold &hold, size_t i) {
-  int index = tshare_set_cuda_device(hold.set, i);
+// What a member's tensor is made of: read from its set, or kept from the
+// set before by a SetReceiver.
+struct MemberSpec {
+  void *data;
+  at::ScalarType type;
+  at::Device device;
+  at::IntArrayRef sizes, strides;
+};
+
+at::Device member_device(const tshare_set *set, size_t i) {
+  int index = tshare_set_cuda_device(set, i);
   if (index < 0) return at::Device(at::kCPU);
 #ifdef TSHARE_TORCH_CUDA
   return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
 #else
   fail(TSHARE_E_UNSUPPORTED,
-       "received set: " + member_label(hold, i) + " is GPU memory and this LibTorch (or tshare) was built without CUDA");
+       "received set: " + member_label(set, i) + " is GPU memory and this LibTorch (or tshare) was built without CUDA");
 #endif
+}
+
+// Member i of a set as a tensor can have it, or Error saying why not.
+MemberSpec member_spec(const tshare_set *set, size_t i) {
+  const tshare_tensor_desc *d = tshare_set_desc(set, i);
+  for (int32_t k = 0; k < d->ndim; k++)
+    if (d->strides[k] < 0)
+      fail(TSHARE_E_UNSUPPORTED, "received set: " + member_label(set, i) + " has a negative stride (" +
+                                     std::to_string(d->strides[k]) + " in dimension " + std::to_string(k) +
+                                     "), which LibTorch tensors cannot have");
+  auto ndim = static_cast<size_t>(d->ndim);
+  return {tshare_set_data(set, i), to_scalar_type(d->dtype), member_device(set, i), at::IntArrayRef(d->shape, ndim),
+          at::IntArrayRef(d->strides, ndim)};
 }
 
 // The bytes a member's tensor spans from its first element: the core
 // checked that they lie in its memory, so nothing here overflows.
-size_t member_nbytes(const tshare_tensor_desc *d, size_t item) {
+size_t member_nbytes(const MemberSpec &m) {
   int64_t last = 0;
-  for (int32_t k = 0; k < d->ndim; k++) {
-    if (d->shape[k] == 0) return 0;
-    last += (d->shape[k] - 1) * d->strides[k];
+  for (size_t k = 0; k < m.sizes.size(); k++) {
+    if (m.sizes[k] == 0) return 0;
+    last += (m.sizes[k] - 1) * m.strides[k];
   }
-  return static_cast<size_t>(last + 1) * item;
+  return static_cast<size_t>(last + 1) * c10::elementSize(m.type);
 }
 
-// Member i over the set's memory, counted on the hold until its storage goes.
+// Member i over its memory, counted on the hold until its storage goes.
 // Made as at::for_blob would make it (a storage over the member's bytes with
 // the context deleter, a tensor on it), without the maker's checks and
 // dispatch guard: a model's hundreds of members per hand-off.
-at::Tensor member_tensor(SetHold &hold, size_t i) {
-  const tshare_tensor_desc *d = tshare_set_desc(hold.set, i);
-  at::ScalarType type = to_scalar_type(d->dtype);
-  for (int32_t k = 0; k < d->ndim; k++)
-    if (d->strides[k] < 0)
-      fail(TSHARE_E_UNSUPPORTED, "received set: " + member_label(hold, i) + " has a negative stride (" +
-                                     std::to_string(d->strides[k]) + " in dimension " + std::to_string(k) +
-                                     "), which LibTorch tensors cannot have");
-  at::Device device = member_device(hold, i);
-  size_t nbytes = member_nbytes(d, c10::elementSize(type));
+at::Tensor member_tensor(SetHold &hold, size_t i, const MemberSpec &m) {
+  size_t nbytes = member_nbytes(m);
   hold.refs.fetch_add(1, std::memory_order_relaxed);
   // From here the data pointer owns the count: its deleter drops it even if
   // what follows throws, and the tensor's storage owns it afterwards.
-  c10::DataPtr data(tshare_set_data(hold.set, i), &hold.members[i], &drop_member, device);
+  c10::DataPtr data(m.data, &hold.members[i], &drop_member, m.device);
   c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(data), nullptr, false);
   auto impl = c10::make_intrusive<c10::TensorImpl>(
-      std::move(storage), c10::DispatchKeySet(c10::computeDispatchKey(type, at::kStrided, device)),
-      c10::scalarTypeToTypeMeta(type));
-  impl->set_sizes_and_strides(at::IntArrayRef(d->shape, static_cast<size_t>(d->ndim)),
-                              at::IntArrayRef(d->strides, static_cast<size_t>(d->ndim)));
+      std::move(storage), c10::DispatchKeySet(c10::computeDispatchKey(m.type, at::kStrided, m.device)),
+      c10::scalarTypeToTypeMeta(m.type));
+  impl->set_sizes_and_strides(m.sizes, m.strides);
   return at::Tensor(std::move(impl));
 }
 
@@ -128,6 +144,13 @@ void order_current_after_default(int device) {
 #else
   (void)device;
 #endif
+}
+
+// The CUDA device of a set's CUDA members, or -1 when it has none.
+int cuda_device_of(const tshare_set *set) {
+  int device = -1;
+  for (size_t i = 0, n = tshare_set_count(set); i < n && device < 0; i++) device = tshare_set_cuda_device(set, i);
+  return device;
 }
 
 SetHold *hold_of(const at::Tensor &t) {
@@ -157,7 +180,7 @@ ReceivedSet adopt_set(tshare_set *set) {
   if (!set) fail(TSHARE_E_INVALID_ARG, "adopt_set: no set");
   SetHold *hold;
   try {
-    hold = new SetHold(set);
+    hold = new SetHold(set, tshare_set_count(set));
   } catch (...) {
     tshare_set_release(set);
     throw;
@@ -175,14 +198,13 @@ ReceivedSet adopt_set(tshare_set *set) {
       // A string of its own, moved into the index: insert() given a char
       // pointer makes three (one to look the name up with).
       std::string name = tshare_set_name(set, i);
-      r.tensors.insert(std::move(name), member_tensor(*hold, i));
+      r.tensors.insert(std::move(name), member_tensor(*hold, i, member_spec(set, i)));
     }
   } catch (...) {
     hold->drop(); // r's tensors go with the exception: the last of them releases the set back
     throw;
   }
-  int device = -1;
-  for (size_t i = 0; i < count && device < 0; i++) device = tshare_set_cuda_device(set, i);
+  int device = cuda_device_of(set);
   hold->drop(); // the tensors hold the set from here
   if (device >= 0) order_current_after_default(device);
   return r;
@@ -195,6 +217,157 @@ std::optional<ReceivedSet> recv_set(tshare_channel *ch, const RecvOptions &optio
   if (rc == TSHARE_END) return std::nullopt;
   if (rc != TSHARE_OK) fail_channel(ch, rc, "recv_set");
   return adopt_set(set);
+}
+
+// What a SetReceiver keeps between sets: the members of the last set whose
+// layout the core keeps (names, and what their tensors are made of), and the
+// tensors made of them ahead, on a hold with no set yet, for the next set of
+// that layout. A set sent again from a layout has its members; a member's
+// memory is the same when its address is (the core maps a kept memory once),
+// so those tensors are that set's, once it is put in their hold.
+struct SetReceiver::Kept {
+  struct Member {
+    std::string name;
+    void *data;
+    at::ScalarType type;
+    at::Device device;
+    std::vector<int64_t> sizes, strides;
+    int cuda_device; // tshare_set_cuda_device's answer
+  };
+  // Tensors made for a set not yet received.
+  struct Ahead {
+    SetHold *hold = nullptr;
+    TensorDict tensors;
+    void clear() noexcept {
+      tensors.clear(); // each drops its count on the hold
+      if (hold) hold->drop();
+      hold = nullptr;
+    }
+  };
+
+  std::mutex lock; // held for a whole recv
+  uint64_t layout = 0; // tshare_set_layout of members, 0: none kept
+  std::vector<Member> members;
+  int device = -1;
+  Ahead ahead, stale; // stale: made for a set that came otherwise; let go before the next wait
+  uint64_t ready = 0;
+
+  ~Kept() {
+    stale.clear();
+    ahead.clear();
+  }
+
+  // The tensors for the next set of the kept layout, made while no set is
+  // due; on an error (out of memory) none are, and the next set is made as
+  // adopt_set makes it.
+  void make_ahead() noexcept {
+    stale.clear();
+    if (!layout || ahead.hold) return;
+    try {
+      ahead.hold = new SetHold(nullptr, members.size());
+      ahead.tensors.reserve(members.size());
+      for (size_t i = 0; i < members.size(); i++) {
+        const Member &m = members[i];
+        MemberSpec spec{m.data, m.type, m.device, m.sizes, m.strides};
+        ahead.tensors.insert(m.name, member_tensor(*ahead.hold, i, spec));
+      }
+    } catch (...) {
+      ahead.clear();
+    }
+  }
+
+  // The set is one of the kept layout, each member at the address its
+  // tensor made ahead points to.
+  bool fits(const tshare_set *set) const {
+    if (!ahead.hold || tshare_set_layout(set) != layout || tshare_set_count(set) != members.size()) return false;
+    for (size_t i = 0; i < members.size(); i++)
+      if (tshare_set_data(set, i) != members[i].data || tshare_set_cuda_device(set, i) != members[i].cuda_device)
+        return false;
+    return true;
+  }
+
+  // The tensors made ahead, now set's: their hold takes the handle.
+  ReceivedSet hand_over(tshare_set *set) {
+    SetHold *hold = ahead.hold;
+    ahead.hold = nullptr;
+    hold->set = set;
+    ReceivedSet r;
+    r.tensors = std::move(ahead.tensors);
+    ahead.tensors = TensorDict();
+    hold->drop(); // the tensors hold the set from here (an exception below drops them, and the last one releases it)
+    r.set_id = tshare_set_id(set);
+    r.is_copy = tshare_set_is_copy(set) == 1;
+    size_t meta_len = 0;
+    const void *meta = tshare_set_meta(set, &meta_len);
+    if (meta_len) r.meta.assign(static_cast<const char *>(meta), meta_len);
+    if (device >= 0) order_current_after_default(device);
+    ready++;
+    return r;
+  }
+
+  // What the next set is made ahead from: set's members when the core keeps
+  // its layout, else nothing. set lives (r's tensors hold it).
+  void remember(const tshare_set *set, const ReceivedSet &r) {
+    layout = 0;
+    members.clear();
+    uint64_t id = tshare_set_layout(set);
+    if (!id) return;
+    members.reserve(r.tensors.size());
+    for (size_t i = 0; i < r.tensors.size(); i++) {
+      const auto &item = r.tensors[i];
+      const at::Tensor &t = item.value();
+      members.push_back({item.key(), tshare_set_data(set, i), t.scalar_type(), t.device(), t.sizes().vec(),
+                         t.strides().vec(), tshare_set_cuda_device(set, i)});
+    }
+    device = cuda_device_of(set);
+    layout = id;
+  }
+
+  std::optional<ReceivedSet> recv(tshare_channel *ch, const RecvOptions &options) {
+    make_ahead();
+    tshare_set *set = nullptr;
+    int rc = tshare_set_recv(ch, options.timeout_ms, &set);
+    if (rc == TSHARE_END) return std::nullopt;
+    if (rc != TSHARE_OK) fail_channel(ch, rc, "SetReceiver::recv");
+    if (fits(set)) return hand_over(set);
+    std::swap(stale, ahead); // let go of after the set is handed over: not on its way
+    layout = 0; // a set adopt_set refuses leaves nothing kept
+    ReceivedSet r = adopt_set(set);
+    try {
+      remember(set, r);
+    } catch (...) {
+      layout = 0; // out of memory: the next set is made as this one was
+      members.clear();
+    }
+    return r;
+  }
+};
+
+SetReceiver::SetReceiver() : kept_(new Kept) {}
+SetReceiver::~SetReceiver() = default;
+SetReceiver::SetReceiver(SetReceiver &&other) noexcept = default;
+SetReceiver &SetReceiver::operator=(SetReceiver &&other) noexcept = default;
+
+std::optional<ReceivedSet> SetReceiver::recv(tshare_channel *ch, const RecvOptions &options) {
+  if (!ch) fail(TSHARE_E_INVALID_ARG, "SetReceiver::recv: no channel");
+  if (!kept_) kept_.reset(new Kept); // a moved-from receiver starts afresh
+  std::lock_guard<std::mutex> guard(kept_->lock);
+  return kept_->recv(ch, options);
+}
+
+void SetReceiver::reset() {
+  if (!kept_) return;
+  std::lock_guard<std::mutex> guard(kept_->lock);
+  kept_->stale.clear();
+  kept_->ahead.clear();
+  kept_->layout = 0;
+  kept_->members.clear();
+}
+
+uint64_t SetReceiver::ready_made() const {
+  if (!kept_) return 0;
+  std::lock_guard<std::mutex> guard(kept_->lock);
+  return kept_->ready;
 }
 
 } // namespace torch

@@ -136,6 +136,14 @@ typedef struct tshare_set tshare_set;
 TSHARE_API int tshare_set_recv(tshare_channel *ch, int timeout_ms, tshare_set **out);
 
 TSHARE_API uint64_t tshare_set_id(const tshare_set *set);
+/* The layout this end keeps of the set (its members' names, dtypes, shapes,
+ * strides and places in their memories, in order): one number, the same for
+ * the set received whole that asked for it to be kept and for every set sent
+ * again from it, never reused in this process; 0 where no layout is kept
+ * (a set sent once, one with memory this end does not keep mapped, NULL). Sets of one layout have the same members;
+ * each has memories of its own (their addresses: tshare_set_data). What a
+ * binding prepares the tensors of the next set by while it waits for it. */
+TSHARE_API uint64_t tshare_set_layout(const tshare_set *set);
 TSHARE_API size_t tshare_set_count(const tshare_set *set);
 /* Tensor i (< count, in the sender's order): its name (NULL past the end),
  * layout and the address of its element [0,...,0]. */

@@ -184,6 +184,41 @@ TSHARE_TORCH_API std::optional<ReceivedSet> recv_set(tshare_channel *ch, const R
 // (its metadata, names, sizes) before it makes tensors of it.
 TSHARE_TORCH_API ReceivedSet adopt_set(tshare_set *set);
 
+// A consumer of a producer's updates (the other end of SetSender's pattern):
+// keep one SetReceiver across them and call recv() for each. recv() gives
+// what recv_set gives. While it waits, it makes the tensors of the next set
+// ahead, from the last set whose layout the core keeps (one a SetSender sent,
+// tshare_set_layout): a set sent again from that layout has the same members
+// in the same memory, so its tensors are ready when it comes, and only its
+// metadata is read then. Any other set is made as recv_set makes it (the
+// tensors made ahead are let go of at the next call). Tensors made ahead
+// cost the memory of one set's tensor objects (no device memory) and hold
+// nothing: the set before is released as usual.
+//
+// Threads: calls are serialised by a mutex, each recv whole; one channel is
+// driven by one thread at a time (the C rule).
+class TSHARE_TORCH_API SetReceiver {
+ public:
+  SetReceiver();
+  ~SetReceiver();
+  SetReceiver(SetReceiver &&other) noexcept;
+  SetReceiver &operator=(SetReceiver &&other) noexcept;
+  SetReceiver(const SetReceiver &) = delete;
+  SetReceiver &operator=(const SetReceiver &) = delete;
+
+  std::optional<ReceivedSet> recv(tshare_channel *ch, const RecvOptions &options = {});
+
+  // Forget the kept layout and the tensors made ahead.
+  void reset();
+  // How many sets came with their tensors made ahead: what shows that a
+  // layout was recognised.
+  uint64_t ready_made() const;
+
+ private:
+  struct Kept;
+  std::unique_ptr<Kept> kept_;
+};
+
 // The C++ counterpart of Python's share_model_: move the module's CPU
 // parameters and buffers (its submodules' too) into one shared buffer in
 // place, values copied once, so the module itself owns the memory sets carry
