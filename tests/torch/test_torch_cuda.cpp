@@ -396,8 +396,8 @@ static int role_set_reader(tshare_channel *ch) {
 // Versions from a SetSender: member k of version v holds 1000v + k in each
 // of its values, read on this process's own pool stream; from the second
 // version on, nothing new is mapped (the same set, sent again).
-// With a SetReceiver (ahead): versions 2 to 30 come with their tensors made
-// ahead, and read right (ordered after the producer's stream all the same).
+// With a SetReceiver (ahead): the versions sent again come with their tensors
+// made ahead, and read right (ordered after the producer's stream all the same).
 static int read_versions(tshare_channel *ch, tt::SetReceiver *receiver) {
   c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
   int v = 0;
@@ -425,7 +425,9 @@ static int read_versions(tshare_channel *ch, tt::SetReceiver *receiver) {
     if (v > 1) CHECK_EQ(opens, 0);
   }
   CHECK_EQ(v, 30);
-  if (receiver) CHECK_EQ(receiver->ready_made(), 29);
+  // Versions 20 and 21 are ordered after another stream than the one before
+  // them: the set goes whole then (a layout of its own), made when it comes.
+  if (receiver) CHECK_EQ(receiver->ready_made(), 27);
   return 0;
 }
 

@@ -19,7 +19,9 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -324,12 +326,25 @@ struct SetReceiver::Kept {
   }
 
   std::optional<ReceivedSet> recv(tshare_channel *ch, const RecvOptions &options) {
-    make_ahead();
+    // A look first: it sends the releases that drops on this thread left for
+    // the channel's next call (the producer waits for them: not behind the
+    // tensors made ahead), and takes a set that came already.
     tshare_set *set = nullptr;
-    int rc = tshare_set_recv(ch, options.timeout_ms, &set);
+    int rc = tshare_set_recv(ch, 0, &set);
+    if (rc == TSHARE_E_TIMEOUT && options.timeout_ms != 0) {
+      auto start = std::chrono::steady_clock::now();
+      make_ahead();
+      int timeout_ms = options.timeout_ms;
+      if (timeout_ms > 0) { // what making them took is the caller's time too
+        auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+        timeout_ms = static_cast<int>(std::max<int64_t>(0, timeout_ms - spent.count()));
+      }
+      rc = tshare_set_recv(ch, timeout_ms, &set);
+    }
     if (rc == TSHARE_END) return std::nullopt;
     if (rc != TSHARE_OK) fail_channel(ch, rc, "SetReceiver::recv");
     if (fits(set)) return hand_over(set);
+    stale.clear(); // (there is one only where no call made tensors ahead since)
     std::swap(stale, ahead); // let go of after the set is handed over: not on its way
     layout = 0; // a set adopt_set refuses leaves nothing kept
     ReceivedSet r = adopt_set(set);
