@@ -14,6 +14,8 @@
 #include <string>
 #include <utility>
 
+#include <unistd.h>
+
 static const int TIMEOUT = 10000;
 
 // Releases seen by the producer, per set id (the channel's on_release).
@@ -106,13 +108,15 @@ struct ForkedConsumer {
 // 30 versions of that model through one SetSender (built once) to a
 // consumer forked with a socket, each waited for, released once. With
 // consumer_writes the consumer wrote -v into member v's first value: it must
-// be in the producer's memory after the release.
-static inline void send_30_versions(void (*consumer)(int), bool consumer_writes) {
+// be in the producer's memory after the release. step_us: a pause before
+// each version.
+static inline void send_30_versions(void (*consumer)(int), bool consumer_writes, useconds_t step_us = 0) {
   ForkedConsumer c(consumer);
   tt::NamedTensors state = model_in_7_memories();
   tt::SetSender sender;
   for (int v = 1; v <= 30; v++) {
     write_version(state, v);
+    if (step_us) usleep(step_us); // a training step's time: the consumer waits in recv() meanwhile
     c.wait_released(sender.send(c.ch, state, {"version=" + std::to_string(v), TIMEOUT}));
     if (consumer_writes && state[size_t(v)].second[0].item<float>() != float(-v))
       TS_FAIL("version %d: the consumer's write is not here", v);

