@@ -22,8 +22,11 @@ int main() {
   int last = 0, intact = 0;
   size_t tensors = 0;
   double output_sum = 0;
+  // Kept across the versions: it makes the tensors of the next version
+  // while it waits, from the layout of this one.
+  tshare::torch::SetReceiver receiver;
   try {
-    while (auto r = tshare::torch::recv_set(ch.get(), {60000})) {
+    while (auto r = receiver.recv(ch.get(), {60000})) {
       int v = version_of(r->meta);
       if (v != last + 1) throw std::runtime_error("expected version " + std::to_string(last + 1) + ", got '" + r->meta + "'");
       last = v;
