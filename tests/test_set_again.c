@@ -268,7 +268,10 @@ static void check_layout(layouts_seen *seen, const tshare_set *s, bool kept) {
 
 static void real_consumer(int fd) {
   tshare_channel *ch = open_socket_channel(fd, "consumer", NULL, NULL);
-  bool kept = (tshare_channel_peer(ch)->capabilities & TSHARE_CAP_SET_AGAIN) != 0;
+  /* Kept where both ends offered sets sent again (this end does not with
+   * TSHARE_SET_AGAIN=0). */
+  const char *again = getenv("TSHARE_SET_AGAIN");
+  bool kept = (tshare_channel_peer(ch)->capabilities & TSHARE_CAP_SET_AGAIN) != 0 && !(again && strcmp(again, "0") == 0);
   layouts_seen seen = {{0}, 0, 0};
   int sets = 0;
   CHECK_EQ(tshare_set_layout(NULL), 0);
@@ -338,6 +341,77 @@ static void consumer_without_again(int fd) {
 
 TS_TEST(with_TSHARE_SET_AGAIN_0_every_set_travels_whole_and_arrives_right) {
   scenario_against(consumer_without_again, check_no_again);
+}
+
+/* ---- the caller's work while a receive would wait ---------------------------- */
+
+/* The consumer asks for each set by a byte on this pipe (made before the
+ * fork), so it knows when none can have come. */
+static int ask_pipe[2];
+
+typedef struct idle_work {
+  tshare_channel *ch;
+  int calls;
+  bool close_from_a_thread;
+} idle_work;
+
+static void *close_channel(void *ch) {
+  tshare_channel_close(ch);
+  return NULL;
+}
+
+/* Counts its calls; the last one has another thread close the channel (and
+ * waits for that close to return) while the receive is inside its call. */
+static void before_wait(void *arg) {
+  idle_work *w = arg;
+  w->calls++;
+  if (!w->close_from_a_thread) return;
+  pthread_t t;
+  CHECK(pthread_create(&t, NULL, close_channel, w->ch) == 0);
+  CHECK(pthread_join(t, NULL) == 0);
+}
+
+static void idle_consumer(int fd) {
+  tshare_channel *ch = open_socket_channel(fd, "consumer", NULL, NULL);
+  idle_work w = {ch, 0, false};
+  tshare_set *s = NULL;
+  CHECK_RC(tshare_set_recv_idle(ch, 0, NULL, NULL, &s), TSHARE_E_INVALID_ARG, "");
+  CHECK_RC(tshare_set_recv_idle(ch, 0, before_wait, &w, NULL), TSHARE_E_INVALID_ARG, "");
+  CHECK_RC(tshare_set_recv_idle(NULL, 0, before_wait, &w, &s), TSHARE_E_INVALID_ARG, "");
+  /* Nothing asked for yet: a poll does the work and times out. */
+  CHECK_RC(tshare_set_recv_idle(ch, 0, before_wait, &w, &s), TSHARE_E_TIMEOUT, tshare_channel_last_error(ch));
+  CHECK(s == NULL && w.calls == 1);
+  for (int round = 0; round < 3; round++) {
+    CHECK(write(ask_pipe[1], "n", 1) == 1);
+    CHECK_RC(tshare_set_recv_idle(ch, 5000, before_wait, &w, &s), TSHARE_OK, tshare_channel_last_error(ch));
+    check_set(s);
+    CHECK(w.calls >= 1 && w.calls <= 2 + round); /* once per call at most: where the set had not come yet */
+    tshare_set_release(s);
+  }
+  /* Closed from another thread while the call does the caller's work: the
+   * close waits for the call, which returns TSHARE_E_STATE saying so. */
+  w.close_from_a_thread = true;
+  int calls = w.calls;
+  CHECK_RC(tshare_set_recv_idle(ch, 5000, before_wait, &w, &s), TSHARE_E_STATE, "closed while it waited");
+  CHECK(s == NULL && w.calls == calls + 1);
+  CHECK(strstr(tshare_channel_last_error(ch), "closed") != NULL); /* read by the pointer: the handle is gone */
+  close(ask_pipe[1]);
+}
+
+TS_TEST(a_receive_does_the_callers_work_where_it_would_wait_and_a_close_meanwhile_waits_for_it) {
+  CHECK(pipe(ask_pipe) == 0);
+  int sock;
+  pid_t pid = fork_with_socket(idle_consumer, &sock);
+  close(ask_pipe[1]);
+  tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
+  weights w;
+  make_weights(&w, 0, 3);
+  char asked;
+  for (int round = 0; read(ask_pipe[0], &asked, 1) == 1; round++) send_round(ch, &w, 0, round);
+  close(ask_pipe[0]);
+  CHECK_CHILD_OK(pid);
+  drop_weights(&w);
+  tshare_channel_close(ch);
 }
 
 /* ---- threads and fork ------------------------------------------------------ */

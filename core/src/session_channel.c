@@ -127,7 +127,13 @@ int ts_channel_leave(tshare_channel *ch, int rc) {
   if (--ch->call_depth > 0) return rc;
   atomic_store_explicit(&ch->call_owner, 0, memory_order_relaxed);
   unsigned was = atomic_fetch_and_explicit(&ch->call_state, ~TS_CALL_BUSY, memory_order_acq_rel);
-  if (was & TS_CALL_CLOSING) close_now(ch); /* asked for while this call ran */
+  if (was & TS_CALL_CLOSING) { /* asked for while this call ran */
+    /* The handle may be gone once closed: what this call said stays on this
+     * thread, where tshare_channel_last_error finds it by the pointer alone. */
+    refusal.ch = ch;
+    snprintf(refusal.msg, sizeof refusal.msg, "%s", ch->err);
+    close_now(ch);
+  }
   return rc;
 }
 

@@ -785,6 +785,26 @@ int tshare_set_recv(tshare_channel *ch, int timeout_ms, tshare_set **out) {
   TS_CHANNEL_CALL(ch, "receive set", set_recv(ch, timeout_ms, out));
 }
 
+/* A look (nothing waited for), the caller's work where nothing came, then
+ * the wait for what is left of the time: one call, so a close from another
+ * thread meanwhile waits for its end as for any call's. */
+static int set_recv_idle(tshare_channel *ch, int timeout_ms, void (*before_wait)(void *), void *arg,
+                         tshare_set **out) {
+  int64_t deadline = ts_deadline(timeout_ms);
+  int rc = set_recv(ch, 0, out);
+  if (rc != TSHARE_E_TIMEOUT) return rc;
+  before_wait(arg);
+  return timeout_ms == 0 ? rc : set_recv(ch, ts_remaining(deadline), out);
+}
+
+int tshare_set_recv_idle(tshare_channel *ch, int timeout_ms, void (*before_wait)(void *arg), void *arg,
+                         tshare_set **out) {
+  if (!out) return TSHARE_E_INVALID_ARG;
+  *out = NULL;
+  if (!ch || !before_wait) return TSHARE_E_INVALID_ARG;
+  TS_CHANNEL_CALL(ch, "receive set", set_recv_idle(ch, timeout_ms, before_wait, arg, out));
+}
+
 uint64_t tshare_set_id(const tshare_set *s) { return s ? s->set_id : 0; }
 uint64_t tshare_set_layout(const tshare_set *s) { return s ? s->catalog->layout_id : 0; }
 size_t tshare_set_count(const tshare_set *s) { return s ? s->count : 0; }

@@ -764,9 +764,9 @@ TS_TEST(cuda_sets_of_1_290_and_10000_tensors) {
 }
 
 // The update pattern on the GPU: 290 blocks updated in place on the current
-// stream and sent 30 times through one SetSender, built once. Version 20 is
-// written on a pool stream behind a long sleep, version 21 on the default
-// stream again: only the kept set's stream, renewed per send, orders the
+// stream and sent 30 times through one SetSender, built once. Version 10 is
+// written behind a long sleep on the default stream, version 20 on a pool
+// stream behind one, version 21 on the default stream again: only the kept set's stream, renewed per send, orders the
 // consumer after the right work.
 static void send_versions(const char *reader) {
   need_gpu();
@@ -781,6 +781,8 @@ static void send_versions(const char *reader) {
       on_pool.emplace(c10::cuda::getStreamFromPool());
       at::cuda::sleep(200 * 1000 * 1000); // about 0.1 s of the GPU's time before the values land
     }
+    if (v == 10) // on the default stream: a set sent again (made ahead for a SetReceiver) waits for it
+      at::cuda::sleep(200 * 1000 * 1000);
     for (size_t k = 0; k < state.size(); k++) state[k].second.fill_(float(1000 * v) + float(k));
     uint64_t id = sender.send(ch, state, {"version=" + std::to_string(v), TIMEOUT});
     CHECK_RC(tshare_channel_wait_released(ch, id, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));

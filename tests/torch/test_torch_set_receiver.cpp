@@ -108,8 +108,8 @@ TS_TEST(a_receiver_makes_anew_a_set_whose_tensors_changed) {
 // ---- two sets of one layout at once, a timeout, reset ----------------------------
 
 // Holds version 2 while version 3 comes (made ahead: the same memory, so both
-// read version 3's values); a receive with nothing sent times out and the
-// next is still made ahead; after reset() the next is made anew; a receiver
+// read version 3's values); a poll with nothing sent times out, having made
+// the next one's tensors, which version 4 gets; after reset() the next is made anew; a receiver
 // moved on keeps what it kept. (Version 1 comes alone: the producer learns
 // that the memory is kept mapped from its release.)
 static void holding_consumer(int fd) {
@@ -125,7 +125,8 @@ static void holding_consumer(int fd) {
     CHECK(r2->tensors[k].value().data_ptr() == r3->tensors[k].value().data_ptr());
     CHECK(at::equal(r3->tensors[k].value(), version_values(3, k)));
   }
-  CHECK_THROWS_CODE(receiver.recv(ch, {0}), TSHARE_E_TIMEOUT, "");
+  CHECK_THROWS_CODE(receiver.recv(ch, {0}), TSHARE_E_TIMEOUT, ""); // a poll makes version 4's tensors ahead
+  uint64_t before_4 = receiver.ready_made();
   r3.reset(); // the producer waits for both releases before version 4
   at::Tensor kept = r2->tensors[7].value();
   r2.reset();
@@ -134,6 +135,7 @@ static void holding_consumer(int fd) {
   auto r4 = receiver.recv(ch, {TIMEOUT});
   CHECK(r4 && r4->meta == "version=4" && at::equal(r4->tensors[5].value(), version_values(4, 5)));
   uint64_t ready = receiver.ready_made();
+  CHECK_EQ(ready, before_4 + 1); // made by the poll, whenever version 4 came
   r4.reset();
   receiver.reset();
   auto r5 = receiver.recv(ch, {TIMEOUT});

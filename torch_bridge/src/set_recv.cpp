@@ -19,9 +19,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
-#include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -252,7 +250,7 @@ struct SetReceiver::Kept {
   std::vector<Member> members;
   int device = -1;
   Ahead ahead, stale; // stale: made for a set that came otherwise; let go before the next wait
-  uint64_t ready = 0;
+  std::atomic<uint64_t> ready{0}; // read without the lock: a recv() may be waiting
 
   ~Kept() {
     stale.clear();
@@ -281,7 +279,8 @@ struct SetReceiver::Kept {
   // The set is one of the kept layout, each member at the address its
   // tensor made ahead points to.
   bool fits(const tshare_set *set) const {
-    if (!ahead.hold || tshare_set_layout(set) != layout || tshare_set_count(set) != members.size()) return false;
+    if (!layout || !ahead.hold || tshare_set_layout(set) != layout || tshare_set_count(set) != members.size())
+      return false;
     for (size_t i = 0; i < members.size(); i++)
       if (tshare_set_data(set, i) != members[i].data || tshare_set_cuda_device(set, i) != members[i].cuda_device)
         return false;
@@ -325,22 +324,15 @@ struct SetReceiver::Kept {
     layout = id;
   }
 
+  static void make_ahead_of(void *kept) { static_cast<Kept *>(kept)->make_ahead(); }
+
   std::optional<ReceivedSet> recv(tshare_channel *ch, const RecvOptions &options) {
-    // A look first: it sends the releases that drops on this thread left for
-    // the channel's next call (the producer waits for them: not behind the
-    // tensors made ahead), and takes a set that came already.
+    // The core looks first (the releases this thread's drops left for the
+    // channel's next call go out: the producer waits for them, not behind
+    // the tensors made here; a set that came already is taken), and makes
+    // them only where nothing came, inside the one call.
     tshare_set *set = nullptr;
-    int rc = tshare_set_recv(ch, 0, &set);
-    if (rc == TSHARE_E_TIMEOUT && options.timeout_ms != 0) {
-      auto start = std::chrono::steady_clock::now();
-      make_ahead();
-      int timeout_ms = options.timeout_ms;
-      if (timeout_ms > 0) { // what making them took is the caller's time too
-        auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
-        timeout_ms = static_cast<int>(std::max<int64_t>(0, timeout_ms - spent.count()));
-      }
-      rc = tshare_set_recv(ch, timeout_ms, &set);
-    }
+    int rc = tshare_set_recv_idle(ch, options.timeout_ms, &Kept::make_ahead_of, this, &set);
     if (rc == TSHARE_END) return std::nullopt;
     if (rc != TSHARE_OK) fail_channel(ch, rc, "SetReceiver::recv");
     if (fits(set)) return hand_over(set);
@@ -379,11 +371,7 @@ void SetReceiver::reset() {
   kept_->members.clear();
 }
 
-uint64_t SetReceiver::ready_made() const {
-  if (!kept_) return 0;
-  std::lock_guard<std::mutex> guard(kept_->lock);
-  return kept_->ready;
-}
+uint64_t SetReceiver::ready_made() const { return kept_ ? kept_->ready.load() : 0; }
 
 } // namespace torch
 } // namespace tshare

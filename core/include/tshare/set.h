@@ -134,15 +134,28 @@ typedef struct tshare_set tshare_set;
  * further than a single share that waits for tshare_view_recv(): the frames
  * behind it stay in the stream rather than in this end's fd budget. */
 TSHARE_API int tshare_set_recv(tshare_channel *ch, int timeout_ms, tshare_set **out);
+/* tshare_set_recv with the caller's own work done where it would wait: a
+ * look first, without waiting (it sends the releases queued for this
+ * thread's next call, which the peer may wait for, and takes a set that
+ * came already); where none came, before_wait(arg) runs once, on this
+ * thread, inside the call (it must not call into ch), and the call then
+ * waits as tshare_set_recv does for what is left of timeout_ms (with 0 it
+ * returns TSHARE_E_TIMEOUT after before_wait). A tshare_channel_close from
+ * another thread meanwhile takes effect as the call returns, as for any
+ * call. Where a binding makes the next set's tensors (tshare_set_layout). */
+TSHARE_API int tshare_set_recv_idle(tshare_channel *ch, int timeout_ms, void (*before_wait)(void *arg), void *arg,
+                                    tshare_set **out);
 
 TSHARE_API uint64_t tshare_set_id(const tshare_set *set);
 /* The layout this end keeps of the set (its members' names, dtypes, shapes,
  * strides and places in their memories, in order): one number, the same for
  * the set received whole that asked for it to be kept and for every set sent
- * again from it, never reused in this process; 0 where no layout is kept
- * (a set sent once, one with memory this end does not keep mapped, NULL). Sets of one layout have the same members;
- * each has memories of its own (their addresses: tshare_set_data). What a
- * binding prepares the tensors of the next set by while it waits for it. */
+ * again from it, never reused in this process (a set keeps its number
+ * after the layout is replaced); 0 where no layout was kept of it (a set
+ * sent once, one with memory this end does not keep mapped, NULL). Sets of
+ * one layout have the same members in memories mapped for each; a member
+ * kept mapped is at the same address in each (compare tshare_set_data).
+ * What a binding makes the next set's tensors by while it waits for it. */
 TSHARE_API uint64_t tshare_set_layout(const tshare_set *set);
 TSHARE_API size_t tshare_set_count(const tshare_set *set);
 /* Tensor i (< count, in the sender's order): its name (NULL past the end),

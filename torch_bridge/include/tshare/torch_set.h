@@ -186,17 +186,23 @@ TSHARE_TORCH_API ReceivedSet adopt_set(tshare_set *set);
 
 // A consumer of a producer's updates (the other end of SetSender's pattern):
 // keep one SetReceiver across them and call recv() for each. recv() gives
-// what recv_set gives. While it waits, it makes the tensors of the next set
-// ahead, from the last set whose layout the core keeps (one a SetSender sent,
-// tshare_set_layout): a set sent again from that layout has the same members
-// in the same memory, so its tensors are ready when it comes, and only its
-// metadata is read then. Any other set is made as recv_set makes it (the
-// tensors made ahead are let go of at the next call). Tensors made ahead
-// cost the memory of one set's tensor objects (no device memory) and hold
-// nothing: the set before is released as usual.
+// the sets recv_set gives (its errors say "SetReceiver::recv"). Where no set
+// waits yet, it makes the tensors of the next set ahead, from the last set
+// whose layout the core keeps (one a SetSender sent, tshare_set_layout): a
+// set sent again from that layout has the same members at the same
+// addresses, so its tensors are ready when it comes, and only its metadata
+// is read then. Any other set is made as recv_set makes it (the tensors made
+// ahead are let go of at the next call). They are made inside the core's
+// receive (tshare_set_recv_idle), also with timeout_ms 0 (a poll), after a
+// look that sends the releases this thread's drops queued. They cost one
+// set's tensor objects (no device memory) and hold nothing: the set before
+// is released as usual. A producer alternating two layouts on one channel
+// never matches, and each wait makes tensors for nothing.
 //
-// Threads: calls are serialised by a mutex, each recv whole; one channel is
-// driven by one thread at a time (the C rule).
+// Threads: recv() and reset() are serialised by a mutex (reset() waits for
+// a recv() in progress); ready_made() does not wait. One channel is driven
+// by one thread at a time (the C rule). A moved-from receiver starts afresh
+// on its next recv() (not from two threads at once).
 class TSHARE_TORCH_API SetReceiver {
  public:
   SetReceiver();
