@@ -12,6 +12,7 @@
 #include "bridge_internal.h"
 
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 #include <c10/core/TensorImpl.h>
 
 #ifdef TSHARE_TORCH_CUDA
@@ -100,23 +101,14 @@ MemberSpec member_spec(const tshare_set *set, size_t i) {
           at::IntArrayRef(d->strides, ndim)};
 }
 
-// The bytes a member's tensor spans from its first element: the core
-// checked that they lie in its memory, so nothing here overflows.
-size_t member_nbytes(const MemberSpec &m) {
-  int64_t last = 0;
-  for (size_t k = 0; k < m.sizes.size(); k++) {
-    if (m.sizes[k] == 0) return 0;
-    last += (m.sizes[k] - 1) * m.strides[k];
-  }
-  return static_cast<size_t>(last + 1) * c10::elementSize(m.type);
-}
-
 // Member i over its memory, counted on the hold until its storage goes.
 // Made as at::for_blob would make it (a storage over the member's bytes with
 // the context deleter, a tensor on it), without the maker's checks and
 // dispatch guard: a model's hundreds of members per hand-off.
 at::Tensor member_tensor(SetHold &hold, size_t i, const MemberSpec &m) {
-  size_t nbytes = member_nbytes(m);
+  // The bytes it spans from its first element (the core checked that they
+  // lie in its memory), as LibTorch counts a storage's.
+  size_t nbytes = at::detail::computeStorageNbytes(m.sizes, m.strides, c10::elementSize(m.type));
   hold.refs.fetch_add(1, std::memory_order_relaxed);
   // From here the data pointer owns the count: its deleter drops it even if
   // what follows throws, and the tensor's storage owns it afterwards.
@@ -144,6 +136,16 @@ void order_current_after_default(int device) {
 #else
   (void)device;
 #endif
+}
+
+// What a received set says besides its tensors: its id, whether it is a
+// copy, its metadata.
+void describe_received(ReceivedSet &r, const tshare_set *set) {
+  r.set_id = tshare_set_id(set);
+  r.is_copy = tshare_set_is_copy(set) == 1;
+  size_t meta_len = 0;
+  const void *meta = tshare_set_meta(set, &meta_len);
+  if (meta_len) r.meta.assign(static_cast<const char *>(meta), meta_len);
 }
 
 // The CUDA device of a set's CUDA members, or -1 when it has none.
@@ -188,11 +190,7 @@ ReceivedSet adopt_set(tshare_set *set) {
   ReceivedSet r;
   size_t count = tshare_set_count(set);
   try {
-    r.set_id = tshare_set_id(set);
-    r.is_copy = tshare_set_is_copy(set) == 1;
-    size_t meta_len = 0;
-    const void *meta = tshare_set_meta(set, &meta_len);
-    if (meta_len) r.meta.assign(static_cast<const char *>(meta), meta_len);
+    describe_received(r, set);
     r.tensors.reserve(count);
     for (size_t i = 0; i < count; i++) {
       // A string of its own, moved into the index: insert() given a char
@@ -296,11 +294,7 @@ struct SetReceiver::Kept {
     r.tensors = std::move(ahead.tensors);
     ahead.tensors = TensorDict();
     hold->drop(); // the tensors hold the set from here (an exception below drops them, and the last one releases it)
-    r.set_id = tshare_set_id(set);
-    r.is_copy = tshare_set_is_copy(set) == 1;
-    size_t meta_len = 0;
-    const void *meta = tshare_set_meta(set, &meta_len);
-    if (meta_len) r.meta.assign(static_cast<const char *>(meta), meta_len);
+    describe_received(r, set);
     if (device >= 0) order_current_after_default(device);
     ready++;
     return r;
