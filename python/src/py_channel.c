@@ -44,6 +44,8 @@ PyObject *py_channel_wrap(tshare_channel *ch) {
   memset(&self->next, 0, sizeof self->next);
   memset(&self->last_set, 0, sizeof self->last_set);
   self->last_set.cuda_device = -1;
+  memset(&self->ahead, 0, sizeof self->ahead);
+  self->ahead.cuda_device = -1;
   py_guard_init(&self->guard, "channel");
   return (PyObject *)self;
 }
@@ -81,6 +83,7 @@ static int close_channel(PyChannel *self) {
   self->ch = NULL;
   py_set_drop_waiting(self);
   py_set_forget(self);
+  py_ahead_forget(&self->ahead);
   Py_BEGIN_ALLOW_THREADS tshare_channel_close(ch);
   Py_END_ALLOW_THREADS
   py_guard_leave(&self->guard);
@@ -92,6 +95,7 @@ static void channel_dealloc(PyChannel *self) {
   tshare_channel *ch = self->ch;
   py_set_drop_waiting(self);
   py_set_forget(self);
+  py_ahead_forget(&self->ahead);
   Py_BEGIN_ALLOW_THREADS tshare_channel_close(ch);
   Py_END_ALLOW_THREADS
   py_guard_destroy(&self->guard);
@@ -281,6 +285,9 @@ static PyMethodDef channel_methods[] = {
   {"_forget_set", (PyCFunction)py_channel_forget_set, METH_NOARGS, NULL},
   {"_recv", (PyCFunction)py_channel_recv, METH_VARARGS, NULL},
   {"_peek", (PyCFunction)py_channel_peek, METH_NOARGS, NULL},
+  {"_ahead_wanted", py_channel_ahead_wanted, METH_NOARGS, NULL},
+  {"_ahead_spec", py_channel_ahead_spec, METH_NOARGS, NULL},
+  {"_ahead_put", py_channel_ahead_put, METH_VARARGS, NULL},
   {"__enter__", (PyCFunction)channel_enter, METH_NOARGS, NULL},
   {"__exit__", (PyCFunction)channel_exit, METH_VARARGS, NULL},
   {NULL, NULL, 0, NULL}};
@@ -295,6 +302,7 @@ static PyGetSetDef channel_getset[] = {
   {"peer_pid", (getter)channel_get_peer_pid, NULL, "The peer's pid as the kernel reports it.", NULL},
   {"last_error", (getter)channel_get_last_error, NULL, "The channel's last error detail.", NULL},
   {"_set_cache_counts", (getter)py_channel_set_cache_counts, NULL, NULL, NULL},
+  {"_ahead_counts", py_channel_ahead_counts, NULL, NULL, NULL},
   {NULL, NULL, NULL, NULL, NULL}};
 
 PyTypeObject PyChannel_Type = {

@@ -5,6 +5,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include "py_guard.h"
+#include "py_set_ahead.h"
 
 #include <Python.h>
 #include <tshare/tshare.h>
@@ -36,6 +37,7 @@ typedef struct {
   py_guard guard;                   /* one thread at a time inside ch's calls */
   py_next_set next;
   py_set_cache last_set;
+  py_set_ahead ahead; /* the next set's tensors, made while recv waits */
 } PyChannel;
 
 extern PyTypeObject PyChannel_Type;

@@ -68,6 +68,7 @@ py_mem_kind py_memory_lookup(uintptr_t storage_key, void **memory) {
   pthread_mutex_lock(&table_lock);
   for (py_mem *m = table[bucket_of(storage_key)]; m; m = m->next) {
     if (m->storage_key == storage_key) {
+      if (m->kind == PY_MEM_VIEW && !m->view) break; /* made ahead, holding no memory yet: nobody's to send */
       kind = m->kind;
       *memory = kind == PY_MEM_VIEW ? (void *)m->view : (void *)m->buffer;
       break;
@@ -232,6 +233,39 @@ PyObject *py_memory_view_bytes_capsule(tshare_view *view, uint64_t nbytes) {
   return view_capsule_as(view, &d);
 }
 
+PyObject *py_memory_pending_capsule(void *data, const tshare_tensor_desc *d, int device_type, int device_id) {
+  py_mem *m = calloc(1, sizeof *m);
+  if (!m) return PyErr_NoMemory();
+  m->kind = PY_MEM_VIEW; /* its view comes with py_memory_attach_view */
+  return capsule_of(m, data, d, device_type, device_id);
+}
+
+/* The py_mem of a capsule torch consumed, or NULL with a Python error. */
+static py_mem *consumed_mem(PyObject *capsule) {
+  const char *name = PyCapsule_GetName(capsule);
+  void *p = name ? PyCapsule_GetPointer(capsule, name) : NULL;
+  if (!p) return NULL;
+  if (strcmp(name, DLPACK_CAPSULE_USED) != 0 && strcmp(name, DLPACK_CAPSULE_VERSIONED_USED) != 0) {
+    PyErr_SetString(PyExc_ValueError, "tshare: the capsule was not consumed by torch");
+    return NULL;
+  }
+  return strcmp(name, DLPACK_CAPSULE_USED) == 0 ? ((DLManagedTensor *)p)->manager_ctx
+                                                : ((DLManagedTensorVersioned *)p)->manager_ctx;
+}
+
+int py_memory_attach_view(PyObject *capsule, tshare_view *view) {
+  py_mem *m = consumed_mem(capsule);
+  if (!m) return -1;
+  if (m->kind != PY_MEM_VIEW || m->view) {
+    PyErr_SetString(PyExc_ValueError, "tshare: the capsule's memory is held already");
+    return -1;
+  }
+  pthread_mutex_lock(&table_lock); /* a lookup of its storage reads the view under the lock */
+  m->view = view;
+  pthread_mutex_unlock(&table_lock);
+  return 0;
+}
+
 PyObject *py_memory_host_capsule(size_t nbytes) {
   tshare_host_buffer *buffer = NULL;
   tshare_error err;
@@ -258,15 +292,8 @@ PyObject *py_memory_host_capsule(size_t nbytes) {
 }
 
 int py_memory_bind(PyObject *capsule, uintptr_t storage_key) {
-  const char *name = PyCapsule_GetName(capsule);
-  void *p = name ? PyCapsule_GetPointer(capsule, name) : NULL;
-  if (!p) return -1;
-  if (strcmp(name, DLPACK_CAPSULE_USED) != 0 && strcmp(name, DLPACK_CAPSULE_VERSIONED_USED) != 0) {
-    PyErr_SetString(PyExc_ValueError, "tshare: bind: the capsule was not consumed by torch");
-    return -1;
-  }
-  py_mem *m = strcmp(name, DLPACK_CAPSULE_USED) == 0 ? ((DLManagedTensor *)p)->manager_ctx
-                                                      : ((DLManagedTensorVersioned *)p)->manager_ctx;
+  py_mem *m = consumed_mem(capsule);
+  if (!m) return -1;
   if (m->storage_key) return 0;
   m->storage_key = storage_key;
   table_insert(m);

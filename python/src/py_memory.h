@@ -33,6 +33,17 @@ PyObject *py_memory_view_capsule(tshare_view *view);
  * capsule owns the view. */
 PyObject *py_memory_view_bytes_capsule(tshare_view *view, uint64_t nbytes);
 
+/* A capsule laid out as d over data, which holds no memory until
+ * py_memory_attach_view gives it a view of the memory at data (the next
+ * set's tensors, made while recv waits: py_set_ahead.h). Dropped before,
+ * it gives nothing back. */
+PyObject *py_memory_pending_capsule(void *data, const tshare_tensor_desc *d, int device_type, int device_id);
+
+/* The view a pending capsule's memory is, once torch consumed the capsule;
+ * the storage owns it from then on. 0, or -1 with a Python error (the
+ * caller keeps the view). */
+int py_memory_attach_view(PyObject *capsule, tshare_view *view);
+
 /* A capsule over a new zero-filled host buffer of nbytes as a 1-D uint8
  * tensor; NULL with a Python error set on failure. */
 PyObject *py_memory_host_capsule(size_t nbytes);

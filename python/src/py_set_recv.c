@@ -101,6 +101,8 @@ typedef struct set_layout {
   int32_t *kind_of;      /* per member: its kind, -1 for a member with a capsule of its own */
   int64_t *elem_offset;  /* per member: its first element's offset in elements of its kind's view */
   uint16_t *kind_dtype;  /* per kind: dtype code << 8 | bits */
+  uint32_t *base_member; /* per memory: its lowest member, whose view the capsule holds */
+  uint64_t *base_bytes;  /* per memory: the capsule's bytes */
 } set_layout;
 
 /* A memory's dtypes become kinds one by one; past this many, members of a
@@ -158,6 +160,8 @@ static int lay_out_memory(set_layout *l, const member_place *places, size_t n) {
     return -1;
   }
   Py_DECREF(capsule);
+  l->base_member[mem] = (uint32_t)lowest;
+  l->base_bytes[mem] = high - low;
   for (size_t j = 0; j < n; j++) {
     uint32_t i = places[j].index;
     const tshare_tensor_desc *d = tshare_set_desc(l->s, i);
@@ -263,20 +267,27 @@ static int refuse_members(tshare_set *s, size_t n) {
 /* ("set", set_id, meta, bases, kinds, views, own) for a set (the lists
  * set_layout and member_entries describe); the set handle goes once every
  * capsule holds it through its view. */
-static PyObject *set_result(tshare_set *s) {
+static PyObject *set_result(PyChannel *self, tshare_set *s) {
   size_t n = tshare_set_count(s), meta_len = 0;
   const void *meta = tshare_set_meta(s, &meta_len);
   set_layout l = {.s = s, .bases = PyList_New(0), .kinds = PyList_New(0)};
   l.kind_of = malloc((n ? n : 1) * sizeof *l.kind_of);
   l.elem_offset = malloc((n ? n : 1) * sizeof *l.elem_offset);
   l.kind_dtype = malloc((n ? n : 1) * sizeof *l.kind_dtype);
+  l.base_member = malloc((n ? n : 1) * sizeof *l.base_member);
+  l.base_bytes = malloc((n ? n : 1) * sizeof *l.base_bytes);
   PyObject *views = PyList_New(0), *own = PyList_New(0), *result = NULL;
   PyObject *meta_bytes = PyBytes_FromStringAndSize(meta, (Py_ssize_t)meta_len);
-  if (!l.kind_of || !l.elem_offset || !l.kind_dtype) PyErr_NoMemory();
+  if (!l.kind_of || !l.elem_offset || !l.kind_dtype || !l.base_member || !l.base_bytes) PyErr_NoMemory();
   else if (l.bases && l.kinds && views && own && meta_bytes && refuse_members(s, n) == 0 && lay_out(&l, n) == 0 &&
            member_entries(&l, n, views, own) == 0)
     result = Py_BuildValue("(sKOOOOO)", "set", (unsigned long long)tshare_set_id(s), meta_bytes, l.bases, l.kinds,
                            views, own);
+  /* Its recipe, for the next set's tensors (py_set_ahead.h): a recipe that
+   * cannot be kept costs that alone, never the set. */
+  if (result && py_ahead_record(&self->ahead, s, l.base_member, l.base_bytes, (size_t)PyList_GET_SIZE(l.bases),
+                                l.kind_of, l.kinds, views) < 0)
+    PyErr_Clear();
   /* On failure the capsules made so far go with their lists: the set goes back. */
   Py_XDECREF(l.bases);
   Py_XDECREF(l.kinds);
@@ -286,6 +297,8 @@ static PyObject *set_result(tshare_set *s) {
   free(l.kind_of);
   free(l.elem_offset);
   free(l.kind_dtype);
+  free(l.base_member);
+  free(l.base_bytes);
   tshare_set_release(s);
   return result;
 }
@@ -299,5 +312,7 @@ PyObject *py_set_take(PyChannel *self) {
   }
   tshare_set *s = n->set;
   n->set = NULL;
-  return set_result(s);
+  PyObject *kept = py_ahead_hand_over(&self->ahead, s);
+  if (kept || PyErr_Occurred()) return kept;
+  return set_result(self, s);
 }

@@ -46,6 +46,12 @@ def _load_native():
 
 _native = _load_native()
 
+# A channel's recv makes the next set's tensors while it waits, from the last
+# set it received whose layout the C library keeps (py_set_ahead.h): needs
+# the C++ maker. TSHARE_SET_AHEAD=0 turns it off.
+AHEAD = _native is not None and os.environ.get("TSHARE_SET_AHEAD", "1") != "0"
+_tshare._set_ahead(AHEAD)
+
 
 def _fail(code, message):
     raise _tshare._error(code, "tshare: " + message)
@@ -342,6 +348,37 @@ def received_set(box):
     cuda = next((t.device for t in memories + [t for _, _, t in own] if t.is_cuda), None)
     if cuda is not None:
         _after_default_stream(cuda)
+    return set_id, meta, tensors
+
+
+def make_ahead(c):
+    """While nothing waits on channel c (a look reads what came, and sends
+    the releases this thread's drops left queued), make the tensors of a set
+    of the last kept layout and leave them on c: a recv that gets such a set
+    hands them over (("kept", ...), kept_set) with its memory attached. What
+    goes wrong here is the next set's to report, made as any other."""
+    if not c._ahead_wanted() or c._peek() is not False:
+        return
+    spec = c._ahead_spec()
+    if spec is None:
+        return
+    generation, bases, kinds, views, own = spec
+    del spec
+    capsules = bases + [capsule for _, _, capsule, _, _ in own]
+    try:
+        _, keys, tensors, _ = _native.set_tensors(bases, kinds, views, own, _FROM_DLPACK)
+        del bases[:], own[:]
+        _tshare._bind_keys(capsules, keys)
+    except Exception:  # a dtype torch lacks, memory: nothing was held, nothing is kept
+        return
+    c._ahead_put(generation, tensors, capsules)
+
+
+def kept_set(r):
+    """(set_id, meta, tensors) of recv's ("kept", set_id, meta, tensors, cuda)."""
+    _, set_id, meta, tensors, cuda = r
+    if cuda >= 0:
+        _after_default_stream(torch.device("cuda", cuda))
     return set_id, meta, tensors
 
 

@@ -397,6 +397,8 @@ def cuda_consumer(fd, mode):
         if mode == "hold":
             time.sleep(60)
         del r
+    if mode == "versions":  # the sets whose tensors recv made while it waited, and those handed over
+        print("ahead %d %d" % ch._c._ahead_counts, flush=True)
     ch.close()
 
 
@@ -465,6 +467,28 @@ def cuda_a_state_dict_updated_in_place_is_sent_again_from_the_kept_set():
         send_cuda_and_expect(p, proc, sent, "n=291 ok cpu+cuda:0", meta=b"%d" % version)
     assert p._c._set_cache_counts == (5, 1), p._c._set_cache_counts
     end_cuda_consumer(p, proc)
+
+
+@test
+def cuda_versions_come_as_the_tensors_recv_made_while_it_waited_after_the_producers_stream():
+    need_cuda()
+    p, proc = start_cuda_consumer("versions")
+    sent, base = numbered_cuda_set(290)
+    for version in range(10):
+        if version in (6, 9):  # the producer's stream busy: the consumer's values must still be this version's
+            torch.cuda._sleep(200_000_000)
+        base.copy_(torch.arange(870.0, device="cuda").view(290, 3) + version)
+        send_cuda_and_expect(p, proc, sent, "n=290 ok cuda:0", meta=b"%d" % version)
+        time.sleep(0.02)  # the consumer waits in recv meanwhile, making the next version's tensors
+    p.send_bye()
+    line = proc.stdout.readline().split()
+    assert proc.wait(timeout=30) == 0 and line[0] == "ahead", line
+    made, handed = int(line[1]), int(line[2])
+    if tshare._sets.AHEAD:  # the consumer runs with this environment and build
+        assert 5 <= handed <= 9 and made in (handed, handed + 1), line  # + 1: made while it waited for the bye
+    else:
+        assert made == handed == 0, line
+    p.close()
 
 
 @test

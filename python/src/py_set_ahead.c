@@ -1,0 +1,245 @@
+/* py_set_ahead.c - the next set's torch tensors, made while recv waits (see
+ * py_set_ahead.h). */
+#include "py_set_ahead.h"
+
+#include "py_channel.h"
+#include "py_errors.h"
+#include "py_memory.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static int enabled;
+
+void py_ahead_enable(int on) { enabled = on; }
+int py_ahead_enabled(void) { return enabled; }
+
+/* What was made ahead will not be handed over: it goes at the next recv
+ * call (dropping hundreds of tensors is not for the way to a result). */
+static void go_stale(py_set_ahead *a) {
+  PyObject *older = a->stale;
+  a->stale = a->ahead;
+  a->ahead = NULL;
+  Py_XDECREF(older);
+}
+
+static void drop_recipe(py_set_ahead *a) {
+  PyObject *kinds = a->kinds, *views = a->views, *own = a->own;
+  free(a->data);
+  free(a->device);
+  free(a->caps);
+  a->data = NULL, a->device = NULL, a->caps = NULL;
+  a->kinds = a->views = a->own = NULL;
+  a->layout = 0, a->count = 0, a->n_caps = a->n_bases = 0, a->cuda_device = -1;
+  a->generation++;
+  Py_XDECREF(kinds);
+  Py_XDECREF(views);
+  Py_XDECREF(own);
+}
+
+void py_ahead_forget(py_set_ahead *a) {
+  go_stale(a);
+  PyObject *stale = a->stale;
+  a->stale = NULL;
+  drop_recipe(a);
+  Py_XDECREF(stale);
+}
+
+/* The capsule a member's memory becomes: where it starts and its device. */
+static void kept_capsule(const tshare_set *s, uint32_t member, const tshare_tensor_desc *desc, py_kept_capsule *c) {
+  int cuda = tshare_set_cuda_device(s, member);
+  c->member = member;
+  c->data = tshare_set_data(s, member);
+  c->desc = *desc;
+  c->device_type = cuda >= 0 ? TSHARE_DEVICE_CUDA : TSHARE_DEVICE_CPU;
+  c->device_id = cuda >= 0 ? cuda : 0;
+}
+
+static int fits(const py_set_ahead *a, const tshare_set *s);
+
+static int record(py_set_ahead *a, const tshare_set *s, const uint32_t *base_member, const uint64_t *base_bytes,
+                  size_t n_bases, const int32_t *kind_of, PyObject *kinds, PyObject *views) {
+  size_t n = tshare_set_count(s), n_own = 0;
+  for (size_t i = 0; i < n; i++) n_own += kind_of[i] < 0;
+  a->data = malloc((n ? n : 1) * sizeof *a->data);
+  a->device = malloc((n ? n : 1) * sizeof *a->device);
+  a->caps = malloc((n_bases + n_own ? n_bases + n_own : 1) * sizeof *a->caps);
+  a->own = PyList_New(0);
+  if (!a->data || !a->device || !a->caps) PyErr_NoMemory();
+  if (!a->data || !a->device || !a->caps || !a->own) return -1;
+  a->count = n;
+  a->cuda_device = -1;
+  for (size_t i = 0; i < n; i++) {
+    a->data[i] = tshare_set_data(s, i);
+    a->device[i] = tshare_set_cuda_device(s, i);
+    if (a->cuda_device < 0) a->cuda_device = a->device[i];
+  }
+  for (size_t j = 0; j < n_bases; j++) {
+    int64_t bytes = (int64_t)base_bytes[j];
+    tshare_tensor_desc d = tshare_tensor_contiguous((tshare_dtype){TSHARE_DTYPE_UINT, 8, 1}, 1, &bytes, 0);
+    kept_capsule(s, base_member[j], &d, &a->caps[j]);
+  }
+  size_t c = n_bases;
+  for (size_t i = 0; i < n; i++) {
+    if (kind_of[i] >= 0) continue;
+    const tshare_tensor_desc *d = tshare_set_desc(s, i);
+    const char *name = tshare_set_name(s, i);
+    kept_capsule(s, (uint32_t)i, d, &a->caps[c++]);
+    PyObject *entry =
+      Py_BuildValue("(ns#ii)", (Py_ssize_t)i, name, (Py_ssize_t)strlen(name), d->dtype.code, d->dtype.bits);
+    if (!entry || PyList_Append(a->own, entry) < 0) {
+      Py_XDECREF(entry);
+      return -1;
+    }
+    Py_DECREF(entry);
+  }
+  a->n_caps = c, a->n_bases = n_bases;
+  Py_INCREF(kinds);
+  Py_INCREF(views);
+  a->kinds = kinds, a->views = views;
+  a->layout = tshare_set_layout(s);
+  return 0;
+}
+
+int py_ahead_record(py_set_ahead *a, const tshare_set *s, const uint32_t *base_member, const uint64_t *base_bytes,
+                    size_t n_bases, const int32_t *kind_of, PyObject *kinds, PyObject *views) {
+  if (fits(a, s)) return 0; /* the recipe it came from (nothing was made ahead): kept as it is */
+  go_stale(a);
+  drop_recipe(a);
+  if (!enabled || !tshare_set_layout(s)) return 0;
+  if (record(a, s, base_member, base_bytes, n_bases, kind_of, kinds, views) == 0) return 0;
+  drop_recipe(a);
+  return -1;
+}
+
+/* Every member of s where the recipe has it: then the tensors made from the
+ * recipe are s's, only their memory is not held yet. The layout number says
+ * the rest (names, dtypes, shapes, strides, places in memory: set.h). */
+static int fits(const py_set_ahead *a, const tshare_set *s) {
+  if (!a->layout || tshare_set_layout(s) != a->layout || tshare_set_count(s) != a->count) return 0;
+  for (size_t i = 0; i < a->count; i++)
+    if (tshare_set_data(s, i) != a->data[i] || tshare_set_cuda_device(s, i) != a->device[i]) return 0;
+  return 1;
+}
+
+static void release_views(tshare_view **views, size_t from, size_t to) {
+  for (size_t j = from; j < to; j++) tshare_view_release(views[j]);
+}
+
+PyObject *py_ahead_hand_over(py_set_ahead *a, tshare_set *s) {
+  if (!a->ahead) return NULL;
+  if (!fits(a, s)) {
+    go_stale(a);
+    return NULL;
+  }
+  size_t n = a->n_caps;
+  tshare_view **views = calloc(n ? n : 1, sizeof *views);
+  if (!views) {
+    tshare_set_release(s);
+    return PyErr_NoMemory();
+  }
+  /* Every view first: a memory that is not where the recipe has it (which
+   * fits() rules out) leaves the set to be made as any other. */
+  size_t made = 0;
+  int rc = TSHARE_OK;
+  for (; made < n; made++) {
+    rc = tshare_set_view(s, a->caps[made].member, &views[made]);
+    if (rc != TSHARE_OK || tshare_view_data(views[made]) != a->caps[made].data) break;
+  }
+  if (made < n) {
+    release_views(views, 0, made + (rc == TSHARE_OK));
+    free(views);
+    go_stale(a);
+    if (rc == TSHARE_OK) return NULL;
+    PyObject *none = py_raise_fmt(rc, "tshare: recv: set %llu: no view of its memory",
+                                  (unsigned long long)tshare_set_id(s));
+    tshare_set_release(s);
+    return none;
+  }
+  PyObject *tensors = PyTuple_GET_ITEM(a->ahead, 0), *capsules = PyTuple_GET_ITEM(a->ahead, 1);
+  for (size_t j = 0; j < n; j++) {
+    if (py_memory_attach_view(PyList_GET_ITEM(capsules, (Py_ssize_t)j), views[j]) < 0) {
+      release_views(views, j, n); /* those attached go with the tensors */
+      free(views);
+      go_stale(a);
+      tshare_set_release(s);
+      return NULL;
+    }
+  }
+  free(views);
+  size_t meta_len = 0;
+  const void *meta = tshare_set_meta(s, &meta_len);
+  PyObject *result = Py_BuildValue("(sKy#Oi)", "kept", (unsigned long long)tshare_set_id(s), meta ? meta : "",
+                                   (Py_ssize_t)meta_len, tensors, a->cuda_device);
+  tshare_set_release(s); /* each memory's view holds it now */
+  PyObject *ahead = a->ahead;
+  a->ahead = NULL;
+  Py_DECREF(ahead); /* result holds the tensors, or (no memory for it) they go, and the set with them */
+  if (result) a->handed_over++;
+  return result;
+}
+
+/* ---- what recv calls, from tshare._sets.make_ahead ------------------------- */
+
+PyObject *py_channel_ahead_wanted(PyObject *obj, PyObject *unused) {
+  (void)unused;
+  py_set_ahead *a = &((PyChannel *)obj)->ahead;
+  Py_CLEAR(a->stale);
+  return PyBool_FromLong(((PyChannel *)obj)->ch && a->layout && !a->ahead);
+}
+
+PyObject *py_channel_ahead_spec(PyObject *obj, PyObject *unused) {
+  (void)unused;
+  py_set_ahead *a = &((PyChannel *)obj)->ahead;
+  if (!((PyChannel *)obj)->ch || !a->layout || a->ahead) Py_RETURN_NONE;
+  PyObject *bases = PyList_New((Py_ssize_t)a->n_bases), *own = PyList_New(PyList_GET_SIZE(a->own));
+  PyObject *result = NULL;
+  if (!bases || !own) goto out;
+  for (size_t j = 0; j < a->n_caps; j++) {
+    const py_kept_capsule *c = &a->caps[j];
+    PyObject *capsule = py_memory_pending_capsule(c->data, &c->desc, c->device_type, c->device_id);
+    if (!capsule) goto out;
+    if (j < a->n_bases) {
+      PyList_SET_ITEM(bases, (Py_ssize_t)j, capsule);
+      continue;
+    }
+    PyObject *t = PyList_GET_ITEM(a->own, (Py_ssize_t)(j - a->n_bases)); /* (index, name, code, bits) */
+    PyObject *entry = Py_BuildValue("(OONOO)", PyTuple_GET_ITEM(t, 0), PyTuple_GET_ITEM(t, 1), capsule,
+                                    PyTuple_GET_ITEM(t, 2), PyTuple_GET_ITEM(t, 3));
+    if (!entry) goto out;
+    PyList_SET_ITEM(own, (Py_ssize_t)(j - a->n_bases), entry);
+  }
+  result = Py_BuildValue("(KOOOO)", (unsigned long long)a->generation, bases, a->kinds, a->views, own);
+out:
+  Py_XDECREF(bases);
+  Py_XDECREF(own);
+  return result;
+}
+
+PyObject *py_channel_ahead_put(PyObject *obj, PyObject *args) {
+  unsigned long long generation;
+  PyObject *tensors, *capsules;
+  if (!PyArg_ParseTuple(args, "KO!O!", &generation, &PyDict_Type, &tensors, &PyList_Type, &capsules)) return NULL;
+  py_set_ahead *a = &((PyChannel *)obj)->ahead;
+  if (!((PyChannel *)obj)->ch || !a->layout || a->ahead || generation != a->generation ||
+      (size_t)PyList_GET_SIZE(capsules) != a->n_caps)
+    Py_RETURN_FALSE; /* another recv changed the recipe or made its tensors meanwhile */
+  a->ahead = PyTuple_Pack(2, tensors, capsules);
+  if (!a->ahead) return NULL;
+  a->made++;
+  Py_RETURN_TRUE;
+}
+
+PyObject *py_channel_ahead_counts(PyObject *obj, void *unused) {
+  (void)unused;
+  const py_set_ahead *a = &((PyChannel *)obj)->ahead;
+  return Py_BuildValue("(KK)", a->made, a->handed_over);
+}
+
+PyObject *py_set_ahead_enable(PyObject *module, PyObject *args) {
+  (void)module;
+  int on;
+  if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+  py_ahead_enable(on);
+  Py_RETURN_NONE;
+}
