@@ -17,6 +17,7 @@ int py_ahead_enabled(void) { return enabled; }
 /* What was made ahead will not be handed over: it goes at the next recv
  * call (dropping hundreds of tensors is not for the way to a result). */
 static void go_stale(py_set_ahead *a) {
+  if (!a->ahead) return; /* what went stale before stays for the next recv to drop */
   PyObject *older = a->stale;
   a->stale = a->ahead;
   a->ahead = NULL;
@@ -192,27 +193,43 @@ PyObject *py_channel_ahead_spec(PyObject *obj, PyObject *unused) {
   (void)unused;
   py_set_ahead *a = &((PyChannel *)obj)->ahead;
   if (!((PyChannel *)obj)->ch || !a->layout || a->ahead) Py_RETURN_NONE;
-  PyObject *bases = PyList_New((Py_ssize_t)a->n_bases), *own = PyList_New(PyList_GET_SIZE(a->own));
+  /* A copy of the recipe before the first Python allocation: one may run a
+   * finalizer that lets another thread's recv replace the recipe. What is
+   * made from the copy carries its generation, which _ahead_put checks. */
+  const unsigned long long generation = a->generation;
+  const size_t n_caps = a->n_caps, n_bases = a->n_bases;
+  py_kept_capsule *caps = malloc((n_caps ? n_caps : 1) * sizeof *caps);
+  if (!caps) return PyErr_NoMemory();
+  memcpy(caps, a->caps, n_caps * sizeof *caps);
+  PyObject *kinds = a->kinds, *views = a->views, *own_template = a->own;
+  Py_INCREF(kinds);
+  Py_INCREF(views);
+  Py_INCREF(own_template);
+  PyObject *bases = PyList_New((Py_ssize_t)n_bases), *own = PyList_New((Py_ssize_t)(n_caps - n_bases));
   PyObject *result = NULL;
   if (!bases || !own) goto out;
-  for (size_t j = 0; j < a->n_caps; j++) {
-    const py_kept_capsule *c = &a->caps[j];
+  for (size_t j = 0; j < n_caps; j++) {
+    const py_kept_capsule *c = &caps[j];
     PyObject *capsule = py_memory_pending_capsule(c->data, &c->desc, c->device_type, c->device_id);
     if (!capsule) goto out;
-    if (j < a->n_bases) {
+    if (j < n_bases) {
       PyList_SET_ITEM(bases, (Py_ssize_t)j, capsule);
       continue;
     }
-    PyObject *t = PyList_GET_ITEM(a->own, (Py_ssize_t)(j - a->n_bases)); /* (index, name, code, bits) */
+    PyObject *t = PyList_GET_ITEM(own_template, (Py_ssize_t)(j - n_bases)); /* (index, name, code, bits) */
     PyObject *entry = Py_BuildValue("(OONOO)", PyTuple_GET_ITEM(t, 0), PyTuple_GET_ITEM(t, 1), capsule,
                                     PyTuple_GET_ITEM(t, 2), PyTuple_GET_ITEM(t, 3));
     if (!entry) goto out;
-    PyList_SET_ITEM(own, (Py_ssize_t)(j - a->n_bases), entry);
+    PyList_SET_ITEM(own, (Py_ssize_t)(j - n_bases), entry);
   }
-  result = Py_BuildValue("(KOOOO)", (unsigned long long)a->generation, bases, a->kinds, a->views, own);
+  result = Py_BuildValue("(KOOOO)", generation, bases, kinds, views, own);
 out:
+  free(caps);
   Py_XDECREF(bases);
   Py_XDECREF(own);
+  Py_DECREF(kinds);
+  Py_DECREF(views);
+  Py_DECREF(own_template);
   return result;
 }
 
@@ -221,11 +238,17 @@ PyObject *py_channel_ahead_put(PyObject *obj, PyObject *args) {
   PyObject *tensors, *capsules;
   if (!PyArg_ParseTuple(args, "KO!O!", &generation, &PyDict_Type, &tensors, &PyList_Type, &capsules)) return NULL;
   py_set_ahead *a = &((PyChannel *)obj)->ahead;
+  /* Allocated before the checks: an allocation may run a finalizer that lets
+   * another thread's recv replace the recipe, and nothing may come between
+   * the checks and the store. */
+  PyObject *made = PyTuple_Pack(2, tensors, capsules);
+  if (!made) return NULL;
   if (!((PyChannel *)obj)->ch || !a->layout || a->ahead || generation != a->generation ||
-      (size_t)PyList_GET_SIZE(capsules) != a->n_caps)
-    Py_RETURN_FALSE; /* another recv changed the recipe or made its tensors meanwhile */
-  a->ahead = PyTuple_Pack(2, tensors, capsules);
-  if (!a->ahead) return NULL;
+      (size_t)PyList_GET_SIZE(capsules) != a->n_caps) {
+    Py_DECREF(made); /* another recv changed the recipe or made its tensors meanwhile */
+    Py_RETURN_FALSE;
+  }
+  a->ahead = made;
   a->made++;
   Py_RETURN_TRUE;
 }

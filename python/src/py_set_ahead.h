@@ -16,7 +16,9 @@
  * way to this one's result.
  *
  * Everything here runs with the GIL held, which orders the recv that takes a
- * set (inside the channel's guard) and the thread that makes tensors ahead. */
+ * set (inside the channel's guard) and the thread that makes tensors ahead;
+ * but any Python allocation may run a finalizer that lets another thread
+ * run, so no check is followed by an allocation before what it guards. */
 #ifndef TSHARE_PY_SET_AHEAD_H
 #define TSHARE_PY_SET_AHEAD_H
 

@@ -357,7 +357,10 @@ def make_ahead(c):
     of the last kept layout and leave them on c: a recv that gets such a set
     hands them over (("kept", ...), kept_set) with its memory attached. What
     goes wrong here is the next set's to report, made as any other."""
-    if not c._ahead_wanted() or c._peek() is not False:
+    # Tensors made in inference mode are inference tensors, which a recv
+    # outside it must not hand out: made only outside (normal tensors work
+    # inside it too).
+    if not c._ahead_wanted() or torch.is_inference_mode_enabled() or c._peek() is not False:
         return
     spec = c._ahead_spec()
     if spec is None:

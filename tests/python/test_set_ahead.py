@@ -176,6 +176,30 @@ def tensors_made_ahead_hold_no_memory_and_a_fork_or_close_drops_them():
 
 
 @test
+def a_recv_in_inference_mode_makes_nothing_ahead_that_a_recv_outside_it_could_not_write():
+    m = model_of_290()
+    sent = m.state_dict()
+    p, c = pair()
+    step(p, c, sent, b"0", ahead=False)
+    with torch.inference_mode():
+        wait_ahead(c)  # inference tensors made here would be refused a write outside
+    assert counts(c) == (0, 0), counts(c)
+    set_id = tshare.send(p, sent, meta=b"1", timeout=10)
+    r = tshare.recv(c, timeout=10)
+    t = r.tensors["0.weight"]
+    assert not t.is_inference()
+    t.add_(1)  # outside inference mode: a normal tensor takes it
+    assert torch.equal(sent["0.weight"], t)
+    del r, t
+    release(p, c, set_id)
+    wait_ahead(c)  # outside: made, and handed over to a recv inside inference mode, where they work too
+    with torch.inference_mode():
+        assert step(p, c, sent, b"2", ahead=False) == (1 if ON else 0)
+    p.close()
+    c.close()
+
+
+@test
 def two_threads_receiving_on_one_channel_get_each_version_once_and_intact():
     m = model_of_290()
     sent = m.state_dict()
