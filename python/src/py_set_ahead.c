@@ -104,7 +104,10 @@ static int record(py_set_ahead *a, const tshare_set *s, const uint32_t *base_mem
 
 int py_ahead_record(py_set_ahead *a, const tshare_set *s, const uint32_t *base_member, const uint64_t *base_bytes,
                     size_t n_bases, const int32_t *kind_of, PyObject *kinds, PyObject *views) {
-  if (fits(a, s)) return 0; /* the recipe it came from (nothing was made ahead): kept as it is */
+  if (fits(a, s)) { /* the recipe it came from (nothing was made ahead): kept as it is */
+    a->misses = 0;   /* and worth making again */
+    return 0;
+  }
   go_stale(a);
   drop_recipe(a);
   if (!enabled || !tshare_set_layout(s)) return 0;
@@ -131,6 +134,7 @@ PyObject *py_ahead_hand_over(py_set_ahead *a, tshare_set *s) {
   if (!a->ahead) return NULL;
   if (!fits(a, s)) {
     go_stale(a);
+    a->misses++;
     return NULL;
   }
   size_t n = a->n_caps;
@@ -176,7 +180,7 @@ PyObject *py_ahead_hand_over(py_set_ahead *a, tshare_set *s) {
   PyObject *ahead = a->ahead;
   a->ahead = NULL;
   Py_DECREF(ahead); /* result holds the tensors, or (no memory for it) they go, and the set with them */
-  if (result) a->handed_over++;
+  if (result) a->handed_over++, a->misses = 0;
   return result;
 }
 
@@ -186,7 +190,7 @@ PyObject *py_channel_ahead_wanted(PyObject *obj, PyObject *unused) {
   (void)unused;
   py_set_ahead *a = &((PyChannel *)obj)->ahead;
   Py_CLEAR(a->stale);
-  return PyBool_FromLong(((PyChannel *)obj)->ch && a->layout && !a->ahead);
+  return PyBool_FromLong(((PyChannel *)obj)->ch && a->layout && !a->ahead && a->misses < 2);
 }
 
 PyObject *py_channel_ahead_spec(PyObject *obj, PyObject *unused) {

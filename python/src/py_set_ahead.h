@@ -49,6 +49,8 @@ typedef struct py_set_ahead {
   PyObject *own;           /* [(index, name, dtype code, bits)] of the members with a capsule of their own */
   PyObject *ahead;         /* (tensors, capsules) made for the next set, or NULL */
   PyObject *stale;         /* made for a set that did not come: dropped at the next recv */
+  unsigned misses;          /* sets in a row that did not fit what was made: at 2 nothing is made
+                              until a set of the recipe's layout comes (a producer alternating models) */
   unsigned long long made, handed_over;
 } py_set_ahead;
 

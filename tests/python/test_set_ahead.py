@@ -176,6 +176,22 @@ def tensors_made_ahead_hold_no_memory_and_a_fork_or_close_drops_them():
 
 
 @test
+def a_producer_alternating_two_models_costs_two_sets_made_for_nothing_then_none():
+    a, b = model_of_290().state_dict(), model_of_290().state_dict()
+    p, c = pair()
+    step(p, c, a, b"a", ahead=False)
+    for k in range(10):  # b, a, b, a...: what was made never fits
+        assert step(p, c, (b, a)[k % 2], b"%d" % k, ahead=True) == 0, k
+    assert counts(c) == ((2, 0) if ON else (0, 0)), counts(c)  # after two misses in a row it stops making them
+    # The last was a: a again is of the recipe's layout, so they are made again, and handed over from then on.
+    for k in range(5):
+        assert step(p, c, a, b"a again %d" % k, ahead=True) == (1 if ON and k >= 1 else 0), k
+    assert counts(c) == ((6, 4) if ON else (0, 0)), counts(c)
+    p.close()
+    c.close()
+
+
+@test
 def a_recv_in_inference_mode_makes_nothing_ahead_that_a_recv_outside_it_could_not_write():
     m = model_of_290()
     sent = m.state_dict()

@@ -7,6 +7,8 @@
 // dropped on other threads while the next is received.
 #include "set_test_util.h"
 
+#include <c10/core/InferenceMode.h>
+
 #include <atomic>
 #include <functional>
 #include <memory>
@@ -166,6 +168,39 @@ TS_TEST(two_sets_of_one_layout_held_at_once_are_released_each_once) {
   c.wait_released(id2);
   for (int v = 4; v <= 6; v++) c.wait_released(version(v));
   CHECK_EQ(sender.builds(), 1);
+  c.finish();
+}
+
+// A poll in inference mode makes nothing ahead: the next version, received
+// outside it, must be tensors it can write.
+static void inference_mode_consumer(int fd) {
+  tshare_channel *ch = open_channel(fd, "consumer");
+  tt::SetReceiver receiver;
+  CHECK(receiver.recv(ch, {TIMEOUT})->meta == "version=1"); // dropped: the release goes with the poll's look
+  {
+    c10::InferenceMode inference;
+    CHECK_THROWS_CODE(receiver.recv(ch, {0}), TSHARE_E_TIMEOUT, ""); // version 2 waits for that release
+  }
+  auto r2 = receiver.recv(ch, {TIMEOUT});
+  CHECK(r2 && r2->meta == "version=2");
+  at::Tensor t = r2->tensors[3].value();
+  CHECK(!t.is_inference());
+  t.add_(1); // an inference tensor would throw here
+  CHECK(at::equal(t, version_values(2, 3) + 1));
+  t.reset();
+  r2.reset();
+  CHECK(!receiver.recv(ch, {TIMEOUT}));
+  tshare_channel_close(ch);
+}
+
+TS_TEST(a_poll_in_inference_mode_makes_no_tensors_ahead_that_a_recv_outside_it_hands_out) {
+  ForkedConsumer c(inference_mode_consumer);
+  tt::NamedTensors state = model_in_7_memories();
+  tt::SetSender sender;
+  for (int v = 1; v <= 2; v++) {
+    write_version(state, v);
+    c.wait_released(sender.send(c.ch, state, {"version=" + std::to_string(v), TIMEOUT}));
+  }
   c.finish();
 }
 

@@ -13,6 +13,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/TensorImpl.h>
 
 #ifdef TSHARE_TORCH_CUDA
@@ -260,7 +261,10 @@ struct SetReceiver::Kept {
   // adopt_set makes it.
   void make_ahead() noexcept {
     stale.clear();
-    if (!layout || ahead.hold) return;
+    // Tensors made in inference mode are inference tensors, which a recv()
+    // outside it would hand out unwritable: made only outside (normal
+    // tensors work inside it too).
+    if (!layout || ahead.hold || c10::InferenceMode::is_enabled()) return;
     try {
       ahead.hold = new SetHold(nullptr, members.size());
       ahead.tensors.reserve(members.size());
