@@ -40,6 +40,7 @@ typedef struct bench_opts {
   const char *sets_py_script;   /* the state_dict from Python and torch.mp (sets_py_peer.py) */
   long set_iters, set_warmup;   /* timed and untimed hand-offs of a whole model, per row */
   int set_hidden_cpu;           /* the CPU rows' hidden size (the GPU's model scaled down) */
+  const char *set_device;       /* "cuda" or "cpu": the state_dict rows of that device alone; NULL: both */
 } bench_opts;
 
 typedef struct bench {

@@ -83,7 +83,8 @@ static void stop_consumers(bench *b) {
 static void usage(FILE *out) {
   fprintf(out, "usage: tshare-bench [--quick] [--out DIR] [--iters N] [--warmup N] [--pipelined N]\n"
                "                    [--memory-shares N] [--bw-mib N] [--python PATH] [--no-peers]\n"
-               "                    [--set-iters N] [--no-sets] [--sets-only] [--ucx-only] [--contention-only]\n"
+               "                    [--set-iters N] [--set-device cuda|cpu] [--no-sets] [--sets-only] [--ucx-only]\n"
+               "                    [--contention-only]\n"
                "  --quick           few iterations: checks that every row runs, numbers are rough\n"
                "  --out DIR         write bench.json and bench.csv there (default: bench-results)\n"
                "  --iters N         timed hand-offs per latency row (default 20000)\n"
@@ -94,6 +95,7 @@ static void usage(FILE *out) {
                "  --python PATH     interpreter for the torch.multiprocessing peer (default python3)\n"
                "  --no-peers        skip the rows run by other programs\n"
                "  --set-iters N     timed hand-offs per state_dict row (default 200; a tenth untimed first)\n"
+               "  --set-device DEV  the state_dict rows of DEV (cuda or cpu) alone (default both)\n"
                "  --no-sets         skip the state_dict rows (the longest part of a run)\n"
                "  --sets-only       only the state_dict rows and their targets\n"
                "  --ucx-only        only the UCX rows (host memory across a veth pair; root)\n"
@@ -282,6 +284,8 @@ int main(int argc, char **argv) {
       b.opt.python = v, i++;
     } else if (v && parse_long(v, &n) == 0 && strcmp(a, "--iters") == 0) {
       b.opt.iters = n, i++;
+    } else if (v && strcmp(a, "--set-device") == 0 && (strcmp(v, "cuda") == 0 || strcmp(v, "cpu") == 0)) {
+      b.opt.set_device = v, i++;
     } else if (v && parse_long(v, &n) == 0 && n > 0 && strcmp(a, "--set-iters") == 0) {
       b.opt.set_iters = n, b.opt.set_warmup = n / 10 > 0 ? n / 10 : 1, i++;
     } else if (v && parse_long(v, &n) == 0 && strcmp(a, "--warmup") == 0) {

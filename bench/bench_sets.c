@@ -123,6 +123,12 @@ void bench_sets(bench *b) {
     int gpu = d == 0, hidden = gpu ? SETS_GPU_HIDDEN : b->opt.set_hidden_cpu;
     for (size_t i = 0; i < sizeof RUNS / sizeof *RUNS; i++) {
       const sets_run *r = &RUNS[i];
+      if (b->opt.set_device && strcmp(b->opt.set_device, dev) != 0) {
+        char why[64];
+        snprintf(why, sizeof why, "--set-device %s", b->opt.set_device);
+        skip_run(b, r, dev, why);
+        continue;
+      }
       if (gpu && !b->have_gpu) {
         char why[256];
         snprintf(why, sizeof why, "no GPU: %s", b->no_gpu_why);
