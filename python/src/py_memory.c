@@ -68,7 +68,6 @@ py_mem_kind py_memory_lookup(uintptr_t storage_key, void **memory) {
   pthread_mutex_lock(&table_lock);
   for (py_mem *m = table[bucket_of(storage_key)]; m; m = m->next) {
     if (m->storage_key == storage_key) {
-      if (m->kind == PY_MEM_VIEW && !m->view) break; /* made ahead, holding no memory yet: nobody's to send */
       kind = m->kind;
       *memory = kind == PY_MEM_VIEW ? (void *)m->view : (void *)m->buffer;
       break;
@@ -260,9 +259,8 @@ int py_memory_attach_view(PyObject *capsule, tshare_view *view) {
     PyErr_SetString(PyExc_ValueError, "tshare: the capsule's memory is held already");
     return -1;
   }
-  pthread_mutex_lock(&table_lock); /* a lookup of its storage reads the view under the lock */
   m->view = view;
-  pthread_mutex_unlock(&table_lock);
+  if (m->storage_key) table_insert(m); /* found by its storage from now on (py_memory_bind waited for this) */
   return 0;
 }
 
@@ -296,7 +294,7 @@ int py_memory_bind(PyObject *capsule, uintptr_t storage_key) {
   if (!m) return -1;
   if (m->storage_key) return 0;
   m->storage_key = storage_key;
-  table_insert(m);
+  if (m->kind != PY_MEM_VIEW || m->view) table_insert(m); /* a pending capsule's goes in with its view */
   return 0;
 }
 

@@ -48,7 +48,8 @@ int py_memory_attach_view(PyObject *capsule, tshare_view *view);
  * tensor; NULL with a Python error set on failure. */
 PyObject *py_memory_host_capsule(size_t nbytes);
 
-/* Bind the memory under a consumed capsule to a storage identity. */
+/* Bind the memory under a consumed capsule to a storage identity; a
+ * pending capsule's memory is found by it once its view is attached. */
 int py_memory_bind(PyObject *capsule, uintptr_t storage_key);
 
 /* The memory bound to a storage identity, if any. The pointer stays valid

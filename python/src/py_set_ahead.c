@@ -12,7 +12,6 @@
 static int enabled;
 
 void py_ahead_enable(int on) { enabled = on; }
-int py_ahead_enabled(void) { return enabled; }
 
 /* What was made ahead will not be handed over: it goes at the next recv
  * call (dropping hundreds of tensors is not for the way to a result). */

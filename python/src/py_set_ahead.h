@@ -57,7 +57,6 @@ typedef struct py_set_ahead {
 /* Whether channels keep recipes (set once by tshare._sets: only where the
  * tensors can be made ahead). */
 void py_ahead_enable(int on);
-int py_ahead_enabled(void);
 
 /* Forget the recipe and what was made from it (a set of no kept layout came,
  * the channel closes). */

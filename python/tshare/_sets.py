@@ -310,7 +310,13 @@ def received_set(box):
 
     One tensor per memory of the set, bound to it, and each member a view of
     that tensor's dtype view (py_set_recv.c says why): a member costs one
-    as_strided, not a capsule of its own."""
+    as_strided, not a capsule of its own. A ("kept", ...) result has its
+    tensors already: made while recv waited (make_ahead), its memory attached."""
+    if box[0][0] == "kept":
+        _, set_id, meta, tensors, cuda = box.pop()
+        if cuda >= 0:
+            _after_default_stream(torch.device("cuda", cuda))
+        return set_id, meta, tensors
     _, set_id, meta, bases, kinds, views, own = box.pop()
     dtypes = _FROM_DLPACK
     refused = [(name, code, bits) for _, code, bits, _, name in kinds if (code, bits) not in dtypes]
@@ -355,7 +361,7 @@ def make_ahead(c):
     """While nothing waits on channel c (a look reads what came, and sends
     the releases this thread's drops left queued), make the tensors of a set
     of the last kept layout and leave them on c: a recv that gets such a set
-    hands them over (("kept", ...), kept_set) with its memory attached. What
+    hands them over (("kept", ...), received_set) with its memory attached. What
     goes wrong here is the next set's to report, made as any other."""
     # Tensors made in inference mode are inference tensors, which a recv
     # outside it must not hand out: made only outside (normal tensors work
@@ -375,14 +381,6 @@ def make_ahead(c):
     except Exception:  # a dtype torch lacks, memory: nothing was held, nothing is kept
         return
     c._ahead_put(generation, tensors, capsules)
-
-
-def kept_set(r):
-    """(set_id, meta, tensors) of recv's ("kept", set_id, meta, tensors, cuda)."""
-    _, set_id, meta, tensors, cuda = r
-    if cuda >= 0:
-        _after_default_stream(torch.device("cuda", cuda))
-    return set_id, meta, tensors
 
 
 def _bound_all(capsules):

@@ -409,13 +409,10 @@ def recv(ch, timeout=None, device=None, as_parameter=False, requires_grad=None) 
     r = c._recv(_timeout_ms(timeout), _stream_for, -1 if device is None else int(device))
     if r is None:
         return None
-    if r[0] in ("set", "kept"):
-        if r[0] == "kept":  # made while this recv waited (_sets.make_ahead)
-            set_id, meta, tensors = _sets.kept_set(r)
-        else:
-            box = [r]
-            del r  # box alone holds the capsules: a refused set goes back at once
-            set_id, meta, tensors = _sets.received_set(box)
+    if r[0] in ("set", "kept"):  # "kept": its tensors made while this recv waited (_sets.make_ahead)
+        box = [r]
+        del r  # box alone holds the capsules: a refused set goes back at once
+        set_id, meta, tensors = _sets.received_set(box)
         if as_parameter:
             tensors = {k: torch.nn.Parameter(t, requires_grad=_parameter_grad(t.dtype, set_id, requires_grad))
                        for k, t in tensors.items()}

@@ -74,6 +74,24 @@ def step(p, c, sent, meta, ahead):
     return counts(c)[1] - handed
 
 
+def send_versions(p, sent, versions, pause_s):
+    """Versions 0..versions-1 of sent (every value v), each sent and its
+    release awaited (so a consumer checks that version's values), then
+    pause_s(v) seconds, the consumer waiting meanwhile; then the bye."""
+    for v in range(versions):
+        with torch.no_grad():
+            for t in sent.values():
+                t.fill_(v)
+        p.wait_released(tshare.send(p, sent, meta=b"%d" % v, timeout=30), timeout=30)
+        time.sleep(pause_s(v))
+    p.send_bye()
+
+
+def differences(r, sent):
+    """What of received set r differs from sent, as messages naming its version."""
+    return ["version %s: %s differs" % (r.meta, name) for name, t in r.tensors.items() if not torch.equal(t, sent[name])]
+
+
 @test
 def each_version_of_a_state_dict_comes_as_the_tensors_made_while_recv_waited():
     m = model_of_290()
@@ -227,22 +245,15 @@ def an_asyncio_consumer_gets_the_versions_as_tensors_made_while_its_await_slept(
 
     def producer():
         try:
-            for v in range(versions):
-                with torch.no_grad():
-                    for t in sent.values():
-                        t.fill_(v)
-                p.wait_released(tshare.send(p, sent, meta=b"%d" % v, timeout=30), timeout=30)
-                time.sleep(0.02)  # the consumer's await sleeps meanwhile
-            p.send_bye()
+            send_versions(p, sent, versions, lambda v: 0.02)  # the consumer's await sleeps meanwhile
         except BaseException as e:  # reported by the main thread
             errors.append(e)
 
     async def consume():
         got = []
         async for r in aio.iterate(c):
-            v = int(r.meta)
-            errors.extend("version %d: %s differs" % (v, k) for k, t in r.tensors.items() if not torch.equal(t, sent[k]))
-            got.append(v)
+            errors.extend(differences(r, sent))
+            got.append(int(r.meta))
             del r
         return got
 
@@ -273,10 +284,8 @@ def two_threads_receiving_on_one_channel_get_each_version_once_and_intact():
                 r = tshare.recv(c, timeout=30)
                 if r is None:
                     return
-                v = int(r.meta)
-                errors.extend("version %d: %s differs" % (v, name) for name, t in r.tensors.items()
-                              if not torch.equal(t, sent[name]))
-                got.append(v)
+                errors.extend(differences(r, sent))
+                got.append(int(r.meta))
                 del r  # and with it the set: the producer waits for its release
                 c.poll(0)
         except BaseException as e:  # reported by the main thread
@@ -285,14 +294,7 @@ def two_threads_receiving_on_one_channel_get_each_version_once_and_intact():
     threads = [threading.Thread(target=consumer) for _ in range(2)]
     for th in threads:
         th.start()
-    for v in range(versions):
-        with torch.no_grad():
-            for t in sent.values():
-                t.fill_(v)
-        set_id = tshare.send(p, sent, meta=b"%d" % v, timeout=30)
-        p.wait_released(set_id, timeout=30)  # so the values checked are this version's
-        time.sleep(0.002 * (v % 3))
-    p.send_bye()
+    send_versions(p, sent, versions, lambda v: 0.002 * (v % 3))
     for th in threads:
         th.join(timeout=60)
     assert not errors, errors[:3]
