@@ -151,9 +151,12 @@ int tshare_host_buffer_fd(const tshare_host_buffer *b) { return b ? b->fd : -1; 
 size_t tshare_host_buffer_outstanding(const tshare_host_buffer *b) { return b ? atomic_load(&b->outstanding) : 0; }
 
 static void unref(tshare_host_buffer *b) {
+  /* Read while this reference still holds b: another thread's may be the
+   * last, and free it, as soon as this one is let go. */
+  size_t lent = atomic_load(&b->lent);
   size_t left = atomic_fetch_sub(&b->refs, 1) - 1;
   if (left != 0) {
-    if (left == atomic_load(&b->lent)) atomic_fetch_add(&unused_generation, 1);
+    if (left == lent) atomic_fetch_add(&unused_generation, 1);
     return;
   }
   if (!b->foreign_mapping && b->data) munmap(b->data, b->size);
