@@ -4,6 +4,7 @@ transformer's 290 bf16 tensors (the names and shapes of bench_torch_sets)
 handed to 1 or more consumer processes, per model, by one of:
 
   --impl tshare       tshare.send(ch, state_dict, meta=...): one tensor set
+                      (tshare.send_all(channels, ...) to several consumers)
   --impl tshare-loop  one tshare.send per tensor
   --impl torch-mp     torch.multiprocessing: q.put(state_dict), the consumer
                       takes every tensor and answers on a second queue
@@ -139,8 +140,13 @@ class TshareWay:
                     self.tshare.send(ch, t, tag="last" if i + 1 == len(items) else "", timeout=60)
         else:
             meta = b"version=%d" % version + (b" at=%.3f" % now_us() if timeline else b"")
-            for ch in self.chs:
-                self.tshare.send(ch, sd, meta=meta, timeout=60)
+            if len(self.chs) > 1:  # the fan-out: the set built once, sent to each, every release awaited
+                self.sent_ns = None  # sending and waiting are one call
+                for r in self.tshare.send_all(self.chs, sd, meta=meta, timeout=60):
+                    if not (r.ok and r.released):
+                        raise r.error or RuntimeError("a consumer kept its set")
+                return
+            self.tshare.send(self.chs[0], sd, meta=meta, timeout=60)
         self.sent_ns = time.perf_counter_ns()  # the send call(s) done, the releases not yet
         for ch in self.chs:
             ch.wait_released(timeout=60)

@@ -282,6 +282,7 @@ static PyMethodDef channel_methods[] = {
   {"_send", (PyCFunction)py_channel_send, METH_VARARGS, NULL},
   {"_send_host_at", (PyCFunction)py_channel_send_host_at, METH_VARARGS, NULL},
   {"_send_set", (PyCFunction)py_channel_send_set, METH_VARARGS, NULL},
+  {"_send_set_all", (PyCFunction)py_channel_send_set_all, METH_VARARGS, NULL},
   {"_forget_set", (PyCFunction)py_channel_forget_set, METH_NOARGS, NULL},
   {"_recv", (PyCFunction)py_channel_recv, METH_VARARGS, NULL},
   {"_peek", (PyCFunction)py_channel_peek, METH_NOARGS, NULL},

@@ -220,7 +220,8 @@ PyObject *py_channel_set_cache_counts(PyChannel *self, void *unused) {
 /* The send itself, inside the guard, in one call: a set that timed out
  * partway has gone in part (the peer releases it), so it cannot be tried
  * again in slices as a single share is. */
-static PyObject *send_built(PyChannel *self, tshare_set_builder *b, Py_buffer *meta, int timeout_ms) {
+static PyObject *send_built(PyChannel *self, tshare_set_builder *b, Py_buffer *meta, int timeout_ms, void *unused) {
+  (void)unused;
   tshare_error err;
   int rc = tshare_set_builder_set_meta(b, meta->buf, (size_t)meta->len, &err);
   if (rc != TSHARE_OK) return py_raise_fmt(rc, "tshare: send: metadata: %s", err.message);
@@ -232,12 +233,13 @@ static PyObject *send_built(PyChannel *self, tshare_set_builder *b, Py_buffer *m
   return Py_BuildValue("(KO)", (unsigned long long)id, Py_None);
 }
 
-/* Inside the guard: the kept set sent again, or items built and sent. */
+/* Inside the guard: the kept set sent again, or items built and sent (by
+ * send, with ctx). */
 static PyObject *send_in_guard(PyChannel *self, PyObject *items, PyObject *key, PyObject *dtype_codes,
                                Py_buffer *meta, int timeout_ms, PyObject *stream_for, int keep,
-                               unsigned long long stream) {
+                               unsigned long long stream, py_set_sender send, void *ctx) {
   tshare_set_builder *kept = kept_builder_for(self, key, stream_for);
-  if (kept) return send_built(self, kept, meta, timeout_ms);
+  if (kept) return send(self, kept, meta, timeout_ms, ctx);
   if (PyErr_Occurred()) return NULL;
   if (items == Py_None) return Py_BuildValue("(On)", Py_None, (Py_ssize_t)-1); /* the kept set only, and it is not */
   set_build sb = {.b = tshare_set_builder_create(), .dtype_codes = dtype_codes, .cuda_device = -1};
@@ -246,7 +248,7 @@ static PyObject *send_in_guard(PyChannel *self, PyObject *items, PyObject *key, 
   PyObject *result = NULL;
   Py_ssize_t missing = build_set(&sb, items);
   if (missing > 0) result = Py_BuildValue("(On)", Py_None, missing - 1);
-  else if (missing == 0) result = send_built(self, sb.b, meta, timeout_ms);
+  else if (missing == 0) result = send(self, sb.b, meta, timeout_ms, ctx);
   if (missing == 0 && keep) keep_last_set(self, &sb, key); /* sent or not, it is what was asked for last */
   tshare_set_builder_destroy(sb.b); /* NULL when kept; a sent set keeps its own references */
   tshare_host_buffer_destroy(sb.spare);
@@ -266,7 +268,7 @@ static PyObject *send_in_guard(PyChannel *self, PyObject *items, PyObject *key, 
  * stream: the CUDA stream that wrote the CUDA members (0: the default
  * stream). items None: send the kept set if key is its key, else (None, -1)
  * and nothing sent. */
-PyObject *py_channel_send_set(PyChannel *self, PyObject *args) {
+PyObject *py_set_send_args(PyChannel *self, PyObject *args, py_set_sender send, void *ctx) {
   PyObject *items, *dtype_codes, *stream_for, *key = NULL;
   Py_buffer meta;
   int timeout_ms, keep;
@@ -281,9 +283,12 @@ PyObject *py_channel_send_set(PyChannel *self, PyObject *args) {
   }
   PyObject *result = NULL;
   if (py_channel_enter(self)) {
-    result = send_in_guard(self, items, key ? key : items, dtype_codes, &meta, timeout_ms, stream_for, keep, stream);
+    result = send_in_guard(self, items, key ? key : items, dtype_codes, &meta, timeout_ms, stream_for, keep, stream,
+                           send, ctx);
     py_channel_leave(self);
   }
   PyBuffer_Release(&meta);
   return result;
 }
+
+PyObject *py_channel_send_set(PyChannel *self, PyObject *args) { return py_set_send_args(self, args, send_built, NULL); }

@@ -40,7 +40,8 @@ from ._tshare import (  # noqa: F401  statuses, for comparing with Error.code
     E_TOO_LARGE,
     E_UNSUPPORTED,
 )
-from ._torch import DLPACK_CAPSULE, Received, empty_shared, is_shared, recv, send, share_memory_, share_model_
+from ._torch import DLPACK_CAPSULE, Received, SendResult, empty_shared, is_shared, recv, send, send_all, share_memory_
+from ._torch import share_model_
 from ._torch import _timeout_ms
 from ._endpoint import Endpoint, endpoint_pair
 
@@ -49,7 +50,7 @@ TAG_MAX = _tshare.TAG_MAX
 
 __all__ = [
     "Channel", "Listener", "Role", "Received", "Error", "TimeoutError", "PeerClosedError", "Endpoint",
-    "open_socket", "socketpair", "endpoint_pair", "listen", "connect", "role", "send", "recv",
+    "open_socket", "socketpair", "endpoint_pair", "listen", "connect", "role", "send", "send_all", "SendResult", "recv",
     "empty_shared", "share_memory_", "share_model_", "is_shared", "library_version", "cuda_device_count",
 ]
 

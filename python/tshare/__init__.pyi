@@ -1,5 +1,5 @@
 import builtins
-from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -115,6 +115,15 @@ def connect(name: str, timeout: Optional[float] = ..., channel_name: Optional[st
 def role() -> Optional[Role]: ...
 def send(ch: Channel, tensor: _Sendable, tag: str = ..., timeout: Optional[float] = ...,
          move_to_shared_memory: bool = ..., meta: _Meta = ..., copy: bool = ...) -> int: ...
+class SendResult:
+    channel: Channel
+    id: int  # the share's or set's id on the channel; 0 when it did not go
+    error: Optional[Error]
+    released: bool
+    @property
+    def ok(self) -> bool: ...
+def send_all(channels: Iterable[Channel], tensors: _Sendable, tag: str = ..., timeout: Optional[float] = ...,
+             meta: _Meta = ..., copy: bool = ..., wait: bool = ...) -> List[SendResult]: ...
 def recv(ch: Channel, timeout: Optional[float] = ..., device: Optional[int] = ..., as_parameter: bool = ...,
          requires_grad: Optional[bool] = ...) -> Optional[Received]: ...
 def empty_shared(*size: Union[int, Sequence[int]], dtype: Optional[torch.dtype] = ...) -> torch.Tensor: ...

@@ -13,6 +13,7 @@ stream of that device; the set holds each tensor until it is released.
 Tensors on one storage or segment (views, tied weights) travel with their
 memory once: the C library sends each allocation once per set.
 """
+import functools
 import os
 import re
 from collections.abc import Mapping
@@ -159,8 +160,11 @@ def _not_shared(name, t):
     )
 
 
-def send_set(ch, tensors, meta, timeout_ms, copy):
-    """Send the Mapping tensors as one set; its id."""
+def send_set(ch, tensors, meta, timeout_ms, copy, others=None):
+    """Send the Mapping tensors as one set; its id. With others (the C
+    channels of more consumers): the set built once (or ch's kept set) goes
+    to ch and to each of them, and the result is [(set_id, error)] for ch,
+    then others, an error being a tshare.Error (set_id 0) or None."""
     if copy:
         tensors = _copied(tensors)
     meta = _meta_bytes(meta)
@@ -170,10 +174,11 @@ def send_set(ch, tensors, meta, timeout_ms, copy):
     # of the same fields, cheaper than the items: the kept set goes on it alone.
     keep = not copy
     c, stream_now = ch._c, _torch._current_stream
+    go = c._send_set if others is None else functools.partial(c._send_set_all, others)
     pairs = _native_pairs(tensors)
     key = _native.set_key(pairs, _PLAIN) if keep and pairs is not None else None
     if key is not None:
-        set_id, _ = c._send_set(None, _TO_DLPACK, meta, timeout_ms, stream_now, keep, key)
+        set_id, _ = go(None, _TO_DLPACK, meta, timeout_ms, stream_now, keep, key)
         if set_id is not None:
             return set_id
     try:
@@ -185,16 +190,16 @@ def send_set(ch, tensors, meta, timeout_ms, copy):
     if not items:
         _fail(_tshare.E_INVALID_ARG, "send: the tensor set is empty (a set carries 1 to 65536 tensors)")
     key = items if key is None else key
-    set_id, look_at = c._send_set(items, _TO_DLPACK, meta, timeout_ms, stream_now, keep, key)
+    set_id, look_at = go(items, _TO_DLPACK, meta, timeout_ms, stream_now, keep, key)
     if set_id is None:  # members in torch's own shared memory go as that memory: tried once more with them
         adopted = _torch.adopt_torch_shared(tensors.values())
         if adopted:
-            set_id, look_at = c._send_set(items, _TO_DLPACK, meta, timeout_ms, stream_now, keep, key)
+            set_id, look_at = go(items, _TO_DLPACK, meta, timeout_ms, stream_now, keep, key)
             del adopted
     if set_id is None:
         name, t = list(tensors.items())[look_at]
         if isinstance(t, torch.Tensor) and t.is_cuda:  # CUDA members: what the C side needs of them too
-            set_id, look_at = c._send_set(_with_cuda(items, tensors), _TO_DLPACK, meta, timeout_ms, stream_now, keep,
+            set_id, look_at = go(_with_cuda(items, tensors), _TO_DLPACK, meta, timeout_ms, stream_now, keep,
                                           key, _cuda_stream(tensors))
             if set_id is None:
                 name, t = list(tensors.items())[look_at]

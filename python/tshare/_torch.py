@@ -12,6 +12,7 @@ one); their deleter releases the share exactly once, from any thread.
 import functools
 import os
 import sys
+import time
 from typing import Dict, NamedTuple, Optional
 
 import torch
@@ -222,6 +223,90 @@ def send(ch, tensor, tag="", timeout=None, move_to_shared_memory=True, meta=None
         if share_id is not None:
             return share_id
     return _send_by_storage(c, tensor, code, bits, tag, ms, move_to_shared_memory)
+
+
+class SendResult:
+    """One consumer's outcome of send_all(): the channel; id, the share's or
+    set's id on it (0 when it did not go); error, the tshare.Error that
+    stopped it (None when it went, and came back if send_all waited); and
+    released, whether its release came back (False when send_all did not
+    wait). ok is error is None."""
+
+    __slots__ = ("channel", "id", "error", "released")
+
+    def __init__(self, channel, id, error):
+        self.channel, self.id, self.error, self.released = channel, id, error, False
+
+    @property
+    def ok(self):
+        return self.error is None
+
+    def __repr__(self):
+        what = "released" if self.released else "sent" if self.error is None else repr(self.error)
+        return "SendResult(%r, id=%d, %s)" % (self.channel, self.id, what)
+
+
+def send_all(channels, tensors, tag="", timeout=None, meta=None, copy=False, wait=True):
+    """Send tensors to every channel of channels (one consumer each) in one
+    call, and wait until each released it; a list of SendResult, one per
+    channel in order.
+
+    A Mapping[str, Tensor] (a state_dict) is built into one tensor set once
+    (or the set kept from the last send_all to the same channels goes again)
+    and handed to each consumer: what send() does for one channel, without
+    building it per consumer. A Tensor goes to each as send() would send it.
+    One consumer's failure (a dead peer, a full channel, a timeout) does not
+    stop the others: it is its result's error, and nothing is raised for it.
+    What is wrong with tensors themselves (a member send() refuses) raises,
+    as send() does. timeout bounds the whole call, sending and waiting
+    (None: no limit); wait=False returns once every send went.
+    """
+    channels = list(channels)
+    if not channels:
+        _fail(_tshare.E_INVALID_ARG, "send_all: no channels")
+    deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+    results = [SendResult(ch, 0, None) for ch in channels]
+    is_set = not isinstance(tensors, torch.Tensor) and _sets.is_set(tensors)
+    if is_set:
+        _send_set_to_all(results, tensors, meta, _timeout_ms(timeout), copy)
+    else:
+        for r in results:
+            try:
+                r.id = send(r.channel, tensors, tag=tag, timeout=_left(deadline), meta=meta, copy=copy)
+            except Error as e:
+                r.error = e
+    if wait:
+        for r in results:
+            if r.error is None:
+                try:
+                    r.channel.wait_released(r.id, timeout=_left(deadline))
+                    r.released = True
+                except Error as e:
+                    r.error = e
+    return results
+
+
+def _left(deadline):
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _send_set_to_all(results, tensors, meta, ms, copy):
+    """The set to every open channel of results: built by (and kept on) the
+    one of lowest address, whose C call enters the others in address order
+    (two fan-outs over the same channels never wait on each other)."""
+    live = []
+    for i, r in enumerate(results):
+        if r.channel.closed:
+            r.error = _tshare._error(_tshare.E_STATE, "tshare: send_all: the channel is closed")
+        else:
+            live.append(i)
+    if not live:
+        return
+    live.sort(key=lambda i: id(results[i].channel._c))
+    owner = results[live[0]].channel
+    outcomes = _sets.send_set(owner, tensors, meta, ms, copy, others=[results[i].channel._c for i in live[1:]])
+    for i, (set_id, error) in zip(live, outcomes):
+        results[i].id, results[i].error = set_id, error
 
 
 def _send_by_storage(c, tensor, code, bits, tag, ms, move_to_shared_memory):
