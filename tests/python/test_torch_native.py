@@ -69,6 +69,33 @@ def members_read_in_cpp_equal_what_torchs_methods_read():
 
 
 @test
+def cuda_fields_read_in_cpp_equal_what_torchs_methods_read():
+    """set_items_cuda: set_items' items and, for each CUDA member, the fields
+    _with_cuda reads through torch's methods; CPU members get none."""
+    m = native()
+    cpu = {"w": tshare.empty_shared(4, 6), "b": tshare.empty_shared(6)}
+    pairs = list(cpu.items())
+    assert m.set_items_cuda(pairs, _sets._PLAIN) == (m.set_items(pairs, _sets._PLAIN), -1)
+    assert m.set_items_cuda([("s", torch.ones(2).as_subclass(type("Sub", (torch.Tensor,), {})))], _sets._PLAIN) is None
+    if not torch.cuda.is_available():
+        print("no CUDA device: the CPU half only")
+        return
+    base = torch.arange(24.0, device="cuda").view(4, 6)
+    members = dict(cpu, cw=base, crow=base[1], ccol=base[:, 2], empty=torch.empty(0, device="cuda"))
+    pairs = list(members.items())
+    items, device = m.set_items_cuda(pairs, _sets._PLAIN)
+    assert device == torch.cuda.current_device(), device
+    want = _sets._with_cuda(m.set_items(pairs, _sets._PLAIN), members)
+    assert len(items) == len(want)
+    for (name, t), got, w in zip(pairs, items, want):
+        assert got[:6] == w[:6], (name, got, w)
+        assert len(got) == len(w) == (7 if t.is_cuda else 6), (name, got, w)
+        if t.is_cuda:
+            assert got[6][0] == w[6][0] and got[6][1] == w[6][1] and got[6][3] == w[6][3], (name, got[6], w[6])
+            assert got[6][2] is t, name
+
+
+@test
 def the_kept_sets_key_changes_with_every_field_the_items_hold():
     m = native()
     base = tshare.empty_shared(4, 6)
