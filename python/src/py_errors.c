@@ -3,6 +3,7 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 static PyObject *error_class, *timeout_class, *peer_closed_class;
 
@@ -36,7 +37,11 @@ static PyObject *class_of(int code) {
 }
 
 PyObject *py_error_new(int code, const char *message) {
-  PyObject *exc = PyObject_CallFunction(class_of(code), "s", message);
+  /* Messages quote what peers said of themselves (a name cut at its wire
+   * bound may end mid-character): never a decoding error instead. */
+  PyObject *text = PyUnicode_DecodeUTF8(message, (Py_ssize_t)strlen(message), "replace");
+  PyObject *exc = text ? PyObject_CallFunctionObjArgs(class_of(code), text, NULL) : NULL;
+  Py_XDECREF(text);
   if (!exc) return NULL;
   PyObject *c = PyLong_FromLong(code);
   PyObject *s = PyUnicode_FromString(tshare_status_name(code));

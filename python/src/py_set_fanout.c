@@ -47,8 +47,12 @@ static void enter_others(PyChannel *self, fanout *f) {
   for (Py_ssize_t i = 1; i < f->n; i++) {
     int twice = f->objs[i] == self;
     for (Py_ssize_t j = 1; j < i && !twice; j++) twice = f->objs[j] == f->objs[i];
-    if (twice) f->refused[i] = py_error_new(TSHARE_E_INVALID_ARG, "tshare: send_all: this channel is in the list twice");
-    else if (order) order[count++] = (place){f->objs[i], i};
+    if (twice) {
+      f->refused[i] = py_error_new(TSHARE_E_INVALID_ARG, "tshare: send_all: this channel is in the list twice");
+      if (!f->refused[i]) PyErr_Clear(); /* out of memory: no send for it, and the C call says why */
+    } else if (order) {
+      order[count++] = (place){f->objs[i], i};
+    }
   }
   if (!order) return; /* out of memory: every other channel stays NULL, and is reported so */
   qsort(order, count, sizeof *order, by_address);
@@ -108,6 +112,7 @@ static PyObject *send_to_all(PyChannel *self, tshare_set_builder *b, Py_buffer *
 
 static void fanout_free(fanout *f) {
   for (Py_ssize_t i = 0; f->refused && i < f->n; i++) Py_XDECREF(f->refused[i]);
+  for (Py_ssize_t i = 1; f->objs && i < f->n; i++) Py_XDECREF((PyObject *)f->objs[i]);
   free(f->objs);
   free(f->chs);
   free(f->refused);
@@ -135,6 +140,7 @@ PyObject *py_channel_send_set_all(PyChannel *self, PyObject *args) {
     for (Py_ssize_t i = 1; typed && i < f.n; i++) {
       PyObject *o = PyList_GET_ITEM(others, i - 1);
       typed = PyObject_TypeCheck(o, &PyChannel_Type);
+      Py_INCREF(o); /* held while the GIL is released: the list is the caller's */
       f.objs[i] = (PyChannel *)o;
     }
     PyObject *rest = typed ? PyTuple_GetSlice(args, 1, argc) : NULL;

@@ -254,27 +254,38 @@ def send_all(channels, tensors, tag="", timeout=None, meta=None, copy=False, wai
     A Mapping[str, Tensor] (a state_dict) is built into one tensor set once
     (or the set kept from the last send_all to the same channels goes again)
     and handed to each consumer: what send() does for one channel, without
-    building it per consumer. A Tensor goes to each as send() would send it.
-    One consumer's failure (a dead peer, a full channel, a timeout) does not
-    stop the others: it is its result's error, and nothing is raised for it.
-    What is wrong with tensors themselves (a member send() refuses) raises,
-    as send() does. timeout bounds the whole call, sending and waiting
-    (None: no limit); wait=False returns once every send went.
+    building it per consumer (tag is not used for a set). A Tensor goes to
+    each as send() would send it. One consumer's failure (a dead peer, a
+    channel that is closed or listed twice, a send or a release that did not
+    come in time) is its result's error, and nothing is raised for it. What
+    is wrong with tensors themselves (what send() refuses) raises, as send()
+    does, and nothing goes. timeout (seconds) bounds the whole call, sending
+    and waiting; with None, a consumer that never makes room or never
+    releases holds the call up. wait=False returns once every send went.
     """
     channels = list(channels)
     if not channels:
         _fail(_tshare.E_INVALID_ARG, "send_all: no channels")
     deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
     results = [SendResult(ch, 0, None) for ch in channels]
-    is_set = not isinstance(tensors, torch.Tensor) and _sets.is_set(tensors)
-    if is_set:
-        _send_set_to_all(results, tensors, meta, _timeout_ms(timeout), copy)
+    seen = set()
+    for r in results:  # a channel listed twice gets the set once, at its first place
+        if id(r.channel) in seen:
+            r.error = _tshare._error(_tshare.E_INVALID_ARG, "tshare: send_all: this channel is in the list twice")
+        seen.add(id(r.channel))
+    if not isinstance(tensors, torch.Tensor) and _sets.is_set(tensors):
+        _send_set_to_all([r for r in results if r.error is None], tensors, meta, deadline, copy)
     else:
+        if meta is not None:
+            _fail(_tshare.E_INVALID_ARG, "send_all: metadata travels with tensor sets: send {name: tensor} with meta=")
+        _check_shareable(tensors)  # what send() refuses of the tensor itself raises, before anything goes
+        _dlpack_dtype(tensors)
         for r in results:
-            try:
-                r.id = send(r.channel, tensors, tag=tag, timeout=_left(deadline), meta=meta, copy=copy)
-            except Error as e:
-                r.error = e
+            if r.error is None:
+                try:
+                    r.id = send(r.channel, tensors, tag=tag, timeout=_left(deadline), copy=copy)
+                except Error as e:
+                    r.error = e
     if wait:
         for r in results:
             if r.error is None:
@@ -290,23 +301,33 @@ def _left(deadline):
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-def _send_set_to_all(results, tensors, meta, ms, copy):
+def _send_set_to_all(results, tensors, meta, deadline, copy):
     """The set to every open channel of results: built by (and kept on) the
-    one of lowest address, whose C call enters the others in address order
-    (two fan-outs over the same channels never wait on each other)."""
+    one of lowest address, whose C call enters the others in address order,
+    so that two fan-outs over the same channels take turns and never wait on
+    each other for ever. An owner closed meanwhile (another thread's close)
+    is that channel's error, and the next one builds."""
     live = []
-    for i, r in enumerate(results):
+    for r in results:
         if r.channel.closed:
             r.error = _tshare._error(_tshare.E_STATE, "tshare: send_all: the channel is closed")
         else:
-            live.append(i)
-    if not live:
+            live.append(r)
+    live.sort(key=lambda r: id(r.channel._c))
+    while live:
+        owner, others = live[0], live[1:]
+        try:
+            outcomes = _sets.send_set(owner.channel, tensors, meta, _timeout_ms(_left(deadline)), copy,
+                                      others=[r.channel._c for r in others])
+        except Error as e:
+            if e.code != _tshare.E_STATE or not owner.channel.closed:
+                raise
+            owner.error = e
+            live = others
+            continue
+        for r, (set_id, error) in zip(live, outcomes):
+            r.id, r.error = set_id, error
         return
-    live.sort(key=lambda i: id(results[i].channel._c))
-    owner = results[live[0]].channel
-    outcomes = _sets.send_set(owner, tensors, meta, ms, copy, others=[results[i].channel._c for i in live[1:]])
-    for i, (set_id, error) in zip(live, outcomes):
-        results[i].id, results[i].error = set_id, error
 
 
 def _send_by_storage(c, tensor, code, bits, tag, ms, move_to_shared_memory):

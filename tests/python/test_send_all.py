@@ -120,9 +120,19 @@ def a_dead_consumer_a_closed_channel_and_one_listed_twice_fail_alone():
     a, b = harness.pair()
     b.close()
     a.close()  # a closed channel, as a caller may pass one
-    listed = [chs[0], chs[1], chs[2], chs[0], a]
+    # A dead consumer whose name the wire cut mid-character (32 bytes): its
+    # error still says what happened, never a decoding error instead.
+    x, y = tshare.socketpair()
+    gone = {}
+    th = threading.Thread(target=lambda: gone.setdefault("c", tshare.open_socket(y, name="x" + "работник" * 4)))
+    th.start()
+    cut = tshare.open_socket(x, name="producer")
+    th.join()
+    gone["c"].close()
+    listed = [chs[0], chs[1], chs[2], chs[0], a, cut]
     model = model_at(model_of_290(), 3)
     results = tshare.send_all(listed, model, meta=b"v=3", timeout=30)
+    check_error(results[5].error, tshare.E_PEER_CLOSED, "closed the channel")
     assert results[0].ok and results[0].released and results[2].ok and results[2].released, results
     check_error(results[1].error, tshare.E_PEER_CLOSED, "")
     assert results[1].id == 0 and not results[1].released
@@ -130,6 +140,7 @@ def a_dead_consumer_a_closed_channel_and_one_listed_twice_fail_alone():
     check_error(results[4].error, tshare.E_STATE, "closed")
     again = tshare.send_all([chs[0], chs[2]], model_at(model_of_290(), 4), meta=b"v=4", timeout=30)
     assert all(r.ok and r.released for r in again), again  # the live ones go on
+    cut.close()
     end(chs, [pids[0], pids[2]])
 
 
@@ -177,10 +188,17 @@ def two_threads_fanning_out_to_the_same_channels_in_opposite_orders_both_finish(
 def a_single_tensor_goes_to_each_and_wait_false_returns_before_the_releases():
     chs, pids = consumers(2)
     t = tshare.empty_shared(1000).fill_(1007.0)
-    results = tshare.send_all(chs, t, tag="1007", timeout=30, wait=False)
-    assert all(r.ok and r.id > 0 and not r.released for r in results), results
-    for r in results:
+    results = tshare.send_all(chs + [chs[0]], t, tag="1007", timeout=30, wait=False)
+    assert all(r.ok and r.id > 0 and not r.released for r in results[:2]), results
+    check_error(results[2].error, tshare.E_INVALID_ARG, "in the list twice")  # sent once, at its first place
+    assert results[2].id == 0
+    for r in results[:2]:
         r.channel.wait_released(r.id, timeout=30)
+        assert r.channel.outstanding() == 0
+    # What send() refuses of the tensor raises, before anything goes.
+    expect_error(tshare.E_INVALID_ARG, "metadata travels with tensor sets", tshare.send_all, chs, t, meta=b"v")
+    expect_error(tshare.E_UNSUPPORTED, "sparse", tshare.send_all, chs, torch.zeros(3, 3).to_sparse())
+    assert all(c.outstanding() == 0 for c in chs)
     end(chs, pids)
 
 
