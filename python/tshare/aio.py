@@ -35,15 +35,17 @@ import asyncio
 import collections
 import functools
 import os
-from typing import AsyncIterator, Optional
+import time
+from typing import AsyncIterator, List, Optional
 
 from . import _tshare
 from ._sets import is_set as _is_set
-from ._torch import Received
+from ._torch import Received, SendResult
 from ._torch import recv as _recv
 from ._torch import send as _send
+from ._torch import send_all as _send_all
 
-__all__ = ["recv", "send", "wait_released", "iterate"]
+__all__ = ["recv", "send", "send_all", "wait_released", "iterate"]
 
 _WOULD_WAIT = object()
 _ROOM_RETRY_S = 0.010  # the C library's own slice for a send waiting for ring room
@@ -329,6 +331,31 @@ async def send(ch, tensor, tag: str = "", timeout: Optional[float] = None, move_
         return _nonblocking(_send, ch, tensor, tag=tag, move_to_shared_memory=move_to_shared_memory)
 
     return await _until(ch, "send", attempt, "send", timeout)
+
+
+async def send_all(channels, tensors, tag: str = "", timeout: Optional[float] = None, meta=None, copy: bool = False,
+                   wait: bool = True) -> List[SendResult]:
+    """tshare.send_all without blocking the loop: the sends go from a worker
+    thread (a set's frames cannot wait for room one try at a time), then the
+    releases are awaited in the loop, every channel's at once; timeout
+    bounds both. One SendResult per channel, as tshare.send_all gives.
+    Cancelled, what went still goes and is released as any share."""
+    deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+    call = functools.partial(_send_all, list(channels), tensors, tag=tag, timeout=timeout, meta=meta, copy=copy,
+                             wait=False)
+    results = await asyncio.get_running_loop().run_in_executor(None, call)
+    if wait:
+
+        async def released(r):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                await wait_released(r.channel, r.id, timeout=left)
+                r.released = True
+            except _tshare.Error as e:
+                r.error = e
+
+        await asyncio.gather(*(released(r) for r in results if r.error is None))
+    return results
 
 
 async def wait_released(ch, share_id: int = 0, timeout: Optional[float] = None) -> None:

@@ -214,6 +214,46 @@ def what_send_refuses_of_the_tensors_raises_and_nothing_goes():
 
 
 @test
+def an_asyncio_producer_fans_out_while_its_loop_runs_and_a_holder_times_out_alone():
+    import asyncio
+    from tshare import aio
+
+    chs, pids = consumers(2)
+    slow, slow_pids = consumers(1, hold_first_s=2.0)
+    model = model_of_290()
+
+    async def main():
+        ticks = 0
+        stop = asyncio.Event()
+
+        async def ticker():  # the loop runs while send_all sends and awaits
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        tick = asyncio.ensure_future(ticker())
+        t0 = time.monotonic()
+        first = await aio.send_all(chs + slow, model_at(model, 1), meta=b"v=1", timeout=0.8)
+        took = time.monotonic() - t0
+        versions = []
+        for v in range(2, 6):
+            versions.append(await aio.send_all(chs, model_at(model, v), meta=b"v=%d" % v, timeout=30))
+        stop.set()
+        await tick
+        return first, took, versions, ticks
+
+    first, took, versions, ticks = asyncio.run(main())
+    assert first[0].ok and first[0].released and first[1].ok and first[1].released, first
+    check_error(first[2].error, tshare.E_TIMEOUT, "")  # the holder alone, within the call's timeout
+    assert not first[2].released and first[2].id > 0 and took < 2.0, (first, took)
+    assert all(r.ok and r.released for rs in versions for r in rs), versions
+    assert ticks > 20, ticks  # the loop was not blocked
+    slow[0].wait_released(first[2].id, timeout=10)
+    end(chs + slow, pids + slow_pids)
+
+
+@test
 def cuda_a_state_dict_goes_to_two_consumers_built_once():
     import test_sets
 
