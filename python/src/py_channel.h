@@ -91,10 +91,9 @@ PyObject *py_set_take(PyChannel *self);
 /* The channel closes: a set never handed out goes back. */
 void py_set_drop_waiting(PyChannel *self);
 PyObject *py_channel_send_set(PyChannel *self, PyObject *args);
-/* How a built (or kept) set goes out, inside self's guard: its result is
- * _send_set's, ctx the caller's. */
-typedef PyObject *(*py_set_sender)(PyChannel *self, tshare_set_builder *b, Py_buffer *meta, int timeout_ms,
-                                   void *ctx);
+/* How a built (or kept) set, its metadata set, goes out inside self's
+ * guard: its result is _send_set's, ctx the caller's. */
+typedef PyObject *(*py_set_sender)(PyChannel *self, tshare_set_builder *b, int timeout_ms, void *ctx);
 /* _send_set's arguments parsed and its work done (the kept set, or items
  * built and kept), the set going out through send. */
 PyObject *py_set_send_args(PyChannel *self, PyObject *args, py_set_sender send, void *ctx);

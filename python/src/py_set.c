@@ -220,17 +220,24 @@ PyObject *py_channel_set_cache_counts(PyChannel *self, void *unused) {
 /* The send itself, inside the guard, in one call: a set that timed out
  * partway has gone in part (the peer releases it), so it cannot be tried
  * again in slices as a single share is. */
-static PyObject *send_built(PyChannel *self, tshare_set_builder *b, Py_buffer *meta, int timeout_ms, void *unused) {
+static PyObject *send_built(PyChannel *self, tshare_set_builder *b, int timeout_ms, void *unused) {
   (void)unused;
-  tshare_error err;
-  int rc = tshare_set_builder_set_meta(b, meta->buf, (size_t)meta->len, &err);
-  if (rc != TSHARE_OK) return py_raise_fmt(rc, "tshare: send: metadata: %s", err.message);
   tshare_channel *ch = self->ch;
   uint64_t id = 0;
+  int rc;
   Py_BEGIN_ALLOW_THREADS rc = tshare_set_send(ch, b, NULL, timeout_ms, &id);
   Py_END_ALLOW_THREADS
   if (rc != TSHARE_OK) return py_raise_channel(ch, rc, "send (tensor set)");
   return Py_BuildValue("(KO)", (unsigned long long)id, Py_None);
+}
+
+/* b with meta, sent by send (with ctx). */
+static PyObject *send_with_meta(PyChannel *self, tshare_set_builder *b, Py_buffer *meta, int timeout_ms,
+                                py_set_sender send, void *ctx) {
+  tshare_error err;
+  int rc = tshare_set_builder_set_meta(b, meta->buf, (size_t)meta->len, &err);
+  if (rc != TSHARE_OK) return py_raise_fmt(rc, "tshare: send: metadata: %s", err.message);
+  return send(self, b, timeout_ms, ctx);
 }
 
 /* Inside the guard: the kept set sent again, or items built and sent (by
@@ -239,7 +246,7 @@ static PyObject *send_in_guard(PyChannel *self, PyObject *items, PyObject *key, 
                                Py_buffer *meta, int timeout_ms, PyObject *stream_for, int keep,
                                unsigned long long stream, py_set_sender send, void *ctx) {
   tshare_set_builder *kept = kept_builder_for(self, key, stream_for);
-  if (kept) return send(self, kept, meta, timeout_ms, ctx);
+  if (kept) return send_with_meta(self, kept, meta, timeout_ms, send, ctx);
   if (PyErr_Occurred()) return NULL;
   if (items == Py_None) return Py_BuildValue("(On)", Py_None, (Py_ssize_t)-1); /* the kept set only, and it is not */
   set_build sb = {.b = tshare_set_builder_create(), .dtype_codes = dtype_codes, .cuda_device = -1};
@@ -248,7 +255,7 @@ static PyObject *send_in_guard(PyChannel *self, PyObject *items, PyObject *key, 
   PyObject *result = NULL;
   Py_ssize_t missing = build_set(&sb, items);
   if (missing > 0) result = Py_BuildValue("(On)", Py_None, missing - 1);
-  else if (missing == 0) result = send(self, sb.b, meta, timeout_ms, ctx);
+  else if (missing == 0) result = send_with_meta(self, sb.b, meta, timeout_ms, send, ctx);
   if (missing == 0 && keep) keep_last_set(self, &sb, key); /* sent or not, it is what was asked for last */
   tshare_set_builder_destroy(sb.b); /* NULL when kept; a sent set keeps its own references */
   tshare_host_buffer_destroy(sb.spare);

@@ -5,7 +5,9 @@
  * The set is built and kept by the channel the call is made on (self): the
  * Python side makes that the channel of lowest address, and the others'
  * guards are entered in address order, so two fan-outs over the same
- * channels, in whatever order they list them, never wait on each other. */
+ * channels, in whatever order they list them, never wait on each other.
+ * A channel listed twice, or self among the others, is refused by its guard
+ * (this thread is inside it already): that place's error, no send. */
 #include "py_channel.h"
 #include "py_errors.h"
 
@@ -14,9 +16,8 @@
 typedef struct fanout {
   Py_ssize_t n;          /* channels: self, then the others */
   PyChannel **objs;      /* [n] */
-  tshare_channel **chs;  /* [n]; NULL where a channel could not be entered */
+  tshare_channel **chs;  /* [n]: self's, then each other one's once entered; NULL where it could not be */
   PyObject **refused;    /* [n]: why a channel could not be entered, or NULL */
-  char *entered;         /* [n] */
 } fanout;
 
 typedef struct place {
@@ -39,28 +40,17 @@ static PyObject *take_error(void) {
   return value;
 }
 
-/* The others' guards, entered in address order; a channel listed twice
- * (after its first place), or closed, gets its error and no send. */
-static void enter_others(PyChannel *self, fanout *f) {
+/* The others' guards, entered in address order; one that refuses (closed,
+ * or entered already) gets its error and no send. */
+static void enter_others(fanout *f) {
   place *order = malloc((size_t)f->n * sizeof *order);
-  size_t count = 0;
-  for (Py_ssize_t i = 1; i < f->n; i++) {
-    int twice = f->objs[i] == self;
-    for (Py_ssize_t j = 1; j < i && !twice; j++) twice = f->objs[j] == f->objs[i];
-    if (twice) {
-      f->refused[i] = py_error_new(TSHARE_E_INVALID_ARG, "tshare: send_all: this channel is in the list twice");
-      if (!f->refused[i]) PyErr_Clear(); /* out of memory: no send for it, and the C call says why */
-    } else if (order) {
-      order[count++] = (place){f->objs[i], i};
-    }
-  }
   if (!order) return; /* out of memory: every other channel stays NULL, and is reported so */
-  qsort(order, count, sizeof *order, by_address);
-  for (size_t k = 0; k < count; k++) {
+  for (Py_ssize_t i = 1; i < f->n; i++) order[i - 1] = (place){f->objs[i], i};
+  qsort(order, (size_t)f->n - 1, sizeof *order, by_address);
+  for (Py_ssize_t k = 0; k < f->n - 1; k++) {
     Py_ssize_t i = order[k].index;
     f->chs[i] = py_channel_enter(order[k].obj);
-    if (f->chs[i]) f->entered[i] = 1;
-    else f->refused[i] = take_error();
+    if (!f->chs[i]) f->refused[i] = take_error();
   }
   free(order);
 }
@@ -84,13 +74,10 @@ static PyObject *outcomes(const fanout *f, const uint64_t *ids, const tshare_err
 }
 
 /* The sender: self's channel and every other one that could be entered. */
-static PyObject *send_to_all(PyChannel *self, tshare_set_builder *b, Py_buffer *meta, int timeout_ms, void *ctx) {
+static PyObject *send_to_all(PyChannel *self, tshare_set_builder *b, int timeout_ms, void *ctx) {
   fanout *f = ctx;
-  tshare_error err;
-  int rc = tshare_set_builder_set_meta(b, meta->buf, (size_t)meta->len, &err);
-  if (rc != TSHARE_OK) return py_raise_fmt(rc, "tshare: send_all: metadata: %s", err.message);
   f->chs[0] = self->ch;
-  enter_others(self, f);
+  enter_others(f);
   uint64_t *ids = calloc((size_t)f->n, sizeof *ids);
   tshare_error *results = calloc((size_t)f->n, sizeof *results);
   PyObject *out = NULL;
@@ -104,7 +91,7 @@ static PyObject *send_to_all(PyChannel *self, tshare_set_builder *b, Py_buffer *
     PyErr_NoMemory();
   }
   for (Py_ssize_t i = 1; i < f->n; i++)
-    if (f->entered[i]) py_channel_leave(f->objs[i]);
+    if (f->chs[i]) py_channel_leave(f->objs[i]);
   free(ids);
   free(results);
   return out ? Py_BuildValue("(NO)", out, Py_None) : NULL;
@@ -116,7 +103,6 @@ static void fanout_free(fanout *f) {
   free(f->objs);
   free(f->chs);
   free(f->refused);
-  free(f->entered);
 }
 
 PyObject *py_channel_send_set_all(PyChannel *self, PyObject *args) {
@@ -130,9 +116,8 @@ PyObject *py_channel_send_set_all(PyChannel *self, PyObject *args) {
   f.objs = calloc((size_t)f.n, sizeof *f.objs);
   f.chs = calloc((size_t)f.n, sizeof *f.chs);
   f.refused = calloc((size_t)f.n, sizeof *f.refused);
-  f.entered = calloc((size_t)f.n, 1);
   PyObject *result = NULL;
-  if (!f.objs || !f.chs || !f.refused || !f.entered) {
+  if (!f.objs || !f.chs || !f.refused) {
     PyErr_NoMemory();
   } else {
     f.objs[0] = self;

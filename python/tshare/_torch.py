@@ -266,7 +266,7 @@ def send_all(channels, tensors, tag="", timeout=None, meta=None, copy=False, wai
     channels = list(channels)
     if not channels:
         _fail(_tshare.E_INVALID_ARG, "send_all: no channels")
-    deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+    deadline = _deadline(timeout)
     results = [SendResult(ch, 0, None) for ch in channels]
     seen = set()
     for r in results:  # a channel listed twice gets the set once, at its first place
@@ -297,23 +297,23 @@ def send_all(channels, tensors, tag="", timeout=None, meta=None, copy=False, wai
     return results
 
 
+def _deadline(timeout):
+    """A monotonic deadline timeout seconds from now (None: none)."""
+    return None if timeout is None else time.monotonic() + max(0.0, timeout)
+
+
 def _left(deadline):
+    """The seconds left before deadline, as a timeout (None: no limit)."""
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _send_set_to_all(results, tensors, meta, deadline, copy):
-    """The set to every open channel of results: built by (and kept on) the
-    one of lowest address, whose C call enters the others in address order,
-    so that two fan-outs over the same channels take turns and never wait on
-    each other for ever. An owner closed meanwhile (another thread's close)
-    is that channel's error, and the next one builds."""
-    live = []
-    for r in results:
-        if r.channel.closed:
-            r.error = _tshare._error(_tshare.E_STATE, "tshare: send_all: the channel is closed")
-        else:
-            live.append(r)
-    live.sort(key=lambda r: id(r.channel._c))
+    """The set to every channel of results: built by (and kept on) the one
+    of lowest address, whose C call enters the others in address order, so
+    that two fan-outs over the same channels take turns and never wait on
+    each other for ever; one it cannot enter (closed) gets its error there.
+    A closed owner is that channel's error, and the next one builds."""
+    live = sorted(results, key=lambda r: id(r.channel._c))
     while live:
         owner, others = live[0], live[1:]
         try:

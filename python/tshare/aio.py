@@ -35,12 +35,11 @@ import asyncio
 import collections
 import functools
 import os
-import time
 from typing import AsyncIterator, List, Optional
 
 from . import _tshare
 from ._sets import is_set as _is_set
-from ._torch import Received, SendResult
+from ._torch import Received, SendResult, _deadline, _left
 from ._torch import recv as _recv
 from ._torch import send as _send
 from ._torch import send_all as _send_all
@@ -340,16 +339,15 @@ async def send_all(channels, tensors, tag: str = "", timeout: Optional[float] = 
     releases are awaited in the loop, every channel's at once; timeout
     bounds both. One SendResult per channel, as tshare.send_all gives.
     Cancelled, what went still goes and is released as any share."""
-    deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+    deadline = _deadline(timeout)
     call = functools.partial(_send_all, list(channels), tensors, tag=tag, timeout=timeout, meta=meta, copy=copy,
                              wait=False)
     results = await asyncio.get_running_loop().run_in_executor(None, call)
     if wait:
 
         async def released(r):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                await wait_released(r.channel, r.id, timeout=left)
+                await wait_released(r.channel, r.id, timeout=_left(deadline))
                 r.released = True
             except _tshare.Error as e:
                 r.error = e
