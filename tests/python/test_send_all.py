@@ -214,6 +214,25 @@ def what_send_refuses_of_the_tensors_raises_and_nothing_goes():
 
 
 @test
+def a_forked_child_fanning_out_on_inherited_channels_gets_an_error_for_each():
+    chs, pids = consumers(2)
+    model = model_at(model_of_290(), 1)
+    pid = os.fork()
+    if pid == 0:  # the channels are the parent's: each refuses, nothing raises, nothing goes
+        code = 1
+        try:
+            results = tshare.send_all(chs, model, meta=b"v=1", timeout=5)
+            code = 0 if all(not r.ok and r.id == 0 and not r.released for r in results) else 3
+            print(results, flush=True)
+        finally:
+            os._exit(code)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    results = tshare.send_all(chs, model, meta=b"v=1", timeout=30)  # the parent's go on
+    assert all(r.ok and r.released for r in results), results
+    end(chs, pids)
+
+
+@test
 def an_asyncio_producer_fans_out_while_its_loop_runs_and_a_holder_times_out_alone():
     import asyncio
     from tshare import aio
