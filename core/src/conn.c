@@ -452,6 +452,10 @@ int ts_conn_deliver(ts_conn *c, const tshare_frame *f, ts_fd_entry e, bool found
   return TSHARE_OK;
 }
 
+void ts_conn_look_begins(ts_conn *c) {
+  if (c->rfd >= 0 && c->t->look_begins) c->t->look_begins(c);
+}
+
 int ts_conn_recv_by(ts_conn *c, tshare_frame *f, int *fd_out, int *fd_lost, int64_t deadline) {
   *fd_out = -1;
   *fd_lost = 0;

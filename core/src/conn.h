@@ -127,6 +127,9 @@ int ts_conn_send_error(ts_conn *c, int code, const char *message);
 /* Finish a frame a timeout cut short, waiting up to timeout_ms. */
 void ts_conn_flush_tail(ts_conn *c, int timeout_ms);
 
+/* A receive is about to send what this end owes, then look (see the
+ * transport table's look_begins). */
+void ts_conn_look_begins(ts_conn *c);
 /* The next frame by deadline (clock.h), see session.h's ts_session_recv_by;
  * or TS_CONN_WOKEN when ts_conn_wake() was called before one came. */
 int ts_conn_recv_by(ts_conn *c, tshare_frame *f, int *fd_out, int *fd_lost, int64_t deadline);

@@ -314,8 +314,7 @@ static int housekeeping(tshare_channel *ch, int64_t deadline, bool all_releases,
  * thread is seen between turns. */
 #define TS_OWED_SLICE_MS 10
 
-/* The sooner of a deadline and one slice_ms from now, with one read of the
- * coarse clock. */
+/* The sooner of a deadline and one slice_ms from now (one coarse clock read). */
 static int64_t slice_of(int64_t deadline, int slice_ms) {
   int64_t slice = ts_turn_deadline(slice_ms);
   return deadline >= 0 && deadline < slice ? deadline : slice;
@@ -329,6 +328,7 @@ int ts_session_recv_by(tshare_channel *ch, tshare_frame *f, int *fd_out, int *fd
                      "receive: the channel was closed while this call waited (tshare_channel_close from another "
                      "thread or a callback); the handle is gone once this call returns");
     ts_backend_wait wait = TS_BACKEND_IDLE;
+    ts_conn_look_begins(&ch->conn);
     int rc = housekeeping(ch, slice_of(deadline, TS_OWED_SLICE_MS), woken, &wait);
     /* A peer that does not make room for what this end owes (nothing of it
      * went: it goes with a later turn) may still have sent frames: they are

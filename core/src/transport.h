@@ -13,7 +13,7 @@
  *    fd frames and nudges through the stream's read/write.
  *
  * Threads: send, send_now and flush_owed run with the connection's send_lock
- * held; fill, recv, wait, buffered and poll_fd on the driving thread; wake
+ * held; look_begins, fill, recv, wait, buffered and poll_fd on the driving thread; wake
  * from any thread, with wake_lock held; close with both locks held (or, for
  * a forked child's copy, with neither). */
 #ifndef TSHARE_TRANSPORT_H
@@ -73,6 +73,13 @@ typedef struct ts_transport {
    * came, TS_CONN_WOKEN, or the error). recv: the next frame and the fd that
    * came with it (*found: whether one did). wait: until bytes can be read
    * or ts_conn_wake() was called (TS_CONN_WOKEN). */
+  /* look_begins (may be NULL): a receive is about to send what this end
+   * owes (releases: they may make the peer send its next frame at once)
+   * and then look for frames. A transport whose peer announces new frames
+   * on the socket when asked (the ring's nudges) withdraws the ask here:
+   * the look sees what comes meanwhile, and a look that finds nothing asks
+   * again before it returns. Driving thread. */
+  void (*look_begins)(struct ts_conn *c);
   int (*fill)(struct ts_conn *c, int64_t deadline);
   int (*recv)(struct ts_conn *c, tshare_frame *f, ts_fd_entry *e, bool *found, int64_t deadline);
   int (*wait)(struct ts_conn *c, int64_t deadline);

@@ -349,6 +349,15 @@ static int wait_ring(ts_conn *c, int64_t deadline) {
   }
 }
 
+/* A look follows: an ask for nudges left by an earlier look is withdrawn,
+ * so the releases this end sends first, which may make the peer send at
+ * once, do not cost it a socket write per frame (and this end a read of
+ * each nudge). The look asks again if it finds nothing (wait_ring). */
+static void ring_look_begins(ts_conn *c) {
+  ts_ring_link *L = c->frame_data;
+  if (ts_ring_reader_said(&L->in) == TS_RING_SOCKET) ts_ring_reader_waits(&L->in, TS_RING_AWAKE);
+}
+
 /* Ring bytes into the ring's decoder: from the spill first, else the ring. */
 static int ring_fill(ts_conn *c, int64_t deadline) {
   ts_ring_link *L = c->frame_data;
@@ -556,6 +565,7 @@ const ts_transport ts_transport_ring = {
     .send_frame_now = ring_send_frame_now,
     .flush_owed = pay_markers_locked,
     .send_wait = ring_send_wait,
+    .look_begins = ring_look_begins,
     .fill = ring_fill,
     .recv = ring_recv,
     .wait = wait_ring,
