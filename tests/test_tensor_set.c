@@ -198,9 +198,30 @@ static void *release_views(void *arg) {
   return NULL;
 }
 
+typedef struct desc_readers {
+  tshare_view **views;
+  const tshare_tensor_desc *want; /* each member's, copied from the set */
+  size_t count;
+  size_t wrong;
+} desc_readers;
+
+/* Every view's descriptor, against the member's. */
+static void *read_descs(void *arg) {
+  desc_readers *r = arg;
+  size_t wrong = 0;
+  for (size_t i = 0; i < r->count; i++) {
+    const tshare_tensor_desc *d = tshare_view_desc(r->views[i]);
+    if (!d || memcmp(d, &r->want[i], sizeof *d) != 0) wrong++;
+  }
+  r->wrong = wrong;
+  return NULL;
+}
+
 /* Every tensor of the 290-tensor set as a view, released by four threads
  * while this one lets go of the handle and drives the channel: one release
- * goes out when the last view went, whichever thread that was. */
+ * goes out when the last view went, whichever thread that was. Before that,
+ * four threads read every view's descriptor at once, which a view fills in
+ * when first read: each is its member's, whichever thread filled it. */
 static void consumer_releases_from_threads(int fd) {
   keep_no_host_mappings(); /* a set's memory goes with its last view (test_set_kept: kept ones) */
   tshare_channel *ch = open_socket_channel(fd, "consumer", NULL, NULL);
@@ -209,8 +230,20 @@ static void consumer_releases_from_threads(int fd) {
   size_t n = tshare_set_count(s);
   tshare_view **views = calloc(n, sizeof *views);
   for (size_t i = 0; i < n; i++) CHECK_RC(tshare_set_view(s, i, &views[i]), TSHARE_OK, "");
-  tshare_set_release(s);
+  tshare_tensor_desc *want = calloc(n, sizeof *want);
+  for (size_t i = 0; i < n; i++) want[i] = *tshare_set_desc(s, i);
+  tshare_set_release(s); /* the views keep the set, and what their descriptors are filled from */
   pthread_t threads[4];
+  desc_readers readers[4];
+  for (size_t t = 0; t < 4; t++) {
+    readers[t] = (desc_readers){views, want, n, 0};
+    CHECK(pthread_create(&threads[t], NULL, read_descs, &readers[t]) == 0);
+  }
+  for (size_t t = 0; t < 4; t++) {
+    pthread_join(threads[t], NULL);
+    CHECK_EQ(readers[t].wrong, 0);
+  }
+  free(want);
   view_batch batches[4];
   for (size_t t = 0; t < 4; t++) {
     batches[t] = (view_batch){views + t * n / 4, (t + 1) * n / 4 - t * n / 4};

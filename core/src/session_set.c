@@ -20,6 +20,7 @@
 
 #include <errno.h>
 #include <stdarg.h>
+#include <sched.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -156,7 +157,11 @@ typedef struct set_view {
   struct tshare_view view; /* first: freed through its address */
   tshare_set *set;
   const ts_backend *mem_backend; /* of its memory */
+  size_t member;
+  _Atomic int described; /* VIEW_*: its desc and frame, filled when first read */
 } set_view;
+
+enum { VIEW_UNDESCRIBED = 0, VIEW_DESCRIBING, VIEW_DESCRIBED };
 
 /* The channel's sets: the one being received, and those complete but not yet
  * taken by tshare_set_recv(). */
@@ -367,8 +372,8 @@ static int add_mem(tshare_channel *ch, tshare_set *s, const tshare_set_mem_frame
                       m->index, be ? be->mem_kind_name(m->mem_kind) : "unknown");
   tshare_frame share = share_of_mem(s->set_id, m);
   if (host) share.u.share.share_flags = 0; /* kept only once the set is taken whole (keep_host_memories) */
-  struct tshare_view probe;
-  memset(&probe, 0, sizeof probe);
+  struct tshare_view probe; /* an import fills the fields before the descriptor (1.3 KiB that it never reads) */
+  memset(&probe, 0, offsetof(struct tshare_view, desc));
   int rc = ts_backends_on_share(ch, &share); /* as for a share: chunks that came for it, or stray ones */
   if (rc == TSHARE_OK)
     rc = copied ? be->import_in_set(ch, &share, &s->copied, &probe) : be->import(ch, &share, fd, NULL, &probe);
@@ -883,12 +888,12 @@ static const ts_backend member_copy_backend = {
     .share_view = member_share_view,
 };
 
-/* What the view says of its memory: as a share of it would. */
-static void describe_member(tshare_view *v, const set_mem *mem, uint64_t set_id) {
-  v->ctx = mem->ctx;
-  v->device = mem->device;
-  v->device_type = mem->device_type;
-  v->frame.share_id = set_id;
+/* What the view says of its memory and its member: as a share of it would. */
+static void describe_member(tshare_view *v, const tshare_set *s, size_t i) {
+  const set_entry *e = entry_of(s, i);
+  const set_mem *mem = &s->mems[e->mem];
+  memset(&v->frame, 0, sizeof v->frame);
+  v->frame.share_id = s->set_id;
   v->frame.alloc_id = mem->alloc_id;
   v->frame.alloc_size = mem->size;
   v->frame.mem_kind = mem->mem_kind;
@@ -897,18 +902,42 @@ static void describe_member(tshare_view *v, const set_mem *mem, uint64_t set_id)
   memcpy(v->frame.handle, mem->handle, mem->handle_len);
   memcpy(v->frame.device_uuid, mem->device_uuid, 16);
   v->frame.share_flags = mem->share_flags;
+  v->frame.tensor = e->desc;
+  v->desc = e->desc;
+}
+
+tshare_view *ts_view_described(tshare_view *v) {
+  if (v->backend != &member_backend && v->backend != &member_copy_backend) return v;
+  set_view *sv = (set_view *)v;
+  int was = VIEW_UNDESCRIBED;
+  if (atomic_load_explicit(&sv->described, memory_order_acquire) == VIEW_DESCRIBED) return v;
+  if (atomic_compare_exchange_strong(&sv->described, &was, VIEW_DESCRIBING)) {
+    describe_member(v, sv->set, sv->member); /* the view holds the set: its entries stay */
+    atomic_store_explicit(&sv->described, VIEW_DESCRIBED, memory_order_release);
+  }
+  while (atomic_load_explicit(&sv->described, memory_order_acquire) != VIEW_DESCRIBED) sched_yield();
+  return v;
 }
 
 int tshare_set_view(tshare_set *s, size_t i, tshare_view **out) {
   if (!out) return TSHARE_E_INVALID_ARG;
   *out = NULL;
   if (!s || i >= s->count) return TSHARE_E_INVALID_ARG;
-  set_view *sv = calloc(1, sizeof *sv);
+  /* Its descriptor and frame (1.2 KiB of the view) are filled when first
+   * read (ts_view_described): a view is made per memory of a set on every
+   * hand-off, and most are never forwarded nor asked for their descriptor
+   * (a binding has the set's); filling them, and the whole view zeroed
+   * first, was the largest cost of taking a set. */
+  set_view *sv = malloc(sizeof *sv);
   if (!sv) return TSHARE_E_NOMEM;
   tshare_view *v = &sv->view;
+  memset(v, 0, offsetof(struct tshare_view, desc));
+  v->tag[0] = '\0';
   tshare_channel *ch = s->ch;
   const set_entry *e = entry_of(s, i);
   sv->set = s;
+  sv->member = i;
+  atomic_init(&sv->described, VIEW_UNDESCRIBED);
   atomic_fetch_add(&s->refs, 1);
   atomic_fetch_add(&ch->refs, 1);
   pthread_mutex_lock(&ch->lock);
@@ -921,9 +950,9 @@ int tshare_set_view(tshare_set *s, size_t i, tshare_view **out) {
   v->backend = mem->backend->views_are_copies ? &member_copy_backend : &member_backend;
   v->share_id = s->set_id;
   v->data = member_data(s, e);
-  v->desc = e->desc;
-  describe_member(v, mem, s->set_id);
-  v->frame.tensor = e->desc;
+  v->ctx = mem->ctx;
+  v->device = mem->device;
+  v->device_type = mem->device_type;
   *out = v;
   return TSHARE_OK;
 }

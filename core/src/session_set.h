@@ -9,6 +9,11 @@
 
 #include <string.h>
 
+/* v, its descriptor and frame filled in first if it is a set member's view
+ * (tshare_set_view leaves them until something reads them: a forward, the
+ * descriptor asked for). Any thread. */
+tshare_view *ts_view_described(tshare_view *v);
+
 /* A set frame from the peer, with the fd that came with it (or -1 and
  * fd_lost, as ts_session_recv_by says). The fd is always consumed. A set the
  * peer got wrong is refused (released back) and the error kept for the next

@@ -70,7 +70,7 @@ static int share_view_export(tshare_channel *ch, tshare_view *v, const tshare_te
   } else {
     /* From the view's first element to an offset in the producer's allocation,
      * and the layout must stay inside what the view's producer mapped. */
-    uint64_t view_offset = v->frame.tensor.byte_offset;
+    uint64_t view_offset = ts_view_described(v)->frame.tensor.byte_offset;
     char why[160];
     if (desc.byte_offset > UINT64_MAX - view_offset)
       rc = ts_errf(ch->err, sizeof ch->err, TSHARE_E_OVERFLOW, "share: byte_offset %llu overflows",
@@ -96,7 +96,7 @@ static int share_view(tshare_channel *ch, tshare_view *v, void *stream, const ch
   if (!e) return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "share: out of memory");
   e->release = release_forwarded_view; /* the view is held until the third process releases */
   e->owner = v;
-  tshare_tensor_desc whole = v->desc;
+  tshare_tensor_desc whole = ts_view_described(v)->desc;
   whole.byte_offset = 0;
   return share_view_export(ch, v, &whole, stream, tag, user_data, e, timeout_ms, share_id);
 }
@@ -591,7 +591,7 @@ int tshare_view_read(tshare_view *view, int64_t offset, void *dst, size_t len) {
 }
 
 void *tshare_view_data(const tshare_view *v) { return v ? v->data : NULL; }
-const tshare_tensor_desc *tshare_view_desc(const tshare_view *v) { return v ? &v->desc : NULL; }
+const tshare_tensor_desc *tshare_view_desc(const tshare_view *v) { return v ? &ts_view_described((tshare_view *)v)->desc : NULL; }
 const char *tshare_view_tag(const tshare_view *v) { return v ? v->tag : ""; }
 uint64_t tshare_view_share_id(const tshare_view *v) { return v ? v->share_id : 0; }
 int tshare_view_device_type(const tshare_view *v) { return v ? v->device_type : 0; }
