@@ -442,7 +442,36 @@ PyObject *set_key(PyObject *, PyObject *args) {
   return PyBytes_FromStringAndSize(key.data(), static_cast<Py_ssize_t>(key.size()));
 }
 
+// One received share's tensor: over the capsule's memory, in dtype (a
+// torch.dtype of the capsule's element size), as torch.from_dlpack makes it
+// without its Python call's parsing and conversion. (tensor, storage key).
+PyObject *tensor_of(PyObject *, PyObject *args) {
+  PyObject *capsule, *dtype;
+  if (!PyArg_ParseTuple(args, "OO", &capsule, &dtype)) return nullptr;
+  if (!THPDtype_Check(dtype)) return PyErr_SetString(PyExc_TypeError, "tshare: tensor_of: not a torch.dtype"), nullptr;
+  Capsule c;
+  if (!open_capsule(capsule, &c)) return nullptr;
+  const at::ScalarType type = reinterpret_cast<THPDtype *>(dtype)->scalar_type;
+  if (static_cast<int64_t>(c10::elementSize(type)) * 8 != c.tensor->dtype.bits * c.tensor->dtype.lanes)
+    return PyErr_Format(PyExc_ValueError, "tshare: tensor_of: %d-bit elements are not %s", c.tensor->dtype.bits,
+                        c10::toString(type)),
+           nullptr;
+  try {
+    at::Tensor t = consume_capsule(capsule, c, type);
+    PyObject *key = PyLong_FromVoidPtr(t.storage().unsafeGetStorageImpl());
+    PyObject *tensor = key ? wrap(t) : nullptr;
+    PyObject *out = tensor ? PyTuple_Pack(2, tensor, key) : nullptr;
+    Py_XDECREF(tensor);
+    Py_XDECREF(key);
+    return out;
+  } catch (const std::exception &e) {
+    PyErr_Format(PyExc_RuntimeError, "tshare: tensor_of: %s", e.what());
+    return nullptr;
+  }
+}
+
 PyMethodDef methods[] = {
+  {"tensor_of", tensor_of, METH_VARARGS, "A received share's tensor (tshare/_torch.py)."},
   {"set_key", set_key, METH_VARARGS, "What a kept set is known by (tshare/_sets.py)."},
   {"set_items", set_items, METH_VARARGS, "What a set's send reads of each member (tshare/_sets.py)."},
   {"set_items_cuda", set_items_cuda, METH_VARARGS, "set_items, with CUDA members' fields (tshare/_sets.py)."},

@@ -165,6 +165,24 @@ PyObject *py_bound(PyObject *module, PyObject *args) {
   return bound_tensor(capsule, from_dlpack, raw_storage);
 }
 
+PyObject *py_bound_made(PyObject *module, PyObject *args) {
+  (void)module;
+  PyObject *capsule, *maker, *dtype, *t = NULL;
+  if (!PyArg_ParseTuple(args, "OOO", &capsule, &maker, &dtype)) return NULL;
+  PyObject *made = PyObject_CallFunctionObjArgs(maker, capsule, dtype, NULL);
+  if (made && PyTuple_Check(made) && PyTuple_GET_SIZE(made) == 2) {
+    unsigned long long key = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(made, 1));
+    if (!PyErr_Occurred() && py_memory_bind(capsule, (uintptr_t)key) == 0) {
+      t = PyTuple_GET_ITEM(made, 0);
+      Py_INCREF(t);
+    }
+  } else if (made) {
+    PyErr_SetString(PyExc_TypeError, "tshare: _bound_made: the maker gave no (tensor, key)");
+  }
+  Py_XDECREF(made);
+  return t;
+}
+
 PyObject *py_bound_all(PyObject *module, PyObject *args) {
   (void)module;
   PyObject *capsules, *from_dlpack, *raw_storage;

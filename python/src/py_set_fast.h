@@ -19,6 +19,11 @@ PyObject *py_set_members(PyObject *module, PyObject *args);
  * tensors known as received ones, and sent on as such). */
 PyObject *py_bound(PyObject *module, PyObject *args);
 
+/* _bound_made(capsule, maker, dtype) -> tensor: the same, made by
+ * maker(capsule, dtype) -> (tensor, storage key) (tshare._torch_native's
+ * tensor_of). */
+PyObject *py_bound_made(PyObject *module, PyObject *args);
+
 /* _bound_all(capsules, from_dlpack, raw_storage) -> [tensor]: a torch tensor
  * over each capsule, its storage bound to the capsule's memory. */
 PyObject *py_bound_all(PyObject *module, PyObject *args);

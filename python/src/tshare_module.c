@@ -93,6 +93,7 @@ static PyMethodDef module_methods[] = {
   {"_set_items", py_set_items, METH_VARARGS, NULL},
   {"_set_members", py_set_members, METH_VARARGS, NULL},
   {"_bound", py_bound, METH_VARARGS, NULL},
+  {"_bound_made", py_bound_made, METH_VARARGS, NULL},
   {"_bound_all", py_bound_all, METH_VARARGS, NULL},
   {"_bind_keys", py_bind_keys, METH_VARARGS, NULL},
   {"_set_ahead", py_set_ahead_enable, METH_VARARGS, NULL},

@@ -472,6 +472,7 @@ class Received(_ReceivedFields):
 # Received(tensor, tag, share_id) without Received.__new__'s Python frame:
 # a single share carries no set fields.
 _new_received = tuple.__new__
+_native_tensor_of = getattr(_sets._native, "tensor_of", None)  # None without tshare._torch_native
 
 
 @functools.lru_cache(maxsize=None)
@@ -526,10 +527,7 @@ def recv(ch, timeout=None, device=None, as_parameter=False, requires_grad=None) 
     capsule, tag, share_id, code, bits, device_type, _ = r
     dtype = _FROM_DLPACK.get((code, bits))
     if dtype is not None and device_type != _DEVICE_CUDA and not as_parameter:  # the common case, in few steps
-        t = _tshare._bound(capsule, _from_dlpack, _raw_storage)
-        if dtype is torch.bool and _BOOL_AS_UINT8:
-            t = t.view(torch.bool)
-        return _new_received(Received, (t, tag, share_id))
+        return _new_received(Received, (_received_tensor(capsule, dtype), tag, share_id))
     if dtype is None:
         del capsule  # releases the share
         _fail(_tshare.E_UNSUPPORTED, "a shared dtype %s has no PyTorch equivalent" % _dtype_name(code, bits))
@@ -542,12 +540,21 @@ def recv(ch, timeout=None, device=None, as_parameter=False, requires_grad=None) 
         except Error:
             del capsule
             raise
-    t = _tshare._bound(capsule, _from_dlpack, _raw_storage)
-    if dtype is torch.bool and _BOOL_AS_UINT8:
-        t = t.view(torch.bool)
+    t = _received_tensor(capsule, dtype)
     if as_parameter:
         t = torch.nn.Parameter(t, requires_grad=grad)
     return _new_received(Received, (t, tag, share_id))
+
+
+def _received_tensor(capsule, dtype):
+    """The torch tensor over a received share's capsule in dtype, its storage
+    bound to the capsule's memory. tshare._torch_native makes it in C++ where
+    it loaded (torch.from_dlpack's Python call costs a microsecond or more
+    of parsing and conversion per hand-off); torch's from_dlpack otherwise."""
+    if _native_tensor_of is not None:
+        return _tshare._bound_made(capsule, _native_tensor_of, dtype)
+    t = _tshare._bound(capsule, _from_dlpack, _raw_storage)
+    return t.view(torch.bool) if dtype is torch.bool and _BOOL_AS_UINT8 else t
 
 
 def _parameter_grad(dtype, share_id, requires_grad):

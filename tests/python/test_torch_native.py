@@ -185,6 +185,55 @@ def a_set_made_in_cpp_equals_the_one_made_in_python():
 
 
 @test
+def a_received_tensor_made_in_cpp_equals_the_one_torchs_from_dlpack_makes():
+    m = native()
+    p, c = pair()
+    received = []
+    for dtype in sorted(set(_torch._FROM_DLPACK.values()), key=str):
+        base = tshare.empty_shared(6, 8, dtype=dtype)
+        pattern = torch.arange(base.numel() * base.element_size()) % (2 if dtype is torch.bool else 251)
+        base.view(-1).view(torch.uint8).copy_(pattern.to(torch.uint8))
+        sent = base.t()[2:7:2]  # strided, at an offset
+        for way in (_torch._native_tensor_of, None):
+            _torch._native_tensor_of = way
+            try:
+                tshare.send(p, sent, tag=str(dtype))
+                r = tshare.recv(c, timeout=5)
+            finally:
+                _torch._native_tensor_of = m.tensor_of
+            t = r.tensor
+            assert t.dtype == dtype and t.shape == sent.shape and t.stride() == sent.stride(), (dtype, way)
+            same_bytes = lambda x: x.contiguous().view(-1).view(torch.uint8)  # NaN patterns compare too
+            assert torch.equal(same_bytes(t), same_bytes(sent)), (dtype, way)
+            assert _torch._memory_kind_of(t) == "view" and not t.requires_grad and t.is_leaf, (dtype, way)
+            received.append(r)
+    # Written through, sent on: the producer's memory either way.
+    a, b = received[0].tensor, received[1].tensor
+    a.fill_(1)
+    assert torch.equal(b, torch.ones_like(b))
+    p2, c2 = pair()
+    tshare.send(p2, a, tag="on")
+    r2 = tshare.recv(c2, timeout=5)
+    assert torch.equal(r2.tensor, torch.ones_like(a))
+    del r2, a, b, t, r
+    c2.poll(0)
+    p2.wait_released(timeout=5)
+    received.clear()
+    c.poll(0)
+    p.wait_released(timeout=5)
+    assert p.outstanding() == 0
+    # A dtype of another element size than the capsule's (bytes) is refused, the capsule left unused.
+    capsule = _tshare._host_capsule(64)
+    try:
+        m.tensor_of(capsule, torch.float32)
+    except ValueError as e:
+        assert "bit elements are not" in str(e), e
+    else:
+        raise AssertionError("tensor_of took a dtype of another size")
+    torch.utils.dlpack.from_dlpack(capsule)
+
+
+@test
 def places_outside_the_memory_are_refused_and_nothing_is_read():
     m = native()
     dtypes = _torch._FROM_DLPACK
