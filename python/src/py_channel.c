@@ -55,19 +55,25 @@ tshare_channel *py_channel_get(PyChannel *self) {
   return self->ch;
 }
 
-tshare_channel *py_channel_enter(PyChannel *self) {
-  if (py_guard_enter(&self->guard) < 0) return NULL;
+tshare_channel *py_channel_enter_by(PyChannel *self, const char *what, int64_t deadline) {
+  if (py_guard_enter_by(&self->guard, what, deadline) < 0) return NULL;
   if (self->ch) return self->ch;
   py_guard_leave(&self->guard); /* closed in a forked child, where the guard is not used */
   return py_channel_get(self);
 }
+
+tshare_channel *py_channel_enter(PyChannel *self) { return py_channel_enter_by(self, NULL, -1); }
 
 void py_channel_leave(PyChannel *self) { py_guard_leave(&self->guard); }
 
 int py_channel_wait(PyChannel *self, const char *what, int timeout_ms, const py_guard_slice *slice,
                     int timeout_answers, int *status) {
   if (!py_channel_get(self)) return -1;
-  if (py_guard_wait(&self->guard, what, timeout_ms, slice, status) < 0) return -1;
+  if (py_guard_wait(&self->guard, what, timeout_ms, slice, status) < 0) {
+    if (!timeout_answers || *status != TSHARE_E_TIMEOUT) return -1;
+    PyErr_Clear(); /* its turn did not come in time: nothing came in time, the answer */
+    return 0;
+  }
   int answer = *status == TSHARE_OK || *status == TSHARE_END || (timeout_answers && *status == TSHARE_E_TIMEOUT);
   if (!answer) py_raise_channel(self->ch, *status, what);
   py_channel_leave(self);

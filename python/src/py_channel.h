@@ -58,11 +58,15 @@ tshare_channel *py_channel_get(PyChannel *self);
  * state that calls change (counts, the last error). NULL with tshare.Error
  * if closed. */
 tshare_channel *py_channel_enter(PyChannel *self);
+/* The same, giving up with tshare.TimeoutError (naming what) once deadline
+ * (py_guard_deadline) has passed while another thread's call held it. */
+tshare_channel *py_channel_enter_by(PyChannel *self, const char *what, int64_t deadline);
 void py_channel_leave(PyChannel *self);
 
 /* A wait on self's channel in slices (py_guard_wait), then leave. 0 with
  * *status TSHARE_OK or TSHARE_END, or TSHARE_E_TIMEOUT when timeout_answers
- * (the call's own answer, not an error); -1 with a Python error for any
+ * (the call's own answer, not an error; also when another thread's call
+ * held the channel for the whole timeout); -1 with a Python error for any
  * other status, raised as "tshare: WHAT: <the channel's detail>" before
  * leaving, so that the detail is this call's. */
 int py_channel_wait(PyChannel *self, const char *what, int timeout_ms, const py_guard_slice *slice,

@@ -36,6 +36,8 @@ static PyObject *class_of(int code) {
   return error_class;
 }
 
+int py_error_is_tshare(void) { return PyErr_ExceptionMatches(error_class); }
+
 PyObject *py_error_new(int code, const char *message) {
   /* Messages quote what peers said of themselves (a name cut at its wire
    * bound may end mid-character): never a decoding error instead. */

@@ -18,6 +18,9 @@ PyObject *py_raise(int code, const char *message);
 PyObject *py_raise_fmt(int code, const char *fmt, ...);
 /* "tshare: WHAT: <the channel's last error>". */
 PyObject *py_raise_channel(tshare_channel *ch, int code, const char *what);
+/* Whether the exception set is a tshare.Error (not, say, a signal
+ * handler's KeyboardInterrupt). */
+int py_error_is_tshare(void);
 /* The exception object for code and message (not raised). */
 PyObject *py_error_new(int code, const char *message);
 

@@ -22,8 +22,13 @@ static void watch_forks(void) { pthread_atfork(NULL, NULL, count_fork); }
 void py_guard_init(py_guard *g, const char *noun) {
   pthread_once(&watch_forks_once, watch_forks);
   pthread_mutex_init(&g->mutex, NULL);
-  pthread_cond_init(&g->turn_changed, NULL);
+  pthread_condattr_t monotonic; /* slices of a wait for a turn are timed on the clock deadlines use */
+  pthread_condattr_init(&monotonic);
+  pthread_condattr_setclock(&monotonic, CLOCK_MONOTONIC);
+  pthread_cond_init(&g->turn_changed, &monotonic);
+  pthread_condattr_destroy(&monotonic);
   g->next_ticket = g->serving = 0;
+  g->n_given_up = 0;
   g->owner = 0;
   g->closing = 0;
   g->forks = atomic_load(&forks);
@@ -47,26 +52,86 @@ static int refuse_reentry(const py_guard *g) {
   return -1;
 }
 
+static int64_t now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* The turn goes to the next ticket whose caller still waits (mutex held). */
+static void pass_turn_locked(py_guard *g) {
+  g->serving++;
+  for (unsigned i = 0; i < g->n_given_up;) {
+    if (g->given_up[i] != g->serving) {
+      i++;
+      continue;
+    }
+    g->given_up[i] = g->given_up[--g->n_given_up];
+    g->serving++;
+    i = 0; /* the next one may be given up too */
+  }
+  pthread_cond_broadcast(&g->turn_changed);
+}
+
+enum { TURN_TAKEN = 0, TURN_TIMED_OUT, TURN_SIGNALLED };
+
+/* Wait for a turn (mutex held; released meanwhile) until ticket is served,
+ * or slice_ms (< 0: no limit) has passed. */
+static void wait_for_turn_locked(py_guard *g, unsigned long ticket, int slice_ms) {
+  if (slice_ms < 0) {
+    while (ticket != g->serving) pthread_cond_wait(&g->turn_changed, &g->mutex);
+    return;
+  }
+  struct timespec until;
+  clock_gettime(CLOCK_MONOTONIC, &until);
+  until.tv_sec += slice_ms / 1000;
+  until.tv_nsec += (long)(slice_ms % 1000) * 1000000L;
+  if (until.tv_nsec >= 1000000000L) {
+    until.tv_sec++;
+    until.tv_nsec -= 1000000000L;
+  }
+  while (ticket != g->serving && pthread_cond_timedwait(&g->turn_changed, &g->mutex, &until) == 0) {
+  }
+}
+
 /* Wait (GIL released, mutex not held while taking the GIL back) until this
- * thread's ticket is served, then mark it the owner. Returns whether the
- * guard was closing by then; the caller holds the turn either way. */
-static int take_turn(py_guard *g) {
+ * thread's ticket is served, then mark it the owner, and say in *closing
+ * whether the guard was closing by then. An interruptible wait looks for
+ * signals every slice and gives up once deadline (< 0: none) has passed:
+ * TURN_SIGNALLED (the handler's exception set) or TURN_TIMED_OUT, its place
+ * in the line given up and the caller not inside. */
+static int take_turn(py_guard *g, int interruptible, int64_t deadline, int *closing) {
   unsigned long me = PyThread_get_thread_ident();
   pthread_mutex_lock(&g->mutex);
   unsigned long ticket = g->next_ticket++;
-  if (ticket != g->serving) {
+  while (ticket != g->serving) {
     pthread_mutex_unlock(&g->mutex);
     PyThreadState *gil = PyEval_SaveThread();
     pthread_mutex_lock(&g->mutex);
-    while (ticket != g->serving) pthread_cond_wait(&g->turn_changed, &g->mutex);
+    wait_for_turn_locked(g, ticket, interruptible ? PY_GUARD_SLICE_MS : -1);
+    int served = ticket == g->serving;
     pthread_mutex_unlock(&g->mutex);
     PyEval_RestoreThread(gil);
+    int why = TURN_TAKEN; /* or still waiting: the loop looks again */
+    if (!served && PyErr_CheckSignals() < 0) why = TURN_SIGNALLED;
+    else if (!served && deadline >= 0 && now_ms() >= deadline) why = TURN_TIMED_OUT;
     pthread_mutex_lock(&g->mutex);
+    if (why == TURN_TAKEN) continue;
+    if (ticket == g->serving) { /* it came meanwhile: handed on */
+      pass_turn_locked(g);
+    } else if (g->n_given_up < PY_GUARD_GIVEN_UP_MAX) {
+      g->given_up[g->n_given_up++] = ticket;
+    } else { /* no room to leave the line: wait for the turn, then hand it on */
+      wait_for_turn_locked(g, ticket, -1);
+      pass_turn_locked(g);
+    }
+    pthread_mutex_unlock(&g->mutex);
+    return why;
   }
   g->owner = me;
-  int closing = g->closing;
+  *closing = g->closing;
   pthread_mutex_unlock(&g->mutex);
-  return closing;
+  return TURN_TAKEN;
 }
 
 static int is_owner(py_guard *g) {
@@ -80,19 +145,30 @@ void py_guard_leave(py_guard *g) {
   if (inherited(g)) return;
   pthread_mutex_lock(&g->mutex);
   g->owner = 0;
-  g->serving++;
-  pthread_cond_broadcast(&g->turn_changed);
+  pass_turn_locked(g);
   pthread_mutex_unlock(&g->mutex);
 }
 
-/* Enter; a closed guard is refused with a message saying what (NULL: the
- * first entry of a call, else the call that was waiting). */
-static int enter_for(py_guard *g, const char *what) {
+/* Enter by deadline (< 0: none), which counts once a slice has passed; a
+ * closed guard is refused with a message saying what was closed (waited:
+ * the call waited before, in slices). *timed_out says whether the turn
+ * did not come in time (tshare.TimeoutError raised). */
+static int enter_for(py_guard *g, const char *what, int waited, int64_t deadline, int *timed_out) {
+  *timed_out = 0;
   if (inherited(g)) return 0;
   if (is_owner(g)) return refuse_reentry(g);
-  if (!take_turn(g)) return 0;
+  int64_t least = now_ms() + PY_GUARD_SLICE_MS;
+  int closing = 0, why = take_turn(g, 1, deadline >= 0 && deadline < least ? least : deadline, &closing);
+  if (why == TURN_SIGNALLED) return -1;
+  if (why == TURN_TIMED_OUT) {
+    *timed_out = 1;
+    py_raise_fmt(TSHARE_E_TIMEOUT, "tshare: %s: timed out waiting for its turn: another thread's call on the %s "
+                 "held it the whole time", what ? what : "call", g->noun);
+    return -1;
+  }
+  if (!closing) return 0;
   py_guard_leave(g);
-  if (what)
+  if (waited)
     py_raise_fmt(TSHARE_E_STATE, "tshare: %s: the %s was closed by another thread while this call waited", what,
                  g->noun);
   else
@@ -100,7 +176,15 @@ static int enter_for(py_guard *g, const char *what) {
   return -1;
 }
 
-int py_guard_enter(py_guard *g) { return enter_for(g, NULL); }
+int py_guard_enter(py_guard *g) {
+  int timed_out;
+  return enter_for(g, NULL, 0, -1, &timed_out);
+}
+
+int py_guard_enter_by(py_guard *g, const char *what, int64_t deadline) {
+  int timed_out;
+  return enter_for(g, what, 0, deadline, &timed_out);
+}
 
 int py_guard_begin_close(py_guard *g) {
   if (inherited(g)) return 1;
@@ -110,14 +194,9 @@ int py_guard_begin_close(py_guard *g) {
   g->closing = 1; /* calls waiting in slices see it at their next one */
   pthread_mutex_unlock(&g->mutex);
   if (was_closing) return 0;
-  (void)take_turn(g); /* after every call that came before: they leave, or see the mark and leave */
+  int closing;
+  (void)take_turn(g, 0, -1, &closing); /* after every call that came before: they leave, or see the mark and leave */
   return 1;
-}
-
-static int64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
 int64_t py_guard_deadline(int timeout_ms) { return timeout_ms < 0 ? -1 : now_ms() + timeout_ms; }
@@ -144,12 +223,23 @@ static int call_slice(const py_guard_slice *slice, int slice_ms) {
 
 int py_guard_wait(py_guard *g, const char *what, int timeout_ms, const py_guard_slice *slice, int *status) {
   int64_t deadline = py_guard_deadline(timeout_ms); /* the wait for the first turn counts too */
-  if (py_guard_enter(g) < 0) return -1;
+  int timed_out;
+  *status = TSHARE_E_STATE;
+  if (enter_for(g, what, 0, deadline, &timed_out) < 0) {
+    if (timed_out) *status = TSHARE_E_TIMEOUT;
+    return -1;
+  }
   for (;;) {
     *status = call_slice(slice, next_slice_ms(deadline));
     if (*status != TSHARE_E_TIMEOUT || py_guard_left_ms(deadline) == 0) return 0;
     py_guard_leave(g); /* other threads' calls, and a close, go between slices */
-    if (PyErr_CheckSignals() < 0) return -1;
-    if (enter_for(g, what) < 0) return -1;
+    if (PyErr_CheckSignals() < 0) {
+      *status = TSHARE_E_STATE; /* not a timeout: the handler's exception ends the call */
+      return -1;
+    }
+    if (enter_for(g, what, 1, deadline, &timed_out) < 0) {
+      *status = timed_out ? TSHARE_E_TIMEOUT : TSHARE_E_STATE;
+      return -1;
+    }
   }
 }

@@ -13,6 +13,10 @@
  *   - close() from another thread marks the guard closing and takes its turn:
  *     the waiting call sees the mark at its next slice and raises tshare.Error,
  *     and the C object is freed only once no call is inside.
+ * A call waiting for its turn behind another thread's long call (a set send
+ * waiting for room is one C call) sees Ctrl-C too, every slice, and gives
+ * up its place in the line once its timeout has passed (after one slice at
+ * least, so that a call without time to wait still waits out a short one).
  *
  * In a process forked from the one that made the guard, the guard is not
  * used: a thread of the parent may have held it at the fork and will never
@@ -32,10 +36,16 @@
  * threads' sends to wait at most this long behind a waiting recv. */
 #define PY_GUARD_SLICE_MS 20
 
+/* Callers that may have left the line at once (Ctrl-C, a timeout) whose
+ * turn has not come yet; one more waits for its turn before it leaves. */
+#define PY_GUARD_GIVEN_UP_MAX 64
+
 typedef struct py_guard {
   pthread_mutex_t mutex; /* guards the fields below; never held while waiting for the GIL */
   pthread_cond_t turn_changed;
   unsigned long next_ticket, serving; /* a ticket per caller: turns in arrival order */
+  unsigned long given_up[PY_GUARD_GIVEN_UP_MAX]; /* tickets whose callers left the line: skipped */
+  unsigned n_given_up;
   unsigned long owner;                /* the thread inside (PyThread_get_thread_ident), 0 if none */
   int closing;                        /* set by the first close: every later entry is refused */
   unsigned long forks;                /* forks seen when it was made: another count, another process */
@@ -47,8 +57,12 @@ void py_guard_destroy(py_guard *g);
 
 /* Wait for this thread's turn (GIL released while waiting). 0: inside; -1
  * with tshare.Error (TSHARE_E_STATE) when the object is closed or this
- * thread is already inside (called back from within a call). */
+ * thread is already inside (called back from within a call), or with the
+ * exception a signal handler raised while it waited. */
 int py_guard_enter(py_guard *g);
+/* The same, giving up with tshare.TimeoutError (naming what) once deadline
+ * (py_guard_deadline; < 0: none) has passed, and a slice. */
+int py_guard_enter_by(py_guard *g, const char *what, int64_t deadline);
 void py_guard_leave(py_guard *g);
 
 /* Mark closing and wait for the calls inside to leave. 1: the caller is
@@ -74,8 +88,10 @@ typedef struct py_guard_slice {
  * TSHARE_E_TIMEOUT or timeout_ms (< 0: forever) has passed, leaving the
  * guard between slices to check signals. 0: *status is the last call's
  * status and the caller is inside (it reads the object's error detail, then
- * leaves); -1: a Python error is set (a signal handler raised, or the object
- * was closed) and the caller is not inside. what names the call in messages. */
+ * leaves); -1: a Python error is set (a signal handler raised, the object
+ * was closed, or its turn did not come in time: then *status is
+ * TSHARE_E_TIMEOUT and the error a tshare.TimeoutError) and the caller is
+ * not inside. what names the call in messages. */
 int py_guard_wait(py_guard *g, const char *what, int timeout_ms, const py_guard_slice *slice, int *status);
 
 #endif /* TSHARE_PY_GUARD_H */

@@ -289,9 +289,10 @@ PyObject *py_set_send_args(PyChannel *self, PyObject *args, py_set_sender send, 
     return NULL;
   }
   PyObject *result = NULL;
-  if (py_channel_enter(self)) {
-    result = send_in_guard(self, items, key ? key : items, dtype_codes, &meta, timeout_ms, stream_for, keep, stream,
-                           send, ctx);
+  int64_t deadline = py_guard_deadline(timeout_ms); /* the wait for the turn counts */
+  if (py_channel_enter_by(self, "send (tensor set)", deadline)) {
+    result = send_in_guard(self, items, key ? key : items, dtype_codes, &meta, py_guard_left_ms(deadline), stream_for,
+                           keep, stream, send, ctx);
     py_channel_leave(self);
   }
   PyBuffer_Release(&meta);

@@ -40,19 +40,30 @@ static PyObject *take_error(void) {
   return value;
 }
 
-/* The others' guards, entered in address order; one that refuses (closed,
- * or entered already) gets its error and no send. */
-static void enter_others(fanout *f) {
+/* The others' guards, entered in address order by deadline; one that
+ * refuses (closed, entered already, held by another thread's call past the
+ * deadline) gets its error and no send. -1 when a signal handler raised
+ * while it waited (Ctrl-C): the call ends there, those entered left. */
+static int enter_others(fanout *f, int64_t deadline) {
   place *order = malloc((size_t)f->n * sizeof *order);
-  if (!order) return; /* out of memory: every other channel stays NULL, and is reported so */
-  for (Py_ssize_t i = 1; i < f->n; i++) order[i - 1] = (place){f->objs[i], i};
+  if (!order) return 0; /* out of memory: every other channel stays NULL, and is reported so */
+  int rc = 0;
+  for (Py_ssize_t k = 0; k < f->n - 1; k++) order[k] = (place){f->objs[k + 1], k + 1};
   qsort(order, (size_t)f->n - 1, sizeof *order, by_address);
-  for (Py_ssize_t k = 0; k < f->n - 1; k++) {
+  for (Py_ssize_t k = 0; rc == 0 && k < f->n - 1; k++) {
     Py_ssize_t i = order[k].index;
-    f->chs[i] = py_channel_enter(order[k].obj);
-    if (!f->chs[i]) f->refused[i] = take_error();
+    f->chs[i] = py_channel_enter_by(order[k].obj, "send_all", deadline);
+    if (f->chs[i]) continue;
+    if (!py_error_is_tshare()) rc = -1; /* the handler's exception stays set */
+    else f->refused[i] = take_error();
   }
   free(order);
+  return rc;
+}
+
+static void leave_others(fanout *f) {
+  for (Py_ssize_t i = 1; i < f->n; i++)
+    if (f->chs[i]) py_channel_leave(f->objs[i]);
 }
 
 /* [(set_id, None) or (0, tshare.Error)] in f's order. */
@@ -77,7 +88,12 @@ static PyObject *outcomes(const fanout *f, const uint64_t *ids, const tshare_err
 static PyObject *send_to_all(PyChannel *self, tshare_set_builder *b, int timeout_ms, void *ctx) {
   fanout *f = ctx;
   f->chs[0] = self->ch;
-  enter_others(f);
+  int64_t deadline = py_guard_deadline(timeout_ms);
+  if (enter_others(f, deadline) < 0) {
+    leave_others(f);
+    return NULL;
+  }
+  timeout_ms = py_guard_left_ms(deadline); /* what the wait for the others' turns left */
   uint64_t *ids = calloc((size_t)f->n, sizeof *ids);
   tshare_error *results = calloc((size_t)f->n, sizeof *results);
   PyObject *out = NULL;
@@ -90,8 +106,7 @@ static PyObject *send_to_all(PyChannel *self, tshare_set_builder *b, int timeout
   } else {
     PyErr_NoMemory();
   }
-  for (Py_ssize_t i = 1; i < f->n; i++)
-    if (f->chs[i]) py_channel_leave(f->objs[i]);
+  leave_others(f);
   free(ids);
   free(results);
   return out ? Py_BuildValue("(NO)", out, Py_None) : NULL;

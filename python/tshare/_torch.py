@@ -311,16 +311,17 @@ def _send_set_to_all(results, tensors, meta, deadline, copy):
     """The set to every channel of results: built by (and kept on) the one
     of lowest address, whose C call enters the others in address order, so
     that two fan-outs over the same channels take turns and never wait on
-    each other for ever; one it cannot enter (closed) gets its error there.
-    A closed owner is that channel's error, and the next one builds."""
+    each other for ever; one it cannot enter (closed, or held by another
+    thread's call until the deadline) gets its error there. An owner closed,
+    or held so, is that channel's error, and the next one builds."""
     live = sorted(results, key=lambda r: id(r.channel._c))
     while live:
         owner, others = live[0], live[1:]
         try:
             outcomes = _sets.send_set(owner.channel, tensors, meta, _timeout_ms(_left(deadline)), copy,
                                       others=[r.channel._c for r in others])
-        except Error as e:
-            if e.code != _tshare.E_STATE or not owner.channel.closed:
+        except Error as e:  # nothing went: the C call raises only before it sends
+            if not (e.code == _tshare.E_TIMEOUT or (e.code == _tshare.E_STATE and owner.channel.closed)):
                 raise
             owner.error = e
             live = others

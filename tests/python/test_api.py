@@ -437,6 +437,63 @@ def ctrl_c_interrupts_waits():
     c.close()
 
 
+def a_long_set_send(p):
+    """A thread inside one long C call on p: a set send of 10,000 tensors to
+    a consumer that does not read, waiting for room until p's peer closes."""
+    big = tshare.empty_shared(10000 * 4, dtype=torch.float32)
+    sd = {"m%05d_%s" % (i, "x" * 200): big[i * 4:(i + 1) * 4] for i in range(10000)}
+    out = in_thread(tshare.send, p, sd, timeout=30)
+    time.sleep(0.3)  # inside its send by now: the ring and the socket fill in microseconds
+    assert "thread" in out and out["thread"].is_alive() and not out.get("error"), out
+    return out
+
+
+@test
+def a_call_waiting_behind_another_threads_long_call_times_out_and_sees_ctrl_c():
+    """Calls waiting for their turn on a channel another thread's set send
+    holds: each gives up after its own timeout (a timeout that answers,
+    poll's, answers), Ctrl-C ends one that waits with no timeout, a fan-out
+    reports that channel alone as timed out and sends to the others, and
+    the channel goes on once the long call ends."""
+    p, c = pair()
+    out = a_long_set_send(p)
+    for what, call, answer in (
+        ("wait_released", lambda: p.wait_released(timeout=0.3), None),
+        ("recv", lambda: tshare.recv(p, timeout=0.3), None),
+        ("send", lambda: tshare.send(p, tshare.empty_shared(4), timeout=0.3), None),
+        ("a set's send", lambda: tshare.send(p, {"a": tshare.empty_shared(4)}, timeout=0.3), None),
+        ("poll", lambda: p.poll(0.3), False),
+        ("recv without time to wait", lambda: tshare.recv(p, timeout=0), None),
+    ):
+        t0 = time.monotonic()
+        got = call_capturing(call)
+        took = time.monotonic() - t0
+        assert took < 2, "%s waited %.1f s for the other thread's call" % (what, took)
+        if answer is not None:
+            assert got is answer, "%s: %r" % (what, got)
+            continue
+        assert isinstance(got, tshare.TimeoutError), "%s: %r" % (what, got)
+        if what != "recv without time to wait":
+            assert took >= 0.25, "%s gave up after %.2f s of its 0.3 s" % (what, took)
+        assert "its turn" in str(got) and "another thread" in str(got), "%s: %s" % (what, got)
+    interrupted_by_sigint("outstanding", p.outstanding)
+    q, d = pair()
+    results = tshare.send_all([q, p], {"w": tshare.empty_shared(4)}, timeout=0.5, wait=False)
+    by = {id(r.channel): r for r in results}
+    assert by[id(q)].ok and by[id(q)].id > 0, results
+    assert isinstance(by[id(p)].error, tshare.TimeoutError) and "its turn" in str(by[id(p)].error), results
+    r = tshare.recv(d, timeout=5)
+    assert list(r.tensors) == ["w"]
+    del r
+    c.close()  # the long send sees its peer gone and ends
+    e = joined(out, "the long set send")
+    assert isinstance(e, tshare.Error), repr(e)
+    assert p.outstanding() >= 0  # the channel takes calls again
+    q.close()
+    d.close()
+    p.close()
+
+
 @test
 def open_socket_with_refused_options_closes_its_fd():
     # open_socket owns its fd also on failure: a refusal of its options leaks nothing.
