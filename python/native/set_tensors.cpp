@@ -77,10 +77,6 @@ at::Tensor consume_capsule(PyObject *capsule, const Capsule &c, at::ScalarType d
                          ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(t->device.device_id))
                          : c10::Device(c10::kCPU);
   at::IntArrayRef sizes(t->shape, static_cast<size_t>(t->ndim));
-  // Used from here, as torch marks it: the maker owns the context and calls
-  // its deleter once, on the storage's end or on a throw of its own; the
-  // capsule's destructor must not call it again.
-  PyCapsule_SetName(capsule, c.versioned ? DLPACK_CAPSULE_VERSIONED_USED : DLPACK_CAPSULE_USED);
   at::Tensor out = at::for_blob(static_cast<char *>(t->data) + t->byte_offset, sizes)
                      .strides(t->strides ? at::OptionalIntArrayRef(at::IntArrayRef(t->strides, static_cast<size_t>(t->ndim)))
                                          : at::OptionalIntArrayRef())
@@ -88,6 +84,11 @@ at::Tensor consume_capsule(PyObject *capsule, const Capsule &c, at::ScalarType d
                      .target_device(device)
                      .options(at::TensorOptions().dtype(dtype).device(device))
                      .make_tensor();
+  // Used from here, as torch marks it once its tensor is made: the tensor
+  // owns the context and calls its deleter once, on the storage's end; the
+  // capsule's destructor must not call it again. A maker that throws first
+  // (a size check) leaves the capsule to release the memory.
+  PyCapsule_SetName(capsule, c.versioned ? DLPACK_CAPSULE_VERSIONED_USED : DLPACK_CAPSULE_USED);
   return out;
 }
 

@@ -251,7 +251,8 @@ static PyObject *channel_get_peer_pid(PyChannel *self, void *unused) {
 static PyObject *channel_get_last_error(PyChannel *self, void *unused) {
   (void)unused;
   tshare_channel *ch = self->ch ? py_channel_enter(self) : NULL;
-  if (!ch) { /* closed, also meanwhile */
+  if (!ch) { /* closed, also meanwhile; a signal handler's exception (Ctrl-C while it waited for its turn) goes on */
+    if (PyErr_Occurred() && !py_error_is_tshare()) return NULL;
     PyErr_Clear();
     return PyUnicode_FromString("");
   }
@@ -263,7 +264,8 @@ static PyObject *channel_get_last_error(PyChannel *self, void *unused) {
 static PyObject *channel_repr(PyChannel *self) {
   if (!self->ch) return PyUnicode_FromString("<tshare.Channel closed>");
   tshare_channel *ch = py_channel_enter(self);
-  if (!ch) { /* closed meanwhile */
+  if (!ch) { /* closed meanwhile; a signal handler's exception goes on */
+    if (!py_error_is_tshare()) return NULL;
     PyErr_Clear();
     return PyUnicode_FromString("<tshare.Channel closed>");
   }

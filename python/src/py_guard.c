@@ -4,8 +4,11 @@
 #include "py_errors.h"
 
 #include <limits.h>
+#include <stdbool.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -28,7 +31,8 @@ void py_guard_init(py_guard *g, const char *noun) {
   pthread_cond_init(&g->turn_changed, &monotonic);
   pthread_condattr_destroy(&monotonic);
   g->next_ticket = g->serving = 0;
-  g->n_given_up = 0;
+  g->given_up = NULL;
+  g->given_up_first = g->given_up_end = g->given_up_cap = 0;
   g->owner = 0;
   g->closing = 0;
   g->forks = atomic_load(&forks);
@@ -42,6 +46,7 @@ void py_guard_destroy(py_guard *g) {
   if (inherited(g)) return; /* the mutex may be held by a thread this process does not have */
   pthread_cond_destroy(&g->turn_changed);
   pthread_mutex_destroy(&g->mutex);
+  free(g->given_up);
 }
 
 static int refuse_reentry(const py_guard *g) {
@@ -58,19 +63,40 @@ static int64_t now_ms(void) {
   return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-/* The turn goes to the next ticket whose caller still waits (mutex held). */
+/* The turn goes to the next ticket whose caller still waits (mutex held):
+ * given-up tickets are all ahead of the one served, the lowest first. */
 static void pass_turn_locked(py_guard *g) {
   g->serving++;
-  for (unsigned i = 0; i < g->n_given_up;) {
-    if (g->given_up[i] != g->serving) {
-      i++;
-      continue;
-    }
-    g->given_up[i] = g->given_up[--g->n_given_up];
+  while (g->given_up_first < g->given_up_end && g->given_up[g->given_up_first] == g->serving) {
+    g->given_up_first++;
     g->serving++;
-    i = 0; /* the next one may be given up too */
   }
+  if (g->given_up_first == g->given_up_end) g->given_up_first = g->given_up_end = 0;
   pthread_cond_broadcast(&g->turn_changed);
+}
+
+/* ticket leaves the line (mutex held): its turn is skipped. False when the
+ * list could not grow. A caller that polls behind a long call gives up a
+ * ticket per slice: the list grows as needed, in ticket order (a later
+ * ticket almost always gives up later: it goes at the end), and empties as
+ * the turns pass them. */
+static bool give_up_locked(py_guard *g, unsigned long ticket) {
+  if (g->given_up_end == g->given_up_cap && g->given_up_first > 0) { /* room at the front: moved down */
+    memmove(g->given_up, g->given_up + g->given_up_first, (g->given_up_end - g->given_up_first) * sizeof *g->given_up);
+    g->given_up_end -= g->given_up_first;
+    g->given_up_first = 0;
+  }
+  if (g->given_up_end == g->given_up_cap) {
+    size_t cap = g->given_up_cap ? 2 * g->given_up_cap : 16;
+    unsigned long *grown = realloc(g->given_up, cap * sizeof *grown);
+    if (!grown) return false;
+    g->given_up = grown;
+    g->given_up_cap = cap;
+  }
+  size_t at = g->given_up_end++;
+  for (; at > g->given_up_first && g->given_up[at - 1] > ticket; at--) g->given_up[at] = g->given_up[at - 1];
+  g->given_up[at] = ticket;
+  return true;
 }
 
 enum { TURN_TAKEN = 0, TURN_TIMED_OUT, TURN_SIGNALLED };
@@ -119,11 +145,15 @@ static int take_turn(py_guard *g, int interruptible, int64_t deadline, int *clos
     if (why == TURN_TAKEN) continue;
     if (ticket == g->serving) { /* it came meanwhile: handed on */
       pass_turn_locked(g);
-    } else if (g->n_given_up < PY_GUARD_GIVEN_UP_MAX) {
-      g->given_up[g->n_given_up++] = ticket;
-    } else { /* no room to leave the line: wait for the turn, then hand it on */
+    } else if (!give_up_locked(g, ticket)) { /* out of memory: wait for the turn (GIL released), hand it on */
+      pthread_mutex_unlock(&g->mutex);
+      gil = PyEval_SaveThread();
+      pthread_mutex_lock(&g->mutex);
       wait_for_turn_locked(g, ticket, -1);
       pass_turn_locked(g);
+      pthread_mutex_unlock(&g->mutex);
+      PyEval_RestoreThread(gil);
+      return why;
     }
     pthread_mutex_unlock(&g->mutex);
     return why;

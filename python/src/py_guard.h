@@ -36,16 +36,12 @@
  * threads' sends to wait at most this long behind a waiting recv. */
 #define PY_GUARD_SLICE_MS 20
 
-/* Callers that may have left the line at once (Ctrl-C, a timeout) whose
- * turn has not come yet; one more waits for its turn before it leaves. */
-#define PY_GUARD_GIVEN_UP_MAX 64
-
 typedef struct py_guard {
   pthread_mutex_t mutex; /* guards the fields below; never held while waiting for the GIL */
   pthread_cond_t turn_changed;
   unsigned long next_ticket, serving; /* a ticket per caller: turns in arrival order */
-  unsigned long given_up[PY_GUARD_GIVEN_UP_MAX]; /* tickets whose callers left the line: skipped */
-  unsigned n_given_up;
+  unsigned long *given_up; /* [first, end): tickets whose callers left the line before their turn, ascending */
+  size_t given_up_first, given_up_end, given_up_cap;
   unsigned long owner;                /* the thread inside (PyThread_get_thread_ident), 0 if none */
   int closing;                        /* set by the first close: every later entry is refused */
   unsigned long forks;                /* forks seen when it was made: another count, another process */

@@ -535,6 +535,8 @@ def recv(ch, timeout=None, device=None, as_parameter=False, requires_grad=None) 
     if device_type == _DEVICE_CUDA and not _cuda_device_count():
         del capsule
         _fail(_tshare.E_UNSUPPORTED, "share %d is GPU memory and this torch has no usable CUDA" % share_id)
+    if device_type == _DEVICE_CUDA:
+        torch.cuda._lazy_init()  # as torch.from_dlpack does for a CUDA tensor (once; a flag after that)
     if as_parameter:
         try:
             grad = _parameter_grad(dtype, share_id, requires_grad)

@@ -476,7 +476,14 @@ def a_call_waiting_behind_another_threads_long_call_times_out_and_sees_ctrl_c():
         if what != "recv without time to wait":
             assert took >= 0.25, "%s gave up after %.2f s of its 0.3 s" % (what, took)
         assert "its turn" in str(got) and "another thread" in str(got), "%s: %s" % (what, got)
+    # A loop that polls without waiting gives up a place in the line every
+    # time: as many as it likes (the line keeps them all).
+    for i in range(80):
+        t0 = time.monotonic()
+        assert p.poll(0) is False and time.monotonic() - t0 < 1, "poll %d behind the long call" % i
     interrupted_by_sigint("outstanding", p.outstanding)
+    interrupted_by_sigint("repr", repr, p)  # the interrupt goes on, never taken for a closed channel
+    interrupted_by_sigint("last_error", lambda: p._c.last_error)
     q, d = pair()
     results = tshare.send_all([q, p], {"w": tshare.empty_shared(4)}, timeout=0.5, wait=False)
     by = {id(r.channel): r for r in results}
