@@ -227,9 +227,10 @@ def consumer_killed_mid_stream_frees_the_producers_memory():
         t = tshare.empty_shared(1 << 16, dtype=torch.uint8)
         try:
             tshare.send(p, t, tag=str(i), timeout=5)
-        except tshare.PeerClosedError:
+        except tshare.PeerClosedError:  # the consumer died first (a loaded machine): t went nowhere
             break
-        del t  # only the share holds the memfd now
+        finally:
+            del t  # only the share holds the memfd now; a tensor kept here would keep its memfd open
     os.waitpid(pid, 0)
     harness.expect_all_back_from_dead_peer(p, base_fds, "shares")
     p.close()
