@@ -23,42 +23,15 @@ import tshare
 from tshare import _sets
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sets_py_peer import shapes  # noqa: E402
+from sets_py_peer import TshareWay, shapes  # noqa: E402  (its consumers drop each hand-off at once)
 
 
-def consumers(n):
-    """n forked consumers that drop each hand-off at once; forked before CUDA."""
-    chs, pids = [], []
-    for _ in range(n):
-        a, b = tshare.socketpair()
-        pid = os.fork()
-        if pid == 0:
-            os.close(a)
-            for c in chs:
-                c.close()
-            with tshare.open_socket(b, name="consumer") as ch:
-                while tshare.recv(ch, timeout=60) is not None:
-                    pass
-            os._exit(0)
-        os.close(b)
-        pids.append(pid)
-        chs.append(tshare.open_socket(a, name="producer"))
-    return chs, pids
-
-
-def end(chs, pids):
-    for c in chs:
-        c.close()
-    for p in pids:
-        os.waitpid(p, 0)
-
-
-def cuda_or_end(chs, pids):
+def cuda_or_end(way):
     """Asked once the consumers forked (a child forked after CUDA started cannot use it)."""
     if torch.cuda.is_available():
         return True
     print("skip: torch sees no CUDA device")
-    end(chs, pids)
+    way.close()
     return False
 
 
@@ -74,9 +47,10 @@ def p50(name, samples):
 
 
 def fanout():
-    chs, pids = consumers(4)
-    if not cuda_or_end(chs, pids):
+    way = TshareWay(4, False)
+    if not cuda_or_end(way):
         return 77
+    chs = way.chs
 
     def by_loop(sd):
         ids = [tshare.send(ch, sd, meta=b"v", timeout=60) for ch in chs]
@@ -111,14 +85,14 @@ def fanout():
     for name, d in (("first", first), ("update", update)):
         for k, v in d.items():
             p50("%s, 4 consumers, %s" % (name, k), v)
-    end(chs, pids)
-    return 0
+    return 0 if way.close() else 1
 
 
 def items():
-    chs, pids = consumers(1)
-    if not cuda_or_end(chs, pids):
+    way = TshareWay(1, False)
+    if not cuda_or_end(way):
         return 77
+    chs = way.chs
     native = _sets._native
     new_fn = native.set_items_cuda
 
@@ -141,8 +115,7 @@ def items():
     native.set_items_cuda = new_fn
     for k, v in times.items():
         p50("%s: first hand-off's send call" % k, v)
-    end(chs, pids)
-    return 0
+    return 0 if way.close() else 1
 
 
 def main():

@@ -123,45 +123,42 @@ static void wait_for_turn_locked(py_guard *g, unsigned long ticket, int slice_ms
 /* Wait (GIL released, mutex not held while taking the GIL back) until this
  * thread's ticket is served, then mark it the owner, and say in *closing
  * whether the guard was closing by then. An interruptible wait looks for
- * signals every slice and gives up once deadline (< 0: none) has passed:
+ * signals every slice and gives up once deadline (< 0: none), and one slice
+ * at least, has passed:
  * TURN_SIGNALLED (the handler's exception set) or TURN_TIMED_OUT, its place
- * in the line given up and the caller not inside. */
+ * in the line given up (or, where the line cannot grow, its turn waited for
+ * and handed on) and the caller not inside. */
 static int take_turn(py_guard *g, int interruptible, int64_t deadline, int *closing) {
   unsigned long me = PyThread_get_thread_ident();
+  int gave_up = TURN_TAKEN; /* why it gave up, once it has: it waits only to hand the turn on */
   pthread_mutex_lock(&g->mutex);
   unsigned long ticket = g->next_ticket++;
+  if (ticket != g->serving && deadline >= 0 && deadline < now_ms() + PY_GUARD_SLICE_MS)
+    deadline = now_ms() + PY_GUARD_SLICE_MS; /* a call without time to wait still waits out a short one */
   while (ticket != g->serving) {
     pthread_mutex_unlock(&g->mutex);
     PyThreadState *gil = PyEval_SaveThread();
     pthread_mutex_lock(&g->mutex);
-    wait_for_turn_locked(g, ticket, interruptible ? PY_GUARD_SLICE_MS : -1);
-    int served = ticket == g->serving;
+    wait_for_turn_locked(g, ticket, interruptible && !gave_up ? PY_GUARD_SLICE_MS : -1);
+    int waiting = ticket != g->serving && !gave_up;
     pthread_mutex_unlock(&g->mutex);
     PyEval_RestoreThread(gil);
-    int why = TURN_TAKEN; /* or still waiting: the loop looks again */
-    if (!served && PyErr_CheckSignals() < 0) why = TURN_SIGNALLED;
-    else if (!served && deadline >= 0 && now_ms() >= deadline) why = TURN_TIMED_OUT;
+    if (waiting && PyErr_CheckSignals() < 0) gave_up = TURN_SIGNALLED;
+    else if (waiting && deadline >= 0 && now_ms() >= deadline) gave_up = TURN_TIMED_OUT;
     pthread_mutex_lock(&g->mutex);
-    if (why == TURN_TAKEN) continue;
-    if (ticket == g->serving) { /* it came meanwhile: handed on */
-      pass_turn_locked(g);
-    } else if (!give_up_locked(g, ticket)) { /* out of memory: wait for the turn (GIL released), hand it on */
+    if (gave_up && ticket != g->serving && give_up_locked(g, ticket)) {
       pthread_mutex_unlock(&g->mutex);
-      gil = PyEval_SaveThread();
-      pthread_mutex_lock(&g->mutex);
-      wait_for_turn_locked(g, ticket, -1);
-      pass_turn_locked(g);
-      pthread_mutex_unlock(&g->mutex);
-      PyEval_RestoreThread(gil);
-      return why;
+      return gave_up;
     }
-    pthread_mutex_unlock(&g->mutex);
-    return why;
   }
-  g->owner = me;
-  *closing = g->closing;
+  if (gave_up) { /* its turn came meanwhile, or the line could not grow: handed on */
+    pass_turn_locked(g);
+  } else {
+    g->owner = me;
+    *closing = g->closing;
+  }
   pthread_mutex_unlock(&g->mutex);
-  return TURN_TAKEN;
+  return gave_up;
 }
 
 static int is_owner(py_guard *g) {
@@ -179,22 +176,21 @@ void py_guard_leave(py_guard *g) {
   pthread_mutex_unlock(&g->mutex);
 }
 
-/* Enter by deadline (< 0: none), which counts once a slice has passed; a
- * closed guard is refused with a message saying what was closed (waited:
- * the call waited before, in slices). *timed_out says whether the turn
- * did not come in time (tshare.TimeoutError raised). */
-static int enter_for(py_guard *g, const char *what, int waited, int64_t deadline, int *timed_out) {
-  *timed_out = 0;
+/* Enter by deadline (< 0: none), one slice at least (take_turn). 0:
+ * inside; else with a Python error set, TSHARE_E_TIMEOUT when the turn did
+ * not come in time (tshare.TimeoutError naming what), TSHARE_E_STATE for
+ * the rest: a signal handler's exception, a reentry, or a closed guard,
+ * refused with a message saying what was closed (waited: the call waited
+ * before, in slices). */
+static int enter_for(py_guard *g, const char *what, int waited, int64_t deadline) {
   if (inherited(g)) return 0;
-  if (is_owner(g)) return refuse_reentry(g);
-  int64_t least = now_ms() + PY_GUARD_SLICE_MS;
-  int closing = 0, why = take_turn(g, 1, deadline >= 0 && deadline < least ? least : deadline, &closing);
-  if (why == TURN_SIGNALLED) return -1;
+  if (is_owner(g)) return refuse_reentry(g), TSHARE_E_STATE;
+  int closing = 0, why = take_turn(g, 1, deadline, &closing);
+  if (why == TURN_SIGNALLED) return TSHARE_E_STATE;
   if (why == TURN_TIMED_OUT) {
-    *timed_out = 1;
     py_raise_fmt(TSHARE_E_TIMEOUT, "tshare: %s: timed out waiting for its turn: another thread's call on the %s "
                  "held it the whole time", what ? what : "call", g->noun);
-    return -1;
+    return TSHARE_E_TIMEOUT;
   }
   if (!closing) return 0;
   py_guard_leave(g);
@@ -203,17 +199,11 @@ static int enter_for(py_guard *g, const char *what, int waited, int64_t deadline
                  g->noun);
   else
     py_raise_fmt(TSHARE_E_STATE, "tshare: the %s is closed", g->noun);
-  return -1;
-}
-
-int py_guard_enter(py_guard *g) {
-  int timed_out;
-  return enter_for(g, NULL, 0, -1, &timed_out);
+  return TSHARE_E_STATE;
 }
 
 int py_guard_enter_by(py_guard *g, const char *what, int64_t deadline) {
-  int timed_out;
-  return enter_for(g, what, 0, deadline, &timed_out);
+  return enter_for(g, what, 0, deadline) == 0 ? 0 : -1;
 }
 
 int py_guard_begin_close(py_guard *g) {
@@ -253,12 +243,7 @@ static int call_slice(const py_guard_slice *slice, int slice_ms) {
 
 int py_guard_wait(py_guard *g, const char *what, int timeout_ms, const py_guard_slice *slice, int *status) {
   int64_t deadline = py_guard_deadline(timeout_ms); /* the wait for the first turn counts too */
-  int timed_out;
-  *status = TSHARE_E_STATE;
-  if (enter_for(g, what, 0, deadline, &timed_out) < 0) {
-    if (timed_out) *status = TSHARE_E_TIMEOUT;
-    return -1;
-  }
+  if ((*status = enter_for(g, what, 0, deadline)) != 0) return -1;
   for (;;) {
     *status = call_slice(slice, next_slice_ms(deadline));
     if (*status != TSHARE_E_TIMEOUT || py_guard_left_ms(deadline) == 0) return 0;
@@ -267,9 +252,6 @@ int py_guard_wait(py_guard *g, const char *what, int timeout_ms, const py_guard_
       *status = TSHARE_E_STATE; /* not a timeout: the handler's exception ends the call */
       return -1;
     }
-    if (enter_for(g, what, 1, deadline, &timed_out) < 0) {
-      *status = timed_out ? TSHARE_E_TIMEOUT : TSHARE_E_STATE;
-      return -1;
-    }
+    if ((*status = enter_for(g, what, 1, deadline)) != 0) return -1;
   }
 }

@@ -53,11 +53,10 @@ void py_guard_destroy(py_guard *g);
 
 /* Wait for this thread's turn (GIL released while waiting). 0: inside; -1
  * with tshare.Error (TSHARE_E_STATE) when the object is closed or this
- * thread is already inside (called back from within a call), or with the
- * exception a signal handler raised while it waited. */
-int py_guard_enter(py_guard *g);
-/* The same, giving up with tshare.TimeoutError (naming what) once deadline
- * (py_guard_deadline; < 0: none) has passed, and a slice. */
+ * thread is already inside (called back from within a call), with the
+ * exception a signal handler raised while it waited, or with
+ * tshare.TimeoutError (naming what) once deadline (py_guard_deadline; < 0:
+ * none) and a slice have passed. */
 int py_guard_enter_by(py_guard *g, const char *what, int64_t deadline);
 void py_guard_leave(py_guard *g);
 

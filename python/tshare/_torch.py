@@ -278,8 +278,7 @@ def send_all(channels, tensors, tag="", timeout=None, meta=None, copy=False, wai
     else:
         if meta is not None:
             _fail(_tshare.E_INVALID_ARG, "send_all: metadata travels with tensor sets: send {name: tensor} with meta=")
-        _check_shareable(tensors)  # what send() refuses of the tensor itself raises, before anything goes
-        _dlpack_dtype(tensors)
+        _dlpack_dtype(tensors)  # what send() refuses of the tensor itself raises (_check_shareable's), before anything goes
         for r in results:
             if r.error is None:
                 try:
