@@ -2,7 +2,7 @@
  * sending sets on one channel (each call either goes through or is refused
  * as busy, never both, never half: every set arrives once, whole, in each
  * thread's order); one thread sending sets while another receives them on
- * the same channel, at both ends; and a producer and consumer pinned to one
+ * the same channel, at both ends, the two taking turns; and a producer and consumer pinned to one
  * CPU, a model's 290 tensors updated in place and sent again each round. */
 #include "harness.h"
 #include "proc_util.h"
@@ -158,13 +158,42 @@ TS_TEST(threads_sending_sets_on_one_channel_each_arrive_once_whole_and_in_order)
 
 /* ---- one thread sends while another receives, at both ends ---------------- */
 
+/* The two threads at one end take turns on the channel through a fair lock
+ * of their own, as channel.h asks of threads sharing a channel: retrying a
+ * refused call loses to a thread that calls again at once (a 5 ms wait for a
+ * release left a 1 µs gap between calls), and with each end's receiver shut
+ * out neither end's release ever came. A ticket each, served in order. */
+typedef struct turns {
+  pthread_mutex_t lock;
+  pthread_cond_t served;
+  unsigned long next, serving;
+} turns;
+
+static void take_turn(turns *t) {
+  CHECK(pthread_mutex_lock(&t->lock) == 0);
+  unsigned long mine = t->next++;
+  while (t->serving != mine) CHECK(pthread_cond_wait(&t->served, &t->lock) == 0);
+  CHECK(pthread_mutex_unlock(&t->lock) == 0);
+}
+
+static void end_turn(turns *t) {
+  CHECK(pthread_mutex_lock(&t->lock) == 0);
+  t->serving++;
+  CHECK(pthread_cond_broadcast(&t->served) == 0);
+  CHECK(pthread_mutex_unlock(&t->lock) == 0);
+}
+
 #define EXCHANGED 30
 
 typedef struct exchange {
   tshare_channel *ch;
+  turns turns;
   int who; /* 0 the parent, 1 the child */
   int received;
 } exchange;
+
+/* A call in this end's turn: never refused as busy, the other thread waits. */
+#define IN_TURN(x, call) (take_turn(&(x)->turns), rc_ = (call), end_turn(&(x)->turns), rc_)
 
 /* EXCHANGED sets to the other end, each once the one before came back. */
 static void *send_to_other_end(void *arg) {
@@ -174,14 +203,12 @@ static void *send_to_other_end(void *arg) {
   for (int seq = 0; seq < EXCHANGED; seq++) {
     tshare_set_builder *b = build_set(buf, x->who, seq);
     uint64_t id = 0;
-    int rc;
-    while (busy(x->ch, rc = tshare_set_send(x->ch, b, NULL, 10000, &id))) {
-    }
+    int rc_, rc = IN_TURN(x, tshare_set_send(x->ch, b, NULL, 10000, &id));
     CHECK_RC(rc, TSHARE_OK, tshare_channel_last_error(x->ch));
     tshare_set_builder_destroy(b);
     while (!tshare_share_is_released(x->ch, id)) {
-      rc = tshare_channel_wait_released(x->ch, id, 5);
-      if (!busy(x->ch, rc) && rc != TSHARE_E_TIMEOUT) CHECK_RC(rc, TSHARE_OK, tshare_channel_last_error(x->ch));
+      rc = IN_TURN(x, tshare_channel_wait_released(x->ch, id, 5));
+      if (rc != TSHARE_E_TIMEOUT) CHECK_RC(rc, TSHARE_OK, tshare_channel_last_error(x->ch));
     }
   }
   tshare_host_buffer_destroy(buf);
@@ -192,21 +219,23 @@ static void *send_to_other_end(void *arg) {
 static void receive_from_other_end(exchange *x) {
   while (x->received < EXCHANGED) {
     tshare_set *s = NULL;
-    int rc = tshare_set_recv(x->ch, 5, &s);
-    if (busy(x->ch, rc) || rc == TSHARE_E_TIMEOUT) continue;
+    int rc_, rc = IN_TURN(x, tshare_set_recv(x->ch, 5, &s));
+    if (rc == TSHARE_E_TIMEOUT) continue;
     CHECK_RC(rc, TSHARE_OK, tshare_channel_last_error(x->ch));
     int who, seq;
     check_set(s, &who, &seq);
     CHECK_EQ(who, 1 - x->who);
     CHECK_EQ(seq, x->received);
     x->received++;
-    tshare_set_release(s);
+    tshare_set_release(s); /* from any thread, no turn needed */
   }
 }
 
 /* Both threads at one end of the channel; then it waits for the other end's bye. */
 static void both_ways(tshare_channel *ch, int who) {
   exchange x = {.ch = ch, .who = who};
+  CHECK(pthread_mutex_init(&x.turns.lock, NULL) == 0);
+  CHECK(pthread_cond_init(&x.turns.served, NULL) == 0);
   pthread_t sender_thread;
   CHECK(pthread_create(&sender_thread, NULL, send_to_other_end, &x) == 0);
   receive_from_other_end(&x);
@@ -215,6 +244,8 @@ static void both_ways(tshare_channel *ch, int who) {
   CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
   tshare_set *none;
   CHECK_RC(tshare_set_recv(ch, 10000, &none), TSHARE_END, tshare_channel_last_error(ch));
+  pthread_cond_destroy(&x.turns.served);
+  pthread_mutex_destroy(&x.turns.lock);
 }
 
 static void child_both_ways(int fd) {
