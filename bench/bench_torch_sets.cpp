@@ -11,13 +11,16 @@
 //
 //   bench_torch_sets [--device cpu|cuda] [--consumers N] [--way set|set-free|loop]
 //                    [--hidden H] [--iters N] [--warmup W] [--first-iters N]
-//                    [--consumer bridge|recv-set|core|split]
+//                    [--consumer bridge|recv-set|core|read|split] [--hold-us N]
 //
 // --consumer bridge (the default) takes each set through one SetReceiver
 // kept across them, as the update pattern does (the tensors of a set sent
 // again made while it waited); recv-set through recv_set, each set's
 // tensors made when it comes; core takes each set through the C API alone (tshare_set_recv,
-// tshare_set_release), with no tensors made; split takes it so and then
+// tshare_set_release), with no tensors made; read does the same and reads the
+// first byte of each CPU member before the release, as a consumer using
+// the weights would, and holds the set --hold-us more before the release
+// (the producer's next frames queue up meanwhile); split takes it so and then
 // makes its tensors (adopt_set), timing each step: where a consumer's time
 // goes, the core's part or the bridge's and LibTorch's.
 //
@@ -34,6 +37,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <thread>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -125,9 +129,12 @@ static void print_timeline(long index, const std::vector<double> &received, cons
 
 // A consumer: takes every hand-off (a set, or tensors until the one tagged
 // "last") and drops it at once, which releases it.
+static long hold_us = 0; // --hold-us: how long a read consumer holds each set
+
 // The core's part of a consumer: the set taken and released, no tensors
-// (split: its tensors made by adopt_set, then dropped, each step timed).
-static void consume_core(tshare_channel *ch, long index, bool split, std::vector<double> &received_us,
+// (split: its tensors made by adopt_set, then dropped, each step timed;
+// read: a byte of each CPU member read first).
+static void consume_core(tshare_channel *ch, long index, bool split, bool read, std::vector<double> &received_us,
                          std::vector<double> &dropped_us) {
   std::vector<double> made_us, drop_us;
   for (;;) {
@@ -155,6 +162,10 @@ static void consume_core(tshare_channel *ch, long index, bool split, std::vector
       double gone = now_us();
       if (sent_at >= 0) made_us.push_back(made - taken), drop_us.push_back(gone - made);
     } else {
+      for (size_t i = 0; read && i < tshare_set_count(set); i++)
+        if (tshare_set_cuda_device(set, i) < 0 && tshare_set_data(set, i))
+          (void)*static_cast<volatile const char *>(tshare_set_data(set, i));
+      if (read && hold_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(hold_us));
       tshare_set_release(set);
     }
     if (sent_at >= 0) dropped_us.push_back(now_us() - sent_at);
@@ -168,8 +179,8 @@ static int consumer(int fd, bool as_set, const std::string &kind, long index) {
   tt::ChannelPtr owned(ch);
   std::vector<double> received_us, dropped_us;
   try {
-    if (as_set && (kind == "core" || kind == "split")) {
-      consume_core(ch, index, kind == "split", received_us, dropped_us);
+    if (as_set && (kind == "core" || kind == "read" || kind == "split")) {
+      consume_core(ch, index, kind == "split", kind == "read", received_us, dropped_us);
       return 0;
     }
     tt::SetReceiver receiver; // the update pattern's consumer; recv-set: each set made as it comes
@@ -287,8 +298,9 @@ int main(int argc, char **argv) {
   long consumers = std::max(1L, std::min(16L, arg_long(argc, argv, "--consumers", 1)));
   bool cuda = device == "cuda", as_set = way != "loop";
   std::string consumer_kind = arg_str(argc, argv, "--consumer", "bridge");
-  if (consumer_kind != "bridge" && consumer_kind != "recv-set" && consumer_kind != "core" && consumer_kind != "split") {
-    std::printf("error: --consumer %s: bridge, recv-set, core or split\n", consumer_kind.c_str());
+  if (consumer_kind != "bridge" && consumer_kind != "recv-set" && consumer_kind != "core" && consumer_kind != "read" &&
+      consumer_kind != "split") {
+    std::printf("error: --consumer %s: bridge, recv-set, core, read or split\n", consumer_kind.c_str());
     return 2;
   }
   if (way != "set" && way != "set-free" && way != "loop") {
@@ -296,6 +308,7 @@ int main(int argc, char **argv) {
     return 2;
   }
   int64_t hidden = arg_long(argc, argv, "--hidden", cuda ? 1232 : 256);
+  hold_us = arg_long(argc, argv, "--hold-us", 0);
   // One thread: an idle intra-op pool spinning after the update would take
   // the cores the consumers need, and time that is not the hand-off's.
   at::set_num_threads(1);

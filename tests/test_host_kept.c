@@ -251,6 +251,15 @@ static void collect_releases(tshare_channel *ch, uint64_t first, uint64_t last, 
   }
 }
 
+/* The hand producer's end: its bye, the consumer's exit, its buffers. */
+static void end_hand_producer(tshare_channel *ch, pid_t consumer, tshare_host_buffer *a, tshare_host_buffer *b) {
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_CHILD_OK(consumer);
+  tshare_host_buffer_destroy(a);
+  tshare_host_buffer_destroy(b);
+  tshare_channel_close(ch);
+}
+
 TS_TEST(a_consumer_keeps_a_mapping_and_refuses_kept_shares_of_memory_it_does_not_keep) {
   int sock;
   pid_t pid = fork_with_socket(consumer_of_a_hand_producer, &sock);
@@ -286,11 +295,59 @@ TS_TEST(a_consumer_keeps_a_mapping_and_refuses_kept_shares_of_memory_it_does_not
   f = share_of(6, KEPT_ALLOC, size, TSHARE_MEM_HOST_KEPT);
   send_frame(ch, &f, -1);
   collect_releases(ch, 2, 6, &kept);
-  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
-  CHECK_CHILD_OK(pid);
-  tshare_host_buffer_destroy(buf);
-  tshare_host_buffer_destroy(other);
+  end_hand_producer(ch, pid, buf, other);
+}
+
+/* Memory its owner retired goes once the consumer would wait, not while the
+ * frames after the retire wait to be read: the unmaps (each the last
+ * reference, freeing the pages) would hold back the next hand-off and this
+ * end's releases. */
+static int go[2]; /* the hand producer says: the retire and the next share are sent */
+
+static void consumer_of_a_retire_and_a_share(int fd) {
+  tshare_channel *ch = open_socket_channel(fd, "consumer", NULL, NULL);
+  tshare_view *v;
+  CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_OK, tshare_channel_last_error(ch));
+  check_filled(tshare_view_data(v), 3000);
+  tshare_view_release(v);
+  CHECK_EQ(count_mappings("memfd:tshare-retired"), 1); /* kept while idle */
+  char byte;
+  CHECK(read(go[0], &byte, 1) == 1);
+  CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_OK, tshare_channel_last_error(ch));
+  check_filled(tshare_view_data(v), 4000);
+  CHECK_EQ(count_mappings("memfd:tshare-retired"), 1); /* retired, still mapped: a frame came behind it */
+  tshare_view_release(v);
+  int rc = tshare_channel_poll(ch, 0); /* the bye may have come */
+  if (rc != TSHARE_E_TIMEOUT) CHECK_RC(rc, TSHARE_END, tshare_channel_last_error(ch));
+  CHECK_EQ(count_mappings("memfd:tshare-retired"), 0); /* nothing left to read: it went */
+  CHECK_EQ(count_mappings("memfd:tshare-after"), 1);    /* kept, not retired */
+  CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_END, tshare_channel_last_error(ch));
   tshare_channel_close(ch);
+  CHECK_EQ(count_mappings("memfd:tshare-after"), 0);
+}
+
+TS_TEST(memory_its_owner_retired_is_unmapped_once_the_consumer_would_wait) {
+  CHECK(pipe(go) == 0);
+  int sock;
+  pid_t pid = fork_with_socket(consumer_of_a_retire_and_a_share, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "hand producer", NULL, NULL);
+  tshare_host_buffer *retired, *after;
+  CHECK_RC(tshare_host_buffer_create(INTS * sizeof(int32_t), "tshare-retired", &retired, NULL), TSHARE_OK, "");
+  CHECK_RC(tshare_host_buffer_create(INTS * sizeof(int32_t), "tshare-after", &after, NULL), TSHARE_OK, "");
+  fill(tshare_host_buffer_data(retired), 3000);
+  fill(tshare_host_buffer_data(after), 4000);
+  tshare_frame f = share_of(1, KEPT_ALLOC, tshare_host_buffer_size(retired), TSHARE_MEM_HOST_MEMFD);
+  send_frame(ch, &f, tshare_host_buffer_fd(retired));
+  tshare_frame freed = retire_frame(TSHARE_RETIRE_FREED, KEPT_ALLOC);
+  send_frame(ch, &freed, -1);
+  f = share_of(2, KEPT_ALLOC + 1, tshare_host_buffer_size(after), TSHARE_MEM_HOST_MEMFD);
+  send_frame(ch, &f, tshare_host_buffer_fd(after));
+  CHECK(write(go[1], "g", 1) == 1);
+  int kept = 0;
+  collect_releases(ch, 1, 2, &kept);
+  end_hand_producer(ch, pid, retired, after);
+  close(go[0]);
+  close(go[1]);
 }
 
 /* ---- bounds ------------------------------------------------------------------ */

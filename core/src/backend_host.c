@@ -339,6 +339,7 @@ const ts_backend ts_host_backend = {
     .peer_gone = ts_host_peer_gone,
     .on_frame = ts_host_on_retire, /* retire frames naming host memory (backend.h) */
     .housekeeping = ts_host_housekeeping,
+    .idle = ts_host_idle,
     .export_done = ts_host_export_done,
     .chan_free = host_chan_free,
     /* A forked child's copy: the same, its mappings are its own to unmap. */

@@ -26,6 +26,7 @@ typedef struct ts_mapping {
   bool kept;              /* kept mapped while idle, until its owner retires it */
   bool fd_budgeted;       /* its fd counts against the kept mappings' fd budget */
   bool unsealed;          /* came as TSHARE_MEM_HOST_FD: shared on as such */
+  struct ts_mapping *next_retired; /* in host_chan's retired list */
 } ts_mapping;
 
 /* This backend's state in a channel. */
@@ -34,6 +35,14 @@ typedef struct host_chan {
   ts_u64map mappings; /* alloc_id -> ts_mapping, under ch->lock */
   size_t kept;        /* mappings kept while idle, under ch->lock */
   ts_id_vec kept_notices; /* allocations newly kept: the producer hears so (retire, closed = KEPT) */
+  /* Idle mappings their owner retired, their fds closed: unmapped once a
+   * receive would wait (backend.h's idle), after the releases went. The
+   * producer retires a model's memory as it waits for the next one's
+   * release, and 290 munmaps (each the last reference: the pages are freed
+   * there) would hold that release back by a millisecond. Under ch->lock;
+   * the count is also read without it. */
+  ts_mapping *retired;
+  _Atomic size_t retired_count;
   /* producer */
   ts_u64map lent;          /* buffer id + 1 -> struct lent_buffer: buffers the peer may keep mapped */
   ts_id_vec freed_notices; /* lent buffers gone: the peer hears so (retire, closed = FREED) */
@@ -91,6 +100,7 @@ void ts_host_kept_idle_locked(ts_mapping *m);
 int ts_host_kept_mapping_locked(tshare_channel *ch, const tshare_share_frame *s, ts_mapping **out);
 void ts_host_export_done(tshare_channel *ch, const struct ts_export *e);
 int ts_host_on_retire(tshare_channel *ch, const tshare_frame *f, int fd, int fd_lost);
+void ts_host_idle(tshare_channel *ch); /* unmaps what the owner retired (backend.h's idle) */
 int ts_host_housekeeping(tshare_channel *ch, int64_t deadline, ts_backend_wait *wait);
 void ts_host_peer_gone(tshare_channel *ch);
 void ts_host_keep_free(tshare_channel *ch, host_chan *h); /* the channel goes: lent buffers and budgets too */

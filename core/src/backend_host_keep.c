@@ -179,13 +179,52 @@ static void unkeep_locked(host_chan *h, ts_mapping *m) {
   m->fd_budgeted = false;
 }
 
-/* Kept mapping m is kept no more (ch->lock held): unmapped now if idle,
+/* Retired mappings past this many are unmapped at once, where the retire
+ * is read: a receive that never waits still lets go of them. */
+#define RETIRED_HELD_MAX 4096
+
+/* Kept mapping m is kept no more (ch->lock held): if idle, its fd closes now
+ * and its mapping goes when a receive would wait (host_chan's `retired`),
  * else with its last view. */
 static void stop_keeping_locked(host_chan *h, ts_mapping *m) {
   unkeep_locked(h, m);
   if (m->views != 0) return;
   ts_u64map_remove(&h->mappings, m->alloc_id);
-  ts_host_unmap(m);
+  if (m->fd >= 0) close(m->fd); /* not the file's last reference: the mapping holds one */
+  m->fd = -1;
+  m->next_retired = h->retired;
+  h->retired = m;
+  atomic_fetch_add_explicit(&h->retired_count, 1, memory_order_relaxed);
+}
+
+static ts_mapping *take_retired(host_chan *h) {
+  ts_mapping *m = h->retired;
+  h->retired = NULL;
+  atomic_store_explicit(&h->retired_count, 0, memory_order_relaxed);
+  return m;
+}
+
+static void unmap_list(ts_mapping *m) {
+  while (m) {
+    ts_mapping *next = m->next_retired;
+    ts_host_unmap(m);
+    m = next;
+  }
+}
+
+/* Unmap what the owner retired (the munmaps that free the pages) outside
+ * the lock: a view released meanwhile on another thread does not wait. */
+static void unmap_retired(tshare_channel *ch, host_chan *h) {
+  if (atomic_load_explicit(&h->retired_count, memory_order_relaxed) == 0) return;
+  pthread_mutex_lock(&ch->lock);
+  ts_mapping *m = take_retired(h);
+  pthread_mutex_unlock(&ch->lock);
+  unmap_list(m);
+}
+
+void ts_host_idle(tshare_channel *ch) {
+  host_chan *h = ts_host_chan(ch);
+  if (h) unmap_retired(ch, h);
 }
 
 int ts_host_kept_mapping_locked(tshare_channel *ch, const tshare_share_frame *s, ts_mapping **out) {
@@ -214,6 +253,7 @@ static void on_freed(tshare_channel *ch, host_chan *h, const tshare_retire_frame
     if (m && m->kept) stop_keeping_locked(h, m);
   }
   pthread_mutex_unlock(&ch->lock);
+  if (atomic_load_explicit(&h->retired_count, memory_order_relaxed) > RETIRED_HELD_MAX) unmap_retired(ch, h);
 }
 
 /* The peer keeps buffers of ours mapped: their next shares go without fds. */
@@ -271,12 +311,14 @@ void ts_host_peer_gone(tshare_channel *ch) {
   }
   h->kept_notices.len = 0;
   pthread_mutex_unlock(&ch->lock);
+  unmap_retired(ch, h);
   lent_free_all(h);
   h->freed_notices.len = 0;
 }
 
 void ts_host_keep_free(tshare_channel *ch, host_chan *h) {
   (void)ch;
+  unmap_list(take_retired(h)); /* no lock: the last reference, or a forked child's copy (a parent's thread may hold it) */
   uint64_t key;
   void *value;
   for (size_t pos = 0; ts_u64map_next(&h->mappings, &pos, &key, &value);) {

@@ -126,6 +126,11 @@ int ts_backends_housekeeping(tshare_channel *ch, int64_t deadline, ts_backend_wa
   return TSHARE_OK;
 }
 
+void ts_backends_idle(tshare_channel *ch) {
+  for (size_t i = 0; i < count(); i++)
+    if (backends[i]->idle) backends[i]->idle(ch);
+}
+
 void ts_backends_before_close(tshare_channel *ch, int timeout_ms) {
   for (size_t i = 0; i < count(); i++)
     if (backends[i]->before_close) backends[i]->before_close(ch, timeout_ms);

@@ -285,27 +285,26 @@ static int enqueue_incoming(tshare_channel *ch, const tshare_frame *f, int fd) {
   return TSHARE_OK;
 }
 
-/* Releases go out before this end may block for the next frame (the peer
- * may be waiting for them), or once enough have gathered. While frames are
- * already buffered they wait, so a stream of shares is answered with one
- * release frame per batch rather than one per share. */
+/* Releases go out before this end may block (the peer may wait for them),
+ * or once a batch gathered: while frames are buffered, a stream of shares
+ * is answered with one release frame per batch rather than one per share. */
 #define RELEASE_BATCH 16
-
-static bool releases_due(tshare_channel *ch) {
-  if (ts_conn_buffered(&ch->conn) == 0) return true;
+static bool releases_batched(tshare_channel *ch) {
   pthread_mutex_lock(&ch->lock);
   bool due = ch->pending.len >= RELEASE_BATCH;
   pthread_mutex_unlock(&ch->lock);
   return due;
 }
 
-/* What the session does before a receive may block: the backends'
- * housekeeping (releases whose GPU work finished move to the pending list),
- * and pending releases go out (all of them when all_releases, else when
- * releases_due). *wait: whether a backend's work still waits. */
+/* Before a receive may block: the backends' housekeeping (releases whose GPU
+ * work finished are queued), pending releases out (all when all_releases),
+ * then, with nothing of the peer's to read, the backends' idle work. */
 static int housekeeping(tshare_channel *ch, int64_t deadline, bool all_releases, ts_backend_wait *wait) {
   int rc = ts_backends_housekeeping(ch, deadline, wait);
-  if (rc == TSHARE_OK && (all_releases || releases_due(ch))) rc = ts_share_flush_pending(ch, deadline);
+  bool nothing_to_read = ts_conn_buffered(&ch->conn) == 0;
+  if (rc == TSHARE_OK && (all_releases || nothing_to_read || releases_batched(ch)))
+    rc = ts_share_flush_pending(ch, deadline);
+  if (rc == TSHARE_OK && nothing_to_read) ts_backends_idle(ch);
   return rc;
 }
 
@@ -403,6 +402,7 @@ static int drive_once(tshare_channel *ch, int64_t deadline, tshare_frame *share,
     return enqueue_incoming(ch, fr, frame_fd);
   case TSHARE_FRAME_BYE:
     ch->peer_bye = true;
+    ts_backends_idle(ch); /* no share comes after it: idle work need not wait */
     return TSHARE_END;
   case TSHARE_FRAME_ERROR:
     ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_ERROR, "peer %s reported %s: %s", ch->conn.peer_label,
