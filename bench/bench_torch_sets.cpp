@@ -37,7 +37,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <thread>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -46,6 +45,7 @@
 #include <string>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <thread>
 #include <unistd.h>
 #include <vector>
 
@@ -127,10 +127,10 @@ static void print_timeline(long index, const std::vector<double> &received, cons
   std::fflush(stdout);
 }
 
-// A consumer: takes every hand-off (a set, or tensors until the one tagged
-// "last") and drops it at once, which releases it.
 static long hold_us = 0; // --hold-us: how long a read consumer holds each set
 
+// A consumer: takes every hand-off (a set, or tensors until the one tagged
+// "last") and drops it at once, which releases it.
 // The core's part of a consumer: the set taken and released, no tensors
 // (split: its tensors made by adopt_set, then dropped, each step timed;
 // read: a byte of each CPU member read first).

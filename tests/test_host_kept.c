@@ -305,6 +305,7 @@ TS_TEST(a_consumer_keeps_a_mapping_and_refuses_kept_shares_of_memory_it_does_not
 static int go[2]; /* the hand producer says: the retire and the next share are sent */
 
 static void consumer_of_a_retire_and_a_share(int fd) {
+  close(go[1]); /* a producer that dies before its byte ends the read */
   tshare_channel *ch = open_socket_channel(fd, "consumer", NULL, NULL);
   tshare_view *v;
   CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_OK, tshare_channel_last_error(ch));
@@ -313,6 +314,9 @@ static void consumer_of_a_retire_and_a_share(int fd) {
   CHECK_EQ(count_mappings("memfd:tshare-retired"), 1); /* kept while idle */
   char byte;
   CHECK(read(go[0], &byte, 1) == 1);
+  /* The retire and the share behind it are both queued: in the ring (its
+   * entry), or on the socket, where one read takes both (a read stops only
+   * after bytes that carried fds, as share 1's did). */
   CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_OK, tshare_channel_last_error(ch));
   check_filled(tshare_view_data(v), 4000);
   CHECK_EQ(count_mappings("memfd:tshare-retired"), 1); /* retired, still mapped: a frame came behind it */
@@ -330,6 +334,7 @@ TS_TEST(memory_its_owner_retired_is_unmapped_once_the_consumer_would_wait) {
   CHECK(pipe(go) == 0);
   int sock;
   pid_t pid = fork_with_socket(consumer_of_a_retire_and_a_share, &sock);
+  close(go[0]);
   tshare_channel *ch = open_socket_channel(sock, "hand producer", NULL, NULL);
   tshare_host_buffer *retired, *after;
   CHECK_RC(tshare_host_buffer_create(INTS * sizeof(int32_t), "tshare-retired", &retired, NULL), TSHARE_OK, "");
@@ -346,7 +351,6 @@ TS_TEST(memory_its_owner_retired_is_unmapped_once_the_consumer_would_wait) {
   int kept = 0;
   collect_releases(ch, 1, 2, &kept);
   end_hand_producer(ch, pid, retired, after);
-  close(go[0]);
   close(go[1]);
 }
 

@@ -42,6 +42,7 @@ typedef struct host_chan {
    * there) would hold that release back by a millisecond. Under ch->lock;
    * the count is also read without it. */
   ts_mapping *retired;
+  size_t retired_bytes;
   _Atomic size_t retired_count;
   /* producer */
   ts_u64map lent;          /* buffer id + 1 -> struct lent_buffer: buffers the peer may keep mapped */

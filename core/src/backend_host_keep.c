@@ -11,7 +11,8 @@
  *   producer  sends later shares of it as TSHARE_MEM_HOST_KEPT;
  *   producer  once its creator destroyed the buffer and no share of it is
  *             out, retires it (closed = FREED) and lets go of it;
- *   consumer  stops keeping it: unmaps it when its last view goes.
+ *   consumer  stops keeping it: unmaps it when its last view goes, or if
+ *             idle, once a receive would wait (host_chan's `retired`).
  * A memfd's pages live while any process maps them, so no answer is
  * needed: the producer may free its side at once. Only the producer
  * retires, so a consumer never finds a kept share of memory it let go. */
@@ -179,9 +180,11 @@ static void unkeep_locked(host_chan *h, ts_mapping *m) {
   m->fd_budgeted = false;
 }
 
-/* Retired mappings past this many are unmapped at once, where the retire
- * is read: a receive that never waits still lets go of them. */
-#define RETIRED_HELD_MAX 4096
+/* Retired mappings past this many, or this many bytes, are unmapped at
+ * once, where the retire is read: a receive that never waits still lets go
+ * of them, and a big model's pages are not held past its retire. */
+#define RETIRED_HELD_MAX 1024
+#define RETIRED_BYTES_MAX ((size_t)1 << 30)
 
 /* Kept mapping m is kept no more (ch->lock held): if idle, its fd closes now
  * and its mapping goes when a receive would wait (host_chan's `retired`),
@@ -190,16 +193,18 @@ static void stop_keeping_locked(host_chan *h, ts_mapping *m) {
   unkeep_locked(h, m);
   if (m->views != 0) return;
   ts_u64map_remove(&h->mappings, m->alloc_id);
-  if (m->fd >= 0) close(m->fd); /* not the file's last reference: the mapping holds one */
+  if (m->fd >= 0) close(m->fd); /* the mapping (if any bytes) holds the file */
   m->fd = -1;
   m->next_retired = h->retired;
   h->retired = m;
+  h->retired_bytes += m->size;
   atomic_fetch_add_explicit(&h->retired_count, 1, memory_order_relaxed);
 }
 
 static ts_mapping *take_retired(host_chan *h) {
   ts_mapping *m = h->retired;
   h->retired = NULL;
+  h->retired_bytes = 0;
   atomic_store_explicit(&h->retired_count, 0, memory_order_relaxed);
   return m;
 }
@@ -244,16 +249,19 @@ int ts_host_kept_mapping_locked(tshare_channel *ch, const tshare_share_frame *s,
 }
 
 /* The owner retires allocations this end may keep: stop keeping them (the
- * idle ones are unmapped now, the others with their last view). Ids this
- * end does not keep are left alone: a peer may name anything. */
+ * idle ones are unmapped once a receive would wait, the others with their
+ * last view). Ids this end does not keep are left alone: a peer may name
+ * anything. */
 static void on_freed(tshare_channel *ch, host_chan *h, const tshare_retire_frame *r) {
   pthread_mutex_lock(&ch->lock);
   for (uint32_t i = 0; i < r->count; i++) {
     ts_mapping *m = ts_u64map_get(&h->mappings, r->alloc_ids[i]);
     if (m && m->kept) stop_keeping_locked(h, m);
   }
+  bool too_many = h->retired_bytes > RETIRED_BYTES_MAX ||
+                  atomic_load_explicit(&h->retired_count, memory_order_relaxed) > RETIRED_HELD_MAX;
   pthread_mutex_unlock(&ch->lock);
-  if (atomic_load_explicit(&h->retired_count, memory_order_relaxed) > RETIRED_HELD_MAX) unmap_retired(ch, h);
+  if (too_many) unmap_retired(ch, h);
 }
 
 /* The peer keeps buffers of ours mapped: their next shares go without fds. */
