@@ -39,11 +39,11 @@ typedef struct host_chan {
    * receive would wait (backend.h's idle), after the releases went. The
    * producer retires a model's memory as it waits for the next one's
    * release, and 290 munmaps (each the last reference: the pages are freed
-   * there) would hold that release back by a millisecond. Under ch->lock;
-   * the count is also read without it. */
+   * there) would hold that release back by a millisecond. Only the thread
+   * inside a channel call (a retire read, idle, peer gone) or the channel's
+   * free touches them: views released elsewhere never reach a retired one. */
   ts_mapping *retired;
-  size_t retired_bytes;
-  _Atomic size_t retired_count;
+  size_t retired_count, retired_bytes;
   /* producer */
   ts_u64map lent;          /* buffer id + 1 -> struct lent_buffer: buffers the peer may keep mapped */
   ts_id_vec freed_notices; /* lent buffers gone: the peer hears so (retire, closed = FREED) */

@@ -198,18 +198,15 @@ static void stop_keeping_locked(host_chan *h, ts_mapping *m) {
   m->next_retired = h->retired;
   h->retired = m;
   h->retired_bytes += m->size;
-  atomic_fetch_add_explicit(&h->retired_count, 1, memory_order_relaxed);
+  h->retired_count++;
 }
 
-static ts_mapping *take_retired(host_chan *h) {
+/* Unmap what the owner retired (the munmaps that free the pages), without
+ * ch->lock: a view released meanwhile on another thread does not wait. */
+static void unmap_retired(host_chan *h) {
   ts_mapping *m = h->retired;
   h->retired = NULL;
-  h->retired_bytes = 0;
-  atomic_store_explicit(&h->retired_count, 0, memory_order_relaxed);
-  return m;
-}
-
-static void unmap_list(ts_mapping *m) {
+  h->retired_count = h->retired_bytes = 0;
   while (m) {
     ts_mapping *next = m->next_retired;
     ts_host_unmap(m);
@@ -217,19 +214,9 @@ static void unmap_list(ts_mapping *m) {
   }
 }
 
-/* Unmap what the owner retired (the munmaps that free the pages) outside
- * the lock: a view released meanwhile on another thread does not wait. */
-static void unmap_retired(tshare_channel *ch, host_chan *h) {
-  if (atomic_load_explicit(&h->retired_count, memory_order_relaxed) == 0) return;
-  pthread_mutex_lock(&ch->lock);
-  ts_mapping *m = take_retired(h);
-  pthread_mutex_unlock(&ch->lock);
-  unmap_list(m);
-}
-
 void ts_host_idle(tshare_channel *ch) {
   host_chan *h = ts_host_chan(ch);
-  if (h) unmap_retired(ch, h);
+  if (h) unmap_retired(h);
 }
 
 int ts_host_kept_mapping_locked(tshare_channel *ch, const tshare_share_frame *s, ts_mapping **out) {
@@ -258,10 +245,8 @@ static void on_freed(tshare_channel *ch, host_chan *h, const tshare_retire_frame
     ts_mapping *m = ts_u64map_get(&h->mappings, r->alloc_ids[i]);
     if (m && m->kept) stop_keeping_locked(h, m);
   }
-  bool too_many = h->retired_bytes > RETIRED_BYTES_MAX ||
-                  atomic_load_explicit(&h->retired_count, memory_order_relaxed) > RETIRED_HELD_MAX;
   pthread_mutex_unlock(&ch->lock);
-  if (too_many) unmap_retired(ch, h);
+  if (h->retired_count > RETIRED_HELD_MAX || h->retired_bytes > RETIRED_BYTES_MAX) unmap_retired(h);
 }
 
 /* The peer keeps buffers of ours mapped: their next shares go without fds. */
@@ -319,14 +304,14 @@ void ts_host_peer_gone(tshare_channel *ch) {
   }
   h->kept_notices.len = 0;
   pthread_mutex_unlock(&ch->lock);
-  unmap_retired(ch, h);
+  unmap_retired(h);
   lent_free_all(h);
   h->freed_notices.len = 0;
 }
 
 void ts_host_keep_free(tshare_channel *ch, host_chan *h) {
   (void)ch;
-  unmap_list(take_retired(h)); /* no lock: the last reference, or a forked child's copy (a parent's thread may hold it) */
+  unmap_retired(h);
   uint64_t key;
   void *value;
   for (size_t pos = 0; ts_u64map_next(&h->mappings, &pos, &key, &value);) {
