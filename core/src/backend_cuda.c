@@ -107,6 +107,7 @@ static void cuda_peer_gone(tshare_channel *ch) {
   ts_u64map_free(&c->kept_runs);
   c->kept_notices.len = 0;
   c->freed_notices.len = 0;
+  c->retiring.len = 0; /* the origin's mappings all close below */
   if (ch->conn.peer_key) ts_cuda_import_origin_gone(ch->conn.peer_key);
 }
 
@@ -140,6 +141,7 @@ static void cuda_chan_free(tshare_channel *ch) {
   free(c->events);
   drain_list_free(&c->drains);
   ts_id_vec_free(&c->closed_notices);
+  ts_id_vec_free(&c->retiring);
   ts_id_vec_free(&c->freed_notices);
   free(c);
   *ts_backend_data(ch, &ts_cuda_backend) = NULL;
@@ -176,6 +178,7 @@ const ts_backend ts_cuda_backend = {
     .on_share = ts_cuda_on_share,
     .share_dropped = ts_cuda_share_dropped,
     .housekeeping = cuda_housekeeping,
+    .idle = ts_cuda_idle,
     .before_close = ts_cuda_before_close,
     .export_done = ts_cuda_export_done,
     .import = ts_cuda_import_view,

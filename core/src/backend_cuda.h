@@ -82,6 +82,12 @@ struct ts_cuda_chan {
   spare_event spares[SPARES_MAX]; /* under ch->lock */
   size_t nspares;
   ts_id_vec closed_notices; /* TSHARE_RETIRE_CLOSED answers to send */
+  /* The owner's retire notices (TSHARE_RETIRE_FREED) not acted on yet: their
+   * mappings are closed and answered once a receive would wait (the idle
+   * hook), so that a retire queued ahead of a share does not hold up the
+   * share (a new model's set behind the retire of the model before it). */
+  ts_id_vec retiring;
+  int64_t retiring_since_us; /* when the oldest of them came */
   /* producer: retire notices (TSHARE_RETIRE_FREED) decided and not sent yet. What
    * they name is already marked as asked (or no longer watched), so a notice
    * a timeout held back goes with a later flush, never from the marks. */
@@ -108,6 +114,9 @@ struct ts_cuda_chan {
   ts_u64map held_shares;  /* share id + 1 -> ts_cuda_mapping: a reference taken when such a share arrived */
   ts_id_vec kept_notices;   /* TSHARE_RETIRE_KEPT notices to send */
 };
+
+#define RETIRING_MAX 1024          /* retire notices left for the idle hook; past it they are acted on at once */
+#define RETIRING_WAIT_US 20000     /* and at most this long, for a receive that never waits */
 
 #define KEPT_RUNS_MAX 1024 /* mappings a consumer keeps for one channel's peer (a model in expandable segments is a run per tensor); past it shares keep carrying fds */
 
@@ -225,6 +234,12 @@ void ts_cuda_keep_run(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t alloc
 void ts_cuda_drop_kept_run(struct ts_cuda_chan *c, uint64_t alloc_id);
 int ts_cuda_on_retire(tshare_channel *ch, const tshare_frame *f);
 int ts_cuda_send_notices(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cuda_api *cu, int64_t deadline);
+/* The owner's retires left for later (c->retiring): their mappings closed,
+ * their answers queued. */
+void ts_cuda_close_retiring(struct ts_cuda_chan *c, uint64_t origin);
+/* The backend table's idle entry: what ts_cuda_close_retiring does, and the
+ * answers sent (they need not wait for the next receive). */
+void ts_cuda_idle(tshare_channel *ch);
 void ts_cuda_before_close(tshare_channel *ch, int timeout_ms);
 
 #endif

@@ -201,15 +201,29 @@ int ts_cuda_on_retire(tshare_channel *ch, const tshare_frame *f) {
       } else if (pm && !pm->retire_queued && ts_cuda_alloc_export(pm->alloc)->fd >= 0) {
         pm->peer_keeps = true; /* an owned VMM buffer: freed only after the peer's answer to its retire, as ever */
       }
-    } else { /* the owner frees it: close it (now if idle) and say so */
-      ts_cuda_drop_kept_run(c, r->alloc_ids[i]);
+    } else { /* the owner frees it: closed (now if idle) and answered once a receive would wait */
       TS_LOG(TS_LOG_DEBUG, "peer %s retires allocation %llu", ch->conn.peer_label, (unsigned long long)r->alloc_ids[i]);
-      ts_cuda_import_retire(ch->conn.peer_key, r->alloc_ids[i]);
-      if (ts_id_vec_push(&c->closed_notices, r->alloc_ids[i]) != TSHARE_OK)
+      if (!c->retiring.len) c->retiring_since_us = ts_now_us();
+      if (ts_id_vec_push(&c->retiring, r->alloc_ids[i]) != TSHARE_OK)
         return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "retire: out of memory");
     }
   }
+  if (c->retiring.len >= RETIRING_MAX) ts_cuda_close_retiring(c, ch->conn.peer_key);
   return TSHARE_OK;
+}
+
+/* A mapping left open past its retire is safe: the owner frees the memory
+ * only after the answer, and a share of it made meanwhile keeps the memory
+ * held on the owner's side (cuda_anchor.h) while it uses the mapping. */
+void ts_cuda_close_retiring(struct ts_cuda_chan *c, uint64_t origin) {
+  if (!c->retiring.len || ts_id_vec_reserve(&c->closed_notices, c->retiring.len) != TSHARE_OK) return;
+  for (size_t i = 0; i < c->retiring.len; i++) {
+    uint64_t id = c->retiring.items[i];
+    ts_cuda_drop_kept_run(c, id);
+    ts_cuda_import_retire(origin, id);
+    c->closed_notices.items[c->closed_notices.len++] = id;
+  }
+  c->retiring.len = 0;
 }
 
 
@@ -286,6 +300,8 @@ void ts_cuda_before_close(tshare_channel *ch, int timeout_ms) {
 /* The notices this end owes: retire notices of runs gone and segments idle (looked
  * at every WATCH_CHECK_US) and of allocations nobody holds; KEPT notices; CLOSED answers. */
 int ts_cuda_send_notices(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cuda_api *cu, int64_t deadline) {
+  if (c->retiring.len && ts_now_us() - c->retiring_since_us >= RETIRING_WAIT_US)
+    ts_cuda_close_retiring(c, ch->conn.peer_key); /* a receive that always finds frames waiting */
   if (c->watched_runs.count || ts_anchors_count(&c->anchors)) {
     int64_t now = ts_now_us();
     if (now - c->watched_checked_us >= WATCH_CHECK_US) {
@@ -301,3 +317,10 @@ int ts_cuda_send_notices(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cu
   return rc;
 }
 
+
+void ts_cuda_idle(tshare_channel *ch) {
+  struct ts_cuda_chan *c = ts_cuda_chan_if_used(ch);
+  if (!c || !c->retiring.len) return;
+  ts_cuda_close_retiring(c, ch->conn.peer_key);
+  if (!ch->peer_bye) (void)send_ids(ch, TSHARE_RETIRE_CLOSED, &c->closed_notices, 0); /* else the next turn's */
+}

@@ -7,6 +7,7 @@
  * The fds a process receives are counted here, beside the library: this
  * binary's recvmsg() counts the SCM_RIGHTS fds of every message before
  * handing it on. */
+#include "backend_cuda.h"
 #include "cuda_internal.h"
 #include "cudakit.h"
 #include "harness.h"
@@ -134,6 +135,40 @@ static int role_counter(const char *arg, tshare_channel *ch, FILE *out) {
   return 0;
 }
 
+/* Takes the first view and releases it, leaves the producer time to queue
+ * the retire of that memory and a second share behind it, then takes the
+ * second: the retired mapping is still open then (acting on the retire did
+ * not hold up the share behind it) and closed after a receive that found
+ * nothing to read. Reports the bad elements and the mappings closed at
+ * each point. */
+static int role_behind(tshare_channel *ch, FILE *out) {
+  CUstream s;
+  CHECK(cu->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+  tshare_view *v;
+  unsigned long long bad = 0, alloc = 0;
+  tshare_cuda_export_stats with_second, after_wait;
+  CHECK_RC(tshare_view_recv_stream(ch, s, TIMEOUT, &v), TSHARE_OK, tshare_channel_last_error(ch));
+  bad += count_bad_in(v, s, &alloc);
+  tshare_view_release(v);
+  int rc = tshare_channel_poll(ch, 0); /* the release goes */
+  CHECK(rc == TSHARE_OK || rc == TSHARE_E_TIMEOUT);
+  usleep(500 * 1000); /* the producer retires that memory, then shares the next behind the notice */
+  CHECK_RC(tshare_view_recv_stream(ch, s, TIMEOUT, &v), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_cuda_stats(&with_second);
+  bad += count_bad_in(v, s, &alloc);
+  tshare_view_release(v);
+  rc = tshare_channel_poll(ch, 0); /* nothing to read: this receive would wait (the bye comes after the answer) */
+  CHECK(rc == TSHARE_OK || rc == TSHARE_E_TIMEOUT || rc == TSHARE_END);
+  tshare_cuda_stats(&after_wait);
+  while (rc != TSHARE_END && (rc = tshare_view_recv_stream(ch, s, TIMEOUT, &v)) == TSHARE_OK) tshare_view_release(v);
+  fprintf(out, "bad=%llu closes_with_second=%llu closes_after_wait=%llu end=%s\n", bad,
+          (unsigned long long)with_second.import_closes, (unsigned long long)after_wait.import_closes,
+          tshare_status_name(rc));
+  fflush(out);
+  cu->cuStreamDestroy(s);
+  return 0;
+}
+
 static int role_main(int argc, char **argv) {
   if (argc < 4) return 2;
   FILE *out = fdopen(4, "w");
@@ -144,7 +179,9 @@ static int role_main(int argc, char **argv) {
     return 1;
   }
   tshare_channel *ch = open_ch(3, argv[2]);
-  int rc = strcmp(argv[2], "counter") == 0 ? role_counter(argv[3], ch, out) : 2;
+  int rc = strcmp(argv[2], "counter") == 0  ? role_counter(argv[3], ch, out)
+           : strcmp(argv[2], "behind") == 0 ? role_behind(ch, out)
+                                            : 2;
   tshare_channel_close(ch);
   fclose(out);
   return rc;
@@ -160,12 +197,12 @@ typedef struct consumer {
   FILE *results;
 } consumer;
 
-static consumer start_consumer(const char *arg) {
+static consumer start_role(const char *role, const char *arg) {
   int sv[2], res[2];
   tshare_error err;
   if (tshare_socketpair(sv, &err) != TSHARE_OK) TS_FAIL("%s", err.message);
   CHECK(pipe2(res, O_CLOEXEC) == 0);
-  char *argv[] = {(char *)"/proc/self/exe", (char *)"--role", (char *)"counter", (char *)arg, NULL};
+  char *argv[] = {(char *)"/proc/self/exe", (char *)"--role", (char *)role, (char *)arg, NULL};
   tshare_fd_map fds[2] = {{3, sv[1]}, {4, res[1]}};
   tshare_spawn_options so = {.file = "/proc/self/exe", .argv = argv, .fds = fds, .nfds = 2};
   consumer c;
@@ -177,6 +214,8 @@ static consumer start_consumer(const char *arg) {
   return c;
 }
 
+static consumer start_consumer(const char *arg) { return start_role("counter", arg); }
+
 typedef struct report {
   int views;
   unsigned long long bad, closes;
@@ -184,20 +223,13 @@ typedef struct report {
   char refusal[TSHARE_ERROR_MSG_MAX];
 } report;
 
-/* Bye, the consumer's report, its exit. */
-static report finish(consumer *c) {
+/* Bye, the consumer's report line, its exit. */
+static const char *finish_line(consumer *c) {
   CHECK_RC(tshare_channel_send_bye(c->ch, 0, TIMEOUT), TSHARE_OK, tshare_channel_last_error(c->ch));
   static char line[TSHARE_ERROR_MSG_MAX + 256];
   if (!fgets(line, sizeof line, c->results)) TS_FAIL("the consumer ended without a report");
   line[strcspn(line, "\n")] = '\0';
   printf("consumer: %s\n", line);
-  report r;
-  memset(&r, 0, sizeof r);
-  if (sscanf(line, "views=%d bad=%llu first_fds=%ld later_fds=%ld closes=%llu", &r.views, &r.bad, &r.first_fds,
-             &r.later_fds, &r.closes) != 5)
-    TS_FAIL("consumer said: %s", line);
-  const char *why = strstr(line, "refusal=");
-  snprintf(r.refusal, sizeof r.refusal, "%s", why ? why + 8 : "");
   tshare_channel_close(c->ch);
   tshare_exit_status st;
   if (tshare_process_wait(c->proc, TIMEOUT, &st) != TSHARE_OK) {
@@ -207,6 +239,18 @@ static report finish(consumer *c) {
   CHECK(st.kind == TSHARE_EXIT_CODE && st.value == 0);
   tshare_process_destroy(c->proc);
   fclose(c->results);
+  return line;
+}
+
+static report finish(consumer *c) {
+  const char *line = finish_line(c);
+  report r;
+  memset(&r, 0, sizeof r);
+  if (sscanf(line, "views=%d bad=%llu first_fds=%ld later_fds=%ld closes=%llu", &r.views, &r.bad, &r.first_fds,
+             &r.later_fds, &r.closes) != 5)
+    TS_FAIL("consumer said: %s", line);
+  const char *why = strstr(line, "refusal=");
+  snprintf(r.refusal, sizeof r.refusal, "%s", why ? why + 8 : "");
   return r;
 }
 
@@ -349,6 +393,47 @@ TS_TEST(a_held_share_of_memory_the_consumer_never_mapped_is_refused) {
   CHECK_EQ(r.bad, 0);
   CHECK(strstr(r.refusal, "does not keep mapped") != NULL);
   CHECK_EQ(r.later_fds, 0); /* the refusal changed nothing: the later shares went by id */
+}
+
+/* A consumer that finds the owner's retire of memory it keeps mapped queued
+ * ahead of the next share takes that share first: the mapping is closed
+ * (and the owner answered) once its receive would wait. Before, closing
+ * came first: a new model's set waited behind the closing of every segment
+ * of the model before it. */
+TS_TEST(a_retire_queued_ahead_of_a_share_is_acted_on_once_the_consumer_would_wait) {
+  need_vmm_gpu();
+  consumer c = start_role("behind", "");
+  tshare_cuda_buffer *first = vmm_buffer(4u << 20), *second = vmm_buffer(4u << 20);
+  share_once(c.ch, first, 4096, 11);
+  unsigned long long first_id = alloc_id_of(first);
+  tshare_cuda_buffer_release(first); /* the last reference: the consumer still keeps it mapped */
+  struct ts_cuda_chan *cc = ts_cuda_chan_if_used(c.ch);
+  CHECK(cc != NULL);
+  bool notice_went = false; /* while the consumer sleeps: ahead of the next share */
+  for (long long until = now_ms() + 5000; !notice_went && now_ms() < until;) {
+    int rc = tshare_channel_poll(c.ch, 1); /* its retire notice goes */
+    CHECK(rc == TSHARE_OK || rc == TSHARE_E_TIMEOUT);
+    lent_alloc *lent = ts_u64map_get(&cc->lent, MAPKEY(first_id));
+    notice_went = lent && lent->retire_queued && cc->freed_notices.len == 0;
+  }
+  CHECK(notice_went);
+  share_once(c.ch, second, 4096, 22); /* behind the notice, and waits for the release */
+  /* The consumer's answer ends the lending (and frees the memory): by
+   * the answer, not by the device's free memory, which tests running
+   * beside this one move. */
+  for (long long until = now_ms() + 10000; now_ms() < until && ts_u64map_get(&cc->lent, MAPKEY(first_id));) {
+    int rc = tshare_channel_poll(c.ch, 5);
+    CHECK(rc == TSHARE_OK || rc == TSHARE_E_TIMEOUT);
+  }
+  bool answered = ts_u64map_get(&cc->lent, MAPKEY(first_id)) == NULL;
+  const char *line = finish_line(&c);
+  unsigned long long bad, with_second, after_wait;
+  CHECK(sscanf(line, "bad=%llu closes_with_second=%llu closes_after_wait=%llu", &bad, &with_second, &after_wait) == 3);
+  CHECK_EQ(bad, 0);
+  CHECK_EQ(with_second, 0); /* the retired mapping still open when the share behind it was taken */
+  CHECK(after_wait >= 1);   /* and closed once a receive would wait */
+  CHECK(answered);          /* and the owner heard so */
+  tshare_cuda_buffer_release(second);
 }
 
 TS_TEST_MAIN
