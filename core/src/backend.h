@@ -144,9 +144,10 @@ typedef struct ts_backend {
   int (*housekeeping)(tshare_channel *ch, int64_t deadline, ts_backend_wait *wait);
   /* Optional: a receive is about to wait, its releases sent and nothing of
    * the peer's buffered, or the peer said bye: work that could wait until
-   * now (unmapping memory its owner retired) is done here, off the path of
-   * the next hand-off. */
-  void (*idle)(tshare_channel *ch);
+   * now (unmapping or closing memory its owner retired) is done here, off
+   * the path of the next hand-off, and what it owes the peer goes by
+   * deadline. TSHARE_E_TIMEOUT: it did not all go (a later turn sends it). */
+  int (*idle)(tshare_channel *ch, int64_t deadline);
   /* Optional: before this end closes, while the peer can still answer. */
   void (*before_close)(tshare_channel *ch, int timeout_ms);
   /* Optional: a share this backend sent was released, dropped, or never
@@ -308,7 +309,7 @@ void ts_backends_chan_free_in_child(tshare_channel *ch);
 int ts_backends_on_share(tshare_channel *ch, const tshare_frame *f);
 void ts_backends_share_dropped(tshare_channel *ch, uint64_t share_id);
 int ts_backends_housekeeping(tshare_channel *ch, int64_t deadline, ts_backend_wait *wait);
-void ts_backends_idle(tshare_channel *ch);
+int ts_backends_idle(tshare_channel *ch, int64_t deadline);
 void ts_backends_before_close(tshare_channel *ch, int timeout_ms);
 void ts_backends_export_done(tshare_channel *ch, const struct ts_export *e);
 

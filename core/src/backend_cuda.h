@@ -116,7 +116,7 @@ struct ts_cuda_chan {
 };
 
 #define RETIRING_MAX 1024          /* retire notices left for the idle hook; past it they are acted on at once */
-#define RETIRING_WAIT_US 20000     /* and at most this long, for a receive that never waits */
+#define RETIRING_WAIT_US 20000     /* a receive turn that finds the oldest this old acts on them (one that never waits) */
 
 #define KEPT_RUNS_MAX 1024 /* mappings a consumer keeps for one channel's peer (a model in expandable segments is a run per tensor); past it shares keep carrying fds */
 
@@ -239,7 +239,7 @@ int ts_cuda_send_notices(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cu
 void ts_cuda_close_retiring(struct ts_cuda_chan *c, uint64_t origin);
 /* The backend table's idle entry: what ts_cuda_close_retiring does, and the
  * answers sent (they need not wait for the next receive). */
-void ts_cuda_idle(tshare_channel *ch);
+int ts_cuda_idle(tshare_channel *ch, int64_t deadline);
 void ts_cuda_before_close(tshare_channel *ch, int timeout_ms);
 
 #endif

@@ -318,9 +318,12 @@ int ts_cuda_send_notices(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cu
 }
 
 
-void ts_cuda_idle(tshare_channel *ch) {
+int ts_cuda_idle(tshare_channel *ch, int64_t deadline) {
   struct ts_cuda_chan *c = ts_cuda_chan_if_used(ch);
-  if (!c || !c->retiring.len) return;
+  if (!c || !c->retiring.len) return TSHARE_OK;
   ts_cuda_close_retiring(c, ch->conn.peer_key);
-  if (!ch->peer_bye) (void)send_ids(ch, TSHARE_RETIRE_CLOSED, &c->closed_notices, 0); /* else the next turn's */
+  /* The owner waits for these to free the memory (and its close waits for
+   * them): they go now, not at the next receive; what the deadline leaves
+   * goes with a later turn's notices. */
+  return send_ids(ch, TSHARE_RETIRE_CLOSED, &c->closed_notices, ts_remaining(deadline));
 }

@@ -101,7 +101,7 @@ void ts_host_kept_idle_locked(ts_mapping *m);
 int ts_host_kept_mapping_locked(tshare_channel *ch, const tshare_share_frame *s, ts_mapping **out);
 void ts_host_export_done(tshare_channel *ch, const struct ts_export *e);
 int ts_host_on_retire(tshare_channel *ch, const tshare_frame *f, int fd, int fd_lost);
-void ts_host_idle(tshare_channel *ch); /* unmaps what the owner retired (backend.h's idle) */
+int ts_host_idle(tshare_channel *ch, int64_t deadline); /* unmaps what the owner retired (backend.h's idle) */
 int ts_host_housekeeping(tshare_channel *ch, int64_t deadline, ts_backend_wait *wait);
 void ts_host_peer_gone(tshare_channel *ch);
 void ts_host_keep_free(tshare_channel *ch, host_chan *h); /* the channel goes: lent buffers and budgets too */

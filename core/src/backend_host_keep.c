@@ -214,9 +214,11 @@ static void unmap_retired(host_chan *h) {
   }
 }
 
-void ts_host_idle(tshare_channel *ch) {
+int ts_host_idle(tshare_channel *ch, int64_t deadline) {
+  (void)deadline; /* a retired memfd needs no answer */
   host_chan *h = ts_host_chan(ch);
   if (h) unmap_retired(h);
+  return TSHARE_OK;
 }
 
 int ts_host_kept_mapping_locked(tshare_channel *ch, const tshare_share_frame *s, ts_mapping **out) {

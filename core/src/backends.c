@@ -126,9 +126,13 @@ int ts_backends_housekeeping(tshare_channel *ch, int64_t deadline, ts_backend_wa
   return TSHARE_OK;
 }
 
-void ts_backends_idle(tshare_channel *ch) {
-  for (size_t i = 0; i < count(); i++)
-    if (backends[i]->idle) backends[i]->idle(ch);
+int ts_backends_idle(tshare_channel *ch, int64_t deadline) {
+  int status = TSHARE_OK;
+  for (size_t i = 0; i < count(); i++) {
+    int rc = backends[i]->idle ? backends[i]->idle(ch, deadline) : TSHARE_OK;
+    if (status == TSHARE_OK) status = rc; /* every backend's idle work runs; the first failure is told */
+  }
+  return status;
 }
 
 void ts_backends_before_close(tshare_channel *ch, int timeout_ms) {

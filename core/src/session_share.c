@@ -304,7 +304,7 @@ static int housekeeping(tshare_channel *ch, int64_t deadline, bool all_releases,
   bool nothing_to_read = ts_conn_buffered(&ch->conn) == 0;
   if (rc == TSHARE_OK && (all_releases || nothing_to_read || releases_batched(ch)))
     rc = ts_share_flush_pending(ch, deadline);
-  if (rc == TSHARE_OK && nothing_to_read) ts_backends_idle(ch);
+  if (rc == TSHARE_OK && nothing_to_read) rc = ts_backends_idle(ch, deadline); /* a timeout: owed, as above */
   return rc;
 }
 
@@ -402,7 +402,7 @@ static int drive_once(tshare_channel *ch, int64_t deadline, tshare_frame *share,
     return enqueue_incoming(ch, fr, frame_fd);
   case TSHARE_FRAME_BYE:
     ch->peer_bye = true;
-    ts_backends_idle(ch); /* no share comes after it: idle work need not wait */
+    (void)ts_backends_idle(ch, ts_deadline(0)); /* no share comes after it: idle work need not wait */
     return TSHARE_END;
   case TSHARE_FRAME_ERROR:
     ts_errf(ch->err, sizeof ch->err, TSHARE_E_PEER_ERROR, "peer %s reported %s: %s", ch->conn.peer_label,

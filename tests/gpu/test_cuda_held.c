@@ -135,35 +135,40 @@ static int role_counter(const char *arg, tshare_channel *ch, FILE *out) {
   return 0;
 }
 
-/* Takes the first view and releases it, leaves the producer time to queue
- * the retire of that memory and a second share behind it, then takes the
- * second: the retired mapping is still open then (acting on the retire did
- * not hold up the share behind it) and closed after a receive that found
- * nothing to read. Reports the bad elements and the mappings closed at
- * each point. */
+/* Takes the views of two buffers (it keeps both mapped) and releases them,
+ * then, once the producer says (a byte on fd 5) that it retired the first
+ * and shared the second again behind the notice, takes that share: the
+ * retired mapping is still open then (acting on the retire did not hold up
+ * the share behind it), and closed by a receive that found nothing to read.
+ * Reports the bad elements and the mappings closed at each point. */
 static int role_behind(tshare_channel *ch, FILE *out) {
   CUstream s;
   CHECK(cu->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
   tshare_view *v;
   unsigned long long bad = 0, alloc = 0;
-  tshare_cuda_export_stats with_second, after_wait;
+  int rc;
+  for (int i = 0; i < 2; i++) {
+    CHECK_RC(tshare_view_recv_stream(ch, s, TIMEOUT, &v), TSHARE_OK, tshare_channel_last_error(ch));
+    bad += count_bad_in(v, s, &alloc);
+    tshare_view_release(v);
+    rc = tshare_channel_poll(ch, 0); /* the release goes */
+    CHECK(rc == TSHARE_OK || rc == TSHARE_E_TIMEOUT);
+  }
+  char go;
+  CHECK(read(5, &go, 1) == 1); /* the retire and the share behind it are queued */
+  tshare_cuda_export_stats before, with_share, after_wait;
+  tshare_cuda_stats(&before);
   CHECK_RC(tshare_view_recv_stream(ch, s, TIMEOUT, &v), TSHARE_OK, tshare_channel_last_error(ch));
-  bad += count_bad_in(v, s, &alloc);
-  tshare_view_release(v);
-  int rc = tshare_channel_poll(ch, 0); /* the release goes */
-  CHECK(rc == TSHARE_OK || rc == TSHARE_E_TIMEOUT);
-  usleep(500 * 1000); /* the producer retires that memory, then shares the next behind the notice */
-  CHECK_RC(tshare_view_recv_stream(ch, s, TIMEOUT, &v), TSHARE_OK, tshare_channel_last_error(ch));
-  tshare_cuda_stats(&with_second);
+  tshare_cuda_stats(&with_share);
   bad += count_bad_in(v, s, &alloc);
   tshare_view_release(v);
   rc = tshare_channel_poll(ch, 0); /* nothing to read: this receive would wait (the bye comes after the answer) */
   CHECK(rc == TSHARE_OK || rc == TSHARE_E_TIMEOUT || rc == TSHARE_END);
   tshare_cuda_stats(&after_wait);
   while (rc != TSHARE_END && (rc = tshare_view_recv_stream(ch, s, TIMEOUT, &v)) == TSHARE_OK) tshare_view_release(v);
-  fprintf(out, "bad=%llu closes_with_second=%llu closes_after_wait=%llu end=%s\n", bad,
-          (unsigned long long)with_second.import_closes, (unsigned long long)after_wait.import_closes,
-          tshare_status_name(rc));
+  fprintf(out, "bad=%llu closes_with_share=%llu closes_after_wait=%llu\n", bad,
+          (unsigned long long)(with_share.import_closes - before.import_closes),
+          (unsigned long long)(after_wait.import_closes - before.import_closes));
   fflush(out);
   cu->cuStreamDestroy(s);
   return 0;
@@ -197,14 +202,15 @@ typedef struct consumer {
   FILE *results;
 } consumer;
 
-static consumer start_role(const char *role, const char *arg) {
+/* A consumer running role (its arg); extra >= 0 becomes its fd 5. */
+static consumer start_role(const char *role, const char *arg, int extra) {
   int sv[2], res[2];
   tshare_error err;
   if (tshare_socketpair(sv, &err) != TSHARE_OK) TS_FAIL("%s", err.message);
   CHECK(pipe2(res, O_CLOEXEC) == 0);
   char *argv[] = {(char *)"/proc/self/exe", (char *)"--role", (char *)role, (char *)arg, NULL};
-  tshare_fd_map fds[2] = {{3, sv[1]}, {4, res[1]}};
-  tshare_spawn_options so = {.file = "/proc/self/exe", .argv = argv, .fds = fds, .nfds = 2};
+  tshare_fd_map fds[3] = {{3, sv[1]}, {4, res[1]}, {5, extra}};
+  tshare_spawn_options so = {.file = "/proc/self/exe", .argv = argv, .fds = fds, .nfds = extra >= 0 ? 3 : 2};
   consumer c;
   if (tshare_spawn(&so, &c.proc, &err) != TSHARE_OK) TS_FAIL("spawn: %s", err.message);
   close(sv[1]);
@@ -214,7 +220,7 @@ static consumer start_role(const char *role, const char *arg) {
   return c;
 }
 
-static consumer start_consumer(const char *arg) { return start_role("counter", arg); }
+static consumer start_consumer(const char *arg) { return start_role("counter", arg, -1); }
 
 typedef struct report {
   int views;
@@ -396,20 +402,26 @@ TS_TEST(a_held_share_of_memory_the_consumer_never_mapped_is_refused) {
 }
 
 /* A consumer that finds the owner's retire of memory it keeps mapped queued
- * ahead of the next share takes that share first: the mapping is closed
- * (and the owner answered) once its receive would wait. Before, closing
+ * ahead of the next share takes that share first: the mapping is closed,
+ * and the owner answered, once its receive would wait. Before, closing
  * came first: a new model's set waited behind the closing of every segment
- * of the model before it. */
+ * of the model before it. The share behind the retire is of a buffer the
+ * consumer keeps too (no fd: the two frames reach it in one read on either
+ * transport). */
 TS_TEST(a_retire_queued_ahead_of_a_share_is_acted_on_once_the_consumer_would_wait) {
   need_vmm_gpu();
-  consumer c = start_role("behind", "");
+  int go[2];
+  CHECK(pipe2(go, O_CLOEXEC) == 0);
+  consumer c = start_role("behind", "", go[0]);
+  close(go[0]);
   tshare_cuda_buffer *first = vmm_buffer(4u << 20), *second = vmm_buffer(4u << 20);
   share_once(c.ch, first, 4096, 11);
+  share_once(c.ch, second, 4096, 22);
   unsigned long long first_id = alloc_id_of(first);
   tshare_cuda_buffer_release(first); /* the last reference: the consumer still keeps it mapped */
   struct ts_cuda_chan *cc = ts_cuda_chan_if_used(c.ch);
   CHECK(cc != NULL);
-  bool notice_went = false; /* while the consumer sleeps: ahead of the next share */
+  bool notice_went = false;
   for (long long until = now_ms() + 5000; !notice_went && now_ms() < until;) {
     int rc = tshare_channel_poll(c.ch, 1); /* its retire notice goes */
     CHECK(rc == TSHARE_OK || rc == TSHARE_E_TIMEOUT);
@@ -417,22 +429,31 @@ TS_TEST(a_retire_queued_ahead_of_a_share_is_acted_on_once_the_consumer_would_wai
     notice_went = lent && lent->retire_queued && cc->freed_notices.len == 0;
   }
   CHECK(notice_went);
-  share_once(c.ch, second, 4096, 22); /* behind the notice, and waits for the release */
-  /* The consumer's answer ends the lending (and frees the memory): by
-   * the answer, not by the device's free memory, which tests running
-   * beside this one move. */
+  CHECK(ck_fill((CUdeviceptr)(uintptr_t)tshare_cuda_buffer_ptr(second), 4096, 33, 3, NULL) == CUDA_SUCCESS);
+  tshare_tensor_desc d = vec_i32(4096);
+  char tag[64];
+  snprintf(tag, sizeof tag, "33 3 4096 %llu", alloc_id_of(second));
+  uint64_t id;
+  CHECK_RC(tshare_share_cuda_buffer(c.ch, second, &d, NULL, tag, NULL, TIMEOUT, &id), TSHARE_OK,
+           tshare_channel_last_error(c.ch)); /* behind the notice, kept: no fd */
+  CHECK(write(go[1], "x", 1) == 1);
+  CHECK_RC(tshare_channel_wait_released(c.ch, id, TIMEOUT), TSHARE_OK, tshare_channel_last_error(c.ch));
+  /* The consumer's answer ends the lending (and frees the memory): seen by
+   * the answer, not by the device's free memory, which tests running beside
+   * this one move. */
   for (long long until = now_ms() + 10000; now_ms() < until && ts_u64map_get(&cc->lent, MAPKEY(first_id));) {
     int rc = tshare_channel_poll(c.ch, 5);
     CHECK(rc == TSHARE_OK || rc == TSHARE_E_TIMEOUT);
   }
   bool answered = ts_u64map_get(&cc->lent, MAPKEY(first_id)) == NULL;
   const char *line = finish_line(&c);
-  unsigned long long bad, with_second, after_wait;
-  CHECK(sscanf(line, "bad=%llu closes_with_second=%llu closes_after_wait=%llu", &bad, &with_second, &after_wait) == 3);
+  close(go[1]);
+  unsigned long long bad, with_share, after_wait;
+  CHECK(sscanf(line, "bad=%llu closes_with_share=%llu closes_after_wait=%llu", &bad, &with_share, &after_wait) == 3);
   CHECK_EQ(bad, 0);
-  CHECK_EQ(with_second, 0); /* the retired mapping still open when the share behind it was taken */
-  CHECK(after_wait >= 1);   /* and closed once a receive would wait */
-  CHECK(answered);          /* and the owner heard so */
+  CHECK_EQ(with_share, 0); /* the retired mapping still open when the share behind it was taken */
+  CHECK_EQ(after_wait, 1); /* and closed by the receive that would wait: the first buffer's alone */
+  CHECK(answered);         /* and the owner heard so */
   tshare_cuda_buffer_release(second);
 }
 
