@@ -115,9 +115,6 @@ struct ts_cuda_chan {
   ts_id_vec kept_notices;   /* TSHARE_RETIRE_KEPT notices to send */
 };
 
-#define RETIRING_MAX 1024          /* retire notices left for the idle hook; past it they are acted on at once */
-#define RETIRING_WAIT_US 20000     /* a receive turn that finds the oldest this old acts on them (one that never waits) */
-
 #define KEPT_RUNS_MAX 1024 /* mappings a consumer keeps for one channel's peer (a model in expandable segments is a run per tensor); past it shares keep carrying fds */
 
 #define WATCHED_RUNS_MAX 1024 /* runs watched per channel; past it shares go without a retire notice */
@@ -234,11 +231,8 @@ void ts_cuda_keep_run(tshare_channel *ch, struct ts_cuda_chan *c, uint64_t alloc
 void ts_cuda_drop_kept_run(struct ts_cuda_chan *c, uint64_t alloc_id);
 int ts_cuda_on_retire(tshare_channel *ch, const tshare_frame *f);
 int ts_cuda_send_notices(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cuda_api *cu, int64_t deadline);
-/* The owner's retires left for later (c->retiring): their mappings closed,
- * their answers queued. */
-void ts_cuda_close_retiring(struct ts_cuda_chan *c, uint64_t origin);
-/* The backend table's idle entry: what ts_cuda_close_retiring does, and the
- * answers sent (they need not wait for the next receive). */
+/* The backend table's idle entry: the owner's retires left for later
+ * (c->retiring) acted on, their answers sent. */
 int ts_cuda_idle(tshare_channel *ch, int64_t deadline);
 void ts_cuda_before_close(tshare_channel *ch, int timeout_ms);
 

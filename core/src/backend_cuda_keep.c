@@ -176,6 +176,25 @@ void ts_cuda_drop_kept_run(struct ts_cuda_chan *c, uint64_t alloc_id) {
   if (imp) ts_cuda_import_put(imp);
 }
 
+#define RETIRING_MAX 1024      /* retires left for the idle entry; past it they are acted on at once */
+#define RETIRING_WAIT_US 20000 /* a receive turn that finds the oldest this old acts on them (one that never waits) */
+
+/* The owner's retires left for later: their mappings closed (now if idle),
+ * their answers queued. A mapping left open past its retire is safe: the
+ * owner frees the memory only after the answer, and a share of it made
+ * meanwhile keeps the memory held on the owner's side (cuda_anchor.h)
+ * while it uses the mapping. */
+static void close_retiring(struct ts_cuda_chan *c, uint64_t origin) {
+  if (!c->retiring.len || ts_id_vec_reserve(&c->closed_notices, c->retiring.len) != TSHARE_OK) return;
+  for (size_t i = 0; i < c->retiring.len; i++) {
+    uint64_t id = c->retiring.items[i];
+    ts_cuda_drop_kept_run(c, id);
+    ts_cuda_import_retire(origin, id);
+    c->closed_notices.items[c->closed_notices.len++] = id;
+  }
+  c->retiring.len = 0;
+}
+
 /* A retire frame from the peer (closed: tshare_retire_kind): one of our
  * allocations it closed, a run it keeps mapped, or memory of its own that
  * it frees. */
@@ -208,22 +227,8 @@ int ts_cuda_on_retire(tshare_channel *ch, const tshare_frame *f) {
         return ts_errf(ch->err, sizeof ch->err, TSHARE_E_NOMEM, "retire: out of memory");
     }
   }
-  if (c->retiring.len >= RETIRING_MAX) ts_cuda_close_retiring(c, ch->conn.peer_key);
+  if (c->retiring.len >= RETIRING_MAX) close_retiring(c, ch->conn.peer_key);
   return TSHARE_OK;
-}
-
-/* A mapping left open past its retire is safe: the owner frees the memory
- * only after the answer, and a share of it made meanwhile keeps the memory
- * held on the owner's side (cuda_anchor.h) while it uses the mapping. */
-void ts_cuda_close_retiring(struct ts_cuda_chan *c, uint64_t origin) {
-  if (!c->retiring.len || ts_id_vec_reserve(&c->closed_notices, c->retiring.len) != TSHARE_OK) return;
-  for (size_t i = 0; i < c->retiring.len; i++) {
-    uint64_t id = c->retiring.items[i];
-    ts_cuda_drop_kept_run(c, id);
-    ts_cuda_import_retire(origin, id);
-    c->closed_notices.items[c->closed_notices.len++] = id;
-  }
-  c->retiring.len = 0;
 }
 
 
@@ -301,7 +306,7 @@ void ts_cuda_before_close(tshare_channel *ch, int timeout_ms) {
  * at every WATCH_CHECK_US) and of allocations nobody holds; KEPT notices; CLOSED answers. */
 int ts_cuda_send_notices(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cuda_api *cu, int64_t deadline) {
   if (c->retiring.len && ts_now_us() - c->retiring_since_us >= RETIRING_WAIT_US)
-    ts_cuda_close_retiring(c, ch->conn.peer_key); /* a receive that always finds frames waiting */
+    close_retiring(c, ch->conn.peer_key); /* a receive that always finds frames waiting */
   if (c->watched_runs.count || ts_anchors_count(&c->anchors)) {
     int64_t now = ts_now_us();
     if (now - c->watched_checked_us >= WATCH_CHECK_US) {
@@ -317,11 +322,10 @@ int ts_cuda_send_notices(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cu
   return rc;
 }
 
-
 int ts_cuda_idle(tshare_channel *ch, int64_t deadline) {
   struct ts_cuda_chan *c = ts_cuda_chan_if_used(ch);
   if (!c || !c->retiring.len) return TSHARE_OK;
-  ts_cuda_close_retiring(c, ch->conn.peer_key);
+  close_retiring(c, ch->conn.peer_key);
   /* The owner waits for these to free the memory (and its close waits for
    * them): they go now, not at the next receive; what the deadline leaves
    * goes with a later turn's notices. */

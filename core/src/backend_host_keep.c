@@ -217,7 +217,7 @@ static void unmap_retired(host_chan *h) {
 int ts_host_idle(tshare_channel *ch, int64_t deadline) {
   (void)deadline; /* a retired memfd needs no answer */
   host_chan *h = ts_host_chan(ch);
-  if (h) unmap_retired(h);
+  if (h && h->retired) unmap_retired(h); /* the usual turn: nothing retired, nothing written */
   return TSHARE_OK;
 }
 

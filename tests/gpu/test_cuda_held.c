@@ -264,8 +264,8 @@ static unsigned long long alloc_id_of(tshare_cuda_buffer *b) {
   return (unsigned long long)ts_cuda_alloc_export(ts_cuda_buffer_alloc(b))->buffer_id;
 }
 
-/* Fill n int32s of b with base + k*step, share them, wait for the release. */
-static void share_once(tshare_channel *ch, tshare_cuda_buffer *b, int n, int base) {
+/* Fill n int32s of b with base + k*3 and share them: the share's id. */
+static uint64_t share_filled(tshare_channel *ch, tshare_cuda_buffer *b, int n, int base) {
   CHECK(ck_fill((CUdeviceptr)(uintptr_t)tshare_cuda_buffer_ptr(b), (size_t)n, base, 3, NULL) == CUDA_SUCCESS);
   tshare_tensor_desc d = vec_i32(n);
   char tag[64];
@@ -273,6 +273,12 @@ static void share_once(tshare_channel *ch, tshare_cuda_buffer *b, int n, int bas
   uint64_t id;
   CHECK_RC(tshare_share_cuda_buffer(ch, b, &d, NULL, tag, NULL, TIMEOUT, &id), TSHARE_OK,
            tshare_channel_last_error(ch));
+  return id;
+}
+
+/* The same, then wait for the release. */
+static void share_once(tshare_channel *ch, tshare_cuda_buffer *b, int n, int base) {
+  uint64_t id = share_filled(ch, b, n, base);
   CHECK_RC(tshare_channel_wait_released(ch, id, TIMEOUT), TSHARE_OK, tshare_channel_last_error(ch));
 }
 
@@ -429,13 +435,7 @@ TS_TEST(a_retire_queued_ahead_of_a_share_is_acted_on_once_the_consumer_would_wai
     notice_went = lent && lent->retire_queued && cc->freed_notices.len == 0;
   }
   CHECK(notice_went);
-  CHECK(ck_fill((CUdeviceptr)(uintptr_t)tshare_cuda_buffer_ptr(second), 4096, 33, 3, NULL) == CUDA_SUCCESS);
-  tshare_tensor_desc d = vec_i32(4096);
-  char tag[64];
-  snprintf(tag, sizeof tag, "33 3 4096 %llu", alloc_id_of(second));
-  uint64_t id;
-  CHECK_RC(tshare_share_cuda_buffer(c.ch, second, &d, NULL, tag, NULL, TIMEOUT, &id), TSHARE_OK,
-           tshare_channel_last_error(c.ch)); /* behind the notice, kept: no fd */
+  uint64_t id = share_filled(c.ch, second, 4096, 33); /* behind the notice, kept: no fd */
   CHECK(write(go[1], "x", 1) == 1);
   CHECK_RC(tshare_channel_wait_released(c.ch, id, TIMEOUT), TSHARE_OK, tshare_channel_last_error(c.ch));
   /* The consumer's answer ends the lending (and frees the memory): seen by
