@@ -11,7 +11,7 @@
 //
 //   bench_torch_sets [--device cpu|cuda] [--consumers N] [--way set|set-free|loop]
 //                    [--hidden H] [--iters N] [--warmup W] [--first-iters N]
-//                    [--consumer bridge|recv-set|core|read|split] [--hold-us N]
+//                    [--consumer bridge|recv-set|core|read|split] [--hold-us N] [--pack]
 //
 // --consumer bridge (the default) takes each set through one SetReceiver
 // kept across them, as the update pattern does (the tensors of a set sent
@@ -33,6 +33,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
+#include <torch/nn/module.h>
 #include <torch/version.h>
 
 #include <algorithm>
@@ -65,6 +66,11 @@ static std::string arg_str(int argc, char **argv, const char *name, const char *
   return fallback;
 }
 
+// --pack: the model's tensors are parameters of a module packed by
+// share_module_(module, /*pack_cuda=*/true), one allocation (one mapping for
+// a consumer to open) or one shared buffer.
+static bool pack = false;
+
 // 2 embeddings + 24 layers x 12 tensors = 290: on the GPU each tensor an
 // allocation of the caching allocator, on the CPU each in shared memory of
 // its own (what the bridge's empty_shared gives).
@@ -85,6 +91,18 @@ static tt::NamedTensors transformer_state(int64_t h, bool cuda) {
   }
   add("norm.weight", {h});
   tt::NamedTensors state;
+  if (pack) { // parameters of a module, moved into one allocation (CUDA) or one shared buffer (CPU)
+    ::torch::nn::Module module;
+    for (size_t i = 0; i < shapes.size(); i++)
+      module.register_parameter("p" + std::to_string(i),
+                                at::zeros(shapes[i].second, at::TensorOptions().dtype(at::kBFloat16)
+                                                                .device(cuda ? at::kCUDA : at::kCPU)),
+                                /*requires_grad=*/false);
+    tt::share_module_(module, /*pack_cuda=*/true);
+    std::vector<at::Tensor> params = module.parameters();
+    for (size_t i = 0; i < shapes.size(); i++) state.emplace_back(shapes[i].first, params[i]);
+    return state;
+  }
   for (auto &e : shapes)
     state.emplace_back(e.first, cuda ? at::zeros(e.second, at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA))
                                      : tt::empty_shared(e.second, at::kBFloat16).zero_());
@@ -309,6 +327,7 @@ int main(int argc, char **argv) {
   }
   int64_t hidden = arg_long(argc, argv, "--hidden", cuda ? 1232 : 256);
   hold_us = arg_long(argc, argv, "--hold-us", 0);
+  for (int i = 1; i < argc; i++) pack = pack || std::strcmp(argv[i], "--pack") == 0;
   // One thread: an idle intra-op pool spinning after the update would take
   // the cores the consumers need, and time that is not the hand-off's.
   at::set_num_threads(1);

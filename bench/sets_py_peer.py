@@ -9,6 +9,10 @@ handed to 1 or more consumer processes, per model, by one of:
   --impl torch-mp     torch.multiprocessing: q.put(state_dict), the consumer
                       takes every tensor and answers on a second queue
 
+with --pack, the model's tensors are parameters of a module packed by
+tshare.share_model_(module, pack_cuda=True): one allocation of the GPU (one
+CUDA IPC mapping for a consumer to open) or one shared buffer on the CPU.
+
 each twice: the first hand-off (a new model, its memory already shared and
 allocated before the clock starts: CPU tensors from tshare.empty_shared or
 share_memory_()) and the repeated update (the same storages updated in place
@@ -40,10 +44,20 @@ def shapes(h):
     return out
 
 
-def state_dict(h, device, impl):
+def state_dict(h, device, impl, pack=False):
     import torch
     import tshare
 
+    if pack:  # the module's parameters moved into one allocation (CUDA) or one shared buffer (CPU)
+        module = torch.nn.Module()
+        names = [name for name, _ in shapes(h)]
+        for i, (name, shape) in enumerate(shapes(h)):
+            t = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+            module.register_parameter("p%d" % i, torch.nn.Parameter(t, requires_grad=False))
+        tshare.share_model_(module, pack_cuda=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return {name: t for name, t in zip(names, module.state_dict().values())}
     sd = {}
     for name, shape in shapes(h):
         if device == "cuda":
@@ -193,13 +207,13 @@ def measure(way, args, impl):
     clock = time.perf_counter_ns
     first, update, update_send = [], [], []
     for i in range(args.warmup + (args.first_iters or args.iters)):
-        sd = state_dict(args.hidden, args.device, impl)  # not timed: the model's own allocation
+        sd = state_dict(args.hidden, args.device, impl, args.pack)  # not timed: the model's own allocation
         t0 = clock()
         way.handoff(sd, i)
         if i >= args.warmup:
             first.append(clock() - t0)
         del sd
-    sd = state_dict(args.hidden, args.device, impl)
+    sd = state_dict(args.hidden, args.device, impl, args.pack)
     for i in range(args.warmup + args.iters):
         with torch.no_grad():
             for t in sd.values():
@@ -226,6 +240,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--first-iters", type=int, default=0,
                     help="first hand-offs to time (default --iters): fewer keep a profile of the updates short")
+    ap.add_argument("--pack", action="store_true",
+                    help="the model's tensors in one allocation, as tshare.share_model_(m, pack_cuda=True) leaves them")
     args = ap.parse_args()
     try:
         import torch

@@ -254,20 +254,24 @@ def _storage_groups(tensors):
     return list(groups.values())
 
 
-def _packed(tensors):
-    """Copies of CPU tensors in one new shared buffer, as views that keep
+def _packed(tensors, device=None):
+    """Copies of CPU tensors in one new shared buffer (device None), or of
+    one device's CUDA tensors in one new allocation of it, as views that keep
     their layout: tensors of one storage stay on one (copied) storage."""
     with torch.no_grad():
-        return _packed_copies(tensors)
+        return _packed_copies(tensors, device)
 
 
-def _packed_copies(tensors):
+def _packed_copies(tensors, device):
     groups = _storage_groups(tensors)
     offsets, total = [], 0
     for storage, _ in groups:
         offsets.append(total)
         total += (storage.nbytes() + _ALIGN - 1) // _ALIGN * _ALIGN
-    raw = _torch._shared_bytes(total)
+    if device is None:
+        raw = _torch._shared_bytes(total)
+    else:  # the caching allocator's: one segment (large blocks get their own)
+        raw = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
     out = [None] * len(tensors)
     for (storage, members), offset in zip(groups, offsets):
         nbytes = storage.nbytes()
@@ -282,7 +286,7 @@ def _packed_copies(tensors):
     return out
 
 
-def share_model_(module):
+def share_model_(module, pack_cuda=False):
     """Move module's CPU parameters and buffers into tshare's shared memory,
     in place, and return module.
 
@@ -292,23 +296,39 @@ def share_model_(module):
     owns the shared memory: model.state_dict() sends as a set without a copy,
     the producer's in-place updates (optimizer steps, p.add_()) are what
     consumers see, and a consumer's writes are seen by the module. Tied
-    weights and other tensors on one storage stay on one storage. CUDA
-    tensors and tensors already in tshare's shared memory are left as they
-    are. Tensors made later (module.to(), a new parameter, a reassigned
-    .data) are private again: call share_model_ again after such changes.
+    weights and other tensors on one storage stay on one storage. Tensors
+    already in tshare's shared memory are left as they are. Tensors made
+    later (module.to(), a new parameter, a reassigned .data) are private
+    again: call share_model_ again after such changes.
+
+    CUDA tensors are shareable where they are, and are left there unless
+    pack_cuda is True: then each device's CUDA parameters and buffers move,
+    the same way, into one allocation of that device. A consumer opens one
+    CUDA IPC mapping for the module's first hand-off instead of one per
+    segment of the caching allocator (a model of hundreds of tensors has tens
+    of segments, and each open is tens of microseconds in the driver). The
+    device needs room for a second copy of those tensors while they move; the
+    caching allocator keeps their old blocks for its later allocations.
     """
     if not isinstance(module, torch.nn.Module):
         _fail(_tshare.E_INVALID_ARG, "share_model_: expected a torch.nn.Module, got %s" % type(module).__name__)
-    seen, tensors = set(), []
+    seen, host, cuda = set(), [], {}
     for t in list(module.parameters()) + list(module.buffers()):
-        if id(t) not in seen and t.is_cpu and _torch._memory_kind_of(t) != "host":
-            seen.add(id(t))
-            tensors.append(t)
-    if not tensors:
-        return module
+        if id(t) in seen or t.layout is not torch.strided:
+            continue
+        seen.add(id(t))
+        if t.is_cpu and _torch._memory_kind_of(t) != "host":
+            host.append(t)
+        elif pack_cuda and t.is_cuda:
+            cuda.setdefault(t.device, []).append(t)
     with torch.no_grad():
-        for t, shared in zip(tensors, _packed(tensors)):
+        for t, shared in zip(host, _packed(host) if host else ()):
             t.set_(_torch._storage(shared), shared.storage_offset(), shared.size(), shared.stride())
+        for device, tensors in cuda.items():
+            if len(_storage_groups(tensors)) < 2:  # one allocation already (packed before): nothing to gain
+                continue
+            for t, packed in zip(tensors, _packed(tensors, device)):
+                t.set_(_torch._storage(packed), packed.storage_offset(), packed.size(), packed.stride())
     return module
 
 

@@ -18,7 +18,7 @@ from harness import expect_error, memfds, pair
 import cases
 import torch
 import tshare
-from tshare import aio
+from tshare import _torch, aio
 
 test = harness.Tests("test_sets.py")
 
@@ -186,6 +186,8 @@ def share_model_makes_the_module_own_shared_memory_seen_both_ways():
     # Sharing again is a no-op: the memory is shared already.
     ptr = m.proj.weight.data_ptr()
     tshare.share_model_(m)
+    assert m.proj.weight.data_ptr() == ptr
+    tshare.share_model_(m, pack_cuda=True)  # no CUDA tensors: the same
     assert m.proj.weight.data_ptr() == ptr
     expect_error(tshare.E_INVALID_ARG, "torch.nn.Module", tshare.share_model_, {"w": torch.zeros(1)})
 
@@ -392,7 +394,9 @@ def cuda_consumer(fd, mode):
         devices = sorted({str(t.device) for t in r.tensors.values()})
         print("n=%d %s %s" % (len(r.tensors), "ok" if not bad else "bad:" + ",".join(bad[:5]), "+".join(devices)),
               flush=True)
-        if mode == "write":
+        if mode == "storages":  # one storage per memory of the set: how many allocations it mapped
+            print("storages=%d" % len({t.untyped_storage().data_ptr() for t in r.tensors.values()}), flush=True)
+        if mode in ("write", "storages"):
             next(iter(r.tensors.values())).fill_(-1)
         if mode == "hold":
             time.sleep(60)
@@ -489,6 +493,60 @@ def cuda_versions_come_as_the_tensors_recv_made_while_it_waited_after_the_produc
     else:
         assert made == handed == 0, line
     p.close()
+
+
+class NumberedCuda(torch.nn.Module):
+    """n - 1 CUDA parameters and a buffer, member k holding 3k, 3k+1, 3k+2;
+    every other one at the start of a 48 MiB block (a caching-allocator
+    segment of its own), the others small blocks."""
+
+    def __init__(self, n):
+        super().__init__()
+        for k in range(n):
+            v = torch.empty(3 << 22 if k % 2 else 3, device="cuda")[:3]
+            v.copy_(torch.arange(3.0 * k, 3.0 * k + 3))
+            if k == n - 1:
+                self.register_buffer("b%d" % k, v)
+            else:
+                setattr(self, "p%d" % k, torch.nn.Parameter(v))
+
+
+def allocations(module):
+    return len({_torch._storage_of(t).data_ptr() for t in module.state_dict().values()})
+
+
+@test
+def cuda_share_model_with_pack_cuda_moves_the_model_into_one_allocation_in_place():
+    need_cuda()
+    m = NumberedCuda(7)
+    params = list(m.parameters())
+    assert allocations(m) == 7
+    tshare.share_model_(m)  # CUDA tensors stay where they are without pack_cuda
+    assert allocations(m) == 7
+    p, proc = start_cuda_consumer("storages")
+    send_cuda_and_expect(p, proc, m.state_dict(), "n=7 ok cuda:0")
+    unpacked = int(proc.stdout.readline().strip().split("=")[1])
+    assert unpacked > 1, unpacked
+    torch.cuda.synchronize()
+    m.p0.data.copy_(torch.arange(3.0))  # the consumer wrote -1 there
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    assert tshare.share_model_(m, pack_cuda=True) is m
+    assert list(m.parameters()) == params, "parameters were replaced, not moved in place"
+    assert allocations(m) == 1 and m.b6.is_cuda and m.p1.is_cuda
+    for k, t in enumerate(m.state_dict().values()):
+        assert torch.equal(t.cpu(), torch.arange(3.0 * k, 3.0 * k + 3)), k
+    send_cuda_and_expect(p, proc, m.state_dict(), "n=7 ok cuda:0")
+    assert proc.stdout.readline().strip() == "storages=1"
+    torch.cuda.synchronize()
+    assert torch.equal(m.p0.detach().cpu(), torch.full((3,), -1.0)), "the consumer's write missed the module"
+    # The packed parameters train in place; packing again moves nothing.
+    m.p0.data.copy_(torch.arange(3.0))
+    m.p0.grad = torch.zeros(3, device="cuda")
+    opt.step()
+    ptr = m.p1.data_ptr()
+    tshare.share_model_(m, pack_cuda=True)
+    assert m.p1.data_ptr() == ptr and allocations(m) == 1
+    end_cuda_consumer(p, proc)
 
 
 @test

@@ -13,8 +13,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
+#include <torch/nn/module.h>
 
 #include <csignal>
+#include <set>
 #include <cstring>
 #include <ctime>
 #include <unistd.h>
@@ -384,6 +386,7 @@ static int role_set_reader(tshare_channel *ch) {
            r->tensors.size(), (long long)wrong, opens);
     CHECK_EQ(wrong, 0);
     if (r->meta == "again") CHECK_EQ(opens, 0);
+    if (r->meta == "packed") CHECK_EQ(opens, 1); // the module's one allocation
     if (r->meta == "write") { // on this pool stream: synchronized before the set goes, as docs/torch.md asks
       r->tensors[0].value().fill_(-1.0f);
       c10::cuda::getCurrentCUDAStream().synchronize();
@@ -758,6 +761,65 @@ TS_TEST(cuda_sets_of_1_290_and_10000_tensors) {
   send_set_and_wait(ch, mixed, "write");
   CHECK(at::equal(mixed[0].second.cpu(), at::full({3}, -1.0f)));
   CHECK(at::equal(mixed[1].second.cpu(), at::arange(3, 6, at::kFloat)));
+  bye_and_wait_released(ch, TIMEOUT);
+  finish(p, "consumer");
+  tshare_channel_close(ch);
+}
+
+// n - 1 CUDA parameters and a buffer, member k holding 3k, 3k+1, 3k+2;
+// every other one at the start of a 48 MiB block (a caching-allocator
+// segment of its own), the others small blocks.
+struct NumberedModule : ::torch::nn::Module {
+  explicit NumberedModule(int64_t n) {
+    for (int64_t k = 0; k < n; k++) {
+      at::Tensor v = at::empty({k % 2 ? int64_t(3) << 22 : 3}, on_gpu.dtype(at::kFloat)).narrow(0, 0, 3);
+      v.copy_(at::arange(3 * k, 3 * k + 3, on_gpu.dtype(at::kFloat)));
+      if (k == n - 1) register_buffer("b" + std::to_string(k), v);
+      else register_parameter("p" + std::to_string(k), v, /*requires_grad=*/false);
+    }
+  }
+  tt::NamedTensors state() {
+    tt::NamedTensors out;
+    for (auto &item : named_parameters()) out.emplace_back(item.key(), item.value());
+    for (auto &item : named_buffers()) out.emplace_back(item.key(), item.value());
+    return out;
+  }
+  size_t allocations() {
+    std::set<const void *> data;
+    for (auto &e : state()) data.insert(e.second.storage().data());
+    return data.size();
+  }
+};
+
+// share_module_ with pack_cuda: the module's CUDA parameters and buffer,
+// from several segments, move in place into one allocation; a set of its
+// state opens one mapping on the consumer, and the consumer's writes land
+// in the module's own parameters.
+TS_TEST(cuda_share_module_with_pack_cuda_moves_the_module_into_one_allocation) {
+  need_gpu();
+  NumberedModule m(7);
+  std::vector<const void *> impls;
+  for (auto &e : m.state()) impls.push_back(e.second.unsafeGetTensorImpl());
+  CHECK_EQ(m.allocations(), 7u);
+  tt::share_module_(m); // CUDA tensors stay where they are without pack_cuda
+  CHECK_EQ(m.allocations(), 7u);
+  tt::share_module_(m, /*pack_cuda=*/true);
+  CHECK_EQ(m.allocations(), 1u);
+  tt::NamedTensors state = m.state();
+  for (size_t k = 0; k < state.size(); k++) {
+    CHECK(state[k].second.unsafeGetTensorImpl() == impls[k]); // moved in place, not replaced
+    CHECK(state[k].second.is_cuda());
+    CHECK(at::equal(state[k].second.cpu(), at::arange(3 * int64_t(k), 3 * int64_t(k) + 3, at::kFloat)));
+  }
+  const void *arena = state[0].second.storage().data();
+  tt::share_module_(m, true); // packed already: nothing moves
+  CHECK(m.state()[0].second.storage().data() == arena);
+  int fd;
+  tshare_process *p = start("set_reader", &fd);
+  tshare_channel *ch = open_channel(fd, "producer");
+  send_set_and_wait(ch, state, "packed");
+  send_set_and_wait(ch, state, "write");
+  CHECK(at::equal(m.state()[0].second.cpu(), at::full({3}, -1.0f)));
   bye_and_wait_released(ch, TIMEOUT);
   finish(p, "consumer");
   tshare_channel_close(ch);

@@ -210,7 +210,10 @@ TS_TEST(a_module_shared_in_place_is_updated_and_sent_again_per_version) {
     storages.push_back(e.second.data_ptr());
   }
   tt::share_module_(*model); // idempotent: nothing moves again
+  tt::share_module_(*model, /*pack_cuda=*/true); // no CUDA tensors: the same
   CHECK_EQ(count_mappings("tshare-torch"), 1);
+  tt::NamedTensors after = state_of(*model);
+  for (size_t k = 0; k < after.size(); k++) CHECK(after[k].second.data_ptr() == storages[k]);
   for (int v = 1; v <= 3; v++) {
     tt::NamedTensors state = state_of(*model);
     for (size_t k = 0; k < state.size(); k++) {

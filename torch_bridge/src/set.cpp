@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <unordered_map>
 #include <unordered_set>
@@ -138,29 +139,44 @@ void add_member(tshare_set_builder *b, size_t i, const std::string &name, const 
   }
 }
 
-// Each tensor's storage copied into one new shared buffer, and the tensor
-// set_() onto it in place (its identity kept: optimizers and hooks holding it
-// go on working). Tensors of one storage stay on one storage (tied weights).
-// One memory for the whole module: a set of it travels with one fd.
-void move_into_one_buffer(std::vector<at::Tensor> &tensors) {
+// Each tensor's storage copied into one new arena, and the tensor set_()
+// onto it in place (its identity kept: optimizers and hooks holding it go on
+// working). Tensors of one storage stay on one storage (tied weights). The
+// arena is a shared buffer for CPU tensors (a set of the module travels with
+// one fd) or one allocation of the tensors' CUDA device (one segment of the
+// caching allocator: a consumer opens one IPC mapping, not one per segment).
+void move_into_one_arena(std::vector<at::Tensor> &tensors, bool cuda) {
   constexpr size_t align = 64; // a multiple of every element size
   std::vector<std::pair<c10::StorageImpl *, size_t>> offsets; // storage -> byte offset, first-seen order
+  std::vector<size_t> first_of;                               // the first tensor of each storage
   std::unordered_map<c10::StorageImpl *, size_t> index;
   size_t total = 0;
-  auto offset_of = [&](c10::StorageImpl *s) -> size_t {
-    auto found = index.emplace(s, offsets.size());
-    if (!found.second) return offsets[found.first->second].second;
-    offsets.emplace_back(s, total);
-    total += (s->nbytes() + align - 1) / align * align;
-    return offsets.back().second;
-  };
   std::vector<size_t> at_byte;
-  for (const at::Tensor &t : tensors) at_byte.push_back(offset_of(t.storage().unsafeGetStorageImpl()));
-  at::Tensor arena = empty_shared({static_cast<int64_t>(std::max<size_t>(total, 1))}, at::kByte);
-  char *base = static_cast<char *>(arena.data_ptr());
-  for (auto &e : offsets)
-    if (e.first->nbytes()) std::memcpy(base + e.second, e.first->data(), e.first->nbytes());
+  for (size_t i = 0; i < tensors.size(); i++) {
+    c10::StorageImpl *s = tensors[i].storage().unsafeGetStorageImpl();
+    auto found = index.emplace(s, offsets.size());
+    if (found.second) {
+      offsets.emplace_back(s, total);
+      first_of.push_back(i);
+      total += (s->nbytes() + align - 1) / align * align;
+    }
+    at_byte.push_back(offsets[found.first->second].second);
+  }
+  int64_t bytes = static_cast<int64_t>(std::max<size_t>(total, 1));
+  at::Tensor arena = cuda ? at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(tensors[0].device()))
+                          : empty_shared({bytes}, at::kByte);
   c10::AutoGradMode no_grad(false); // parameters that require grad move too
+  for (size_t k = 0; k < offsets.size(); k++) {
+    int64_t nbytes = static_cast<int64_t>(offsets[k].first->nbytes());
+    if (!nbytes) continue;
+    if (!cuda) {
+      std::memcpy(static_cast<char *>(arena.data_ptr()) + offsets[k].second, offsets[k].first->data(), nbytes);
+      continue;
+    }
+    // The storage's bytes as a tensor, copied on the device's current stream.
+    at::Tensor source = at::empty({0}, arena.options()).set_(tensors[first_of[k]].storage(), 0, {nbytes}, {1});
+    arena.narrow(0, static_cast<int64_t>(offsets[k].second), nbytes).copy_(source);
+  }
   for (size_t i = 0; i < tensors.size(); i++) {
     at::Tensor &t = tensors[i];
     int64_t item = static_cast<int64_t>(t.element_size());
@@ -292,17 +308,28 @@ std::vector<SendResult> send_set_all(const std::vector<tshare_channel *> &channe
   return send_once_all(channels, refs_of(tensors), options, release_timeout_ms);
 }
 
-::torch::nn::Module &share_module_(::torch::nn::Module &module) {
-  std::vector<at::Tensor> tensors;
+::torch::nn::Module &share_module_(::torch::nn::Module &module, bool pack_cuda) {
+  std::vector<at::Tensor> host;
+  std::map<int, std::vector<at::Tensor>> cuda; // by device index
   std::unordered_set<const void *> seen;
   for (auto list : {module.parameters(/*recurse=*/true), module.buffers(/*recurse=*/true)})
-    for (const at::Tensor &t : list)
-      if (t.defined() && t.is_cpu() && t.unsafeGetTensorImpl()->has_storage() && !is_shared(t) &&
-          seen.insert(t.unsafeGetTensorImpl()).second)
-        tensors.push_back(t);
-  if (!tensors.empty()) move_into_one_buffer(tensors);
+    for (const at::Tensor &t : list) {
+      if (!t.defined() || t.layout() != at::kStrided || !t.unsafeGetTensorImpl()->has_storage() ||
+          !seen.insert(t.unsafeGetTensorImpl()).second)
+        continue;
+      if (t.is_cpu() && !is_shared(t)) host.push_back(t);
+      else if (pack_cuda && t.is_cuda()) cuda[t.device().index()].push_back(t);
+    }
+  if (!host.empty()) move_into_one_arena(host, false);
+  for (auto &device : cuda) {
+    std::unordered_set<const void *> storages;
+    for (const at::Tensor &t : device.second) storages.insert(t.storage().unsafeGetStorageImpl());
+    if (storages.size() > 1) move_into_one_arena(device.second, true); // one allocation already: nothing to gain
+  }
   return module;
 }
+
+::torch::nn::Module &share_module_(::torch::nn::Module &module) { return share_module_(module, false); }
 
 } // namespace torch
 } // namespace tshare

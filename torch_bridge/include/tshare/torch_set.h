@@ -237,6 +237,14 @@ class TSHARE_TORCH_API SetReceiver {
 // uses the module: data pointers change. Returns the module.
 TSHARE_TORCH_API ::torch::nn::Module &share_module_(::torch::nn::Module &module);
 
+// The same, and with pack_cuda each device's CUDA parameters and buffers
+// moved likewise into one allocation of that device (the caching
+// allocator's), so that a consumer opens one CUDA IPC mapping for the
+// module's first hand-off instead of one per segment (tens of microseconds
+// each in the driver; a model of hundreds of tensors has tens of segments).
+// The device needs room for a second copy of them while they move.
+TSHARE_TORCH_API ::torch::nn::Module &share_module_(::torch::nn::Module &module, bool pack_cuda);
+
 } // namespace torch
 } // namespace tshare
 

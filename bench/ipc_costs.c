@@ -1,0 +1,257 @@
+/* tshare-ipc-costs: what the driver alone takes to hand a new allocation to
+ * another process with legacy CUDA IPC, per segment: the export
+ * (cuIpcGetMemHandle the first time), the open and the close on the other
+ * side, and whether opens from several threads at once go faster. A new
+ * model's first hand-off pays one open per caching-allocator segment it has
+ * not seen; this says how far tshare's own work is from that floor.
+ *
+ *   tshare-ipc-costs [--segments N] [--mib S] [--threads T]
+ *
+ * The consumer is a forked child (forked before either side touches CUDA).
+ * Three rounds of N segments each: opened one at a time, opened from T
+ * threads at once, and one at a time again (an order effect shows as a
+ * difference between the first and the third). Prints one "result" line per
+ * measure; exits 77 without a GPU. */
+#include "cuda_driver.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define ROUNDS 3
+
+static double now_us(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+static double p50(double *v, int n) {
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  return n ? v[(n - 1) / 2] : 0;
+}
+
+static double sum(const double *v, int n) {
+  double s = 0;
+  for (int i = 0; i < n; i++) s += v[i];
+  return s;
+}
+
+static int full_write(int fd, const void *p, size_t n) {
+  for (size_t off = 0; off < n;) {
+    ssize_t w = write(fd, (const char *)p + off, n - off);
+    if (w <= 0) return -1;
+    off += (size_t)w;
+  }
+  return 0;
+}
+
+static int full_read(int fd, void *p, size_t n) {
+  for (size_t off = 0; off < n;) {
+    ssize_t r = read(fd, (char *)p + off, n - off);
+    if (r <= 0) return -1;
+    off += (size_t)r;
+  }
+  return 0;
+}
+
+static const ts_cuda_api *cuda_up(CUcontext *ctx) {
+  int status;
+  const char *why = NULL;
+  const ts_cuda_api *cu = ts_cuda(&status, &why);
+  if (!cu) {
+    printf("skip: %s\n", why ? why : "no CUDA driver");
+    fflush(stdout);
+    return NULL;
+  }
+  *ctx = ts_cuda_primary_ctx(0);
+  if (!*ctx || cu->cuCtxPushCurrent(*ctx) != CUDA_SUCCESS) {
+    printf("skip: no usable device 0\n");
+    fflush(stdout);
+    return NULL;
+  }
+  return cu;
+}
+
+typedef struct opener {
+  const ts_cuda_api *cu;
+  CUcontext ctx;
+  CUipcMemHandle *handles;
+  CUdeviceptr *mapped;
+  int first, count;
+  int failed;
+} opener;
+
+static void *open_some(void *arg) {
+  opener *o = arg;
+  if (o->cu->cuCtxPushCurrent(o->ctx) != CUDA_SUCCESS) {
+    o->failed = 1;
+    return NULL;
+  }
+  for (int i = o->first; i < o->first + o->count; i++)
+    if (o->cu->cuIpcOpenMemHandle(&o->mapped[i], o->handles[i], CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) != CUDA_SUCCESS)
+      o->failed = 1;
+  CUcontext popped;
+  o->cu->cuCtxPopCurrent(&popped);
+  return NULL;
+}
+
+/* The consumer: reads each round's handles, opens and closes them. */
+static int consumer(int from_producer, int to_producer, int n, int threads) {
+  CUcontext ctx;
+  const ts_cuda_api *cu = cuda_up(&ctx);
+  char ok = cu ? 'y' : 'n';
+  if (full_write(to_producer, &ok, 1) < 0 || !cu) return cu ? 1 : 77;
+  CUipcMemHandle *handles = calloc((size_t)n, sizeof *handles);
+  CUdeviceptr *mapped = calloc((size_t)n, sizeof *mapped);
+  double *open_us = calloc((size_t)n, sizeof *open_us), *close_us = calloc((size_t)n, sizeof *close_us);
+  if (!handles || !mapped || !open_us || !close_us) return 1;
+  for (int round = 0; round < ROUNDS; round++) {
+    if (full_read(from_producer, handles, (size_t)n * sizeof *handles) < 0) return 1;
+    int parallel = round == 1 && threads > 1;
+    double t0 = now_us();
+    if (parallel) {
+      pthread_t tid[64];
+      opener o[64];
+      int per = (n + threads - 1) / threads;
+      for (int t = 0; t < threads; t++) {
+        int first = t * per, count = first + per > n ? n - first : per;
+        o[t] = (opener){cu, ctx, handles, mapped, first, count > 0 ? count : 0, 0};
+        pthread_create(&tid[t], NULL, open_some, &o[t]);
+      }
+      for (int t = 0; t < threads; t++) {
+        pthread_join(tid[t], NULL);
+        if (o[t].failed) {
+          fprintf(stderr, "ipc_costs: an open failed in thread %d\n", t);
+          return 1;
+        }
+      }
+    } else {
+      for (int i = 0; i < n; i++) {
+        double a = now_us();
+        CUresult rc = cu->cuIpcOpenMemHandle(&mapped[i], handles[i], CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+        open_us[i] = now_us() - a;
+        if (rc != CUDA_SUCCESS) {
+          fprintf(stderr, "ipc_costs: cuIpcOpenMemHandle: %s\n", ts_cuda_strerror(rc));
+          return 1;
+        }
+      }
+    }
+    double opened = now_us() - t0;
+    for (int i = 0; i < n; i++) {
+      double a = now_us();
+      cu->cuIpcCloseMemHandle(mapped[i]);
+      close_us[i] = now_us() - a;
+    }
+    const char *how = parallel ? "from threads" : "one at a time";
+    if (parallel)
+      printf("result round=%d open_%s threads=%d total_us=%.1f per_segment_us=%.2f\n", round, "threads", threads,
+             opened, opened / n);
+    else
+      printf("result round=%d open_serial p50_us=%.2f total_us=%.1f (%s)\n", round, p50(open_us, n), opened, how);
+    printf("result round=%d close p50_us=%.2f total_us=%.1f\n", round, p50(close_us, n), sum(close_us, n));
+    fflush(stdout);
+    char done = 'd';
+    if (full_write(to_producer, &done, 1) < 0) return 1;
+  }
+  return 0;
+}
+
+static int producer(int to_consumer, int from_consumer, int n, size_t bytes) {
+  char ok = 0;
+  if (full_read(from_consumer, &ok, 1) < 0 || ok != 'y') return 77;
+  CUcontext ctx;
+  const ts_cuda_api *cu = cuda_up(&ctx);
+  if (!cu) return 77;
+  CUdeviceptr *ptrs = calloc((size_t)n, sizeof *ptrs);
+  CUipcMemHandle *handles = calloc((size_t)n, sizeof *handles);
+  double *alloc_us = calloc((size_t)n, sizeof *alloc_us), *export_us = calloc((size_t)n, sizeof *export_us),
+         *again_us = calloc((size_t)n, sizeof *again_us), *free_us = calloc((size_t)n, sizeof *free_us);
+  if (!ptrs || !handles || !alloc_us || !export_us || !again_us || !free_us) return 1;
+  for (int round = 0; round < ROUNDS; round++) {
+    for (int i = 0; i < n; i++) {
+      double a = now_us();
+      CUresult rc = cu->cuMemAlloc(&ptrs[i], bytes);
+      alloc_us[i] = now_us() - a;
+      if (rc != CUDA_SUCCESS) {
+        fprintf(stderr, "ipc_costs: cuMemAlloc of %zu bytes: %s\n", bytes, ts_cuda_strerror(rc));
+        return 1;
+      }
+      cu->cuMemsetD8(ptrs[i], (unsigned char)i, bytes); /* written, as a model's weights are */
+    }
+    cu->cuCtxSynchronize();
+    for (int i = 0; i < n; i++) {
+      double a = now_us();
+      CUresult rc = cu->cuIpcGetMemHandle(&handles[i], ptrs[i]);
+      export_us[i] = now_us() - a;
+      if (rc != CUDA_SUCCESS) {
+        fprintf(stderr, "ipc_costs: cuIpcGetMemHandle: %s\n", ts_cuda_strerror(rc));
+        return 1;
+      }
+      a = now_us();
+      cu->cuIpcGetMemHandle(&handles[i], ptrs[i]);
+      again_us[i] = now_us() - a;
+    }
+    if (full_write(to_consumer, handles, (size_t)n * sizeof *handles) < 0) return 1;
+    char done;
+    if (full_read(from_consumer, &done, 1) < 0) return 1;
+    for (int i = 0; i < n; i++) {
+      double a = now_us();
+      cu->cuMemFree(ptrs[i]);
+      free_us[i] = now_us() - a;
+    }
+    printf("result round=%d producer alloc p50_us=%.2f export_first p50_us=%.2f total_us=%.1f export_again "
+           "p50_us=%.2f free p50_us=%.2f\n",
+           round, p50(alloc_us, n), p50(export_us, n), sum(export_us, n), p50(again_us, n), p50(free_us, n));
+    fflush(stdout);
+  }
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  int n = 64, threads = 4;
+  double mib = 20;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!strcmp(argv[i], "--segments")) n = atoi(argv[i + 1]);
+    else if (!strcmp(argv[i], "--mib")) mib = atof(argv[i + 1]);
+    else if (!strcmp(argv[i], "--threads")) threads = atoi(argv[i + 1]);
+    else {
+      fprintf(stderr, "usage: %s [--segments N] [--mib S] [--threads T]\n", argv[0]);
+      return 2;
+    }
+  }
+  if (n < 1 || n > 4096 || threads < 1 || threads > 64 || mib <= 0 || mib > 4096) {
+    fprintf(stderr, "ipc_costs: --segments 1..4096, --threads 1..64, --mib up to 4096\n");
+    return 2;
+  }
+  size_t bytes = (size_t)(mib * 1024 * 1024);
+  printf("ipc costs: %d segments of %.1f MiB per round, %d rounds, %d threads in round 1\n", n, mib, ROUNDS, threads);
+  fflush(stdout);
+  int down[2], up[2];
+  if (pipe(down) < 0 || pipe(up) < 0) return 1;
+  pid_t pid = fork();
+  if (pid < 0) return 1;
+  if (pid == 0) {
+    close(down[1]);
+    close(up[0]);
+    _exit(consumer(down[0], up[1], n, threads));
+  }
+  close(down[0]);
+  close(up[1]);
+  int rc = producer(down[1], up[0], n, bytes);
+  close(down[1]);
+  close(up[0]);
+  int st = 0;
+  waitpid(pid, &st, 0);
+  int child = WIFEXITED(st) ? WEXITSTATUS(st) : 1;
+  return rc ? rc : child;
+}
