@@ -15,6 +15,7 @@
 #include "cuda_driver.h"
 
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -126,7 +127,10 @@ static int consumer(int from_producer, int to_producer, int n, int threads) {
       for (int t = 0; t < threads; t++) {
         int first = t * per, count = first + per > n ? n - first : per;
         o[t] = (opener){cu, ctx, handles, mapped, first, count > 0 ? count : 0, 0};
-        pthread_create(&tid[t], NULL, open_some, &o[t]);
+        if (pthread_create(&tid[t], NULL, open_some, &o[t]) != 0) {
+          fprintf(stderr, "ipc_costs: cannot start thread %d\n", t);
+          return 1; /* the threads started hold nothing this process needs after it exits */
+        }
       }
       for (int t = 0; t < threads; t++) {
         pthread_join(tid[t], NULL);
@@ -154,7 +158,7 @@ static int consumer(int from_producer, int to_producer, int n, int threads) {
     }
     const char *how = parallel ? "from threads" : "one at a time";
     if (parallel)
-      printf("result round=%d open_%s threads=%d total_us=%.1f per_segment_us=%.2f\n", round, "threads", threads,
+      printf("result round=%d open_threads threads=%d total_us=%.1f wall_per_segment_us=%.2f\n", round, threads,
              opened, opened / n);
     else
       printf("result round=%d open_serial p50_us=%.2f total_us=%.1f (%s)\n", round, p50(open_us, n), opened, how);
@@ -220,7 +224,11 @@ static int producer(int to_consumer, int from_consumer, int n, size_t bytes) {
 int main(int argc, char **argv) {
   int n = 64, threads = 4;
   double mib = 20;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  for (int i = 1; i < argc; i += 2) {
+    if (i + 1 == argc) {
+      fprintf(stderr, "usage: %s [--segments N] [--mib S] [--threads T]\n", argv[0]);
+      return 2;
+    }
     if (!strcmp(argv[i], "--segments")) n = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--mib")) mib = atof(argv[i + 1]);
     else if (!strcmp(argv[i], "--threads")) threads = atoi(argv[i + 1]);
@@ -236,6 +244,7 @@ int main(int argc, char **argv) {
   size_t bytes = (size_t)(mib * 1024 * 1024);
   printf("ipc costs: %d segments of %.1f MiB per round, %d rounds, %d threads in round 1\n", n, mib, ROUNDS, threads);
   fflush(stdout);
+  signal(SIGPIPE, SIG_IGN); /* a consumer that died: a failed write and exit 1, not a signal */
   int down[2], up[2];
   if (pipe(down) < 0 || pipe(up) < 0) return 1;
   pid_t pid = fork();

@@ -5,7 +5,10 @@ paths from each sample up to the nearest caller named F, most frequent
 first. Addresses are named with addr2line from the mappings the process
 wrote; a library without symbols shows as library+offset.
 
-  report.py DIR [--top N] [--focus F] [--min-samples N]
+  report.py DIR [--top N] [--focus F] [--under F] [--min-samples N]
+
+with --under F, the samples inside F by each function below it (where
+the time of one call goes).
 """
 import argparse
 import collections
@@ -73,7 +76,7 @@ def short(fn):
     return fn.split("(")[0][:60]
 
 
-def report(pid, stacks, named, top, focus):
+def report(pid, stacks, named, top, focus, under=None):
     total = len(stacks)
     frames = [[named[a] for a in s] for s in stacks if s]
     self_count = collections.Counter(f[0] for f in frames)
@@ -85,6 +88,15 @@ def report(pid, stacks, named, top, focus):
     print("  -- inclusive")
     for fn, c in inclusive.most_common(top):
         print("  %5.1f%%  %s" % (100.0 * c / total, fn[:120]))
+    if under:
+        below = [f[:hit] for f in frames for hit in [next((i for i, fn in enumerate(f) if under in fn), None)]
+                 if hit is not None]
+        print("  -- under %s: %.1f%% of the samples; of those, in each function below it" %
+              (under, 100.0 * len(below) / max(total, 1)))
+        counts = collections.Counter(fn for f in below for fn in set(f))
+        counts["(%s itself)" % under] = sum(1 for f in below if not f)
+        for fn, c in counts.most_common(top):
+            print("  %5.1f%%  %s" % (100.0 * c / max(len(below), 1), fn[:120]))
     if focus:
         paths = collections.Counter()
         for f in frames:
@@ -101,6 +113,8 @@ def main():
     ap.add_argument("dir")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--focus", help="a function name (or part of one): the paths from each sample up to it")
+    ap.add_argument("--under", help="a function name (or part of one): the samples in it, by each function below it "
+                    "(inclusive, as a share of those samples)")
     ap.add_argument("--min-samples", type=int, default=20, help="processes with fewer are left out")
     args = ap.parse_args()
     found = sorted(glob.glob(os.path.join(args.dir, "s.*")))
@@ -114,7 +128,7 @@ def main():
         maps_path = os.path.join(args.dir, "m." + pid)
         if len(stacks) < args.min_samples or not os.path.exists(maps_path):
             continue
-        report(pid, stacks, name_addresses(stacks, read_maps(maps_path)), args.top, args.focus)
+        report(pid, stacks, name_addresses(stacks, read_maps(maps_path)), args.top, args.focus, args.under)
     return 0
 
 

@@ -268,17 +268,18 @@ def _packed_copies(tensors, device):
     for storage, _ in groups:
         offsets.append(total)
         total += (storage.nbytes() + _ALIGN - 1) // _ALIGN * _ALIGN
+    total = max(total, _ALIGN)  # views of any dtype, also when every storage is empty
     if device is None:
         raw = _torch._shared_bytes(total)
     else:  # the caching allocator's: one segment (large blocks get their own)
-        raw = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+        raw = torch.empty(total, dtype=torch.uint8, device=device)
     out = [None] * len(tensors)
     for (storage, members), offset in zip(groups, offsets):
         nbytes = storage.nbytes()
         first = tensors[members[0]]
-        if nbytes:
-            item = first.element_size()
-            raw[offset:offset + nbytes].view(first.dtype).copy_(first.as_strided((nbytes // item,), (1,), 0))
+        if nbytes:  # the storage's bytes as they are: whatever dtype, conj or neg bit its tensors read them with
+            whole = torch.empty(0, dtype=torch.uint8, device=first.device).set_(_torch._raw_storage(first))
+            raw[offset:offset + nbytes].copy_(whole)
         for i in members:
             t = tensors[i]
             item = t.element_size()
@@ -303,12 +304,18 @@ def share_model_(module, pack_cuda=False):
 
     CUDA tensors are shareable where they are, and are left there unless
     pack_cuda is True: then each device's CUDA parameters and buffers move,
-    the same way, into one allocation of that device. A consumer opens one
-    CUDA IPC mapping for the module's first hand-off instead of one per
-    segment of the caching allocator (a model of hundreds of tensors has tens
-    of segments, and each open is tens of microseconds in the driver). The
-    device needs room for a second copy of those tensors while they move; the
-    caching allocator keeps their old blocks for its later allocations.
+    the same way, into one allocation of that device (when they are on more
+    than one storage). A consumer opens one CUDA IPC mapping for the module's
+    first hand-off instead of one per segment of the caching allocator (a
+    model of hundreds of tensors has tens of segments, and each open is tens
+    of microseconds in the driver). Whole storages are copied, so the device
+    needs room for a second copy of them while they move; the caching
+    allocator keeps their old blocks for its later allocations. The device
+    is synchronized before and after the copies. Pack before capturing CUDA
+    graphs or compiling with CUDA graphs (they keep the old addresses), and
+    send the state_dict again afterwards: consumers holding a set sent before
+    see the old memory. For PyTorch's default allocator: with
+    expandable_segments:True packing measured slower.
     """
     if not isinstance(module, torch.nn.Module):
         _fail(_tshare.E_INVALID_ARG, "share_model_: expected a torch.nn.Module, got %s" % type(module).__name__)
@@ -325,9 +332,15 @@ def share_model_(module, pack_cuda=False):
         for t, shared in zip(host, _packed(host) if host else ()):
             t.set_(_torch._storage(shared), shared.storage_offset(), shared.size(), shared.stride())
         for device, tensors in cuda.items():
-            if len(_storage_groups(tensors)) < 2:  # one allocation already (packed before): nothing to gain
+            if len(_storage_groups(tensors)) < 2:  # one storage already (packed before): nothing to gain
                 continue
-            for t, packed in zip(tensors, _packed(tensors, device)):
+            # Every stream's writes to them done before the copies, and the
+            # copies done before their old blocks go back to the allocator
+            # (which would hand them out again on their own streams at once).
+            torch.cuda.synchronize(device)
+            moved = _packed(tensors, device)
+            torch.cuda.synchronize(device)
+            for t, packed in zip(tensors, moved):
                 t.set_(_torch._storage(packed), packed.storage_offset(), packed.size(), packed.stride())
     return module
 

@@ -192,6 +192,36 @@ def share_model_makes_the_module_own_shared_memory_seen_both_ways():
     expect_error(tshare.E_INVALID_ARG, "torch.nn.Module", tshare.share_model_, {"w": torch.zeros(1)})
 
 
+class Odd(torch.nn.Module):
+    """Storages that a copy through a member's dtype gets wrong: a float view
+    of the first 4 of 6 bytes, a conjugate buffer, a view at an offset, bool,
+    bf16 and empty ones."""
+
+    def __init__(self):
+        super().__init__()
+        raw = torch.arange(1, 7, dtype=torch.uint8)
+        self.first = torch.nn.Parameter(raw[:4].view(torch.float32), requires_grad=False)
+        self.register_buffer("bytes6", raw)
+        self.offset = torch.nn.Parameter(torch.arange(10.0)[3:7])
+        self.brain = torch.nn.Parameter(torch.arange(4.0).to(torch.bfloat16))
+        self.register_buffer("z", torch.tensor([1 + 2j, 3 - 1j]).conj())
+        self.register_buffer("flags", torch.tensor([True, False, True]))
+        self.register_buffer("empty", torch.empty(0))
+
+
+@test
+def share_model_copies_each_storages_bytes_whatever_its_tensors_read_them_as():
+    m = Odd()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    assert m.z.is_conj()
+    tshare.share_model_(m)
+    for k, v in m.state_dict().items():
+        assert v.dtype == before[k].dtype and torch.equal(v, before[k]), (k, v, before[k])
+        assert v.numel() == 0 or tshare.is_shared(v), k
+    assert m.z.is_conj() and m.first.data_ptr() == m.bytes6.data_ptr(), "one storage became two"
+    assert m.offset.requires_grad and m.offset.is_leaf and not m.first.requires_grad
+
+
 @test
 def update_in_place_and_send_again_with_a_new_version():
     m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
@@ -545,8 +575,11 @@ def cuda_share_model_with_pack_cuda_moves_the_model_into_one_allocation_in_place
     assert torch.equal(m.p0.detach().cpu(), torch.full((3,), -1.0)), "the consumer's write missed the module"
     # The packed parameters train in place; packing again moves nothing.
     m.p0.data.copy_(torch.arange(3.0))
-    m.p0.grad = torch.zeros(3, device="cuda")
+    assert m.p0.requires_grad and m.p0.is_leaf
+    m.p0.grad = torch.ones(3, device="cuda")
     opt.step()
+    assert torch.equal(m.p0.detach().cpu(), torch.arange(3.0) - 1), "the step missed the packed parameter"
+    assert torch.equal(m.state_dict()["p0"].cpu(), torch.arange(3.0) - 1)
     ptr = m.p1.data_ptr()
     tshare.share_model_(m, pack_cuda=True)
     assert m.p1.data_ptr() == ptr and allocations(m) == 1

@@ -777,7 +777,7 @@ struct NumberedModule : ::torch::nn::Module {
       at::Tensor v = at::empty({k % 2 ? int64_t(3) << 22 : 3}, on_gpu.dtype(at::kFloat)).narrow(0, 0, 3);
       v.copy_(at::arange(3 * k, 3 * k + 3, on_gpu.dtype(at::kFloat)));
       if (k == n - 1) register_buffer("b" + std::to_string(k), v);
-      else register_parameter("p" + std::to_string(k), v, /*requires_grad=*/false);
+      else register_parameter("p" + std::to_string(k), v, /*requires_grad=*/k == 1);
     }
   }
   tt::NamedTensors state() {
@@ -811,6 +811,7 @@ TS_TEST(cuda_share_module_with_pack_cuda_moves_the_module_into_one_allocation) {
   for (size_t k = 0; k < state.size(); k++) {
     CHECK(state[k].second.unsafeGetTensorImpl() == impls[k]); // moved in place, not replaced
     CHECK(state[k].second.is_cuda());
+    CHECK(state[k].second.requires_grad() == (k == 1) && state[k].second.is_leaf());
     CHECK(at::equal(state[k].second.cpu(), at::arange(3 * int64_t(k), 3 * int64_t(k) + 3, at::kFloat)));
   }
   const void *arena = state[0].second.storage().data();

@@ -15,6 +15,8 @@
 #include <torch/nn/module.h>
 
 #ifdef TSHARE_TORCH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -139,7 +141,18 @@ void add_member(tshare_set_builder *b, size_t i, const std::string &name, const 
   }
 }
 
-// Each tensor's storage copied into one new arena, and the tensor set_()
+// The device's work done: every stream of it (CUDA tensors exist only in a
+// build with CUDA).
+void synchronize(at::Device device) {
+#ifdef TSHARE_TORCH_CUDA
+  c10::cuda::CUDAGuard guard(device);
+  c10::cuda::device_synchronize();
+#else
+  (void)device;
+#endif
+}
+
+// Each tensor's storage copied whole into one new arena, and the tensor set_()
 // onto it in place (its identity kept: optimizers and hooks holding it go on
 // working). Tensors of one storage stay on one storage (tied weights). The
 // arena is a shared buffer for CPU tensors (a set of the module travels with
@@ -166,6 +179,10 @@ void move_into_one_arena(std::vector<at::Tensor> &tensors, bool cuda) {
   at::Tensor arena = cuda ? at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(tensors[0].device()))
                           : empty_shared({bytes}, at::kByte);
   c10::AutoGradMode no_grad(false); // parameters that require grad move too
+  // Every stream's writes to the tensors done before the copies, and the
+  // copies done before the old blocks go back to the caching allocator
+  // (which hands them out again on their own streams at once).
+  if (cuda) synchronize(arena.device());
   for (size_t k = 0; k < offsets.size(); k++) {
     int64_t nbytes = static_cast<int64_t>(offsets[k].first->nbytes());
     if (!nbytes) continue;
@@ -177,6 +194,7 @@ void move_into_one_arena(std::vector<at::Tensor> &tensors, bool cuda) {
     at::Tensor source = at::empty({0}, arena.options()).set_(tensors[first_of[k]].storage(), 0, {nbytes}, {1});
     arena.narrow(0, static_cast<int64_t>(offsets[k].second), nbytes).copy_(source);
   }
+  if (cuda) synchronize(arena.device());
   for (size_t i = 0; i < tensors.size(); i++) {
     at::Tensor &t = tensors[i];
     int64_t item = static_cast<int64_t>(t.element_size());

@@ -242,7 +242,11 @@ TSHARE_TORCH_API ::torch::nn::Module &share_module_(::torch::nn::Module &module)
 // allocator's), so that a consumer opens one CUDA IPC mapping for the
 // module's first hand-off instead of one per segment (tens of microseconds
 // each in the driver; a model of hundreds of tensors has tens of segments).
-// The device needs room for a second copy of them while they move.
+// Whole storages are copied (the device needs room for a second copy of them
+// while they move) and the device is synchronized before and after. Pack
+// before capturing CUDA graphs, and send the state again after packing (a
+// consumer holding a set sent before reads the old memory). For PyTorch's
+// default allocator: with expandable segments packing measured slower.
 TSHARE_TORCH_API ::torch::nn::Module &share_module_(::torch::nn::Module &module, bool pack_cuda);
 
 } // namespace torch
