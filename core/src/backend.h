@@ -233,9 +233,13 @@ typedef struct ts_backend {
    * starts in it; user_keep (optional)
    * is what keeps foreign memory alive (the source takes a reference for
    * the memory's own use); *member_keep gets what keeps this member alive
-   * (a reference taken: own buffers), or a zeroed one. */
-  int (*set_source_new)(void *ptr, void *buf, const tshare_tensor_desc *desc, const ts_keep_ref *user_keep, ts_set_source **out,
-                        uint64_t *offset, ts_keep_ref *member_keep, char *err, size_t cap);
+   * (a reference taken: own buffers), or a zeroed one. last (optional) is
+   * the memory the builder's previous device member went into: one that
+   * holds foreign memory at ptr alive may serve as *out (a reference taken),
+   * with no driver call. */
+  int (*set_source_new)(void *ptr, void *buf, const tshare_tensor_desc *desc, const ts_keep_ref *user_keep,
+                        ts_set_source *last, ts_set_source **out, uint64_t *offset, ts_keep_ref *member_keep,
+                        char *err, size_t cap);
   void (*set_source_free)(ts_set_source *src);
   /* Producer: whether ch's peer takes this memory in a set, before any
    * frame of the set goes (an error in ch->err). */

@@ -194,8 +194,9 @@ void ts_cuda_share_dropped(tshare_channel *ch, uint64_t share_id);
 void ts_cuda_finish_drains(tshare_channel *ch, struct ts_cuda_chan *c, const ts_cuda_api *cu, ts_backend_wait *busy);
 
 /* backend_cuda_set.c: the memories of tensor sets */
-int ts_cuda_set_source_new(void *ptr, void *buf, const tshare_tensor_desc *desc, const ts_keep_ref *user_keep, ts_set_source **out,
-                           uint64_t *offset, ts_keep_ref *member_keep, char *err, size_t cap);
+int ts_cuda_set_source_new(void *ptr, void *buf, const tshare_tensor_desc *desc, const ts_keep_ref *user_keep,
+                           ts_set_source *last, ts_set_source **out, uint64_t *offset, ts_keep_ref *member_keep,
+                           char *err, size_t cap);
 void ts_cuda_set_source_free(ts_set_source *src);
 /* Staging for a peer on another host: the table's stage_out hooks. */
 int ts_cuda_stage_out(const void *ptr, uint64_t len, void *stream, void *dst, int timeout_ms, char *err, size_t cap);

@@ -77,10 +77,32 @@ static int foreign_source(cuda_source *s, void *ptr, const tshare_tensor_desc *d
   return TSHARE_OK;
 }
 
+/* Whether last, the memory of the builder's previous member, is the legacy
+ * allocation holding foreign memory at ptr. It is kept alive by that
+ * member's keep (the source holds a reference), and CUDA frees no part of an
+ * allocation, so an address inside its range still belongs to it: a model
+ * packed into one allocation (or a segment's many blocks) is looked up in
+ * the driver once, not once per member (five driver calls each). A VMM run
+ * covers only the chunks its member touched, so it is looked up anew. */
+static bool serves(const ts_set_source *last, void *ptr, const ts_keep_ref *user_keep, uint64_t *offset) {
+  if (!last || last->backend != &ts_cuda_backend || !user_keep || !user_keep->drop) return false;
+  const cuda_source *s = (const cuda_source *)last;
+  CUdeviceptr at = (CUdeviceptr)(uintptr_t)ptr;
+  if (s->vmm || s->buf || !s->keep.drop || at < s->x.base || at - s->x.base >= s->x.size) return false;
+  *offset = (uint64_t)(at - s->x.base);
+  return true;
+}
+
 int ts_cuda_set_source_new(void *ptr, void *buf, const tshare_tensor_desc *desc, const ts_keep_ref *user_keep,
-                           ts_set_source **out, uint64_t *offset, ts_keep_ref *member_keep, char *err, size_t cap) {
+                           ts_set_source *last, ts_set_source **out, uint64_t *offset, ts_keep_ref *member_keep,
+                           char *err, size_t cap) {
   *out = NULL;
   memset(member_keep, 0, sizeof *member_keep);
+  if (!buf && serves(last, ptr, user_keep, offset)) {
+    atomic_fetch_add(&last->refs, 1);
+    *out = last;
+    return TSHARE_OK;
+  }
   int status = TSHARE_OK;
   if (!ts_cuda_require(err, cap, &status)) return status;
   cuda_source *s = calloc(1, sizeof *s);

@@ -1,7 +1,6 @@
-/* Tensor sets (set.h) on the producer side: the builder of named tensors
- * (host buffers, and device memory described by its backend's set hooks)
- * and metadata, and the sending of a set as its frames (wire.h: begin,
- * memories, members, metadata, end) under one share id. */
+/* Tensor sets (set.h) on the producer side: the builder of named tensors (host buffers, and
+ * device memory described by its backend's set hooks) and metadata, and the sending of a set
+ * as its frames (wire.h: begin, memories, members, metadata, end) under one share id. */
 #include "tshare/set.h"
 
 #include "backend.h"
@@ -56,6 +55,7 @@ struct tshare_set_builder {
   ts_u64map mem_by_id;    /* host buffer id -> mems index + 1 */
   ts_u64map device_by_id; /* device allocation id + 1 -> mems index + 1 */
   const ts_backend *device_backend; /* of every device memory: one kind, one device */
+  ts_set_source *last_device;       /* the memory of the last device member (mems holds it) */
   int device;
   void *stream; /* the device stream the members were written on */
   uint8_t *meta;
@@ -210,6 +210,7 @@ static int device_mem(tshare_set_builder *b, const char *name, ts_set_source *sr
   if (*mem < 0) return ts_errf(err, cap, TSHARE_E_NOMEM, "set: out of memory");
   b->device_backend = backend;
   b->device = device;
+  b->last_device = b->mems[*mem].device;
   return TSHARE_OK;
 }
 
@@ -226,7 +227,8 @@ static int builder_add_device(tshare_set_builder *b, const char *name, void *ptr
   uint64_t offset = 0;
   b->generation++;
   ts_keep_ref member_keep = {NULL, NULL, NULL};
-  if (rc == TSHARE_OK) rc = be->set_source_new(ptr, buf, desc, user_keep, &src, &offset, &member_keep, err, cap);
+  if (rc == TSHARE_OK)
+    rc = be->set_source_new(ptr, buf, desc, user_keep, b->last_device, &src, &offset, &member_keep, err, cap);
   if (rc != TSHARE_OK) {
     if (user_keep) user_keep->drop(user_keep->keep);
     return rc;

@@ -568,6 +568,51 @@ TS_TEST(a_set_of_cuda_malloc_segments_sent_again_goes_from_its_kept_layout) {
   for (int i = 0; i < 8; i++) cu->cuMemFree(mem[i]);
 }
 
+static unsigned long long lookups_so_far(void) {
+  tshare_cuda_export_stats st;
+  tshare_cuda_stats(&st);
+  return (unsigned long long)(st.exports + st.cache_hits);
+}
+
+/* Members of one cudaMalloc allocation, each kept alive (a module packed into
+ * one allocation; a caching-allocator segment's blocks): the allocation is
+ * looked up in the driver for the first alone; another allocation gets its
+ * own lookup, and members without a keep are looked up each. The set
+ * arrives whole, with one memory per allocation, and every keep goes. */
+TS_TEST(members_of_one_allocation_kept_alive_are_looked_up_once) {
+  need_gpu();
+  peer c = start_role("set_checker");
+  tshare_channel *ch = open_ch(c.channel_fd, "producer");
+  CUdeviceptr one, other, loose;
+  CHECK(cu->cuMemAlloc(&one, 64 * ELEMS * 4) == CUDA_SUCCESS);
+  CHECK(cu->cuMemAlloc(&other, 2 * ELEMS * 4) == CUDA_SUCCESS);
+  CHECK(cu->cuMemAlloc(&loose, 2 * ELEMS * 4) == CUDA_SUCCESS);
+  keep_count keep = {0, 0, 0};
+  tshare_set_builder *b = tshare_set_builder_create();
+  unsigned long long l0 = lookups_so_far();
+  add_foreign(b, one, 0, 64, 0, &keep);
+  unsigned long long l1 = lookups_so_far();
+  add_foreign(b, other, 64, 2, 0, &keep);
+  unsigned long long l2 = lookups_so_far();
+  add_foreign(b, loose, 66, 2, 0, NULL);
+  unsigned long long l3 = lookups_so_far();
+  printf("driver lookups: %llu for 64 members of one allocation, %llu for 2 of another, %llu for 2 without keeps\n",
+         l1 - l0, l2 - l1, l3 - l2);
+  CHECK_EQ(l1 - l0, 1);
+  CHECK_EQ(l2 - l1, 1);
+  CHECK_EQ(l3 - l2, 2);
+  set_meta(b, 0, 0);
+  unsigned long long opened = 0;
+  send_and_check(ch, &c, b, 68, &opened);
+  CHECK_EQ(opened, 3); /* one mapping per allocation */
+  tshare_set_builder_destroy(b);
+  end_stream(ch, &c);
+  CHECK_EQ(keep.drops, keep.adds + keep.retains);
+  cu->cuMemFree(one);
+  cu->cuMemFree(other);
+  cu->cuMemFree(loose);
+}
+
 /* A consumer killed while it holds a set of 16 x 8 MiB: the set comes back
  * as released, and the memory is the device's again. */
 TS_TEST(a_consumer_killed_holding_a_cuda_set_frees_everything) {
