@@ -3,6 +3,7 @@
  * process left behind after any of them. This binary also plays roles
  * (`test_launcher --role NAME`) for the launcher to start. */
 #include "harness.h"
+#include "port_util.h"
 #include "proc_util.h"
 #include "tshare/tshare.h"
 
@@ -774,7 +775,7 @@ TS_TEST(role_channel_ids_are_checked) {
  * on 127.0.0.1): B's producer relays A's frame to B's consumer. */
 TS_TEST(listen_and_connect_join_two_groups) {
   char address[64];
-  snprintf(address, sizeof address, "ucx://127.0.0.1:%u/weights", 20000u + (unsigned)getpid() % 40000u);
+  snprintf(address, sizeof address, "ucx://127.0.0.1:%u/weights", free_loopback_port());
   setenv("TSHARE_TOKEN", "launcher-test-token", 1);
   if (!getenv("UCX_TLS")) setenv("UCX_TLS", "tcp", 1);
   tshare_listener *probe; /* UCX is there (else skip) and the port is free */

@@ -8,6 +8,7 @@
 #define TSHARE_TEST_UCX_PAIR_H
 
 #include "harness.h"
+#include "port_util.h"
 #include "tshare/hostmem.h"
 #include "tshare/rendezvous.h"
 #include "tshare/share.h"
@@ -116,7 +117,7 @@ static inline void veth_of(int side, char *out, size_t cap) {
 }
 
 static inline void use_loopback(void) {
-  unsigned port = 20000u + (unsigned)getpid() % 40000u;
+  unsigned port = free_loopback_port();
   snprintf(listen_address, sizeof listen_address, "ucx://127.0.0.1:%u/weights", port);
   snprintf(connect_address, sizeof connect_address, "ucx://127.0.0.1:%u/weights", port);
 }
