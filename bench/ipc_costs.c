@@ -12,6 +12,7 @@
  * threads at once, and one at a time again (an order effect shows as a
  * difference between the first and the third). Prints one "result" line per
  * measure; exits 77 without a GPU. */
+#include "bench_stats.h"
 #include "cuda_driver.h"
 
 #include <pthread.h>
@@ -20,31 +21,17 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #define ROUNDS 3
 
-static double now_us(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
-}
+static double now_us(void) { return (double)bs_now_ns() / 1e3; }
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
-static double p50(double *v, int n) {
-  qsort(v, (size_t)n, sizeof *v, cmp_double);
-  return n ? v[(n - 1) / 2] : 0;
-}
-
-static double sum(const double *v, int n) {
-  double s = 0;
-  for (int i = 0; i < n; i++) s += v[i];
-  return s;
+/* The sum of what was added (bs_percentile sorts it; the sum stays). */
+static double total(const bs_samples *s) {
+  double t = 0;
+  for (size_t i = 0; i < s->n; i++) t += s->v[i];
+  return t;
 }
 
 static int full_write(int fd, const void *p, size_t n) {
@@ -114,9 +101,11 @@ static int consumer(int from_producer, int to_producer, int n, int threads) {
   if (full_write(to_producer, &ok, 1) < 0 || !cu) return cu ? 1 : 77;
   CUipcMemHandle *handles = calloc((size_t)n, sizeof *handles);
   CUdeviceptr *mapped = calloc((size_t)n, sizeof *mapped);
-  double *open_us = calloc((size_t)n, sizeof *open_us), *close_us = calloc((size_t)n, sizeof *close_us);
-  if (!handles || !mapped || !open_us || !close_us) return 1;
+  bs_samples open_us = {0}, close_us = {0};
+  if (!handles || !mapped) return 1;
   for (int round = 0; round < ROUNDS; round++) {
+    bs_clear(&open_us);
+    bs_clear(&close_us);
     if (full_read(from_producer, handles, (size_t)n * sizeof *handles) < 0) return 1;
     int parallel = round == 1 && threads > 1;
     double t0 = now_us();
@@ -143,7 +132,7 @@ static int consumer(int from_producer, int to_producer, int n, int threads) {
       for (int i = 0; i < n; i++) {
         double a = now_us();
         CUresult rc = cu->cuIpcOpenMemHandle(&mapped[i], handles[i], CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
-        open_us[i] = now_us() - a;
+        bs_add(&open_us, now_us() - a);
         if (rc != CUDA_SUCCESS) {
           fprintf(stderr, "ipc_costs: cuIpcOpenMemHandle: %s\n", ts_cuda_strerror(rc));
           return 1;
@@ -154,15 +143,15 @@ static int consumer(int from_producer, int to_producer, int n, int threads) {
     for (int i = 0; i < n; i++) {
       double a = now_us();
       cu->cuIpcCloseMemHandle(mapped[i]);
-      close_us[i] = now_us() - a;
+      bs_add(&close_us, now_us() - a);
     }
-    const char *how = parallel ? "from threads" : "one at a time";
     if (parallel)
       printf("result round=%d open_threads threads=%d total_us=%.1f wall_per_segment_us=%.2f\n", round, threads,
              opened, opened / n);
     else
-      printf("result round=%d open_serial p50_us=%.2f total_us=%.1f (%s)\n", round, p50(open_us, n), opened, how);
-    printf("result round=%d close p50_us=%.2f total_us=%.1f\n", round, p50(close_us, n), sum(close_us, n));
+      printf("result round=%d open_serial p50_us=%.2f total_us=%.1f\n", round, bs_percentile(&open_us, 50), opened);
+    printf("result round=%d close p50_us=%.2f total_us=%.1f\n", round, bs_percentile(&close_us, 50),
+           total(&close_us));
     fflush(stdout);
     char done = 'd';
     if (full_write(to_producer, &done, 1) < 0) return 1;
@@ -178,14 +167,17 @@ static int producer(int to_consumer, int from_consumer, int n, size_t bytes) {
   if (!cu) return 77;
   CUdeviceptr *ptrs = calloc((size_t)n, sizeof *ptrs);
   CUipcMemHandle *handles = calloc((size_t)n, sizeof *handles);
-  double *alloc_us = calloc((size_t)n, sizeof *alloc_us), *export_us = calloc((size_t)n, sizeof *export_us),
-         *again_us = calloc((size_t)n, sizeof *again_us), *free_us = calloc((size_t)n, sizeof *free_us);
-  if (!ptrs || !handles || !alloc_us || !export_us || !again_us || !free_us) return 1;
+  bs_samples alloc_us = {0}, export_us = {0}, again_us = {0}, free_us = {0};
+  if (!ptrs || !handles) return 1;
   for (int round = 0; round < ROUNDS; round++) {
+    bs_clear(&alloc_us);
+    bs_clear(&export_us);
+    bs_clear(&again_us);
+    bs_clear(&free_us);
     for (int i = 0; i < n; i++) {
       double a = now_us();
       CUresult rc = cu->cuMemAlloc(&ptrs[i], bytes);
-      alloc_us[i] = now_us() - a;
+      bs_add(&alloc_us, now_us() - a);
       if (rc != CUDA_SUCCESS) {
         fprintf(stderr, "ipc_costs: cuMemAlloc of %zu bytes: %s\n", bytes, ts_cuda_strerror(rc));
         return 1;
@@ -196,14 +188,14 @@ static int producer(int to_consumer, int from_consumer, int n, size_t bytes) {
     for (int i = 0; i < n; i++) {
       double a = now_us();
       CUresult rc = cu->cuIpcGetMemHandle(&handles[i], ptrs[i]);
-      export_us[i] = now_us() - a;
+      bs_add(&export_us, now_us() - a);
       if (rc != CUDA_SUCCESS) {
         fprintf(stderr, "ipc_costs: cuIpcGetMemHandle: %s\n", ts_cuda_strerror(rc));
         return 1;
       }
       a = now_us();
       cu->cuIpcGetMemHandle(&handles[i], ptrs[i]);
-      again_us[i] = now_us() - a;
+      bs_add(&again_us, now_us() - a);
     }
     if (full_write(to_consumer, handles, (size_t)n * sizeof *handles) < 0) return 1;
     char done;
@@ -211,11 +203,12 @@ static int producer(int to_consumer, int from_consumer, int n, size_t bytes) {
     for (int i = 0; i < n; i++) {
       double a = now_us();
       cu->cuMemFree(ptrs[i]);
-      free_us[i] = now_us() - a;
+      bs_add(&free_us, now_us() - a);
     }
     printf("result round=%d producer alloc p50_us=%.2f export_first p50_us=%.2f total_us=%.1f export_again "
            "p50_us=%.2f free p50_us=%.2f\n",
-           round, p50(alloc_us, n), p50(export_us, n), sum(export_us, n), p50(again_us, n), p50(free_us, n));
+           round, bs_percentile(&alloc_us, 50), bs_percentile(&export_us, 50), total(&export_us),
+           bs_percentile(&again_us, 50), bs_percentile(&free_us, 50));
     fflush(stdout);
   }
   return 0;

@@ -157,24 +157,23 @@ void synchronize(at::Device device) {
 // working). Tensors of one storage stay on one storage (tied weights). The
 // arena is a shared buffer for CPU tensors (a set of the module travels with
 // one fd) or one allocation of the tensors' CUDA device (one segment of the
-// caching allocator: a consumer opens one IPC mapping, not one per segment).
+// caching allocator: a consumer opens one IPC mapping, not one per segment;
+// CUDA tensors already on one storage stay where they are).
 void move_into_one_arena(std::vector<at::Tensor> &tensors, bool cuda) {
-  constexpr size_t align = 64; // a multiple of every element size
-  std::vector<std::pair<c10::StorageImpl *, size_t>> offsets; // storage -> byte offset, first-seen order
-  std::vector<size_t> first_of;                               // the first tensor of each storage
+  constexpr size_t align = 64;                        // a multiple of every element size
+  std::vector<std::pair<c10::Storage, size_t>> places; // each storage and its byte offset, first-seen order
   std::unordered_map<c10::StorageImpl *, size_t> index;
   size_t total = 0;
   std::vector<size_t> at_byte;
-  for (size_t i = 0; i < tensors.size(); i++) {
-    c10::StorageImpl *s = tensors[i].storage().unsafeGetStorageImpl();
-    auto found = index.emplace(s, offsets.size());
+  for (const at::Tensor &t : tensors) {
+    auto found = index.emplace(t.storage().unsafeGetStorageImpl(), places.size());
     if (found.second) {
-      offsets.emplace_back(s, total);
-      first_of.push_back(i);
-      total += (s->nbytes() + align - 1) / align * align;
+      places.emplace_back(t.storage(), total);
+      total += (t.storage().nbytes() + align - 1) / align * align;
     }
-    at_byte.push_back(offsets[found.first->second].second);
+    at_byte.push_back(places[found.first->second].second);
   }
+  if (cuda && places.size() < 2) return; // one allocation already: nothing to gain
   int64_t bytes = static_cast<int64_t>(std::max<size_t>(total, 1));
   at::Tensor arena = cuda ? at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(tensors[0].device()))
                           : empty_shared({bytes}, at::kByte);
@@ -183,16 +182,11 @@ void move_into_one_arena(std::vector<at::Tensor> &tensors, bool cuda) {
   // copies done before the old blocks go back to the caching allocator
   // (which hands them out again on their own streams at once).
   if (cuda) synchronize(arena.device());
-  for (size_t k = 0; k < offsets.size(); k++) {
-    int64_t nbytes = static_cast<int64_t>(offsets[k].first->nbytes());
+  for (auto &place : places) { // each storage's bytes as they are, whatever its tensors read them as
+    int64_t nbytes = static_cast<int64_t>(place.first.nbytes());
     if (!nbytes) continue;
-    if (!cuda) {
-      std::memcpy(static_cast<char *>(arena.data_ptr()) + offsets[k].second, offsets[k].first->data(), nbytes);
-      continue;
-    }
-    // The storage's bytes as a tensor, copied on the device's current stream.
-    at::Tensor source = at::empty({0}, arena.options()).set_(tensors[first_of[k]].storage(), 0, {nbytes}, {1});
-    arena.narrow(0, static_cast<int64_t>(offsets[k].second), nbytes).copy_(source);
+    at::Tensor source = at::empty({0}, arena.options()).set_(place.first, 0, {nbytes}, {1});
+    arena.narrow(0, static_cast<int64_t>(place.second), nbytes).copy_(source);
   }
   if (cuda) synchronize(arena.device());
   for (size_t i = 0; i < tensors.size(); i++) {
@@ -339,11 +333,7 @@ std::vector<SendResult> send_set_all(const std::vector<tshare_channel *> &channe
       else if (pack_cuda && t.is_cuda()) cuda[t.device().index()].push_back(t);
     }
   if (!host.empty()) move_into_one_arena(host, false);
-  for (auto &device : cuda) {
-    std::unordered_set<const void *> storages;
-    for (const at::Tensor &t : device.second) storages.insert(t.storage().unsafeGetStorageImpl());
-    if (storages.size() > 1) move_into_one_arena(device.second, true); // one allocation already: nothing to gain
-  }
+  for (auto &device : cuda) move_into_one_arena(device.second, true);
   return module;
 }
 
