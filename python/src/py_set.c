@@ -12,6 +12,8 @@
 #include "py_errors.h"
 #include "py_memory.h"
 
+#include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* ---- sending --------------------------------------------------------------- */
@@ -60,19 +62,29 @@ static const char *member_name(PyObject *name) {
   return len >= 1 && len <= TSHARE_SET_NAME_MAX && strlen(utf8) == (size_t)len ? utf8 : NULL;
 }
 
-/* What keeps a CUDA member's memory alive: the Python tensor, a reference
- * per holder (the builder, each sent set). Called inside tshare calls that
- * run with the GIL released, and at the builder's with it held. */
-static void retain_python_object(void *keep) {
-  PyGILState_STATE gil = PyGILState_Ensure();
-  Py_INCREF((PyObject *)keep);
-  PyGILState_Release(gil);
+/* What keeps a CUDA member's memory alive: the Python tensor, held once by
+ * a counted box in which every holder (the builder, each sent set, a segment
+ * kept between sets) counts. The core retains and drops inside calls that
+ * run with the GIL released, once per member of every set sent: counting
+ * takes no GIL, which a 290-tensor set sent again would otherwise take and
+ * give back 290 times per send and as many at its release. Only the last
+ * drop takes it, to let the tensor go. */
+typedef struct python_keep {
+  _Atomic size_t refs;
+  PyObject *object;
+} python_keep;
+
+static void retain_python_keep(void *keep) {
+  atomic_fetch_add_explicit(&((python_keep *)keep)->refs, 1, memory_order_relaxed);
 }
 
-static void drop_python_object(void *keep) {
+static void drop_python_keep(void *keep) {
+  python_keep *k = keep;
+  if (atomic_fetch_sub_explicit(&k->refs, 1, memory_order_acq_rel) != 1) return;
   PyGILState_STATE gil = PyGILState_Ensure();
-  Py_DECREF((PyObject *)keep);
+  Py_DECREF(k->object);
   PyGILState_Release(gil);
+  free(k);
 }
 
 /* A CUDA member (storage_key, storage_base, tensor, device after the common
@@ -98,9 +110,16 @@ static int add_cuda_member(tshare_set_builder *b, const char *name, uintptr_t da
     tshare_cuda_buffer_release(buffer); /* the builder holds it */
   } else {
     d->byte_offset = tshare_tensor_numel(d) == 0 ? 0 : data - base;
-    Py_INCREF(tensor); /* the builder's reference */
-    rc = tshare_set_builder_add_cuda_keep(b, name, (void *)(uintptr_t)base, d, retain_python_object,
-                                          drop_python_object, tensor, &err);
+    python_keep *keep = malloc(sizeof *keep);
+    if (!keep) {
+      PyErr_NoMemory();
+      return -1;
+    }
+    atomic_init(&keep->refs, 1); /* the builder's */
+    Py_INCREF(tensor);
+    keep->object = tensor;
+    rc = tshare_set_builder_add_cuda_keep(b, name, (void *)(uintptr_t)base, d, retain_python_keep, drop_python_keep,
+                                          keep, &err);
   }
   if (rc != TSHARE_OK) {
     py_raise_fmt(rc, "tshare: send: tensor '%.200s': %s", name, err.message);

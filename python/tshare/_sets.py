@@ -458,11 +458,18 @@ def _in_order(views, own):
 def _after_default_stream(device):
     """A set's CUDA tensors are ready for work on the default stream (the
     producer's event is waited for there): the current stream waits for it
-    too, on the GPU, where it is another one."""
-    current = torch.cuda.current_stream(device)
-    default = torch.cuda.default_stream(device)
-    if current != default:
-        current.wait_stream(default)
+    too, on the GPU, where it is another one. The streams are compared by
+    their raw handles: torch.cuda.current_stream() alone costs microseconds
+    per call, and most receivers run on the default stream."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    default = _DEFAULT_STREAM.get(index)
+    if default is None:  # fixed for the process: the device's default stream
+        default = _DEFAULT_STREAM[index] = torch.cuda.default_stream(index).cuda_stream
+    if _torch._current_stream(index) != default:
+        torch.cuda.current_stream(index).wait_stream(torch.cuda.default_stream(index))
+
+
+_DEFAULT_STREAM = {}  # device index -> its default stream's raw handle
 
 
 _BOOL = 6

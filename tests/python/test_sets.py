@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import harness
 from harness import expect_error, memfds, pair
@@ -415,10 +416,13 @@ def cuda_consumer(fd, mode):
     """The consumer process: each set checked against its numbering (one
     line each: "n=N ok" or what is wrong); "write" fills the first tensor
     with -1 before letting go; "hold" keeps the first set until killed;
-    "versions": each value is shifted by the version the metadata holds."""
+    "versions": each value is shifted by the version the metadata holds;
+    "side": as "versions", received and read on a stream of its own."""
     ch = tshare.open_socket(fd, name="cuda consumer")
+    if mode == "side":
+        torch.cuda.set_stream(torch.cuda.Stream())  # every recv and read below runs on it
     for r in ch:
-        shift = int(r.meta) if mode == "versions" else 0
+        shift = int(r.meta) if mode in ("versions", "side") else 0
         bad = [name for k, (name, t) in enumerate(r.tensors.items())
                if t.is_cuda and not torch.equal(t.cpu(), torch.arange(3.0 * k, 3.0 * k + 3) + shift)]
         devices = sorted({str(t.device) for t in r.tensors.values()})
@@ -525,6 +529,18 @@ def cuda_versions_come_as_the_tensors_recv_made_while_it_waited_after_the_produc
     p.close()
 
 
+@test
+def cuda_a_set_received_on_a_side_stream_is_read_there_after_the_producers_work():
+    need_cuda()
+    p, proc = start_cuda_consumer("side")
+    sent, base = numbered_cuda_set(290)
+    for version in range(6):
+        torch.cuda._sleep(200_000_000)  # the producer's stream busy: the side stream must wait for it too
+        base.copy_(torch.arange(870.0, device="cuda").view(290, 3) + version)
+        send_cuda_and_expect(p, proc, sent, "n=290 ok cuda:0", meta=b"%d" % version)
+    end_cuda_consumer(p, proc)
+
+
 class NumberedCuda(torch.nn.Module):
     """n - 1 CUDA parameters and a buffer, member k holding 3k, 3k+1, 3k+2;
     every other one at the start of a 48 MiB block (a caching-allocator
@@ -600,6 +616,48 @@ def cuda_a_consumer_killed_while_holding_a_set_frees_everything():
     assert p.outstanding() == 0
     p.close()
 
+
+
+@test
+def cuda_a_sets_tensors_live_while_a_sent_set_or_the_kept_one_holds_them():
+    need_cuda()
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+
+    def alive(members):
+        gc.collect()
+        return sum(m() is not None for m in members)
+
+    # Sent again and again from the kept set, each version released: the
+    # kept set alone holds the tensors once the caller's are gone, until the
+    # channel closes.
+    p, proc = start_cuda_consumer("check")
+    sent, base = numbered_cuda_set(290)
+    members = [weakref.ref(t) for t in sent.values()]
+    for version in range(3):
+        send_cuda_and_expect(p, proc, sent, "n=290 ok cuda:0", meta=b"%d" % version)
+    assert p._c._set_cache_counts == (2, 1), p._c._set_cache_counts
+    del sent, base
+    assert alive(members) == 290, "tensors of the kept set went while it was kept: %d of 290 left" % alive(members)
+    end_cuda_consumer(p, proc)
+    assert alive(members) == 0, "a closed channel left %d tensors of its sets alive" % alive(members)
+    # A set the consumer holds keeps its tensors after the kept one lets go,
+    # until its release (the consumer killed).
+    p, proc = start_cuda_consumer("hold")
+    sent, base = numbered_cuda_set(290)
+    members = [weakref.ref(t) for t in sent.values()]
+    set_id = tshare.send(p, sent, timeout=30)
+    assert proc.stdout.readline().strip() == "n=290 ok cuda:0"
+    del sent, base
+    p.forget_set()
+    assert alive(members) == 290, "tensors of a held set went before its release: %d of 290 left" % alive(members)
+    proc.kill()
+    proc.wait()
+    p.wait_released(set_id, timeout=30)
+    p.close()
+    assert alive(members) == 0, "a released set left %d tensors alive" % alive(members)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == baseline, (torch.cuda.memory_allocated(), baseline)
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--cuda-consumer":
