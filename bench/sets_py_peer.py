@@ -23,11 +23,13 @@ Prints "result first_p50_us=... first_p99_us=... update_p50_us=...
 update_p99_us=... n=... tensors=290 mib=... hidden=... torch=..." last, or
 "skip: why" (exit 77). tshare consumers are forked before anything touches
 CUDA; torch.mp ones are its own processes (spawn for CUDA, fork for CPU).
+--busy-thread runs a Python thread beside the producer's sends (the GIL busy).
 """
 import argparse
 import math
 import os
 import sys
+import threading
 import time
 
 
@@ -214,10 +216,11 @@ def measure(way, args, impl):
             first.append(clock() - t0)
         del sd
     sd = state_dict(args.hidden, args.device, impl, args.pack)
+    if args.busy_thread:  # from here on: the first hand-offs' model building would take a switch interval per op
+        threading.Thread(target=busy_python, daemon=True).start()
     for i in range(args.warmup + args.iters):
         with torch.no_grad():
-            for t in sd.values():
-                t.add_(1)  # the trainer's step, in place (not timed)
+            torch._foreach_add_(list(sd.values()), 1)  # the trainer's step, in place, one call (not timed)
         if args.device == "cuda":
             torch.cuda.synchronize()
         t0 = clock()
@@ -230,6 +233,13 @@ def measure(way, args, impl):
     return first, update, update_send, mib
 
 
+def busy_python():
+    """Python work that never waits: the GIL is taken from it only when another thread asks."""
+    n = 0
+    while True:
+        n += 1
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--impl", choices=["tshare", "tshare-loop", "torch-mp"], default="tshare")
@@ -240,6 +250,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--first-iters", type=int, default=0,
                     help="first hand-offs to time (default --iters): fewer keep a profile of the updates short")
+    ap.add_argument("--busy-thread", action="store_true",
+                    help="a thread of the producer runs Python meanwhile (a data loader, a logger): the GIL is busy")
     ap.add_argument("--pack", action="store_true",
                     help="the model's tensors in one allocation, as tshare.share_model_(m, pack_cuda=True) leaves them")
     args = ap.parse_args()
