@@ -534,7 +534,7 @@ def cuda_a_set_received_on_a_side_stream_is_read_there_after_the_producers_work(
     need_cuda()
     p, proc = start_cuda_consumer("side")
     sent, base = numbered_cuda_set(290)
-    for version in range(6):
+    for version in range(1, 7):  # from 1: version 0's values are already there
         torch.cuda._sleep(200_000_000)  # the producer's stream busy: the side stream must wait for it too
         base.copy_(torch.arange(870.0, device="cuda").view(290, 3) + version)
         send_cuda_and_expect(p, proc, sent, "n=290 ok cuda:0", meta=b"%d" % version)
@@ -617,7 +617,6 @@ def cuda_a_consumer_killed_while_holding_a_set_frees_everything():
     p.close()
 
 
-
 @test
 def cuda_a_sets_tensors_live_while_a_sent_set_or_the_kept_one_holds_them():
     need_cuda()
@@ -658,6 +657,7 @@ def cuda_a_sets_tensors_live_while_a_sent_set_or_the_kept_one_holds_them():
     assert alive(members) == 0, "a released set left %d tensors alive" % alive(members)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == baseline, (torch.cuda.memory_allocated(), baseline)
+
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--cuda-consumer":
