@@ -36,6 +36,12 @@ run() { # clock: cpu or wall
   else
     [ "$spins" -ge 80 ] || fail "cpu clock: parent_spins should be nearly all"
     [ "$sleeps" -le 5 ] || fail "cpu clock: a sleep takes no CPU time"
+    # --under: inside parent_spins, the time is spin_for's.
+    python3 "$here/report.py" "$dir" --top 40 --under parent_spins > "$dir/report.txt" || fail "report.py --under failed"
+    local inside=$(awk '/^== process/{n++; s=0} /-- under parent_spins/{s=1; next} /-- /{s=0}
+      s && $2=="spin_for" {sub("%","",$1); printf "%d", $1; found=1} END{if(!found) printf "0"}' "$dir/report.txt")
+    echo "cpu clock: spin_for ${inside}% of the samples under parent_spins"
+    [ "$inside" -ge 80 ] || fail "cpu clock: --under parent_spins should find spin_for below it"
   fi
 }
 run cpu

@@ -89,8 +89,11 @@ def report(pid, stacks, named, top, focus, under=None):
     for fn, c in inclusive.most_common(top):
         print("  %5.1f%%  %s" % (100.0 * c / total, fn[:120]))
     if under:
-        below = [f[:hit] for f in frames for hit in [next((i for i, fn in enumerate(f) if under in fn), None)]
-                 if hit is not None]
+        below = []  # each sample inside F: the frames below F's innermost call
+        for f in frames:
+            hit = next((i for i, fn in enumerate(f) if under in fn), None)
+            if hit is not None:
+                below.append(f[:hit])
         print("  -- under %s: %.1f%% of the samples; of those, in each function below it" %
               (under, 100.0 * len(below) / max(total, 1)))
         counts = collections.Counter(fn for f in below for fn in set(f))
