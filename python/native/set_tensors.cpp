@@ -329,16 +329,37 @@ PyObject *member_item(const Member &m) {
   return item;
 }
 
+// What holds a CUDA member's memory while a set names it: its storage, not
+// the tensor, since a tensor may be pointed at other memory later (set_,
+// .data =, share_model_(pack_cuda=True)) while a sent set or a kept segment
+// still names the old one. A capsule of a c10::Storage: cheaper than torch's
+// Python storage object, dropped with the GIL like any object.
+constexpr const char *kStorageHold = "tshare.storage_hold";
+
+void drop_storage_hold(PyObject *capsule) {
+  delete static_cast<c10::Storage *>(PyCapsule_GetPointer(capsule, kStorageHold));
+}
+
+PyObject *storage_hold(const c10::Storage &storage) {
+  auto *held = new c10::Storage(storage);
+  PyObject *capsule = PyCapsule_New(held, kStorageHold, drop_storage_hold);
+  if (!capsule) delete held;
+  return capsule;
+}
+
 // item with a CUDA member's fields after it: (storage_key, storage_base,
-// tensor, device), what tshare/_sets.py's _with_cuda adds through torch's
-// Python methods (untyped_storage()._cdata and .data_ptr(), the tensor
-// object, device.index). Steals item.
-PyObject *with_cuda_fields(PyObject *item, PyObject *tensor_obj, const at::Tensor &t) {
+// holder, device), what tshare/_sets.py's _with_cuda adds through torch's
+// Python methods (untyped_storage()._cdata and .data_ptr(), the storage
+// object, device.index); the holder here is storage_hold's. Steals item.
+PyObject *with_cuda_fields(PyObject *item, const at::Tensor &t) {
   const c10::Storage &storage = t.storage();
-  PyObject *cuda = Py_BuildValue("(KKOi)", static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(
-                                               storage.unsafeGetStorageImpl())),
-                                 static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(storage.data_ptr().get())),
-                                 tensor_obj, static_cast<int>(t.device().index()));
+  PyObject *holder = storage_hold(storage);
+  PyObject *cuda = holder ? Py_BuildValue("(KKNi)", static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(
+                                                         storage.unsafeGetStorageImpl())),
+                                          static_cast<unsigned long long>(
+                                              reinterpret_cast<uintptr_t>(storage.data_ptr().get())),
+                                          holder, static_cast<int>(t.device().index()))
+                          : nullptr;
   PyObject *out = cuda ? PyTuple_New(PyTuple_GET_SIZE(item) + 1) : nullptr;
   for (Py_ssize_t k = 0; out && k < PyTuple_GET_SIZE(item); k++) {
     PyObject *field = PyTuple_GET_ITEM(item, k);
@@ -367,7 +388,7 @@ PyObject *items_of(PyObject *args, bool cuda, long *device) {
       PyObject *pair = PyList_GET_ITEM(pairs, i);
       PyObject *item = plain_member(pair, plain_types, &m) ? member_item(m) : nullptr;
       if (item && cuda && m.tensor->is_cuda()) {
-        item = with_cuda_fields(item, PyTuple_GET_ITEM(pair, 1), *m.tensor);
+        item = with_cuda_fields(item, *m.tensor);
         if (*device < 0) *device = m.tensor->device().index();
       }
       if (!item) Py_CLEAR(out);

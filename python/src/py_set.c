@@ -62,13 +62,14 @@ static const char *member_name(PyObject *name) {
   return len >= 1 && len <= TSHARE_SET_NAME_MAX && strlen(utf8) == (size_t)len ? utf8 : NULL;
 }
 
-/* What keeps a CUDA member's memory alive: the Python tensor, held once by
- * a counted box in which every holder (the builder, each sent set, a segment
- * kept between sets) counts. The core retains and drops inside calls that
- * run with the GIL released, once per member of every set sent: counting
- * takes no GIL, which a 290-tensor set sent again would otherwise take and
- * give back 290 times per send and as many at its release. Only the last
- * drop takes it, to let the tensor go. */
+/* What keeps a CUDA member's memory alive: its storage (a Python object the
+ * items give: torch's storage, or tshare._torch_native's hold of it), held
+ * once by a counted box in which every holder (the builder, each sent set,
+ * a segment kept between sets) counts. The core retains and drops inside
+ * calls that run with the GIL released, once per member of every set sent:
+ * counting takes no GIL, which a 290-tensor set sent again would otherwise
+ * take and give back 290 times per send and as many at its release. Only
+ * the last drop takes it, to let the storage go. */
 typedef struct python_keep {
   _Atomic size_t refs;
   PyObject *object;
@@ -87,16 +88,16 @@ static void drop_python_keep(void *keep) {
   free(k);
 }
 
-/* A CUDA member (storage_key, storage_base, tensor, device after the common
- * fields): 1 added, 0 the Python side must look at it (a received tensor),
+/* A CUDA member (storage_key, storage_base, storage holder, device after
+ * the common fields): 1 added, 0 the Python side must look at it (a received tensor),
  * -1 with a Python error. An empty storage has no allocation to export: a
  * small owned buffer carries the (empty) layout, as a single send does. */
 static int add_cuda_member(tshare_set_builder *b, const char *name, uintptr_t data, PyObject *cuda,
                            tshare_tensor_desc *d, int *cuda_device) {
   unsigned long long storage_key, base;
-  PyObject *tensor;
+  PyObject *holder;
   int device;
-  if (!PyArg_ParseTuple(cuda, "KKOi", &storage_key, &base, &tensor, &device)) return -1;
+  if (!PyArg_ParseTuple(cuda, "KKOi", &storage_key, &base, &holder, &device)) return -1;
   *cuda_device = device;
   void *memory;
   if (py_memory_lookup((uintptr_t)storage_key, &memory) != PY_MEM_NONE) return 0;
@@ -116,8 +117,8 @@ static int add_cuda_member(tshare_set_builder *b, const char *name, uintptr_t da
       return -1;
     }
     atomic_init(&keep->refs, 1); /* the builder's */
-    Py_INCREF(tensor);
-    keep->object = tensor;
+    Py_INCREF(holder);
+    keep->object = holder;
     rc = tshare_set_builder_add_cuda_keep(b, name, (void *)(uintptr_t)base, d, retain_python_keep, drop_python_keep,
                                           keep, &err);
   }

@@ -8,8 +8,9 @@
 
 #include <string.h>
 
-/* What a share of foreign or received memory keeps alive: the Python tensor.
- * Runs on the driving thread inside a tshare call (GIL released there). */
+/* What a share of foreign or received memory keeps alive: its storage (the
+ * Python object _torch.py passes as keep). Runs on the driving thread inside
+ * a tshare call (GIL released there). */
 static void drop_python_object(void *keep) {
   PyGILState_STATE gil = PyGILState_Ensure();
   Py_DECREF((PyObject *)keep);
@@ -42,7 +43,7 @@ typedef struct send_call {
   PyChannel *self;
   send_how how;
   void *memory;   /* the received view, host buffer, CUDA buffer, or CUDA allocation's base */
-  PyObject *keep; /* the tensor, held by the share (a received view's part, CUDA memory); else NULL */
+  PyObject *keep; /* the storage, held by the share (a received view's part, CUDA memory); else NULL */
   tshare_tensor_desc d;
   void *stream;
   const char *tag;

@@ -213,13 +213,14 @@ def send_set(ch, tensors, meta, timeout_ms, copy, others=None):
 
 
 def _with_cuda(items, tensors):
-    """items with (storage_key, storage_base, tensor, device) added to each
-    CUDA tensor's: the set holds the tensor, and with it its memory."""
+    """items with (storage_key, storage_base, storage, device) added to each
+    CUDA tensor's: the set holds the storage, its memory, not the tensor,
+    which may be pointed at other memory while a sent set still names this."""
     out = list(items)
     for i, t in enumerate(tensors.values()):
         if t.is_cuda:
             storage = _torch._storage_of(t)
-            out[i] = items[i][:6] + ((storage._cdata, storage.data_ptr(), t, t.device.index),)
+            out[i] = items[i][:6] + ((storage._cdata, storage.data_ptr(), storage, t.device.index),)
     return out
 
 

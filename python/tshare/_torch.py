@@ -338,7 +338,9 @@ def _send_by_storage(c, tensor, code, bits, tag, ms, move_to_shared_memory):
     device = tensor.device.index if cuda else 0
     stream = _current_stream(device) if cuda else 0
     args = (cuda, device, code, bits, tensor.shape, tensor.stride(), stream, tag, ms)
-    share_id = c._send(tensor, storage._cdata, storage.data_ptr(), tensor.data_ptr(), *args)
+    # The share holds the storage, not the tensor: a tensor may be pointed at
+    # other memory (set_, .data =) while the peer still holds this.
+    share_id = c._send(storage, storage._cdata, storage.data_ptr(), tensor.data_ptr(), *args)
     if share_id is None and tensor.is_shared():  # torch's own shared memory: its file travels
         share_id = _send_torch_shared(c, tensor, storage, args)
     if share_id is None:  # CPU memory that is not shared memory
@@ -350,7 +352,7 @@ def _send_by_storage(c, tensor, code, bits, tag, ms, move_to_shared_memory):
             )
         share_memory_(tensor)
         storage = _raw_storage(tensor)  # by its storage: an empty tensor's address may lie past its buffer
-        share_id = c._send(tensor, storage._cdata, storage.data_ptr(), tensor.data_ptr(), *args)
+        share_id = c._send(storage, storage._cdata, storage.data_ptr(), tensor.data_ptr(), *args)
     return share_id
 
 

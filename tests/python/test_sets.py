@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 
 import harness
 from harness import expect_error, memfds, pair
@@ -417,14 +416,15 @@ def cuda_consumer(fd, mode):
     line each: "n=N ok" or what is wrong); "write" fills the first tensor
     with -1 before letting go; "hold" keeps the first set until killed;
     "versions": each value is shifted by the version the metadata holds;
-    "side": as "versions", received and read on a stream of its own."""
+    "side": as "versions", received and read on a stream of its own;
+    "hold-any": as "hold", whatever the values."""
     ch = tshare.open_socket(fd, name="cuda consumer")
     if mode == "side":
         torch.cuda.set_stream(torch.cuda.Stream())  # every recv and read below runs on it
     for r in ch:
         shift = int(r.meta) if mode in ("versions", "side") else 0
         bad = [name for k, (name, t) in enumerate(r.tensors.items())
-               if t.is_cuda and not torch.equal(t.cpu(), torch.arange(3.0 * k, 3.0 * k + 3) + shift)]
+               if t.is_cuda and mode != "hold-any" and not torch.equal(t.cpu(), torch.arange(3.0 * k, 3.0 * k + 3) + shift)]
         devices = sorted({str(t.device) for t in r.tensors.values()})
         print("n=%d %s %s" % (len(r.tensors), "ok" if not bad else "bad:" + ",".join(bad[:5]), "+".join(devices)),
               flush=True)
@@ -432,7 +432,7 @@ def cuda_consumer(fd, mode):
             print("storages=%d" % len({t.untyped_storage().data_ptr() for t in r.tensors.values()}), flush=True)
         if mode in ("write", "storages"):
             next(iter(r.tensors.values())).fill_(-1)
-        if mode == "hold":
+        if mode in ("hold", "hold-any"):
             time.sleep(60)
         del r
     if mode == "versions":  # the sets whose tensors recv made while it waited, and those handed over
@@ -618,46 +618,66 @@ def cuda_a_consumer_killed_while_holding_a_set_frees_everything():
 
 
 @test
-def cuda_a_sets_tensors_live_while_a_sent_set_or_the_kept_one_holds_them():
+def cuda_a_sets_memory_lives_while_a_sent_set_or_the_kept_one_holds_it():
     need_cuda()
-    torch.cuda.synchronize()
-    baseline = torch.cuda.memory_allocated()
 
-    def alive(members):
+    def allocated():
         gc.collect()
-        return sum(m() is not None for m in members)
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
 
     # Sent again and again from the kept set, each version released: the
-    # kept set alone holds the tensors once the caller's are gone, until the
-    # channel closes.
+    # kept set alone holds the memory once the caller's tensors are gone,
+    # until the channel closes.
     p, proc = start_cuda_consumer("check")
     sent, base = numbered_cuda_set(290)
-    members = [weakref.ref(t) for t in sent.values()]
     for version in range(3):
         send_cuda_and_expect(p, proc, sent, "n=290 ok cuda:0", meta=b"%d" % version)
     assert p._c._set_cache_counts == (2, 1), p._c._set_cache_counts
+    held = allocated()
     del sent, base
-    assert alive(members) == 290, "tensors of the kept set went while it was kept: %d of 290 left" % alive(members)
+    assert allocated() == held, "the kept set's memory went back to the allocator while it was kept"
     end_cuda_consumer(p, proc)
-    assert alive(members) == 0, "a closed channel left %d tensors of its sets alive" % alive(members)
-    # A set the consumer holds keeps its tensors after the kept one lets go,
+    assert allocated() < held, "a closed channel left its sets' memory allocated"
+    # A set the consumer holds keeps its memory after the kept one lets go,
     # until its release (the consumer killed).
     p, proc = start_cuda_consumer("hold")
     sent, base = numbered_cuda_set(290)
-    members = [weakref.ref(t) for t in sent.values()]
     set_id = tshare.send(p, sent, timeout=30)
     assert proc.stdout.readline().strip() == "n=290 ok cuda:0"
+    held = allocated()
     del sent, base
     p.forget_set()
-    assert alive(members) == 290, "tensors of a held set went before its release: %d of 290 left" % alive(members)
+    assert allocated() == held, "a held set's memory went back to the allocator before its release"
     proc.kill()
     proc.wait()
     p.wait_released(set_id, timeout=30)
     p.close()
-    assert alive(members) == 0, "a released set left %d tensors alive" % alive(members)
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == baseline, (torch.cuda.memory_allocated(), baseline)
+    assert allocated() < held, "a released set left its memory allocated"
 
+
+@test
+def cuda_a_tensor_pointed_at_other_memory_after_its_send_leaves_the_sent_memory_held():
+    need_cuda()
+    for how in ("set", "single share"):
+        p, proc = start_cuda_consumer("hold-any")
+        w = torch.zeros(3 << 20, device="cuda")  # 12 MiB of its own (not a view: a view's base would hold it)
+        share_id = tshare.send(p, {"t0": w} if how == "set" else w, timeout=30)
+        assert proc.stdout.readline().strip() == "n=1 ok cuda:0"
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
+        with torch.no_grad():
+            w.set_(torch.zeros(3, device="cuda"))  # the tensor elsewhere now; the consumer still maps the old memory
+        gc.collect()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() > held, "the %s's memory went back to the allocator while held" % how
+        proc.kill()
+        proc.wait()
+        p.wait_released(share_id, timeout=30)
+        p.close()
+        gc.collect()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() < held, "the released %s's memory stayed allocated" % how
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--cuda-consumer":
