@@ -141,7 +141,7 @@ typedef struct set_build {
  * 0 the Python side must look at it (an odd name, dtype or layout, a lazily
  * negated or conjugated view, memory that is no host buffer); -1 with a
  * Python error. cuda, for a CUDA tensor: (storage_key, storage_base,
- * tensor, device). */
+ * storage holder, device). */
 static int add_member(set_build *sb, PyObject *item) {
   PyObject *name_obj, *dtype, *shape, *strides, *cuda = NULL;
   unsigned long long data;

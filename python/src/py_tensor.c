@@ -70,8 +70,8 @@ static int send_slice(void *arg, int timeout_ms) {
   return TSHARE_E_INVALID_ARG;
 }
 
-/* Before each try: the try's share holds the tensor (the forward holds the
- * tensor, the tensor its memory). */
+/* Before each try: the try's share holds the storage, and with it the
+ * memory. */
 static void hold_keep(void *arg) { Py_XINCREF(((send_call *)arg)->keep); }
 
 static int send_in_slices(send_call *s, const char *what, int timeout_ms) {

@@ -9,7 +9,7 @@ state_dict holds aliases of the model's parameters and moving an alias would
 leave the model on its private memory. copy=True makes a one-off copy
 instead. CUDA tensors travel as they are (the caching allocator's segments,
 in either allocator mode), all of one device, ordered after the current
-stream of that device; the set holds each tensor until it is released.
+stream of that device; the set holds each tensor's storage until it is released.
 Tensors on one storage or segment (views, tied weights) travel with their
 memory once: the C library sends each allocation once per set.
 """

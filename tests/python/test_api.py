@@ -5,6 +5,7 @@
 Two ends of a channel in one process are opened from two threads and then
 driven by the test's thread; CUDA tests put the consumer in a child forked
 before CUDA starts (a process cannot open its own CUDA IPC handles)."""
+import contextlib
 import gc
 import os
 import signal
@@ -21,6 +22,7 @@ except ImportError:
     sys.exit(77)
 
 import tshare
+from tshare import _torch  # noqa: E402
 import harness  # noqa: E402
 from harness import expect_error, fill, memfds, pair  # noqa: E402  after the torch check
 
@@ -360,17 +362,16 @@ def eight_threads_send_on_one_channel():
 @test
 def a_call_from_inside_the_channels_own_work_is_refused():
     """Python code run from inside a call on a channel (here a finalizer of
-    the tensor a share kept, run as its release is applied) that calls the
+    the storage a share kept, run as its release is applied) that calls the
     same channel gets tshare.Error instead of waiting for itself forever."""
     a, b = pair()
     tshare.send(a, tshare.empty_shared(8), tag="to forward")
     r = tshare.recv(b, timeout=5)
     fwd, c = pair()
-    part = r.tensor[1:]
-    tshare.send(fwd, part, tag="part")  # the share holds part until c releases it
+    with held_storages() as held:
+        tshare.send(fwd, r.tensor[1:], tag="part")  # the share holds its storage until c releases it
     seen = []
-    weakref.finalize(part, lambda: seen.append(call_capturing(fwd.outstanding)))
-    del part
+    weakref.finalize(held.pop(), lambda: seen.append(call_capturing(fwd.outstanding)))
     got = tshare.recv(c, timeout=5)
     del got
     c.poll(0)
@@ -384,6 +385,34 @@ def a_call_from_inside_the_channels_own_work_is_refused():
     a.wait_released(timeout=5)
     for ch in (a, b, fwd, c):
         ch.close()
+
+
+class HeldStorage:
+    """Stands in for a tensor's storage in a send: what a share holds until
+    its release, so that a test sees when the share lets go of it."""
+
+    def __init__(self, storage):
+        self.storage, self._cdata = storage, storage._cdata
+
+    def data_ptr(self):
+        return self.storage.data_ptr()
+
+
+@contextlib.contextmanager
+def held_storages():
+    """Sends inside the block hand their shares a HeldStorage each, listed in
+    what it yields (none stays in the list: the test takes them out)."""
+    real, made = _torch._raw_storage_of, []
+
+    def standing_in(t):
+        made.append(HeldStorage(real(t)))
+        return made[-1]
+
+    _torch._raw_storage_of = standing_in
+    try:
+        yield made
+    finally:
+        _torch._raw_storage_of = real
 
 
 def call_capturing(fn):
@@ -529,7 +558,10 @@ def a_send_that_times_out_keeps_nothing():
     q, d = pair()
     sent = fill(q)
     refs = sys.getrefcount(r.tensor)
-    expect_error(tshare.E_TIMEOUT, "send", tshare.send, q, r.tensor, timeout=0.2)
+    with held_storages() as held:
+        expect_error(tshare.E_TIMEOUT, "send", tshare.send, q, r.tensor, timeout=0.2)
+    assert held and all(sys.getrefcount(h) == 2 for h in held), "a timed-out send kept what it was given"
+    del held
     assert sys.getrefcount(r.tensor) == refs, "references %d, before %d" % (sys.getrefcount(r.tensor), refs)
     assert q.outstanding() == sent
     del r

@@ -664,6 +664,7 @@ def cuda_a_tensor_pointed_at_other_memory_after_its_send_leaves_the_sent_memory_
         w = torch.zeros(3 << 20, device="cuda")  # 12 MiB of its own (not a view: a view's base would hold it)
         share_id = tshare.send(p, {"t0": w} if how == "set" else w, timeout=30)
         assert proc.stdout.readline().strip() == "n=1 ok cuda:0"
+        gc.collect()
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated()
         with torch.no_grad():
@@ -678,6 +679,7 @@ def cuda_a_tensor_pointed_at_other_memory_after_its_send_leaves_the_sent_memory_
         gc.collect()
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() < held, "the released %s's memory stayed allocated" % how
+
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--cuda-consumer":
