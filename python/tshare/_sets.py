@@ -255,16 +255,22 @@ def _storage_groups(tensors):
     return list(groups.values())
 
 
-def _packed(tensors, device=None):
+def _packed(tensors, device=None, groups=None):
     """Copies of CPU tensors in one new shared buffer (device None), or of
     one device's CUDA tensors in one new allocation of it, as views that keep
-    their layout: tensors of one storage stay on one (copied) storage."""
+    their layout: tensors of one storage stay on one (copied) storage.
+    groups: _storage_groups(tensors), where the caller has them already."""
     with torch.no_grad():
-        return _packed_copies(tensors, device)
+        return _packed_copies(tensors, device, groups or _storage_groups(tensors))
 
 
-def _packed_copies(tensors, device):
-    groups = _storage_groups(tensors)
+def _set_onto(tensors, copies):
+    """Each tensor pointed, in place, at its copy's memory and layout."""
+    for t, c in zip(tensors, copies):
+        t.set_(_torch._storage(c), c.storage_offset(), c.size(), c.stride())
+
+
+def _packed_copies(tensors, device, groups):
     offsets, total = [], 0
     for storage, _ in groups:
         offsets.append(total)
@@ -330,19 +336,19 @@ def share_model_(module, pack_cuda=False):
         elif pack_cuda and t.is_cuda:
             cuda.setdefault(t.device, []).append(t)
     with torch.no_grad():
-        for t, shared in zip(host, _packed(host) if host else ()):
-            t.set_(_torch._storage(shared), shared.storage_offset(), shared.size(), shared.stride())
+        if host:
+            _set_onto(host, _packed(host))
         for device, tensors in cuda.items():
-            if len(_storage_groups(tensors)) < 2:  # one storage already (packed before): nothing to gain
+            groups = _storage_groups(tensors)
+            if len(groups) < 2:  # one storage already (packed before): nothing to gain
                 continue
             # Every stream's writes to them done before the copies, and the
             # copies done before their old blocks go back to the allocator
             # (which would hand them out again on their own streams at once).
             torch.cuda.synchronize(device)
-            moved = _packed(tensors, device)
+            moved = _packed(tensors, device, groups)
             torch.cuda.synchronize(device)
-            for t, packed in zip(tensors, moved):
-                t.set_(_torch._storage(packed), packed.storage_offset(), packed.size(), packed.stride())
+            _set_onto(tensors, moved)
     return module
 
 
