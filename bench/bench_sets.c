@@ -21,6 +21,7 @@ typedef struct sets_run {
   int python;        /* run by the Python peer */
   int consumers;
   int pack;          /* --pack: the model's tensors packed into one allocation (share_model_ / share_module_) */
+  int into;          /* --into: a Python consumer takes each version into its tensors (recv into=) */
 } sets_run;
 
 static const sets_run RUNS[] = {
@@ -32,6 +33,8 @@ static const sets_run RUNS[] = {
     {"python", "Python, one set", "tshare", 1, 1, 0},
     {"python", "Python, one set", "tshare", 1, 4, 0},
     {"python_packed", "Python, one set of a packed module", "tshare", 1, 1, 1},
+    {"python_into", "Python, one set into the same tensors", "tshare", 1, 1, 0, 1},
+    {"python_packed_into", "Python, a packed module's set into the same tensors", "tshare", 1, 1, 1, 1},
     {"python_loop", "Python, send per tensor", "tshare-loop", 1, 1, 0},
     {"torch_mp", "torch.mp q.put(state_dict)", "torch-mp", 1, 1, 0},
     {"torch_mp", "torch.mp q.put(state_dict)", "torch-mp", 1, 4, 0},
@@ -83,7 +86,10 @@ static void run_one(bench *b, const sets_run *r, const char *dev, int hidden) {
   snprintf(warmup, sizeof warmup, "%ld", b->opt.set_warmup);
   char *py[] = {(char *)b->opt.python, (char *)b->opt.sets_py_script, (char *)"--impl", (char *)r->way,
                 (char *)"--device", (char *)dev, (char *)"--consumers", consumers, (char *)"--hidden", hid,
-                (char *)"--iters", iters, (char *)"--warmup", warmup, r->pack ? (char *)"--pack" : NULL, NULL};
+                (char *)"--iters", iters, (char *)"--warmup", warmup, NULL, NULL, NULL};
+  char **flag = &py[sizeof py / sizeof *py - 3];
+  if (r->pack) *flag++ = (char *)"--pack";
+  if (r->into) *flag++ = (char *)"--into";
   char *bridge[] = {(char *)b->opt.torch_sets_bench, (char *)"--way", (char *)r->way, (char *)"--device", (char *)dev,
                     (char *)"--consumers", consumers, (char *)"--hidden", hid, (char *)"--iters", iters,
                     (char *)"--warmup", warmup, r->pack ? (char *)"--pack" : NULL, NULL};
@@ -119,6 +125,8 @@ static void note_loop_ratios(bench *b, const char *dev) {
   note_ratio(b, "bridge_rebuilt", "bridge", dev, "the kept SetSender's time");
   note_ratio(b, "bridge_packed", "bridge", dev, "the unpacked model's time");
   note_ratio(b, "python_packed", "python", dev, "the unpacked model's time");
+  note_ratio(b, "python_into", "python", dev, "new tensors per version");
+  note_ratio(b, "python_packed_into", "python_packed", dev, "new tensors per version");
 }
 
 void bench_sets(bench *b) {
@@ -201,7 +209,16 @@ static void per_model_target(bench *b, const char *text, const char *impl, doubl
 
 void bench_sets_targets(bench *b) {
   static const char *const one_set[2] = {"bridge", "python"}, *const packed[2] = {"bridge_packed", "python_packed"};
+  static const char *const into[2] = {"bridge", "python_into"}, *const packed_into[2] = {"bridge_packed",
+                                                                                        "python_packed_into"};
   speedup_target(b, "sets: repeated update >= 100x faster than torch.mp q.put(state_dict)", one_set, "update", 100);
+  /* The update pattern's own way in Python: the consumer keeps its tensors
+   * and each version comes into them (Received.release, recv into=), as the
+   * bridge's consumer keeps its set's layout. */
+  speedup_target(b, "sets: repeated update, a Python consumer receiving into its tensors, >= 100x faster than torch.mp",
+                 into, "update", 100);
+  speedup_target(b, "sets: repeated update of a packed module, received into the same tensors, >= 100x faster than "
+                 "torch.mp", packed_into, "update", 100);
   per_model_target(b, "sets: per model to one consumer on CUDA <= 300 us through the bridge", "bridge", 300);
   per_model_target(b, "sets: per model to one consumer on CUDA <= 1 ms from Python", "python", 1000);
   speedup_target(b, "sets: first hand-off >= 20x faster than torch.mp q.put(state_dict)", one_set, "first", 20);

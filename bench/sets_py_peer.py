@@ -9,6 +9,10 @@ handed to 1 or more consumer processes, per model, by one of:
   --impl torch-mp     torch.multiprocessing: q.put(state_dict), the consumer
                       takes every tensor and answers on a second queue
 
+with --into, a tshare consumer keeps the first version's tensors and takes
+each next version into them (r.release(), tshare.recv(ch, into=r)) rather
+than dropping them and getting new ones.
+
 with --pack, the model's tensors are parameters of a module packed by
 tshare.share_model_(module, pack_cuda=True): one allocation of the GPU (one
 CUDA IPC mapping for a consumer to open) or one shared buffer on the CPU.
@@ -93,14 +97,15 @@ def print_timeline(received, dropped, ahead):
               % (pct(received, 50), pct(dropped, 50), ahead[1], ahead[2]), flush=True)
 
 
-def tshare_consumer(fd, loop):
+def tshare_consumer(fd, loop, into=False):
     import tshare
 
     received, dropped = [], []  # the update timeline, for where its time goes
     sets = 0
+    r = None
     with tshare.open_socket(fd, name="bench consumer") as ch:
         while True:
-            r = tshare.recv(ch, timeout=60)
+            r = tshare.recv(ch, timeout=60, into=r if into else None)
             if r is None:
                 print_timeline(received, dropped, ch._c._ahead_counts + (sets,))
                 return 0
@@ -114,7 +119,10 @@ def tshare_consumer(fd, loop):
             sent_at = None if loop else timeline_start(r.meta)
             if sent_at is not None:
                 received.append(since_ns(sent_at))
-            del r  # dropping it releases the set
+            if into:
+                r.release()  # its tensors stay for the next version
+            else:
+                r = None  # dropping it releases the set
             ch.poll(0)
             if sent_at is not None:
                 dropped.append(since_ns(sent_at))
@@ -131,7 +139,7 @@ def mp_consumer(q, done):
 
 
 class TshareWay:
-    def __init__(self, consumers, loop):
+    def __init__(self, consumers, loop, into=False):
         import tshare
 
         self.tshare, self.loop, self.chs, self.children = tshare, loop, [], []
@@ -143,7 +151,7 @@ class TshareWay:
                 os.close(a)
                 for ch in self.chs:
                     ch.close()  # the copies a fork gave this child: nothing is sent
-                os._exit(tshare_consumer(b, loop))
+                os._exit(tshare_consumer(b, loop, into))
             os.close(b)
             self.children.append(pid)
             self.chs.append(tshare.open_socket(a, name="bench producer"))
@@ -256,6 +264,8 @@ def main():
                     help="first hand-offs to time (default --iters): fewer keep a profile of the updates short")
     ap.add_argument("--busy-thread", action="store_true",
                     help="a thread of the producer runs Python meanwhile (a data loader, a logger): the GIL is busy")
+    ap.add_argument("--into", action="store_true",
+                    help="the consumer takes each version into the first one's tensors (tshare.recv into=)")
     ap.add_argument("--pack", action="store_true",
                     help="the model's tensors in one allocation, as tshare.share_model_(m, pack_cuda=True) leaves them")
     args = ap.parse_args()
@@ -271,7 +281,7 @@ def main():
     # The consumers are forked first: asking torch whether it sees a GPU
     # initializes CUDA, and a child forked after that cannot use it.
     way = TorchMpWay(args.consumers, args.device) if args.impl == "torch-mp" else \
-        TshareWay(args.consumers, args.impl == "tshare-loop")
+        TshareWay(args.consumers, args.impl == "tshare-loop", args.into)
     if args.device == "cuda" and not torch.cuda.is_available():
         way.close()
         print("skip: torch sees no CUDA device", flush=True)

@@ -906,6 +906,11 @@ static void describe_member(tshare_view *v, const tshare_set *s, size_t i) {
   v->desc = e->desc;
 }
 
+const ts_backend *ts_set_view_memory_backend(const tshare_view *v) {
+  if (!v || (v->backend != &member_backend && v->backend != &member_copy_backend)) return NULL;
+  return ((const set_view *)v)->mem_backend;
+}
+
 tshare_view *ts_view_described(tshare_view *v) {
   if (v->backend != &member_backend && v->backend != &member_copy_backend) return v;
   set_view *sv = (set_view *)v;

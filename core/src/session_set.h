@@ -14,6 +14,10 @@
  * descriptor asked for). Any thread. */
 tshare_view *ts_view_described(tshare_view *v);
 
+/* The backend of the memory a set member's view maps, or NULL for any other
+ * view (session_set_pin.c). */
+const struct ts_backend *ts_set_view_memory_backend(const tshare_view *v);
+
 /* A set frame from the peer, with the fd that came with it (or -1 and
  * fd_lost, as ts_session_recv_by says). The fd is always consumed. A set the
  * peer got wrong is refused (released back) and the error kept for the next

@@ -297,6 +297,7 @@ static PyMethodDef channel_methods[] = {
   {"_ahead_wanted", py_channel_ahead_wanted, METH_NOARGS, NULL},
   {"_ahead_spec", py_channel_ahead_spec, METH_NOARGS, NULL},
   {"_ahead_put", py_channel_ahead_put, METH_VARARGS, NULL},
+  {"_ahead_into", py_channel_ahead_into, METH_VARARGS, NULL},
   {"__enter__", (PyCFunction)channel_enter, METH_NOARGS, NULL},
   {"__exit__", (PyCFunction)channel_exit, METH_VARARGS, NULL},
   {NULL, NULL, 0, NULL}};

@@ -4,6 +4,7 @@
 #include "dlpack_abi.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -11,6 +12,8 @@
 typedef struct py_mem {
   py_mem_kind kind;
   tshare_view *view;          /* PY_MEM_VIEW */
+  tshare_set_pin *pin;        /* PY_MEM_VIEW released with its tensors kept: the memory stays mapped */
+  atomic_int forwards;        /* PY_MEM_VIEW: sends of it on under way or out (py_memory_forward_begin) */
   tshare_host_buffer *buffer; /* PY_MEM_HOST_BUFFER */
   uintptr_t storage_key;      /* 0 until bound */
   int adopted;                /* over torch's shared memory, lent to a set send */
@@ -151,6 +154,7 @@ static void mem_free(py_mem *m) {
   table_remove(m);
   if (m->kind == PY_MEM_VIEW) {
     tshare_view_release(m->view);
+    tshare_set_pin_release(m->pin);
   } else {
     address_remove(m);
     tshare_host_buffer_destroy(m->buffer);
@@ -259,9 +263,78 @@ int py_memory_attach_view(PyObject *capsule, tshare_view *view) {
     PyErr_SetString(PyExc_ValueError, "tshare: the capsule's memory is held already");
     return -1;
   }
+  if (dl_tensor_of(m)->data != tshare_view_data(view)) { /* its tensors would point elsewhere than the view */
+    PyErr_SetString(PyExc_ValueError, "tshare: the view is not where the capsule's tensor is");
+    return -1;
+  }
   m->view = view;
+  tshare_set_pin_release(m->pin); /* the view maps the same memory now */
+  m->pin = NULL;
   if (m->storage_key) table_insert(m); /* found by its storage from now on (py_memory_bind waited for this) */
   return 0;
+}
+
+int py_memory_release_pinned(PyObject *const *capsules, Py_ssize_t n) {
+  py_mem **mems = malloc((n ? (size_t)n : 1) * sizeof *mems);
+  if (!mems) {
+    PyErr_NoMemory();
+    return -1;
+  }
+  /* Every capsule checked before any is released: all or nothing. The GIL,
+   * held throughout, keeps sends (which look up memory with it) out. */
+  Py_ssize_t held = 0;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    py_mem *m = consumed_mem(capsules[i]);
+    if (!m) {
+      free(mems);
+      return -1;
+    }
+    if (m->kind != PY_MEM_VIEW || !m->view) continue; /* released already */
+    if (atomic_load(&m->forwards) > 0) {
+      free(mems);
+      PyErr_SetString(PyExc_RuntimeError,
+                      "tshare: release: a tensor of this set was sent on and that share is still out (or being "
+                      "sent): its consumer reads this memory, which the producer could reuse once the set goes back; "
+                      "wait for that share's release first");
+      return -1;
+    }
+    mems[held++] = m;
+  }
+  for (Py_ssize_t i = 0; i < held; i++) {
+    py_mem *m = mems[i];
+    table_remove(m); /* a send of the tensor now finds no memory of tshare's: its bytes are the producer's */
+    if (tshare_set_view_release_pinned(m->view, &m->pin) != TSHARE_OK) {
+      if (m->storage_key) table_insert(m);
+      free(mems);
+      PyErr_SetString(PyExc_TypeError, "tshare: release: the tensor's memory is not a tensor set member's");
+      return -1;
+    }
+    m->view = NULL;
+  }
+  free(mems);
+  return (int)held;
+}
+
+void *py_memory_forward_begin(uintptr_t storage_key) {
+  py_mem *found = NULL;
+  pthread_mutex_lock(&table_lock);
+  for (py_mem *m = table[bucket_of(storage_key)]; m; m = m->next) {
+    if (m->storage_key == storage_key && m->kind == PY_MEM_VIEW) {
+      found = m;
+      atomic_fetch_add(&m->forwards, 1);
+      break;
+    }
+  }
+  pthread_mutex_unlock(&table_lock);
+  return found;
+}
+
+void py_memory_forward_more(void *token) {
+  if (token) atomic_fetch_add(&((py_mem *)token)->forwards, 1);
+}
+
+void py_memory_forward_end(void *token) {
+  if (token) atomic_fetch_sub(&((py_mem *)token)->forwards, 1);
 }
 
 PyObject *py_memory_host_capsule(size_t nbytes) {

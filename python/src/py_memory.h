@@ -44,6 +44,25 @@ PyObject *py_memory_pending_capsule(void *data, const tshare_tensor_desc *d, int
  * caller keeps the view). */
 int py_memory_attach_view(PyObject *capsule, tshare_view *view);
 
+/* Tensors kept across versions (tshare.Received.release): each capsule's
+ * view (of a set member's memory) released, the set going back to the
+ * producer once all are, while the memory stays mapped under the tensors
+ * (tshare_set_view_release_pinned) until py_memory_attach_view gives it
+ * the next version's view, or the tensors go. All or none: the number
+ * released (capsules released before count for nothing), or -1 with a
+ * Python error (a capsule of no set member, one whose tensor was sent on
+ * and is still out). GIL held. */
+int py_memory_release_pinned(PyObject *const *capsules, Py_ssize_t n);
+
+/* A send on of a received tensor (storage_key) under way: while counted, a
+ * release of its memory with py_memory_release_pinned is refused. begin
+ * returns the token (NULL: no received view there) that more (one more
+ * hold: a share out) and end (one less) take; end from any thread. The
+ * caller holds a tensor on the storage from begin to its last end. */
+void *py_memory_forward_begin(uintptr_t storage_key);
+void py_memory_forward_more(void *token);
+void py_memory_forward_end(void *token);
+
 /* A capsule over a new zero-filled host buffer of nbytes as a 1-D uint8
  * tensor; NULL with a Python error set on failure. */
 PyObject *py_memory_host_capsule(size_t nbytes);

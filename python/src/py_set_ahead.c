@@ -173,8 +173,9 @@ PyObject *py_ahead_hand_over(py_set_ahead *a, tshare_set *s) {
   free(views);
   size_t meta_len = 0;
   const void *meta = tshare_set_meta(s, &meta_len);
-  PyObject *result = Py_BuildValue("(sKy#Oi)", "kept", (unsigned long long)tshare_set_id(s), meta ? meta : "",
-                                   (Py_ssize_t)meta_len, tensors, a->cuda_device);
+  PyObject *result = Py_BuildValue("(sKy#OiKOO)", "kept", (unsigned long long)tshare_set_id(s), meta ? meta : "",
+                                   (Py_ssize_t)meta_len, tensors, a->cuda_device, (unsigned long long)a->generation,
+                                   capsules, PyTuple_GET_ITEM(a->ahead, 2));
   tshare_set_release(s); /* each memory's view holds it now */
   PyObject *ahead = a->ahead;
   a->ahead = NULL;
@@ -236,24 +237,38 @@ out:
   return result;
 }
 
-PyObject *py_channel_ahead_put(PyObject *obj, PyObject *args) {
+/* _ahead_put and _ahead_into: (generation, tensors, capsules, memories),
+ * tensors made from the recipe of that generation; into replaces what was
+ * made ahead, put does not. */
+static PyObject *ahead_store(PyObject *obj, PyObject *args, int into) {
   unsigned long long generation;
-  PyObject *tensors, *capsules;
-  if (!PyArg_ParseTuple(args, "KO!O!", &generation, &PyDict_Type, &tensors, &PyList_Type, &capsules)) return NULL;
+  PyObject *tensors, *capsules, *memories;
+  if (!PyArg_ParseTuple(args, "KO!O!O!", &generation, &PyDict_Type, &tensors, &PyList_Type, &capsules, &PyList_Type,
+                        &memories))
+    return NULL;
   py_set_ahead *a = &((PyChannel *)obj)->ahead;
   /* Allocated before the checks: an allocation may run a finalizer that lets
    * another thread's recv replace the recipe, and nothing may come between
    * the checks and the store. */
-  PyObject *made = PyTuple_Pack(2, tensors, capsules);
+  PyObject *made = PyTuple_Pack(3, tensors, capsules, memories);
   if (!made) return NULL;
-  if (!((PyChannel *)obj)->ch || !a->layout || a->ahead || generation != a->generation ||
-      (size_t)PyList_GET_SIZE(capsules) != a->n_caps) {
+  if (!((PyChannel *)obj)->ch || !a->layout || (a->ahead && !into) || generation != a->generation ||
+      (size_t)PyList_GET_SIZE(capsules) != a->n_caps || PyList_GET_SIZE(memories) != PyList_GET_SIZE(capsules)) {
     Py_DECREF(made); /* another recv changed the recipe or made its tensors meanwhile */
     Py_RETURN_FALSE;
   }
+  if (into) go_stale(a); /* tensors made ahead meanwhile are dropped at the next recv, not here */
   a->ahead = made;
-  a->made++;
+  a->made += !into;
   Py_RETURN_TRUE;
+}
+
+PyObject *py_channel_ahead_put(PyObject *obj, PyObject *args) { return ahead_store(obj, args, 0); }
+
+PyObject *py_channel_ahead_into(PyObject *obj, PyObject *args) { return ahead_store(obj, args, 1); }
+
+unsigned long long py_ahead_generation_of(const py_set_ahead *a, const tshare_set *s) {
+  return a->layout && a->layout == tshare_set_layout(s) ? a->generation : 0;
 }
 
 PyObject *py_channel_ahead_counts(PyObject *obj, void *unused) {

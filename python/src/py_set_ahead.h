@@ -47,7 +47,8 @@ typedef struct py_set_ahead {
   size_t n_caps, n_bases; /* caps[0..n_bases) are memories', the rest members' own */
   PyObject *kinds, *views; /* set_tensors' layout arguments, as the kept set had them */
   PyObject *own;           /* [(index, name, dtype code, bits)] of the members with a capsule of their own */
-  PyObject *ahead;         /* (tensors, capsules) made for the next set, or NULL */
+  PyObject *ahead;         /* (tensors, capsules, memories) made for the next set, or a received set's
+                              given back to take it (_ahead_into), or NULL */
   PyObject *stale;         /* made for a set that did not come: dropped at the next recv */
   unsigned misses;          /* sets in a row that did not fit what was made: at 2 nothing is made
                               until a set of the recipe's layout comes (a producer alternating models) */
@@ -71,7 +72,8 @@ int py_ahead_record(py_set_ahead *a, const tshare_set *s, const uint32_t *base_m
                     size_t n_bases, const int32_t *kind_of, PyObject *kinds, PyObject *views);
 
 /* recv's result for s from the tensors made ahead: ("kept", set_id, meta,
- * tensors, cuda device), each memory now holding its view of s. NULL
+ * tensors, cuda device, generation, capsules, memories), each memory now
+ * holding its view of s. NULL
  * without an error where nothing was made ahead or s does not fit (its
  * layout or a member's address differs; what was made goes stale); NULL
  * with a Python error where s could not be attached (then it is released). */
@@ -81,11 +83,21 @@ PyObject *py_ahead_hand_over(py_set_ahead *a, tshare_set *s);
  *   _ahead_wanted() -> True when a recipe waits to be made; drops what went stale.
  *   _ahead_spec() -> (generation, bases, kinds, views, own), set_tensors'
  *     arguments with fresh capsules that hold no memory yet; None without a recipe.
- *   _ahead_put(generation, tensors, capsules) -> whether they were kept.
+ *   _ahead_put(generation, tensors, capsules, memories) -> whether they were
+ *     kept (memories: the tensor of each capsule, which holds its memory).
+ *   _ahead_into(generation, tensors, capsules, memories) -> whether a received
+ *     set's tensors, released with their memory kept mapped
+ *     (py_memory_release_pinned), now wait for the next set of the recipe of
+ *     that generation in place of any made ahead (Received.release, recv's into).
  *   _ahead_counts -> (sets whose tensors were made ahead, sets handed over so). */
 PyObject *py_channel_ahead_wanted(PyObject *self, PyObject *unused);
 PyObject *py_channel_ahead_spec(PyObject *self, PyObject *unused);
 PyObject *py_channel_ahead_put(PyObject *self, PyObject *args);
+PyObject *py_channel_ahead_into(PyObject *self, PyObject *args);
+
+/* The generation of the recipe s was laid out by (what its tensors can be
+ * given back to with _ahead_into), 0 when none: call after py_ahead_record. */
+unsigned long long py_ahead_generation_of(const py_set_ahead *a, const tshare_set *s);
 PyObject *py_channel_ahead_counts(PyObject *self, void *unused);
 PyObject *py_set_ahead_enable(PyObject *module, PyObject *args);
 

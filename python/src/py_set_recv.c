@@ -264,8 +264,9 @@ static int refuse_members(tshare_set *s, size_t n) {
   return 0;
 }
 
-/* ("set", set_id, meta, bases, kinds, views, own) for a set (the lists
- * set_layout and member_entries describe); the set handle goes once every
+/* ("set", set_id, meta, bases, kinds, views, own, generation) for a set
+ * (the lists set_layout and member_entries describe; generation: of the
+ * recipe it was laid out by, 0 when none); the set handle goes once every
  * capsule holds it through its view. */
 static PyObject *set_result(PyChannel *self, tshare_set *s) {
   size_t n = tshare_set_count(s), meta_len = 0;
@@ -280,14 +281,15 @@ static PyObject *set_result(PyChannel *self, tshare_set *s) {
   PyObject *meta_bytes = PyBytes_FromStringAndSize(meta, (Py_ssize_t)meta_len);
   if (!l.kind_of || !l.elem_offset || !l.kind_dtype || !l.base_member || !l.base_bytes) PyErr_NoMemory();
   else if (l.bases && l.kinds && views && own && meta_bytes && refuse_members(s, n) == 0 && lay_out(&l, n) == 0 &&
-           member_entries(&l, n, views, own) == 0)
-    result = Py_BuildValue("(sKOOOOO)", "set", (unsigned long long)tshare_set_id(s), meta_bytes, l.bases, l.kinds,
-                           views, own);
-  /* Its recipe, for the next set's tensors (py_set_ahead.h): a recipe that
-   * cannot be kept costs that alone, never the set. */
-  if (result && py_ahead_record(&self->ahead, s, l.base_member, l.base_bytes, (size_t)PyList_GET_SIZE(l.bases),
-                                l.kind_of, l.kinds, views) < 0)
-    PyErr_Clear();
+           member_entries(&l, n, views, own) == 0) {
+    /* Its recipe, for the next set's tensors (py_set_ahead.h): a recipe that
+     * cannot be kept costs that alone, never the set. */
+    if (py_ahead_record(&self->ahead, s, l.base_member, l.base_bytes, (size_t)PyList_GET_SIZE(l.bases), l.kind_of,
+                        l.kinds, views) < 0)
+      PyErr_Clear();
+    result = Py_BuildValue("(sKOOOOOK)", "set", (unsigned long long)tshare_set_id(s), meta_bytes, l.bases, l.kinds,
+                           views, own, py_ahead_generation_of(&self->ahead, s));
+  }
   /* On failure the capsules made so far go with their lists: the set goes back. */
   Py_XDECREF(l.bases);
   Py_XDECREF(l.kinds);

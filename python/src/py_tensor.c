@@ -6,6 +6,8 @@
 #include "py_errors.h"
 #include "py_memory.h"
 
+#include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* What a share of foreign or received memory keeps alive: its storage (the
@@ -15,6 +17,24 @@ static void drop_python_object(void *keep) {
   PyGILState_STATE gil = PyGILState_Ensure();
   Py_DECREF((PyObject *)keep);
   PyGILState_Release(gil);
+}
+
+/* What a received tensor sent on holds: its storage, and a count on its
+ * memory that keeps Received.release() from letting the producer reuse it
+ * while this send or a share it made is out. One per send call, counted:
+ * the call's own hold and one per try, each try's dropped exactly once. */
+typedef struct forward_hold {
+  PyObject *storage;
+  void *token; /* py_memory_forward_begin's */
+  atomic_int refs;
+} forward_hold;
+
+static void forward_hold_drop(void *arg) {
+  forward_hold *h = arg;
+  py_memory_forward_end(h->token);
+  if (atomic_fetch_sub(&h->refs, 1) != 1) return;
+  drop_python_object(h->storage);
+  free(h);
 }
 
 static int fill_desc(PyObject *shape, PyObject *strides, int code, int bits, tshare_tensor_desc *d) {
@@ -44,6 +64,7 @@ typedef struct send_call {
   send_how how;
   void *memory;   /* the received view, host buffer, CUDA buffer, or CUDA allocation's base */
   PyObject *keep; /* the storage, held by the share (a received view's part, CUDA memory); else NULL */
+  forward_hold *forward; /* a received view's part: what each try's share holds instead of keep */
   tshare_tensor_desc d;
   void *stream;
   const char *tag;
@@ -57,7 +78,7 @@ static int send_slice(void *arg, int timeout_ms) {
   tshare_channel *ch = s->self->ch;
   switch (s->how) {
   case SEND_VIEW_PART:
-    return tshare_share_view_part(ch, s->memory, &s->d, s->stream, s->tag, drop_python_object, s->keep, NULL,
+    return tshare_share_view_part(ch, s->memory, &s->d, s->stream, s->tag, forward_hold_drop, s->forward, NULL,
                                   timeout_ms, &s->id);
   case SEND_HOST:
     return tshare_share_host(ch, s->memory, &s->d, s->tag, NULL, timeout_ms, &s->id);
@@ -72,7 +93,15 @@ static int send_slice(void *arg, int timeout_ms) {
 
 /* Before each try: the try's share holds the storage, and with it the
  * memory. */
-static void hold_keep(void *arg) { Py_XINCREF(((send_call *)arg)->keep); }
+static void hold_keep(void *arg) {
+  send_call *s = arg;
+  if (s->forward) {
+    atomic_fetch_add(&s->forward->refs, 1);
+    py_memory_forward_more(s->forward->token);
+  } else {
+    Py_XINCREF(s->keep);
+  }
+}
 
 static int send_in_slices(send_call *s, const char *what, int timeout_ms) {
   int rc;
@@ -148,7 +177,14 @@ PyObject *py_channel_send(PyChannel *self, PyObject *args) {
     s.how = SEND_VIEW_PART;
     s.keep = keep;
     s.d.byte_offset = empty ? 0 : data - (uintptr_t)tshare_view_data(s.memory);
+    s.forward = malloc(sizeof *s.forward);
+    if (!s.forward) return PyErr_NoMemory();
+    Py_INCREF(keep);
+    s.forward->storage = keep;
+    s.forward->token = py_memory_forward_begin((uintptr_t)storage_key); /* counted from before the first try */
+    atomic_init(&s.forward->refs, 1);
     r = send_in_slices(&s, "send (a received tensor, on)", timeout_ms);
+    forward_hold_drop(s.forward); /* the call's hold; each share out keeps its own */
   } else if (kind == PY_MEM_HOST_BUFFER) {
     s.how = SEND_HOST; /* the share holds the memfd itself: the tensor may go before the consumer */
     s.d.byte_offset = empty ? 0 : data - (uintptr_t)tshare_host_buffer_data(s.memory);

@@ -62,6 +62,18 @@ static PyObject *host_memory_at(PyObject *module, PyObject *args) {
   return PyBool_FromLong(py_memory_made_host_buffer_at((uintptr_t)addr) != NULL);
 }
 
+/* _release_pinned(capsules) -> how many were released: a received set's
+ * capsules (torch consumed them), their views released with the memory kept
+ * mapped under the tensors (py_memory_release_pinned). The caller holds a
+ * tensor of each capsule. */
+static PyObject *release_pinned(PyObject *module, PyObject *args) {
+  (void)module;
+  PyObject *capsules;
+  if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &capsules)) return NULL;
+  int n = py_memory_release_pinned(&PyList_GET_ITEM(capsules, 0), PyList_GET_SIZE(capsules));
+  return n < 0 ? NULL : PyLong_FromLong(n);
+}
+
 static PyObject *make_error(PyObject *module, PyObject *args) {
   (void)module;
   int code;
@@ -97,6 +109,7 @@ static PyMethodDef module_methods[] = {
   {"_bound_all", py_bound_all, METH_VARARGS, NULL},
   {"_bind_keys", py_bind_keys, METH_VARARGS, NULL},
   {"_set_ahead", py_set_ahead_enable, METH_VARARGS, NULL},
+  {"_release_pinned", release_pinned, METH_VARARGS, NULL},
   {"_open_socket", (PyCFunction)(void (*)(void))py_open_socket, METH_VARARGS | METH_KEYWORDS, NULL},
   {"_check_options", (PyCFunction)(void (*)(void))py_check_options, METH_VARARGS | METH_KEYWORDS, NULL},
   {"_connect", (PyCFunction)(void (*)(void))py_connect, METH_VARARGS | METH_KEYWORDS, NULL},

@@ -81,9 +81,10 @@ class Channel:
         return send(self, tensor, tag=tag, timeout=timeout, move_to_shared_memory=move_to_shared_memory, meta=meta,
                     copy=copy)
 
-    def recv(self, timeout=None, device=None, as_parameter=False, requires_grad=None):
+    def recv(self, timeout=None, device=None, as_parameter=False, requires_grad=None, into=None):
         """tshare.recv(self, ...)."""
-        return recv(self, timeout=timeout, device=device, as_parameter=as_parameter, requires_grad=requires_grad)
+        return recv(self, timeout=timeout, device=device, as_parameter=as_parameter, requires_grad=requires_grad,
+                    into=into)
 
     def __iter__(self):
         """Received tensors until the peer says bye: `for r in ch:`. The loop

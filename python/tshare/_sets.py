@@ -49,9 +49,10 @@ _native = _load_native()
 
 # A channel's recv makes the next set's tensors while it waits, from the last
 # set it received whose layout the C library keeps (py_set_ahead.h): needs
-# the C++ maker. TSHARE_SET_AHEAD=0 turns it off.
+# the C++ maker. TSHARE_SET_AHEAD=0 turns it off. The recipe is kept either
+# way: recv(into=r) hands the next set to r's tensors by it.
 AHEAD = _native is not None and os.environ.get("TSHARE_SET_AHEAD", "1") != "0"
-_tshare._set_ahead(AHEAD)
+_tshare._set_ahead(True)
 
 
 def _fail(code, message):
@@ -362,11 +363,11 @@ def received_set(box):
     as_strided, not a capsule of its own. A ("kept", ...) result has its
     tensors already: made while recv waited (make_ahead), its memory attached."""
     if box[0][0] == "kept":
-        _, set_id, meta, tensors, cuda = box.pop()
+        _, set_id, meta, tensors, cuda, generation, capsules, memories = box.pop()
         if cuda >= 0:
             _after_default_stream(torch.device("cuda", cuda))
-        return set_id, meta, tensors
-    _, set_id, meta, bases, kinds, views, own = box.pop()
+        return set_id, meta, tensors, (generation, capsules, memories)
+    _, set_id, meta, bases, kinds, views, own, generation = box.pop()
     dtypes = _FROM_DLPACK
     refused = [(name, code, bits) for _, code, bits, _, name in kinds if (code, bits) not in dtypes]
     refused += [(name, code, bits) for _, name, _, code, bits in own if (code, bits) not in dtypes]
@@ -388,11 +389,13 @@ def received_set(box):
         del bases[:], own[:]
         try:
             _tshare._bind_keys(capsules, keys)  # memories holds each capsule's memory meanwhile
-        finally:
+        except BaseException:
             del capsules[:], memories
+            raise
         if cuda >= 0:
             _after_default_stream(torch.device("cuda", cuda))
-        return set_id, meta, tensors
+        return set_id, meta, tensors, (generation, capsules, memories)
+    capsules = bases + [capsule for _, _, capsule, _, _ in own]
     memories = _bound_all(bases)
     del bases[:]
     kind_views = [memories[m].narrow(0, 0, usable).view(dtypes[code, bits]) for m, code, bits, usable, _ in kinds]
@@ -400,10 +403,27 @@ def received_set(box):
     if own:
         own = _own_tensors(own)
         tensors = _in_order(tensors, own)
-    cuda = next((t.device for t in memories + [t for _, _, t in own] if t.is_cuda), None)
+        memories = memories + [t for _, _, t in own]
+    cuda = next((t.device for t in memories if t.is_cuda), None)
     if cuda is not None:
         _after_default_stream(cuda)
-    return set_id, meta, tensors
+    return set_id, meta, tensors, (generation, capsules, memories)
+
+
+def give_back(c, r):
+    """recv's into=r: r's set released with its memory kept mapped
+    (Received.release), and its tensors offered to channel c for the next
+    set of r's layout, in place of any made ahead. The tensors dict the
+    next set comes as when it fits, or None where r cannot take it (not a set of c's current
+    layout: recv then makes new tensors)."""
+    hold = r.__dict__.get("_hold") if isinstance(r, _torch.Received) else None
+    if hold is None:
+        _fail(_tshare.E_INVALID_ARG, "recv: into= takes a tensor set received before on this channel, not %r" % (r,))
+    tensors, generation, capsules, memories = hold
+    _tshare._release_pinned(capsules)
+    if not generation or not c._ahead_into(generation, tensors, capsules, memories):
+        return None
+    return tensors
 
 
 def make_ahead(c):
@@ -424,12 +444,12 @@ def make_ahead(c):
     del spec
     capsules = bases + [capsule for _, _, capsule, _, _ in own]
     try:
-        _, keys, tensors, _ = _native.set_tensors(bases, kinds, views, own, _FROM_DLPACK)
+        memories, keys, tensors, _ = _native.set_tensors(bases, kinds, views, own, _FROM_DLPACK)
         del bases[:], own[:]
         _tshare._bind_keys(capsules, keys)
     except Exception:  # a dtype torch lacks, memory: nothing was held, nothing is kept
         return
-    c._ahead_put(generation, tensors, capsules)
+    c._ahead_put(generation, tensors, capsules, memories)
 
 
 def _bound_all(capsules):

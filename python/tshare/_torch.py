@@ -448,11 +448,32 @@ class Received(_ReceivedFields):
     the whole set alive: it is released once every one of them is gone.
     """
 
-    def __new__(cls, tensor, tag, share_id, tensors=None, meta=None):
+    def __new__(cls, tensor, tag, share_id, tensors=None, meta=None, hold=None):
         self = super().__new__(cls, tensor, tag, share_id)
         if tensors is not None:
             self.__dict__["_set"] = (tensors, meta)
+            if hold is not None:
+                self.__dict__["_hold"] = (tensors,) + hold  # (tensors, generation, capsules, memories)
         return self
+
+    def release(self) -> None:
+        """Done reading this version of a set: it is released (once no other
+        Received of it holds it; it goes to the producer with this thread's
+        next call on the channel, as a dropped set's release does:
+        recv(ch, into=r) is one, ch.poll(0) another), while its tensors stay
+        and keep pointing at the same memory, which stays mapped. From then on
+        the producer may write that memory, so the tensors' contents are no
+        longer this version's; `tshare.recv(ch, into=r)` brings the next
+        version into the same tensors. Releasing again does nothing. Raises
+        for a single tensor (drop it instead) and for a set whose tensor was
+        sent on and whose share is still out. The tensors of a CUDA set are
+        released after the work queued on the default stream so far, as a set
+        dropped is."""
+        hold = self.__dict__.get("_hold")
+        if hold is None:
+            _fail(_tshare.E_INVALID_ARG, "release: %r is not a received tensor set (a single tensor is released "
+                                         "when it is dropped)" % (self,))
+        _tshare._release_pinned(hold[2])
 
     @property
     def tensors(self) -> Dict[str, torch.Tensor]:
@@ -498,7 +519,8 @@ def _dtype_name(code, bits):
     return "%s%d" % (_DLPACK_CODE_NAMES.get(code, "code%d" % code), bits)
 
 
-def recv(ch, timeout=None, device=None, as_parameter=False, requires_grad=None) -> Optional[Received]:
+def recv(ch, timeout=None, device=None, as_parameter=False, requires_grad=None,
+         into: Optional[Received] = None) -> Optional[Received]:
     """The next tensor on ch, or None once the peer said bye.
 
     Its memory is the producer's (writes are visible there); it is released
@@ -511,21 +533,34 @@ def recv(ch, timeout=None, device=None, as_parameter=False, requires_grad=None) 
     torch.multiprocessing rebuilds one). The wire carries no autograd state,
     so the receiver says it: requires_grad (None: True for floating point and
     complex dtypes, which alone can require gradients, else False).
+
+    into=r, a set received before on ch: r is released as r.release() does,
+    and a next set of r's layout (the producer's same state_dict sent again,
+    its tensors updated in place) comes as r's own tensors: the Received
+    returned has r's .tensors, the same dict of the same tensor objects, and
+    the new version's id and metadata. A set of another layout comes as new
+    tensors (then `result.tensors is not r.tensors`), and r's tensors keep
+    their memory mapped until they go. Between the release and the return,
+    r's tensors hold whatever the producer writes.
     """
     c = ch._c
-    if _sets.AHEAD:
+    if into is not None:
+        reused = _sets.give_back(c, into)
+    elif _sets.AHEAD:
         _sets.make_ahead(c)
     r = c._recv(_timeout_ms(timeout), _stream_for, -1 if device is None else int(device))
     if r is None:
         return None
-    if r[0] in ("set", "kept"):  # "kept": its tensors made while this recv waited (_sets.make_ahead)
+    if r[0] in ("set", "kept"):  # "kept": its tensors made while this recv waited (_sets.make_ahead) or into's
         box = [r]
         del r  # box alone holds the capsules: a refused set goes back at once
-        set_id, meta, tensors = _sets.received_set(box)
+        set_id, meta, tensors, hold = _sets.received_set(box)
+        if into is not None and reused is not None and tensors is reused:
+            return Received(None, "", set_id, tensors, meta, hold)
         if as_parameter:
             tensors = {k: torch.nn.Parameter(t, requires_grad=_parameter_grad(t.dtype, set_id, requires_grad))
                        for k, t in tensors.items()}
-        return Received(None, "", set_id, tensors, meta)
+        return Received(None, "", set_id, tensors, meta, hold)
     capsule, tag, share_id, code, bits, device_type, _ = r
     dtype = _FROM_DLPACK.get((code, bits))
     if dtype is not None and device_type != _DEVICE_CUDA and not as_parameter:  # the common case, in few steps

@@ -301,13 +301,15 @@ async def _until(ch, kind, attempt, what, timeout, share_id=0):
 
 
 async def recv(ch, timeout: Optional[float] = None, device: Optional[int] = None, as_parameter: bool = False,
-               requires_grad: Optional[bool] = None) -> Optional[Received]:
+               requires_grad: Optional[bool] = None, into: Optional[Received] = None) -> Optional[Received]:
     """Await the next tensor or tensor set on ch (tshare.recv without
     blocking the loop): Received(tensor, tag, share_id) with .tensors and
-    .meta, or None once the peer said bye."""
+    .meta, or None once the peer said bye. into=r as for tshare.recv (r is
+    released at the first try, cancelled or not)."""
 
     def attempt():
-        return _nonblocking(_recv, ch, device=device, as_parameter=as_parameter, requires_grad=requires_grad)
+        return _nonblocking(_recv, ch, device=device, as_parameter=as_parameter, requires_grad=requires_grad,
+                            into=into)
 
     return await _until(ch, "recv", attempt, "recv", timeout)
 

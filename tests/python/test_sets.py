@@ -419,6 +419,9 @@ def cuda_consumer(fd, mode):
     "side": as "versions", received and read on a stream of its own;
     "hold-any": as "hold", whatever the values."""
     ch = tshare.open_socket(fd, name="cuda consumer")
+    if mode == "into":
+        cuda_consumer_into(ch)
+        return
     if mode == "side":
         torch.cuda.set_stream(torch.cuda.Stream())  # every recv and read below runs on it
     for r in ch:
@@ -437,6 +440,28 @@ def cuda_consumer(fd, mode):
         del r
     if mode == "versions":  # the sets whose tensors recv made while it waited, and those handed over
         print("ahead %d %d" % ch._c._ahead_counts, flush=True)
+    ch.close()
+
+
+def cuda_consumer_into(ch):
+    """cuda_consumer's "into": each version received into the first one's
+    tensors (recv(into=r)), checked as "versions" does, a line each ending
+    "into" when it came into them; a write queued on the default stream
+    before each release, which the producer's next version must follow."""
+    r = first = None
+    while True:
+        r = ch.recv(timeout=60, into=r) if r is not None else ch.recv(timeout=60)
+        if r is None:
+            break
+        first = first if first is not None else r.tensors
+        shift = int(r.meta)
+        bad = [name for k, (name, t) in enumerate(r.tensors.items())
+               if not torch.equal(t.cpu(), torch.arange(3.0 * k, 3.0 * k + 3) + shift)]
+        print("n=%d %s%s" % (len(r.tensors), "ok" if not bad else "bad:" + ",".join(bad[:5]),
+                             " into" if r.tensors is first else ""), flush=True)
+        torch.cuda._sleep(20_000_000)  # the release waits for this, and the producer's next write for the release
+        next(iter(r.tensors.values())).add_(0.5)
+        r.release()
     ch.close()
 
 
@@ -465,6 +490,22 @@ def end_cuda_consumer(p, proc):
 def numbered_cuda_set(n):
     base = torch.arange(3.0 * n, device="cuda").view(n, 3)
     return {"t%d" % k: base[k] for k in range(n)}, base
+
+
+@test
+def cuda_each_version_comes_into_the_first_versions_tensors_after_the_consumers_work():
+    need_cuda()
+    p, proc = start_cuda_consumer("into")
+    sent, base = numbered_cuda_set(290)
+    for v in range(6):
+        set_id = tshare.send(p, sent, meta=b"%d" % v, timeout=60)
+        line = proc.stdout.readline().strip()
+        assert line == "n=290 ok" + (" into" if v else ""), (v, line)
+        p.wait_released(set_id, timeout=30)
+        with torch.no_grad():
+            base[0] -= 0.5  # after the consumer's add (the release waited for it): exact again
+            base += 1
+    end_cuda_consumer(p, proc)
 
 
 @test

@@ -196,6 +196,30 @@ TSHARE_API int tshare_set_view(tshare_set *set, size_t i, tshare_view **out);
  * released too. Data pointers taken from the handle are invalid afterwards. */
 TSHARE_API void tshare_set_release(tshare_set *set);
 
+/* ---- one set's tensors across versions ---------------------------------- */
+
+/* A member's memory kept mapped past its set's release. */
+typedef struct tshare_set_pin tshare_set_pin;
+
+/* Release a set member's view (tshare_set_view) as tshare_view_release()
+ * does, but keep its memory mapped where it is until
+ * tshare_set_pin_release(*pin): the set goes back to the producer once its
+ * handle and other views are gone, and tshare_view_data()'s address stays
+ * mapped (reads there do not fault), though from then on the producer may
+ * write that memory or give it to other tensors. What a consumer that keeps
+ * one set's tensors across versions holds between a version's release and
+ * the arrival of the next: a set of the same layout (tshare_set_layout)
+ * whose members are at the same addresses (tshare_set_data), whose views
+ * its tensors then take (and let go of the pins). Any thread, never
+ * blocking. TSHARE_E_INVALID_ARG (nothing released) for a view that is not
+ * a set member's or a NULL argument. */
+TSHARE_API int tshare_set_view_release_pinned(tshare_view *view, tshare_set_pin **pin);
+/* The address the pinned view's data was at. */
+TSHARE_API void *tshare_set_pin_data(const tshare_set_pin *pin);
+/* Let go of the mapping: unmapped here if nothing else maps it (any thread,
+ * never blocking; NULL is a no-op). */
+TSHARE_API void tshare_set_pin_release(tshare_set_pin *pin);
+
 /* ---- fan-out: one set to many consumers --------------------------------- */
 
 /* Send the set built in b to each of the n channels chs[0..n-1], in that

@@ -1,0 +1,138 @@
+/* A set member's memory pinned past the set's release
+ * (tshare_set_view_release_pinned): the consumer of the weight-sync loop
+ * gives each version back while its tensors still point into the memory,
+ * and attaches the next version, of the same layout at the same addresses,
+ * to them. Tested against a real producer: each release reaches it while
+ * the pins hold (it waits for them, then writes the next version), the next
+ * set has the layout and addresses the pins remember, a memory the producer
+ * retired stays mapped (and shows its last writes) until the last pin goes,
+ * from another thread, and then is unmapped; a view that is not a set
+ * member's is refused and stays usable. */
+#include "harness.h"
+#include "proc_util.h"
+#include "tshare/hostmem.h"
+#include "tshare/set.h"
+#include "tshare/share.h"
+
+#include <pthread.h>
+
+#define F32 ((tshare_dtype){TSHARE_DTYPE_FLOAT, 32, 1})
+#define MEMFD_NAME "tshare-pin-test"
+enum { FLOATS = 1024, MEMBERS = 2, ROUNDS = 4 };
+
+static float value_of(int round, int member, int i) { return (float)(round * 10000 + member * 2000 + i); }
+
+static tshare_tensor_desc member_desc(int member) {
+  int64_t n = FLOATS;
+  return tshare_tensor_contiguous(F32, 1, &n, (uint64_t)member * FLOATS * sizeof(float));
+}
+
+static void fill(tshare_host_buffer *buf, int round) {
+  float *p = tshare_host_buffer_data(buf);
+  for (int m = 0; m < MEMBERS; m++)
+    for (int i = 0; i < FLOATS; i++) p[m * FLOATS + i] = value_of(round, m, i);
+}
+
+static void check_member(const float *p, int round, int member) {
+  for (int i = 0; i < FLOATS; i++)
+    if (p[i] != value_of(round, member, i))
+      TS_FAIL("member %d element %d is %g, expected round %d's %g", member, i, (double)p[i], round,
+              (double)value_of(round, member, i));
+}
+
+/* Sends ROUNDS versions of one builder's set, each after the last was
+ * released (what a pinned consumer must still give back); then writes round
+ * ROUNDS into the buffer, shares it alone, destroys it (its memory is
+ * retired once that share is back) and says bye. */
+static void producer(int fd) {
+  tshare_channel *ch = open_socket_channel(fd, "pin producer", NULL, NULL);
+  tshare_host_buffer *buf = NULL;
+  CHECK_RC(tshare_host_buffer_create(MEMBERS * FLOATS * sizeof(float), MEMFD_NAME, &buf, NULL), TSHARE_OK, "");
+  tshare_set_builder *b = tshare_set_builder_create();
+  for (int m = 0; m < MEMBERS; m++) {
+    tshare_tensor_desc d = member_desc(m);
+    CHECK_RC(tshare_set_builder_add_host(b, m ? "layer.b" : "layer.a", buf, &d, NULL), TSHARE_OK, "");
+  }
+  for (int round = 0; round < ROUNDS; round++) {
+    fill(buf, round);
+    uint64_t id = 0;
+    CHECK_RC(tshare_set_send(ch, b, NULL, 5000, &id), TSHARE_OK, tshare_channel_last_error(ch));
+    CHECK_RC(tshare_channel_wait_released(ch, id, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+  }
+  fill(buf, ROUNDS);
+  tshare_tensor_desc d = member_desc(0);
+  uint64_t single = 0;
+  CHECK_RC(tshare_share_host(ch, buf, &d, "single", NULL, 5000, &single), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_set_builder_destroy(b);
+  tshare_host_buffer_destroy(buf); /* retired (the consumer told) once the single share comes back */
+  CHECK_RC(tshare_channel_wait_released(ch, single, 10000), TSHARE_OK, tshare_channel_last_error(ch));
+  int polled = tshare_channel_poll(ch, 0); /* a turn of the channel's housekeeping: the retire goes out */
+  CHECK(polled == TSHARE_OK || polled == TSHARE_E_TIMEOUT);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_channel_close(ch);
+}
+
+static void *release_pins(void *arg) {
+  tshare_set_pin **pins = arg;
+  for (int m = 0; m < MEMBERS; m++) tshare_set_pin_release(pins[m]);
+  return NULL;
+}
+
+TS_TEST(a_pinned_set_goes_back_while_its_memory_stays_mapped_for_the_next_version_and_past_its_retire) {
+  int sock;
+  pid_t pid = fork_with_socket(producer, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "pin consumer", NULL, NULL);
+  tshare_set_pin *pins[MEMBERS] = {0};
+  uint64_t layout = 0;
+  for (int round = 0; round < ROUNDS; round++) {
+    tshare_set *s = NULL;
+    CHECK_RC(tshare_set_recv(ch, 5000, &s), TSHARE_OK, tshare_channel_last_error(ch));
+    CHECK_EQ(tshare_set_count(s), (size_t)MEMBERS);
+    if (round == 0) {
+      layout = tshare_set_layout(s);
+      CHECK(layout != 0); /* a builder's set is kept by its layout: the next ones are at the same addresses */
+    } else {
+      CHECK_EQ(tshare_set_layout(s), layout);
+      for (int m = 0; m < MEMBERS; m++) CHECK(tshare_set_data(s, (size_t)m) == tshare_set_pin_data(pins[m]));
+    }
+    tshare_view *views[MEMBERS];
+    for (int m = 0; m < MEMBERS; m++) {
+      check_member(tshare_set_data(s, (size_t)m), round, m);
+      CHECK_RC(tshare_set_view(s, (size_t)m, &views[m]), TSHARE_OK, "");
+    }
+    tshare_set_release(s);
+    for (int m = 0; m < MEMBERS; m++) {
+      tshare_set_pin_release(pins[m]); /* the view of this version holds the memory now */
+      pins[m] = NULL;
+      CHECK_RC(tshare_set_view_release_pinned(views[m], &pins[m]), TSHARE_OK, "");
+      CHECK(pins[m] != NULL);
+    }
+    /* The set is back with the producer now (it waits for that before the
+     * next round); the pins hold the memory where it is. */
+  }
+  tshare_view *single = NULL;
+  CHECK_RC(tshare_view_recv(ch, 5000, &single), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_set_pin *not_a_pin = (tshare_set_pin *)&not_a_pin;
+  CHECK_EQ(tshare_set_view_release_pinned(single, &not_a_pin), TSHARE_E_INVALID_ARG);
+  CHECK(not_a_pin == NULL);
+  CHECK_EQ(tshare_set_view_release_pinned(NULL, &not_a_pin), TSHARE_E_INVALID_ARG);
+  check_member(tshare_view_data(single), ROUNDS, 0); /* the refused view is still held and usable */
+  tshare_view_release(single);
+
+  tshare_set *end = NULL;
+  CHECK_RC(tshare_set_recv(ch, 10000, &end), TSHARE_END, tshare_channel_last_error(ch));
+  CHECK_CHILD_OK(pid);
+  /* The producer wrote round ROUNDS after the last release and then retired
+   * the memory: the pins still map it, and show those writes. */
+  for (int m = 0; m < MEMBERS; m++) check_member(tshare_set_pin_data(pins[m]), ROUNDS, m);
+  CHECK(count_mappings(MEMFD_NAME) > 0);
+  pthread_t t;
+  CHECK(pthread_create(&t, NULL, release_pins, pins) == 0);
+  CHECK(pthread_join(t, NULL) == 0);
+  CHECK_EQ(count_mappings(MEMFD_NAME), 0); /* retired: unmapped with the last pin */
+  tshare_set_pin_release(NULL);
+  CHECK(tshare_set_pin_data(NULL) == NULL);
+  tshare_channel_close(ch);
+}
+
+TS_TEST_MAIN
