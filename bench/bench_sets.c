@@ -25,19 +25,19 @@ typedef struct sets_run {
 } sets_run;
 
 static const sets_run RUNS[] = {
-    {"bridge", "bridge, one set", "set", 0, 1, 0},
-    {"bridge", "bridge, one set", "set", 0, 4, 0},
-    {"bridge_packed", "bridge, one set of a packed module", "set", 0, 1, 1},
-    {"bridge_rebuilt", "bridge, one set built per send", "set-free", 0, 1, 0},
-    {"bridge_loop", "bridge, send per tensor", "loop", 0, 1, 0},
-    {"python", "Python, one set", "tshare", 1, 1, 0},
-    {"python", "Python, one set", "tshare", 1, 4, 0},
-    {"python_packed", "Python, one set of a packed module", "tshare", 1, 1, 1},
+    {"bridge", "bridge, one set", "set", 0, 1, 0, 0},
+    {"bridge", "bridge, one set", "set", 0, 4, 0, 0},
+    {"bridge_packed", "bridge, one set of a packed module", "set", 0, 1, 1, 0},
+    {"bridge_rebuilt", "bridge, one set built per send", "set-free", 0, 1, 0, 0},
+    {"bridge_loop", "bridge, send per tensor", "loop", 0, 1, 0, 0},
+    {"python", "Python, one set", "tshare", 1, 1, 0, 0},
+    {"python", "Python, one set", "tshare", 1, 4, 0, 0},
+    {"python_packed", "Python, one set of a packed module", "tshare", 1, 1, 1, 0},
     {"python_into", "Python, one set into the same tensors", "tshare", 1, 1, 0, 1},
     {"python_packed_into", "Python, a packed module's set into the same tensors", "tshare", 1, 1, 1, 1},
-    {"python_loop", "Python, send per tensor", "tshare-loop", 1, 1, 0},
-    {"torch_mp", "torch.mp q.put(state_dict)", "torch-mp", 1, 1, 0},
-    {"torch_mp", "torch.mp q.put(state_dict)", "torch-mp", 1, 4, 0},
+    {"python_loop", "Python, send per tensor", "tshare-loop", 1, 1, 0, 0},
+    {"torch_mp", "torch.mp q.put(state_dict)", "torch-mp", 1, 1, 0, 0},
+    {"torch_mp", "torch.mp q.put(state_dict)", "torch-mp", 1, 4, 0, 0},
 };
 static const char *const MODES[2] = {"first", "update"};
 

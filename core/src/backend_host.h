@@ -26,6 +26,7 @@ typedef struct ts_mapping {
   bool kept;              /* kept mapped while idle, until its owner retires it */
   bool fd_budgeted;       /* its fd counts against the kept mappings' fd budget */
   bool unsealed;          /* came as TSHARE_MEM_HOST_FD: shared on as such */
+  bool retired_in_use;    /* its owner retired it while views held it: its last view defers the unmap */
   struct ts_mapping *next_retired; /* in host_chan's retired list */
 } ts_mapping;
 
@@ -44,6 +45,11 @@ typedef struct host_chan {
    * free touches them: views released elsewhere never reach a retired one. */
   ts_mapping *retired;
   size_t retired_count, retired_bytes;
+  /* Retired mappings whose last view went afterwards (on any thread, under
+   * ch->lock): moved to `retired` at the next idle, so the munmaps of a
+   * model a consumer held past its retire (tensors kept across versions)
+   * are not made where its tensors are dropped. */
+  ts_mapping *retired_later;
   /* producer */
   ts_u64map lent;          /* buffer id + 1 -> struct lent_buffer: buffers the peer may keep mapped */
   ts_id_vec freed_notices; /* lent buffers gone: the peer hears so (retire, closed = FREED) */

@@ -188,10 +188,14 @@ static void unkeep_locked(host_chan *h, ts_mapping *m) {
 
 /* Kept mapping m is kept no more (ch->lock held): if idle, its fd closes now
  * and its mapping goes when a receive would wait (host_chan's `retired`),
- * else with its last view. */
-static void stop_keeping_locked(host_chan *h, ts_mapping *m) {
+ * else with its last view (and then at the next idle too where its owner
+ * retired it: defer_in_use). */
+static void stop_keeping_locked(host_chan *h, ts_mapping *m, bool defer_in_use) {
   unkeep_locked(h, m);
-  if (m->views != 0) return;
+  if (m->views != 0) {
+    m->retired_in_use = defer_in_use;
+    return;
+  }
   ts_u64map_remove(&h->mappings, m->alloc_id);
   if (m->fd >= 0) close(m->fd); /* the mapping (if any bytes) holds the file */
   m->fd = -1;
@@ -214,10 +218,29 @@ static void unmap_retired(host_chan *h) {
   }
 }
 
+/* The retired mappings whose last view went since, onto `retired` (the
+ * channel-call thread's list); ch NULL: the channel's free, nobody else left. */
+static void take_retired_later(tshare_channel *ch, host_chan *h) {
+  if (ch) pthread_mutex_lock(&ch->lock);
+  ts_mapping *m = h->retired_later;
+  h->retired_later = NULL;
+  if (ch) pthread_mutex_unlock(&ch->lock);
+  while (m) {
+    ts_mapping *next = m->next_retired;
+    m->next_retired = h->retired;
+    h->retired = m;
+    h->retired_bytes += m->size;
+    h->retired_count++;
+    m = next;
+  }
+}
+
 int ts_host_idle(tshare_channel *ch, int64_t deadline) {
   (void)deadline; /* a retired memfd needs no answer */
   host_chan *h = ts_host_chan(ch);
-  if (h && h->retired) unmap_retired(h); /* the usual turn: nothing retired, nothing written */
+  if (!h) return TSHARE_OK;
+  if (h->retired_later) take_retired_later(ch, h); /* read unlocked: one seen late goes at the next idle */
+  if (h->retired) unmap_retired(h); /* the usual turn: nothing retired, nothing written */
   return TSHARE_OK;
 }
 
@@ -245,7 +268,7 @@ static void on_freed(tshare_channel *ch, host_chan *h, const tshare_retire_frame
   pthread_mutex_lock(&ch->lock);
   for (uint32_t i = 0; i < r->count; i++) {
     ts_mapping *m = ts_u64map_get(&h->mappings, r->alloc_ids[i]);
-    if (m && m->kept) stop_keeping_locked(h, m);
+    if (m && m->kept) stop_keeping_locked(h, m, true);
   }
   pthread_mutex_unlock(&ch->lock);
   if (h->retired_count > RETIRED_HELD_MAX || h->retired_bytes > RETIRED_BYTES_MAX) unmap_retired(h);
@@ -302,10 +325,11 @@ void ts_host_peer_gone(tshare_channel *ch) {
   void *value;
   for (size_t pos = 0; ts_u64map_next(&h->mappings, &pos, &key, &value);) {
     ts_mapping *m = value;
-    if (m->kept) stop_keeping_locked(h, m);
+    if (m->kept) stop_keeping_locked(h, m, false);
   }
   h->kept_notices.len = 0;
   pthread_mutex_unlock(&ch->lock);
+  take_retired_later(ch, h);
   unmap_retired(h);
   lent_free_all(h);
   h->freed_notices.len = 0;
@@ -313,6 +337,7 @@ void ts_host_peer_gone(tshare_channel *ch) {
 
 void ts_host_keep_free(tshare_channel *ch, host_chan *h) {
   (void)ch;
+  take_retired_later(NULL, h);
   unmap_retired(h);
   uint64_t key;
   void *value;

@@ -453,12 +453,13 @@ def cuda_consumer_into(ch):
         r = ch.recv(timeout=60, into=r) if r is not None else ch.recv(timeout=60)
         if r is None:
             break
+        came_into = first is not None and r.tensors is first
         first = first if first is not None else r.tensors
         shift = int(r.meta)
         bad = [name for k, (name, t) in enumerate(r.tensors.items())
                if not torch.equal(t.cpu(), torch.arange(3.0 * k, 3.0 * k + 3) + shift)]
         print("n=%d %s%s" % (len(r.tensors), "ok" if not bad else "bad:" + ",".join(bad[:5]),
-                             " into" if r.tensors is first else ""), flush=True)
+                             " into" if came_into else ""), flush=True)
         torch.cuda._sleep(20_000_000)  # the release waits for this, and the producer's next write for the release
         next(iter(r.tensors.values())).add_(0.5)
         r.release()
