@@ -148,10 +148,12 @@ def _not_shared(name, t):
     """The error for a member that is not in tshare's shared memory."""
     _check_member(name, t)
     if _torch._memory_kind_of(t) == "view":
+        copy_how = ("clone it on its device first (t.clone(); copy=True copies CPU tensors only)" if t.is_cuda
+                    else "pass copy=True for a one-off copy")
         _fail(
             _tshare.E_UNSUPPORTED,
-            "send: tensor %r is a received tensor, which a tensor set cannot share on in this version: pass "
-            "copy=True for a one-off copy, or send it alone with tshare.send()" % name,
+            "send: tensor %r is a received tensor, which a tensor set cannot share on in this version: %s, or "
+            "send it alone with tshare.send()" % (name, copy_how),
         )
     if t.is_cuda:  # the C side raises its own errors for CUDA memory
         _fail(_tshare.E_INVALID_ARG, "send: tensor %r: CUDA memory the set could not take" % name)
