@@ -40,7 +40,7 @@ typedef struct br_target {
 } br_target;
 
 #define BR_ROWS_MAX 200
-#define BR_TARGETS_MAX 24
+#define BR_TARGETS_MAX 32
 
 typedef struct br_report {
   char title[320];

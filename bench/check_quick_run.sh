@@ -55,7 +55,8 @@ for scene in ["pinned", "busy"]:  # both ends on one CPU; a busy loop on every C
 # CUDA ones skipped without a GPU, and a measured set row has its torch.mp ratio.
 for dev in ["cpu", "cuda"]:
     for impl, counts in [("bridge", [1, 4]), ("bridge_packed", [1]), ("bridge_rebuilt", [1]), ("bridge_loop", [1]),
-                         ("python", [1, 4]), ("python_packed", [1]), ("python_loop", [1]), ("torch_mp", [1, 4])]:
+                         ("python", [1, 4]), ("python_packed", [1]), ("python_into", [1]), ("python_packed_into", [1]),
+                         ("python_loop", [1]), ("torch_mp", [1, 4])]:
         for mode in ["first", "update"]:
             for n in counts:
                 key = f"sets_{impl}_{dev}_{mode}_{n}"
@@ -77,8 +78,9 @@ for key in ["ucx_share_4k", "ucx_share_64m", "ucx_same_host_native"]:  # measure
     if not r["skipped"]: measured(key)
 if not rows["ucx_same_host_native"]["skipped"] and "ucx]" in rows["ucx_same_host_native"]["label"]:
     fail("a same-host channel by name went over UCX")
-if len(doc["targets"]) != 24: fail("targets missing")
-for start in ("sets: repeated update >= 100x", "sets: first hand-off of a packed module"):
+if len(doc["targets"]) != 26: fail("targets missing")
+for start in ("sets: repeated update >= 100x", "sets: first hand-off of a packed module",
+              "sets: repeated update, a Python consumer receiving into", "sets: repeated update of a packed module"):
     if not any(t["target"].startswith(start) for t in doc["targets"]): fail(f"target '{start}...' missing")
 with open(f"{out}/bench.csv") as f:
     lines = list(csv.DictReader(f))

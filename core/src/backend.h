@@ -219,6 +219,11 @@ typedef struct ts_backend {
   void (*memory_unref_locked)(tshare_channel *ch, void *memory);
   /* The same in a forked child: only its own copy of the mapping goes. */
   void (*memory_unref_in_child)(tshare_channel *ch, void *memory);
+  /* Optional, device memory: before a reference that is not a view's goes
+   * (a set member's pin, session_set_pin.c), without ch->lock: if it is the
+   * last one, wait for the work queued on the memory's default stream so
+   * far, which may still read the mapping its unref lets go of. */
+  void (*memory_wait_before_last_unref)(void *memory);
   /* Optional: a set this end took whole (not refused) offered to let it
    * keep memory mapped (its memory frame's share_flags): kept as a share's
    * would be (ch->lock held). A refused set keeps nothing new. */

@@ -135,12 +135,7 @@ void ts_host_drop_mapping_locked(tshare_channel *ch, ts_mapping *m) {
     return;
   }
   ts_u64map_remove(mappings_of(ch), m->alloc_id);
-  if (m->retired_in_use) { /* unmapped at the next idle (host_chan's retired_later) */
-    host_chan *h = ts_host_chan(ch);
-    m->next_retired = h->retired_later;
-    h->retired_later = m;
-    return;
-  }
+  if (m->retired_in_use && ts_host_defer_unmap_locked(ch, m)) return; /* at the next idle (retired_later) */
   TS_LOG(TS_LOG_DEBUG, "unmapped allocation %llu of %s: its last view went", (unsigned long long)m->alloc_id,
          ch->conn.peer_label);
   ts_host_unmap(m);

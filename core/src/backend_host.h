@@ -50,6 +50,7 @@ typedef struct host_chan {
    * model a consumer held past its retire (tensors kept across versions)
    * are not made where its tensors are dropped. */
   ts_mapping *retired_later;
+  size_t retired_later_bytes;
   /* producer */
   ts_u64map lent;          /* buffer id + 1 -> struct lent_buffer: buffers the peer may keep mapped */
   ts_id_vec freed_notices; /* lent buffers gone: the peer hears so (retire, closed = FREED) */
@@ -59,6 +60,12 @@ typedef struct host_chan {
 extern const ts_backend ts_host_backend;
 
 host_chan *ts_host_chan(tshare_channel *ch);
+
+/* backend_host_keep.c: a retired mapping whose last view went (ch->lock
+ * held, m out of the mappings) left for the next idle turn to unmap; false
+ * where it must go now (a closed channel, which has no idle turns left, or
+ * past the bounds of what may wait). */
+bool ts_host_defer_unmap_locked(tshare_channel *ch, ts_mapping *m);
 
 /* backend_host_buffer.c: references held by shares and by lending channels */
 struct tshare_host_buffer;

@@ -218,12 +218,22 @@ static void unmap_retired(host_chan *h) {
   }
 }
 
+bool ts_host_defer_unmap_locked(tshare_channel *ch, ts_mapping *m) {
+  host_chan *h = ts_host_chan(ch);
+  if (ch->closed || h->retired_later_bytes + m->size > RETIRED_BYTES_MAX) return false;
+  m->next_retired = h->retired_later;
+  __atomic_store_n(&h->retired_later, m, __ATOMIC_RELEASE); /* idle peeks without the lock */
+  h->retired_later_bytes += m->size;
+  return true;
+}
+
 /* The retired mappings whose last view went since, onto `retired` (the
  * channel-call thread's list); ch NULL: the channel's free, nobody else left. */
 static void take_retired_later(tshare_channel *ch, host_chan *h) {
   if (ch) pthread_mutex_lock(&ch->lock);
   ts_mapping *m = h->retired_later;
   h->retired_later = NULL;
+  h->retired_later_bytes = 0;
   if (ch) pthread_mutex_unlock(&ch->lock);
   while (m) {
     ts_mapping *next = m->next_retired;
@@ -239,7 +249,7 @@ int ts_host_idle(tshare_channel *ch, int64_t deadline) {
   (void)deadline; /* a retired memfd needs no answer */
   host_chan *h = ts_host_chan(ch);
   if (!h) return TSHARE_OK;
-  if (h->retired_later) take_retired_later(ch, h); /* read unlocked: one seen late goes at the next idle */
+  if (__atomic_load_n(&h->retired_later, __ATOMIC_ACQUIRE)) take_retired_later(ch, h); /* one seen late: next idle */
   if (h->retired) unmap_retired(h); /* the usual turn: nothing retired, nothing written */
   return TSHARE_OK;
 }

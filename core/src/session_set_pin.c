@@ -63,6 +63,8 @@ void tshare_set_pin_release(tshare_set_pin *pin) {
   if (ts_channel_foreign(ch)) { /* pinned in the parent, let go of in a child it forked */
     if (pin->backend->memory_unref_in_child) pin->backend->memory_unref_in_child(ch, pin->memory);
   } else {
+    /* GPU work queued on the tensors since the set's release still reads the mapping. */
+    if (pin->backend->memory_wait_before_last_unref) pin->backend->memory_wait_before_last_unref(pin->memory);
     pthread_mutex_lock(&ch->lock);
     pin->backend->memory_unref_locked(ch, pin->memory);
     pthread_mutex_unlock(&ch->lock);

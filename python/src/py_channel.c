@@ -298,6 +298,7 @@ static PyMethodDef channel_methods[] = {
   {"_ahead_spec", py_channel_ahead_spec, METH_NOARGS, NULL},
   {"_ahead_put", py_channel_ahead_put, METH_VARARGS, NULL},
   {"_ahead_into", py_channel_ahead_into, METH_VARARGS, NULL},
+  {"_ahead_withdraw", py_channel_ahead_withdraw, METH_O, NULL},
   {"__enter__", (PyCFunction)channel_enter, METH_NOARGS, NULL},
   {"__exit__", (PyCFunction)channel_exit, METH_VARARGS, NULL},
   {NULL, NULL, 0, NULL}};

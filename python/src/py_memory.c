@@ -16,6 +16,7 @@ typedef struct py_mem {
   atomic_int forwards;        /* PY_MEM_VIEW: sends of it on under way or out (py_memory_forward_begin) */
   tshare_host_buffer *buffer; /* PY_MEM_HOST_BUFFER */
   uintptr_t storage_key;      /* 0 until bound */
+  int in_table;               /* found by storage_key (table_lock) */
   int adopted;                /* over torch's shared memory, lent to a set send */
   struct py_mem *next;        /* chain in the table */
   int versioned;
@@ -47,18 +48,22 @@ static size_t bucket_of(uintptr_t key) { return (size_t)((key >> 4) * 0x9E3779B9
 
 static void table_insert(py_mem *m) {
   pthread_mutex_lock(&table_lock);
-  size_t b = bucket_of(m->storage_key);
-  m->next = table[b];
-  table[b] = m;
+  if (!m->in_table) {
+    size_t b = bucket_of(m->storage_key);
+    m->next = table[b];
+    table[b] = m;
+    m->in_table = 1;
+  }
   pthread_mutex_unlock(&table_lock);
 }
 
 static void table_remove(py_mem *m) {
   if (!m->storage_key) return;
   pthread_mutex_lock(&table_lock);
-  for (py_mem **p = &table[bucket_of(m->storage_key)]; *p; p = &(*p)->next) {
+  for (py_mem **p = &table[bucket_of(m->storage_key)]; m->in_table && *p; p = &(*p)->next) {
     if (*p == m) {
       *p = m->next;
+      m->in_table = 0;
       break;
     }
   }
@@ -71,8 +76,8 @@ py_mem_kind py_memory_lookup(uintptr_t storage_key, void **memory) {
   pthread_mutex_lock(&table_lock);
   for (py_mem *m = table[bucket_of(storage_key)]; m; m = m->next) {
     if (m->storage_key == storage_key) {
-      kind = m->kind;
-      *memory = kind == PY_MEM_VIEW ? (void *)m->view : (void *)m->buffer;
+      kind = m->kind == PY_MEM_VIEW && !m->view ? PY_MEM_PINNED : m->kind;
+      *memory = kind == PY_MEM_VIEW ? (void *)m->view : kind == PY_MEM_HOST_BUFFER ? (void *)m->buffer : NULL;
       break;
     }
   }
@@ -267,7 +272,9 @@ int py_memory_attach_view(PyObject *capsule, tshare_view *view) {
     PyErr_SetString(PyExc_ValueError, "tshare: the view is not where the capsule's tensor is");
     return -1;
   }
+  pthread_mutex_lock(&table_lock);
   m->view = view;
+  pthread_mutex_unlock(&table_lock);
   tshare_set_pin_release(m->pin); /* the view maps the same memory now */
   m->pin = NULL;
   if (m->storage_key) table_insert(m); /* found by its storage from now on (py_memory_bind waited for this) */
@@ -302,14 +309,22 @@ int py_memory_release_pinned(PyObject *const *capsules, Py_ssize_t n) {
   }
   for (Py_ssize_t i = 0; i < held; i++) {
     py_mem *m = mems[i];
-    table_remove(m); /* a send of the tensor now finds no memory of tshare's: its bytes are the producer's */
-    if (tshare_set_view_release_pinned(m->view, &m->pin) != TSHARE_OK) {
-      if (m->storage_key) table_insert(m);
+    tshare_view *view = m->view;
+    /* Still found by its storage, as pinned: a send of the tensor is refused
+     * (its bytes are the producer's), not taken for memory of this process. */
+    pthread_mutex_lock(&table_lock);
+    m->view = NULL;
+    pthread_mutex_unlock(&table_lock);
+    int rc = tshare_set_view_release_pinned(view, &m->pin);
+    if (rc != TSHARE_OK) { /* nothing released: those before it stay released (a retry goes on from here) */
+      pthread_mutex_lock(&table_lock);
+      m->view = view;
+      pthread_mutex_unlock(&table_lock);
       free(mems);
-      PyErr_SetString(PyExc_TypeError, "tshare: release: the tensor's memory is not a tensor set member's");
+      if (rc == TSHARE_E_NOMEM) PyErr_NoMemory();
+      else PyErr_SetString(PyExc_TypeError, "tshare: release: the tensor's memory is not a tensor set member's");
       return -1;
     }
-    m->view = NULL;
   }
   free(mems);
   return (int)held;
@@ -319,7 +334,7 @@ void *py_memory_forward_begin(uintptr_t storage_key) {
   py_mem *found = NULL;
   pthread_mutex_lock(&table_lock);
   for (py_mem *m = table[bucket_of(storage_key)]; m; m = m->next) {
-    if (m->storage_key == storage_key && m->kind == PY_MEM_VIEW) {
+    if (m->storage_key == storage_key && m->kind == PY_MEM_VIEW && m->view) {
       found = m;
       atomic_fetch_add(&m->forwards, 1);
       break;

@@ -18,7 +18,9 @@
 #include <stdint.h>
 #include <tshare/tshare.h>
 
-typedef enum py_mem_kind { PY_MEM_NONE = 0, PY_MEM_VIEW = 1, PY_MEM_HOST_BUFFER = 2 } py_mem_kind;
+/* PY_MEM_PINNED: a received set's memory released with its tensors kept
+ * (Received.release): the producer's to change, sent on by no one. */
+typedef enum py_mem_kind { PY_MEM_NONE = 0, PY_MEM_VIEW = 1, PY_MEM_HOST_BUFFER = 2, PY_MEM_PINNED = 3 } py_mem_kind;
 
 /* How capsules are made for the installed torch: versioned (DLPack 1.0) or
  * classic; whether bool travels as uint8 (torch builds without kDLBool). */

@@ -11,6 +11,10 @@
 
 static int enabled;
 
+/* Recipe generations count up across every channel of the process (GIL
+ * held): tensors of one channel's set are never taken for another's. */
+static uint64_t last_generation;
+
 void py_ahead_enable(int on) { enabled = on; }
 
 /* What was made ahead will not be handed over: it goes at the next recv
@@ -31,7 +35,7 @@ static void drop_recipe(py_set_ahead *a) {
   a->data = NULL, a->device = NULL, a->caps = NULL;
   a->kinds = a->views = a->own = NULL;
   a->layout = 0, a->count = 0, a->n_caps = a->n_bases = 0, a->cuda_device = -1;
-  a->generation++;
+  a->generation = ++last_generation;
   Py_XDECREF(kinds);
   Py_XDECREF(views);
   Py_XDECREF(own);
@@ -266,6 +270,12 @@ static PyObject *ahead_store(PyObject *obj, PyObject *args, int into) {
 PyObject *py_channel_ahead_put(PyObject *obj, PyObject *args) { return ahead_store(obj, args, 0); }
 
 PyObject *py_channel_ahead_into(PyObject *obj, PyObject *args) { return ahead_store(obj, args, 1); }
+
+PyObject *py_channel_ahead_withdraw(PyObject *obj, PyObject *tensors) {
+  py_set_ahead *a = &((PyChannel *)obj)->ahead;
+  if (a->ahead && PyTuple_GET_ITEM(a->ahead, 0) == tensors) go_stale(a); /* dropped (a reference) at the next recv */
+  Py_RETURN_NONE;
+}
 
 unsigned long long py_ahead_generation_of(const py_set_ahead *a, const tshare_set *s) {
   return a->layout && a->layout == tshare_set_layout(s) ? a->generation : 0;

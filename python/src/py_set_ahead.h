@@ -94,6 +94,9 @@ PyObject *py_channel_ahead_wanted(PyObject *self, PyObject *unused);
 PyObject *py_channel_ahead_spec(PyObject *self, PyObject *unused);
 PyObject *py_channel_ahead_put(PyObject *self, PyObject *args);
 PyObject *py_channel_ahead_into(PyObject *self, PyObject *args);
+/* _ahead_withdraw(tensors): what _ahead_into offered, taken back where no set
+ * took it (recv timed out, was cancelled, got something else). */
+PyObject *py_channel_ahead_withdraw(PyObject *self, PyObject *tensors);
 
 /* The generation of the recipe s was laid out by (what its tensors can be
  * given back to with _ahead_into), 0 when none: call after py_ahead_record. */

@@ -173,6 +173,10 @@ PyObject *py_channel_send(PyChannel *self, PyObject *args) {
   int empty = tshare_tensor_numel(&s.d) == 0;
   int r;
   py_mem_kind kind = py_memory_lookup((uintptr_t)storage_key, &s.memory);
+  if (kind == PY_MEM_PINNED)
+    return py_raise_fmt(TSHARE_E_STATE, "tshare: send: the tensor is of a received set released with "
+                                        "Received.release(): its memory is the producer's to change until the next "
+                                        "version comes into it (recv into=); send it after that, or a copy");
   if (kind == PY_MEM_VIEW) {
     s.how = SEND_VIEW_PART;
     s.keep = keep;

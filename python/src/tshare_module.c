@@ -40,7 +40,8 @@ static PyObject *bind(PyObject *module, PyObject *args) {
   Py_RETURN_NONE;
 }
 
-/* "view", "host" or None: how the memory of a storage travels. */
+/* "view", "host", "pinned" (released, Received.release) or None: how the
+ * memory of a storage travels. */
 static PyObject *memory_kind(PyObject *module, PyObject *args) {
   (void)module;
   unsigned long long key;
@@ -49,6 +50,7 @@ static PyObject *memory_kind(PyObject *module, PyObject *args) {
   switch (py_memory_lookup((uintptr_t)key, &memory)) {
   case PY_MEM_VIEW: return PyUnicode_FromString("view");
   case PY_MEM_HOST_BUFFER: return PyUnicode_FromString("host");
+  case PY_MEM_PINNED: return PyUnicode_FromString("pinned");
   default: Py_RETURN_NONE;
   }
 }
@@ -70,7 +72,8 @@ static PyObject *release_pinned(PyObject *module, PyObject *args) {
   (void)module;
   PyObject *capsules;
   if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &capsules)) return NULL;
-  int n = py_memory_release_pinned(&PyList_GET_ITEM(capsules, 0), PyList_GET_SIZE(capsules));
+  Py_ssize_t count = PyList_GET_SIZE(capsules);
+  int n = count ? py_memory_release_pinned(&PyList_GET_ITEM(capsules, 0), count) : 0;
   return n < 0 ? NULL : PyLong_FromLong(n);
 }
 

@@ -147,7 +147,14 @@ def _check_member(name, t):
 def _not_shared(name, t):
     """The error for a member that is not in tshare's shared memory."""
     _check_member(name, t)
-    if _torch._memory_kind_of(t) == "view":
+    kind = _torch._memory_kind_of(t)
+    if kind == "pinned":
+        _fail(
+            _tshare.E_STATE,
+            "send: tensor %r is of a received set released with Received.release(): its memory is the producer's "
+            "to change until the next version comes into it (recv into=); send after that, or a copy" % name,
+        )
+    if kind == "view":
         copy_how = ("clone it on its device first (t.clone(); copy=True copies CPU tensors only)" if t.is_cuda
                     else "pass copy=True for a one-off copy")
         _fail(
@@ -419,9 +426,10 @@ def give_back(c, r):
     next set comes as when it fits, or None where r cannot take it (not a set of c's current
     layout: recv then makes new tensors)."""
     hold = r.__dict__.get("_hold") if isinstance(r, _torch.Received) else None
-    if hold is None:
-        _fail(_tshare.E_INVALID_ARG, "recv: into= takes a tensor set received before on this channel, not %r" % (r,))
-    tensors, generation, capsules, memories = hold
+    if hold is None or hold[4] != id(c):
+        _fail(_tshare.E_INVALID_ARG, "recv: into= takes a tensor set received before on this channel, not %r%s"
+              % (r, "" if hold is None else " (received on another channel)"))
+    tensors, generation, capsules, memories, _ = hold
     _tshare._release_pinned(capsules)
     if not generation or not c._ahead_into(generation, tensors, capsules, memories):
         return None

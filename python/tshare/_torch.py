@@ -453,22 +453,25 @@ class Received(_ReceivedFields):
         if tensors is not None:
             self.__dict__["_set"] = (tensors, meta)
             if hold is not None:
-                self.__dict__["_hold"] = (tensors,) + hold  # (tensors, generation, capsules, memories)
+                self.__dict__["_hold"] = (tensors,) + hold  # (tensors, generation, capsules, memories, id of the channel)
         return self
 
     def release(self) -> None:
-        """Done reading this version of a set: it is released (once no other
-        Received of it holds it; it goes to the producer with this thread's
-        next call on the channel, as a dropped set's release does:
-        recv(ch, into=r) is one, ch.poll(0) another), while its tensors stay
-        and keep pointing at the same memory, which stays mapped. From then on
-        the producer may write that memory, so the tensors' contents are no
-        longer this version's; `tshare.recv(ch, into=r)` brings the next
-        version into the same tensors. Releasing again does nothing. Raises
-        for a single tensor (drop it instead) and for a set whose tensor was
-        sent on and whose share is still out. The tensors of a CUDA set are
-        released after the work queued on the default stream so far, as a set
-        dropped is."""
+        """Done reading this version of a set: it is released now (it goes
+        to the producer with this thread's next call on the channel, as a
+        dropped set's release does: recv(ch, into=r) is one, ch.poll(0)
+        another), while its tensors stay and keep pointing at the same
+        memory, which stays mapped. From then on the producer may write that
+        memory, so the tensors' contents are no longer this version's, and
+        sending them is refused until `tshare.recv(ch, into=r)` brought the
+        next version into them. Releasing a released version again does
+        nothing; a Received that came into the same tensors shares them, so
+        releasing either releases the version they hold. Raises for a single
+        tensor (drop it instead) and for a set whose tensor was sent on and
+        whose share is still out. A CUDA set is released after the work
+        queued on the default stream so far, as a set dropped is, and work
+        queued on the tensors after that finishes before their memory is
+        unmapped."""
         hold = self.__dict__.get("_hold")
         if hold is None:
             _fail(_tshare.E_INVALID_ARG, "release: %r is not a received tensor set (a single tensor is released "
@@ -534,28 +537,38 @@ def recv(ch, timeout=None, device=None, as_parameter=False, requires_grad=None,
     so the receiver says it: requires_grad (None: True for floating point and
     complex dtypes, which alone can require gradients, else False).
 
-    into=r, a set received before on ch: r is released as r.release() does,
-    and a next set of r's layout (the producer's same state_dict sent again,
-    its tensors updated in place) comes as r's own tensors: the Received
-    returned has r's .tensors, the same dict of the same tensor objects, and
-    the new version's id and metadata. A set of another layout comes as new
-    tensors (then `result.tensors is not r.tensors`), and r's tensors keep
-    their memory mapped until they go. Between the release and the return,
-    r's tensors hold whatever the producer writes.
+    into=r, a set received before on ch (another channel's is refused): r is
+    released as r.release() does, and a next set of r's layout (the
+    producer's same state_dict sent again, its tensors updated in place)
+    comes as r's own tensors: the Received returned has r's .tensors, the
+    same dict of the same tensor objects (device and as_parameter are theirs
+    then), and the new version's id and metadata; it and r share them, so
+    releasing either releases this version. A set of another layout comes
+    as new tensors (then `result.tensors is not r.tensors`), and r's tensors
+    keep their memory mapped until they go. Between the release and the
+    return, r's tensors hold whatever the producer writes; a recv that
+    returns without a set for them (a timeout, a cancel) leaves them
+    released, offered to no later recv.
     """
     c = ch._c
+    reused = None
     if into is not None:
         reused = _sets.give_back(c, into)
     elif _sets.AHEAD:
         _sets.make_ahead(c)
-    r = c._recv(_timeout_ms(timeout), _stream_for, -1 if device is None else int(device))
+    try:
+        r = c._recv(_timeout_ms(timeout), _stream_for, -1 if device is None else int(device))
+    finally:
+        if reused is not None:  # not taken (a timeout, a cancel, something else came): never another recv's
+            c._ahead_withdraw(reused)
     if r is None:
         return None
     if r[0] in ("set", "kept"):  # "kept": its tensors made while this recv waited (_sets.make_ahead) or into's
         box = [r]
         del r  # box alone holds the capsules: a refused set goes back at once
         set_id, meta, tensors, hold = _sets.received_set(box)
-        if into is not None and reused is not None and tensors is reused:
+        hold = hold + (id(c),)  # the channel, by identity: into= checks it (generations tell channels apart too)
+        if reused is not None and tensors is reused:
             return Received(None, "", set_id, tensors, meta, hold)
         if as_parameter:
             tensors = {k: torch.nn.Parameter(t, requires_grad=_parameter_grad(t.dtype, set_id, requires_grad))

@@ -65,29 +65,37 @@ def each_version_comes_into_the_same_tensors_and_goes_back_at_release():
     c.close()
 
 
+def memfd_mappings():
+    """Mappings of tshare memfds in this process (both ends of a pair)."""
+    with open("/proc/self/maps") as f:
+        return sum("memfd:tshare" in line for line in f)
+
+
 @test
 def a_released_sets_memory_stays_mapped_after_the_producer_drops_it_and_goes_with_the_tensors():
     p, c = pair()
+    base = memfd_mappings()
     sent = {"w%d" % k: tshare.empty_shared(64, 1024) for k in range(4)}  # 256 KiB memfds of their own
     update(sent, 7)
     set_id = tshare.send(p, sent, timeout=10)
     r = tshare.recv(c, timeout=10)
-    before = harness.memfds()
     r.release()
     released_soon(p, c, set_id)
     del sent
     gc.collect()
+    p.forget_set()  # the channel's kept set held them too
     p.poll(0)  # the producer retires the memfds it dropped
-    c.poll(0)
+    c.poll(0)  # the consumer reads the retire
+    assert memfd_mappings() >= base + 4, "the released tensors' memory was unmapped under them"
     assert all(t.sum().item() == 7 * 64 * 1024 for t in r.tensors.values()), "mapped memory lost its bytes"
     tensors = r.tensors
     del r
     gc.collect()
-    assert harness.memfds() <= before
     assert all(t.sum().item() == 7 * 64 * 1024 for t in tensors.values())
     del tensors
     gc.collect()
-    c.poll(0)
+    c.poll(0.01)  # a wait, so an idle turn: the retired mappings go now
+    assert memfd_mappings() == base, "the retired memory stayed mapped after its tensors went"
     p.close()
     c.close()
 
@@ -145,6 +153,19 @@ def release_and_into_refuse_what_they_cannot_do():
     p2.wait_released(fwd, timeout=10)
     r.release()  # the forward is back: now it goes
     released_soon(p, c, set_id)
+    # Released tensors are the producer's to change: sending them on is refused, alone or in a set.
+    harness.expect_error(tshare.E_STATE, "Received.release()", tshare.send, p2, r.tensors["a"], timeout=5)
+    harness.expect_error(tshare.E_STATE, "Received.release()", tshare.send, p2, {"a": r.tensors["a"]}, timeout=5)
+    # into= takes a set of this channel only; another channel's is refused before anything is released.
+    harness.expect_error(tshare.E_INVALID_ARG, "another channel", tshare.recv, c2, timeout=0, into=r)
+    # A recv into r that times out leaves nothing offered: the next plain recv makes its own tensors.
+    harness.expect_error(tshare.E_TIMEOUT, "", tshare.recv, c, timeout=0.05, into=r)
+    set_id = tshare.send(p, sent, timeout=10)
+    r2 = tshare.recv(c, timeout=10)
+    assert r2.tensors is not r.tensors, "a plain recv took the tensors a timed-out recv(into=) offered"
+    del r2
+    gc.collect()
+    released_soon(p, c, set_id)
     for ch in (p, c, p2, c2):
         ch.close()
 
@@ -162,9 +183,12 @@ def a_worker_thread_receives_each_version_into_its_tensors_while_the_main_thread
 
     def worker():
         try:
-            r = None
+            r = first = None
             for v in range(versions):
                 r = tshare.recv(c, timeout=20, into=r) if r is not None else tshare.recv(c, timeout=20)
+                first = first if first is not None else r.tensors
+                if r.tensors is not first:
+                    errors.append("version %d: came as new tensors" % v)
                 if any(t.reshape(-1)[0].item() != v for t in r.tensors.values()):
                     errors.append("version %d: a tensor holds another version" % v)
                 r.release()  # goes with the next recv (as a drop does), the last one with the poll
@@ -184,28 +208,47 @@ def a_worker_thread_receives_each_version_into_its_tensors_while_the_main_thread
     c.close()
 
 
-@test
-def a_forked_child_dropping_released_tensors_leaves_the_parents_mapped_and_in_use():
-    p, c = pair()
-    sent = {"a": tshare.empty_shared(1024), "b": tshare.empty_shared(1024)}
-    update(sent, 1)
-    set_id = tshare.send(p, sent, timeout=10)
-    r = tshare.recv(c, timeout=10)
-    r.release()
-    released_soon(p, c, set_id)
+def in_child(fn):
     pid = os.fork()
-    if pid == 0:  # the child's copies of the pinned mappings go; nothing is sent, nothing of the parent's unmapped
+    if pid == 0:
         code = 0
         try:
-            assert r.tensors["a"].sum().item() == 1024
-            del r
-            gc.collect()
+            fn()
         except BaseException:
             traceback.print_exc()
             code = 1
         os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, "child ended with 0x%x" % status
+
+
+@test
+def a_forked_child_releasing_or_dropping_the_tensors_leaves_the_parents_set_held_and_mapped():
+    p, c = pair()
+    sent = {"a": tshare.empty_shared(1024), "b": tshare.empty_shared(1024)}
+    update(sent, 1)
+    set_id = tshare.send(p, sent, timeout=10)
+    r = tshare.recv(c, timeout=10)
+
+    def child_releases():  # the child's release pins its own copy and sends nothing
+        r.release()
+        assert r.tensors["a"].sum().item() == 1024
+        r.release()
+
+    in_child(child_releases)
+    c.poll(0.1)
+    p.poll(0.1)
+    assert not p.is_released(set_id), "a forked child's release() reached the producer"
+    r.release()
+    released_soon(p, c, set_id)
+
+    def child_drops():  # the child's copies of the pinned mappings go; nothing of the parent's unmapped
+        nonlocal r
+        assert r.tensors["a"].sum().item() == 1024
+        del r
+        gc.collect()
+
+    in_child(child_drops)
     update(sent, 2)
     set_id = tshare.send(p, sent, timeout=10)
     r2 = tshare.recv(c, timeout=10, into=r)

@@ -503,9 +503,8 @@ def cuda_each_version_comes_into_the_first_versions_tensors_after_the_consumers_
         line = proc.stdout.readline().strip()
         assert line == "n=290 ok" + (" into" if v else ""), (v, line)
         p.wait_released(set_id, timeout=30)
-        with torch.no_grad():
-            base[0] -= 0.5  # after the consumer's add (the release waited for it): exact again
-            base += 1
+        with torch.no_grad():  # absolute values: a consumer's add landing after this would show at its next read
+            base.copy_(torch.arange(3.0 * 290, device="cuda").view(290, 3) + v + 1)
     end_cuda_consumer(p, proc)
 
 

@@ -210,14 +210,19 @@ typedef struct tshare_set_pin tshare_set_pin;
  * one set's tensors across versions holds between a version's release and
  * the arrival of the next: a set of the same layout (tshare_set_layout)
  * whose members are at the same addresses (tshare_set_data), whose views
- * its tensors then take (and let go of the pins). Any thread, never
- * blocking. TSHARE_E_INVALID_ARG (nothing released) for a view that is not
- * a set member's or a NULL argument. */
+ * its tensors then take (and let go of the pins). Any thread; it blocks
+ * only as tshare_view_release() does where it lets the set go (CUDA: the
+ * release waits for the default stream's work). TSHARE_E_INVALID_ARG
+ * (nothing released) for a view that is not a set member's or a NULL
+ * argument, TSHARE_E_NOMEM (nothing released) without memory for the pin. */
 TSHARE_API int tshare_set_view_release_pinned(tshare_view *view, tshare_set_pin **pin);
 /* The address the pinned view's data was at. */
 TSHARE_API void *tshare_set_pin_data(const tshare_set_pin *pin);
-/* Let go of the mapping: unmapped here if nothing else maps it (any thread,
- * never blocking; NULL is a no-op). */
+/* Let go of the mapping: unmapped here if nothing else maps it (any thread;
+ * NULL is a no-op). Host memory: never blocks (a mapping its producer
+ * retired goes at the channel's next idle turn). CUDA memory: where this is
+ * the mapping's last hold, the work queued on the default stream of its
+ * device so far is waited for first, since it may still read the memory. */
 TSHARE_API void tshare_set_pin_release(tshare_set_pin *pin);
 
 /* ---- fan-out: one set to many consumers --------------------------------- */
