@@ -464,14 +464,14 @@ class Received(_ReceivedFields):
         memory, which stays mapped. From then on the producer may write that
         memory, so the tensors' contents are no longer this version's, and
         sending them is refused until `tshare.recv(ch, into=r)` brought the
-        next version into them. Releasing a released version again does
-        nothing; a Received that came into the same tensors shares them, so
-        releasing either releases the version they hold. Raises for a single
-        tensor (drop it instead) and for a set whose tensor was sent on and
-        whose share is still out. A CUDA set is released after the work
-        queued on the default stream so far, as a set dropped is, and work
-        queued on the tensors after that finishes before their memory is
-        unmapped."""
+        next version into them. Releasing again does nothing while no newer
+        version came into the tensors; once one did, any Received over them
+        releases that one. Raises for a single tensor (drop it instead) and
+        for a set whose tensor was sent on and whose share is still out. A
+        CUDA set is released after the work queued on the default stream so
+        far, as a set dropped is, and work queued on the default stream
+        after that finishes before their memory is unmapped (synchronize
+        other streams yourself before dropping the tensors)."""
         hold = self.__dict__.get("_hold")
         if hold is None:
             _fail(_tshare.E_INVALID_ARG, "release: %r is not a received tensor set (a single tensor is released "
@@ -546,9 +546,10 @@ def recv(ch, timeout=None, device=None, as_parameter=False, requires_grad=None,
     releasing either releases this version. A set of another layout comes
     as new tensors (then `result.tensors is not r.tensors`), and r's tensors
     keep their memory mapped until they go. Between the release and the
-    return, r's tensors hold whatever the producer writes; a recv that
-    returns without a set for them (a timeout, a cancel) leaves them
-    released, offered to no later recv.
+    return, r's tensors hold whatever the producer writes; a recv that ends
+    without a set for them (TimeoutError, a cancel, something else came)
+    leaves them released: a plain recv never takes them, recv(into=r) again
+    offers them again.
     """
     c = ch._c
     reused = None
