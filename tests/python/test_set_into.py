@@ -175,6 +175,18 @@ def a_worker_thread_receives_each_version_into_its_tensors_while_the_main_thread
     """The weight-sync loop with the worker on a thread of its own: the
     main thread sends each version and waits for its release, the worker
     takes each into the same tensors and checks them."""
+    worker_thread_loop()
+
+
+@test
+def the_worker_thread_loop_on_one_cpu():
+    """The same with the process held to one CPU (a container's quota, a
+    small VM): the two threads take turns on it."""
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    worker_thread_loop()
+
+
+def worker_thread_loop():
     m = model_of_290()
     sent = m.state_dict()
     p, c = pair()
@@ -202,6 +214,45 @@ def a_worker_thread_receives_each_version_into_its_tensors_while_the_main_thread
     for v in range(versions):
         update(sent, v)
         p.wait_released(tshare.send(p, sent, meta=b"%d" % v, timeout=20), timeout=20)
+    th.join(30)
+    assert not th.is_alive() and not errors, errors
+    p.close()
+    c.close()
+
+
+@test
+def an_asyncio_worker_awaits_each_version_into_its_tensors():
+    import asyncio
+    from tshare import aio
+
+    m = model_of_290()
+    sent = m.state_dict()
+    p, c = pair()
+    versions = 10
+    errors = []
+
+    def trainer():
+        try:
+            for v in range(versions):
+                update(sent, v)
+                p.wait_released(tshare.send(p, sent, meta=b"%d" % v, timeout=20), timeout=20)
+        except BaseException as e:  # reported by the main thread
+            errors.append(repr(e))
+
+    async def worker():
+        r = first = None
+        for v in range(versions):
+            r = await aio.recv(c, timeout=20, into=r) if r is not None else await aio.recv(c, timeout=20)
+            if first is None:
+                first = r.tensors
+            assert r.tensors is first, "version %d came as new tensors" % v
+            assert r.meta == b"%d" % v and all(t.reshape(-1)[0].item() == v for t in r.tensors.values()), v
+            r.release()
+        c.poll(0)  # the last release
+
+    th = threading.Thread(target=trainer)
+    th.start()
+    asyncio.run(worker())
     th.join(30)
     assert not th.is_alive() and not errors, errors
     p.close()
