@@ -499,10 +499,7 @@ def cuda_each_version_comes_into_the_first_versions_tensors_after_the_consumers_
     p, proc = start_cuda_consumer("into")
     sent, base = numbered_cuda_set(290)
     for v in range(6):
-        set_id = tshare.send(p, sent, meta=b"%d" % v, timeout=60)
-        line = proc.stdout.readline().strip()
-        assert line == "n=290 ok" + (" into" if v else ""), (v, line)
-        p.wait_released(set_id, timeout=30)
+        send_cuda_and_expect(p, proc, sent, "n=290 ok" + (" into" if v else ""), meta=b"%d" % v)
         with torch.no_grad():  # absolute values: a consumer's add landing after this would show at its next read
             base.copy_(torch.arange(3.0 * 290, device="cuda").view(290, 3) + v + 1)
     end_cuda_consumer(p, proc)
