@@ -70,17 +70,36 @@ static void table_remove(py_mem *m) {
   pthread_mutex_unlock(&table_lock);
 }
 
-py_mem_kind py_memory_lookup(uintptr_t storage_key, void **memory) {
-  py_mem_kind kind = PY_MEM_NONE;
-  *memory = NULL;
-  pthread_mutex_lock(&table_lock);
+/* The entry of storage_key and what it is (table_lock held). */
+static py_mem *lookup_locked(uintptr_t storage_key, py_mem_kind *kind, void **memory) {
   for (py_mem *m = table[bucket_of(storage_key)]; m; m = m->next) {
     if (m->storage_key == storage_key) {
-      kind = m->kind == PY_MEM_VIEW && !m->view ? PY_MEM_PINNED : m->kind;
-      *memory = kind == PY_MEM_VIEW ? (void *)m->view : kind == PY_MEM_HOST_BUFFER ? (void *)m->buffer : NULL;
-      break;
+      *kind = m->kind == PY_MEM_VIEW && !m->view ? PY_MEM_PINNED : m->kind;
+      *memory = *kind == PY_MEM_VIEW ? (void *)m->view : *kind == PY_MEM_HOST_BUFFER ? (void *)m->buffer : NULL;
+      return m;
     }
   }
+  *kind = PY_MEM_NONE;
+  *memory = NULL;
+  return NULL;
+}
+
+py_mem_kind py_memory_lookup(uintptr_t storage_key, void **memory) {
+  py_mem_kind kind;
+  pthread_mutex_lock(&table_lock);
+  lookup_locked(storage_key, &kind, memory);
+  pthread_mutex_unlock(&table_lock);
+  return kind;
+}
+
+py_mem_kind py_memory_lookup_forward(uintptr_t storage_key, void **memory, void **token) {
+  py_mem_kind kind;
+  pthread_mutex_lock(&table_lock);
+  py_mem *m = lookup_locked(storage_key, &kind, memory);
+  /* Counted under the lock the lookup took: a release between the two
+   * would find no forward and unpin the view this send is about to use. */
+  if (kind == PY_MEM_VIEW) atomic_fetch_add(&m->forwards, 1);
+  *token = kind == PY_MEM_VIEW ? m : NULL;
   pthread_mutex_unlock(&table_lock);
   return kind;
 }
@@ -328,20 +347,6 @@ int py_memory_release_pinned(PyObject *const *capsules, Py_ssize_t n) {
   }
   free(mems);
   return (int)held;
-}
-
-void *py_memory_forward_begin(uintptr_t storage_key) {
-  py_mem *found = NULL;
-  pthread_mutex_lock(&table_lock);
-  for (py_mem *m = table[bucket_of(storage_key)]; m; m = m->next) {
-    if (m->storage_key == storage_key && m->kind == PY_MEM_VIEW && m->view) {
-      found = m;
-      atomic_fetch_add(&m->forwards, 1);
-      break;
-    }
-  }
-  pthread_mutex_unlock(&table_lock);
-  return found;
 }
 
 void py_memory_forward_more(void *token) {

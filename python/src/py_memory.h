@@ -57,11 +57,13 @@ int py_memory_attach_view(PyObject *capsule, tshare_view *view);
 int py_memory_release_pinned(PyObject *const *capsules, Py_ssize_t n);
 
 /* A send on of a received tensor (storage_key) under way: while counted, a
- * release of its memory with py_memory_release_pinned is refused. begin
- * returns the token (NULL: no received view there) that more (one more
- * hold: a share out) and end (one less) take; end from any thread. The
- * caller holds a tensor on the storage from begin to its last end. */
-void *py_memory_forward_begin(uintptr_t storage_key);
+ * release of its memory with py_memory_release_pinned is refused.
+ * py_memory_lookup_forward is py_memory_lookup that, finding a received view
+ * (PY_MEM_VIEW), counts a forward in the same look and returns its token
+ * (else NULL) that more (one more hold: a share out) and end (one less)
+ * take; end from any thread. The caller holds a tensor on the storage from
+ * the lookup to its last end. */
+py_mem_kind py_memory_lookup_forward(uintptr_t storage_key, void **memory, void **token);
 void py_memory_forward_more(void *token);
 void py_memory_forward_end(void *token);
 

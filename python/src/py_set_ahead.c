@@ -9,18 +9,23 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int enabled;
-
 /* Recipe generations count up across every channel of the process (GIL
  * held): tensors of one channel's set are never taken for another's. */
 static uint64_t last_generation;
 
-void py_ahead_enable(int on) { enabled = on; }
-
 /* What was made ahead will not be handed over: it goes at the next recv
- * call (dropping hundreds of tensors is not for the way to a result). */
+ * call (dropping hundreds of tensors is not for the way to a result). A
+ * caller's own tensors offered by recv(into=) go at once: that recv holds
+ * them, so this drops a reference and nothing else, and a slot kept for the
+ * next recv would pin their memory after the caller let go of them. */
 static void go_stale(py_set_ahead *a) {
-  if (!a->ahead) return; /* what went stale before stays for the next recv to drop */
+  if (!a->ahead) return;
+  if (a->ahead_is_offer) {
+    a->ahead_is_offer = 0;
+    Py_CLEAR(a->ahead);
+    return;
+  }
+  /* what went stale before stays for the next recv to drop */
   PyObject *older = a->stale;
   a->stale = a->ahead;
   a->ahead = NULL;
@@ -113,7 +118,7 @@ int py_ahead_record(py_set_ahead *a, const tshare_set *s, const uint32_t *base_m
   }
   go_stale(a);
   drop_recipe(a);
-  if (!enabled || !tshare_set_layout(s)) return 0;
+  if (!tshare_set_layout(s)) return 0;
   if (record(a, s, base_member, base_bytes, n_bases, kind_of, kinds, views) == 0) return 0;
   drop_recipe(a);
   return -1;
@@ -183,6 +188,7 @@ PyObject *py_ahead_hand_over(py_set_ahead *a, tshare_set *s) {
   tshare_set_release(s); /* each memory's view holds it now */
   PyObject *ahead = a->ahead;
   a->ahead = NULL;
+  a->ahead_is_offer = 0;
   Py_DECREF(ahead); /* result holds the tensors, or (no memory for it) they go, and the set with them */
   if (result) a->handed_over++, a->misses = 0;
   return result;
@@ -263,6 +269,7 @@ static PyObject *ahead_store(PyObject *obj, PyObject *args, int into) {
   }
   if (into) go_stale(a); /* tensors made ahead meanwhile are dropped at the next recv, not here */
   a->ahead = made;
+  a->ahead_is_offer = into;
   a->made += !into;
   Py_RETURN_TRUE;
 }
@@ -273,7 +280,7 @@ PyObject *py_channel_ahead_into(PyObject *obj, PyObject *args) { return ahead_st
 
 PyObject *py_channel_ahead_withdraw(PyObject *obj, PyObject *tensors) {
   py_set_ahead *a = &((PyChannel *)obj)->ahead;
-  if (a->ahead && PyTuple_GET_ITEM(a->ahead, 0) == tensors) go_stale(a); /* dropped (a reference) at the next recv */
+  if (a->ahead && PyTuple_GET_ITEM(a->ahead, 0) == tensors) go_stale(a); /* the offer's reference, dropped now */
   Py_RETURN_NONE;
 }
 
@@ -285,12 +292,4 @@ PyObject *py_channel_ahead_counts(PyObject *obj, void *unused) {
   (void)unused;
   const py_set_ahead *a = &((PyChannel *)obj)->ahead;
   return Py_BuildValue("(KK)", a->made, a->handed_over);
-}
-
-PyObject *py_set_ahead_enable(PyObject *module, PyObject *args) {
-  (void)module;
-  int on;
-  if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
-  py_ahead_enable(on);
-  Py_RETURN_NONE;
 }

@@ -49,15 +49,12 @@ typedef struct py_set_ahead {
   PyObject *own;           /* [(index, name, dtype code, bits)] of the members with a capsule of their own */
   PyObject *ahead;         /* (tensors, capsules, memories) made for the next set, or a received set's
                               given back to take it (_ahead_into), or NULL */
+  int ahead_is_offer;      /* ahead is _ahead_into's (the caller's own tensors), not made here */
   PyObject *stale;         /* made for a set that did not come: dropped at the next recv */
   unsigned misses;          /* sets in a row that did not fit what was made: at 2 nothing is made
                               until a set of the recipe's layout comes (a producer alternating models) */
   unsigned long long made, handed_over;
 } py_set_ahead;
-
-/* Whether channels keep recipes (set once by tshare._sets: only where the
- * tensors can be made ahead). */
-void py_ahead_enable(int on);
 
 /* Forget the recipe and what was made from it (a set of no kept layout came,
  * the channel closes). */
@@ -102,6 +99,5 @@ PyObject *py_channel_ahead_withdraw(PyObject *self, PyObject *tensors);
  * given back to with _ahead_into), 0 when none: call after py_ahead_record. */
 unsigned long long py_ahead_generation_of(const py_set_ahead *a, const tshare_set *s);
 PyObject *py_channel_ahead_counts(PyObject *self, void *unused);
-PyObject *py_set_ahead_enable(PyObject *module, PyObject *args);
 
 #endif /* TSHARE_PY_SET_AHEAD_H */

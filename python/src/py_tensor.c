@@ -172,7 +172,8 @@ PyObject *py_channel_send(PyChannel *self, PyObject *args) {
   if (fill_desc(shape, strides, code, bits, &s.d) < 0) return NULL;
   int empty = tshare_tensor_numel(&s.d) == 0;
   int r;
-  py_mem_kind kind = py_memory_lookup((uintptr_t)storage_key, &s.memory);
+  void *forward_token;
+  py_mem_kind kind = py_memory_lookup_forward((uintptr_t)storage_key, &s.memory, &forward_token);
   if (kind == PY_MEM_PINNED)
     return py_raise_fmt(TSHARE_E_STATE, "tshare: send: the tensor is of a received set released with "
                                         "Received.release(): its memory is the producer's to change until the next "
@@ -182,10 +183,13 @@ PyObject *py_channel_send(PyChannel *self, PyObject *args) {
     s.keep = keep;
     s.d.byte_offset = empty ? 0 : data - (uintptr_t)tshare_view_data(s.memory);
     s.forward = malloc(sizeof *s.forward);
-    if (!s.forward) return PyErr_NoMemory();
+    if (!s.forward) {
+      py_memory_forward_end(forward_token);
+      return PyErr_NoMemory();
+    }
     Py_INCREF(keep);
     s.forward->storage = keep;
-    s.forward->token = py_memory_forward_begin((uintptr_t)storage_key); /* counted from before the first try */
+    s.forward->token = forward_token; /* counted by the lookup, from before the first try */
     atomic_init(&s.forward->refs, 1);
     r = send_in_slices(&s, "send (a received tensor, on)", timeout_ms);
     forward_hold_drop(s.forward); /* the call's hold; each share out keeps its own */

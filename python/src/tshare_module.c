@@ -111,7 +111,6 @@ static PyMethodDef module_methods[] = {
   {"_bound_made", py_bound_made, METH_VARARGS, NULL},
   {"_bound_all", py_bound_all, METH_VARARGS, NULL},
   {"_bind_keys", py_bind_keys, METH_VARARGS, NULL},
-  {"_set_ahead", py_set_ahead_enable, METH_VARARGS, NULL},
   {"_release_pinned", release_pinned, METH_VARARGS, NULL},
   {"_open_socket", (PyCFunction)(void (*)(void))py_open_socket, METH_VARARGS | METH_KEYWORDS, NULL},
   {"_check_options", (PyCFunction)(void (*)(void))py_check_options, METH_VARARGS | METH_KEYWORDS, NULL},

@@ -52,7 +52,6 @@ _native = _load_native()
 # the C++ maker. TSHARE_SET_AHEAD=0 turns it off. The recipe is kept either
 # way: recv(into=r) hands the next set to r's tensors by it.
 AHEAD = _native is not None and os.environ.get("TSHARE_SET_AHEAD", "1") != "0"
-_tshare._set_ahead(True)
 
 
 def _fail(code, message):

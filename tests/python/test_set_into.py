@@ -125,6 +125,46 @@ def a_set_of_another_layout_comes_as_new_tensors_and_the_released_ones_stay_vali
 
 
 @test
+def an_offer_no_set_took_pins_nothing_once_the_caller_drops_its_tensors():
+    """recv(into=r) offers r's tensors to the channel; a recv that timed out,
+    or got a set of another layout, leaves the channel without a hold on
+    them: once the caller drops r, the retired memory goes at the next idle
+    turn, with no other recv in between."""
+    p, c = pair()
+    base = memfd_mappings()
+    for ending in ("timed out", "another layout"):
+        sent = {"w%d" % k: tshare.empty_shared(64, 1024) for k in range(4)}
+        other = {"x": tshare.empty_shared(8)}
+        update(sent, 3)
+        set_id = tshare.send(p, sent, timeout=10)
+        r = tshare.recv(c, timeout=10)
+        r.release()
+        released_soon(p, c, set_id)
+        if ending == "timed out":
+            harness.expect_error(tshare.E_TIMEOUT, "", tshare.recv, c, timeout=0.05, into=r)
+            r2 = None
+        else:
+            other_id = tshare.send(p, other, timeout=10)
+            r2 = tshare.recv(c, timeout=10, into=r)
+            assert r2.tensors is not r.tensors
+            del r2
+            gc.collect()
+            released_soon(p, c, other_id)
+        del sent, other
+        gc.collect()
+        p.forget_set()
+        p.poll(0)  # the producer retires the memfds it dropped
+        c.poll(0)  # the consumer reads the retires
+        assert memfd_mappings() >= base + 4, ending
+        del r
+        gc.collect()
+        c.poll(0.01)  # an idle turn: retired memory no one holds goes
+        assert memfd_mappings() == base, "%s: the offered tensors' memory stayed mapped after they went" % ending
+    p.close()
+    c.close()
+
+
+@test
 def release_and_into_refuse_what_they_cannot_do():
     p, c = pair()
     p2, c2 = pair()
