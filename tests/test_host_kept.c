@@ -445,4 +445,38 @@ TS_TEST(a_buffer_updated_in_place_and_shared_again_reaches_the_consumer_every_ti
   tshare_channel_close(ch);
 }
 
+/* ---- a buffer dropped just before the bye ------------------------------- */
+
+static void consumer_unmaps_at_the_bye(int fd) {
+  tshare_channel *ch = open_socket_channel(fd, "consumer", NULL, NULL);
+  tshare_view *v;
+  CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_OK, tshare_channel_last_error(ch));
+  check_filled(tshare_view_data(v), 11);
+  tshare_view_release(v);
+  CHECK_EQ(count_mappings("memfd:tshare-last-words"), 1); /* kept for the next share of it */
+  CHECK_RC(tshare_view_recv(ch, 5000, &v), TSHARE_END, tshare_channel_last_error(ch));
+  /* The producer dropped the buffer and said bye with no turn between: the
+   * retire went before the bye, so the mapping is gone while the channel
+   * is still open (a consumer may keep it open a long time after a bye). */
+  CHECK_EQ(count_mappings("memfd:tshare-last-words"), 0);
+  tshare_channel_close(ch);
+}
+
+TS_TEST(a_buffer_dropped_just_before_the_bye_is_unmapped_by_the_consumer_at_the_bye) {
+  int sock;
+  pid_t pid = fork_with_socket(consumer_unmaps_at_the_bye, &sock);
+  tshare_channel *ch = open_socket_channel(sock, "producer", NULL, NULL);
+  tshare_host_buffer *buf;
+  CHECK_RC(tshare_host_buffer_create(INTS * sizeof(int32_t), "tshare-last-words", &buf, NULL), TSHARE_OK, "");
+  tshare_tensor_desc d = ints(INTS);
+  fill(tshare_host_buffer_data(buf), 11);
+  uint64_t id;
+  CHECK_RC(tshare_share_host(ch, buf, &d, NULL, NULL, 5000, &id), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_RC(tshare_channel_wait_released(ch, id, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  tshare_host_buffer_destroy(buf);
+  CHECK_RC(tshare_channel_send_bye(ch, 0, 5000), TSHARE_OK, tshare_channel_last_error(ch));
+  CHECK_CHILD_OK(pid);
+  tshare_channel_close(ch);
+}
+
 TS_TEST_MAIN

@@ -274,7 +274,12 @@ int tshare_channel_recv_frame(tshare_channel *ch, tshare_frame *f, int *fd_out, 
 
 static int send_bye(tshare_channel *ch, uint32_t reason, int timeout_ms) {
   int64_t deadline = ts_deadline(timeout_ms);
-  int rc = ts_share_flush_pending(ch, deadline);
+  /* What a turn of the channel would have sent goes before the bye: a retire
+   * of memory dropped since the last turn (else the peer keeps it mapped
+   * until it closes, however long that is after the bye), and the releases. */
+  ts_backend_wait wait;
+  int rc = ts_backends_housekeeping(ch, deadline, &wait);
+  if (rc == TSHARE_OK) rc = ts_share_flush_pending(ch, deadline);
   if (rc != TSHARE_OK) return rc;
   tshare_frame f;
   memset(&f, 0, sizeof f);

@@ -94,7 +94,7 @@ def a_released_sets_memory_stays_mapped_after_the_producer_drops_it_and_goes_wit
     assert all(t.sum().item() == 7 * 64 * 1024 for t in tensors.values())
     del tensors
     gc.collect()
-    c.poll(0.01)  # a wait, so an idle turn: the retired mappings go now
+    c.poll(0)  # a turn: the retired mappings go now
     assert memfd_mappings() == base, "the retired memory stayed mapped after its tensors went"
     p.close()
     c.close()
@@ -158,7 +158,7 @@ def an_offer_no_set_took_pins_nothing_once_the_caller_drops_its_tensors():
         assert memfd_mappings() >= base + 4, ending
         del r
         gc.collect()
-        c.poll(0.01)  # an idle turn: retired memory no one holds goes
+        c.poll(0)  # a turn of the channel: retired memory no one holds goes
         assert memfd_mappings() == base, "%s: the offered tensors' memory stayed mapped after they went" % ending
     p.close()
     c.close()

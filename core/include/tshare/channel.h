@@ -159,7 +159,10 @@ TSHARE_API int tshare_channel_send_frame(tshare_channel *ch, const tshare_frame 
  * its count, and the other members, keep what they held. */
 TSHARE_API int tshare_channel_recv_frame(tshare_channel *ch, tshare_frame *frame, int *fd_out, int timeout_ms);
 
-/* Tell the peer the stream is over (reason 0: done). */
+/* Tell the peer the stream is over (reason 0: done). What a turn of the
+ * channel would send goes first: releases, and retires of memory this end
+ * dropped since its last turn (so the peer unmaps it at the bye, not when it
+ * closes). */
 TSHARE_API int tshare_channel_send_bye(tshare_channel *ch, uint32_t reason, int timeout_ms);
 
 /* Tell the peer about an error (best effort, never waits long). */
