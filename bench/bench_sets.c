@@ -21,13 +21,15 @@ typedef struct sets_run {
   int python;        /* run by the Python peer */
   int consumers;
   int pack;          /* --pack: the model's tensors packed into one allocation (share_model_ / share_module_) */
-  int into;          /* --into: a Python consumer takes each version into its tensors (recv into=) */
+  int into;          /* each version into the consumer's tensors: Python recv into=, the bridge's recv_into */
 } sets_run;
 
 static const sets_run RUNS[] = {
     {"bridge", "bridge, one set", "set", 0, 1, 0, 0},
     {"bridge", "bridge, one set", "set", 0, 4, 0, 0},
     {"bridge_packed", "bridge, one set of a packed module", "set", 0, 1, 1, 0},
+    {"bridge_into", "bridge, one set into the same tensors", "set", 0, 1, 0, 1},
+    {"bridge_packed_into", "bridge, a packed module's set into the same tensors", "set", 0, 1, 1, 1},
     {"bridge_rebuilt", "bridge, one set built per send", "set-free", 0, 1, 0, 0},
     {"bridge_loop", "bridge, send per tensor", "loop", 0, 1, 0, 0},
     {"python", "Python, one set", "tshare", 1, 1, 0, 0},
@@ -92,7 +94,10 @@ static void run_one(bench *b, const sets_run *r, const char *dev, int hidden) {
   if (r->into) *flag++ = (char *)"--into";
   char *bridge[] = {(char *)b->opt.torch_sets_bench, (char *)"--way", (char *)r->way, (char *)"--device", (char *)dev,
                     (char *)"--consumers", consumers, (char *)"--hidden", hid, (char *)"--iters", iters,
-                    (char *)"--warmup", warmup, r->pack ? (char *)"--pack" : NULL, NULL};
+                    (char *)"--warmup", warmup, NULL, NULL, NULL, NULL};
+  char **bridge_flag = &bridge[sizeof bridge / sizeof *bridge - 4];
+  if (r->pack) *bridge_flag++ = (char *)"--pack";
+  if (r->into) *bridge_flag++ = (char *)"--consumer", *bridge_flag++ = (char *)"into";
   if (!r->python && !b->opt.torch_sets_bench) {
     skip_run(b, r, dev, "built without LibTorch");
     return;
@@ -125,6 +130,8 @@ static void note_loop_ratios(bench *b, const char *dev) {
   note_ratio(b, "bridge_rebuilt", "bridge", dev, "the kept SetSender's time");
   note_ratio(b, "bridge_packed", "bridge", dev, "the unpacked model's time");
   note_ratio(b, "python_packed", "python", dev, "the unpacked model's time");
+  note_ratio(b, "bridge_into", "bridge", dev, "tensors made ahead per version");
+  note_ratio(b, "bridge_packed_into", "bridge_packed", dev, "tensors made ahead per version");
   note_ratio(b, "python_into", "python", dev, "new tensors per version");
   note_ratio(b, "python_packed_into", "python_packed", dev, "new tensors per version");
 }
@@ -209,13 +216,13 @@ static void per_model_target(bench *b, const char *text, const char *impl, doubl
 
 void bench_sets_targets(bench *b) {
   static const char *const one_set[2] = {"bridge", "python"}, *const packed[2] = {"bridge_packed", "python_packed"};
-  static const char *const into[2] = {"bridge", "python_into"}, *const packed_into[2] = {"bridge_packed",
-                                                                                        "python_packed_into"};
+  static const char *const into[2] = {"bridge_into", "python_into"},
+                           *const packed_into[2] = {"bridge_packed_into", "python_packed_into"};
   speedup_target(b, "sets: repeated update >= 100x faster than torch.mp q.put(state_dict)", one_set, "update", 100);
-  /* The update pattern's own way in Python: the consumer keeps its tensors
-   * and each version comes into them (Received.release, recv into=), as the
-   * bridge's consumer keeps its set's layout. */
-  speedup_target(b, "sets: repeated update, a Python consumer receiving into its tensors, >= 100x faster than torch.mp",
+  /* The update pattern's own way for a consumer whose model runs on the
+   * tensors: it keeps them and each version comes into them (Python's
+   * Received.release and recv into=, the bridge's release and recv_into). */
+  speedup_target(b, "sets: repeated update, a consumer receiving into its tensors, >= 100x faster than torch.mp",
                  into, "update", 100);
   speedup_target(b, "sets: repeated update of a packed module, received into the same tensors, >= 100x faster than "
                  "torch.mp", packed_into, "update", 100);

@@ -11,11 +11,13 @@
 //
 //   bench_torch_sets [--device cpu|cuda] [--consumers N] [--way set|set-free|loop]
 //                    [--hidden H] [--iters N] [--warmup W] [--first-iters N]
-//                    [--consumer bridge|recv-set|core|read|split] [--hold-us N] [--pack]
+//                    [--consumer bridge|into|recv-set|core|read|split] [--hold-us N] [--pack]
 //
 // --consumer bridge (the default) takes each set through one SetReceiver
 // kept across them, as the update pattern does (the tensors of a set sent
-// again made while it waited); recv-set through recv_set, each set's
+// again made while it waited); into keeps the first set's tensors and takes
+// each next version into them (release, SetReceiver::recv_into), as a
+// consumer whose model runs on them does; recv-set through recv_set, each set's
 // tensors made when it comes; core takes each set through the C API alone (tshare_set_recv,
 // tshare_set_release), with no tensors made; read does the same and reads the
 // first byte of each CPU member before the release, as a consumer using
@@ -202,13 +204,19 @@ static int consumer(int fd, bool as_set, const std::string &kind, long index) {
       return 0;
     }
     tt::SetReceiver receiver; // the update pattern's consumer; recv-set: each set made as it comes
+    std::optional<tt::ReceivedSet> kept; // into: the set whose tensors take the next version
     uint64_t sets = 0;
     for (;;) {
       if (as_set) {
-        std::optional<tt::ReceivedSet> r = kind == "recv-set" ? tt::recv_set(ch, {TIMEOUT}) : receiver.recv(ch, {TIMEOUT});
+        std::optional<tt::ReceivedSet> r = kind == "recv-set"   ? tt::recv_set(ch, {TIMEOUT})
+                                           : kind == "into" && kept ? receiver.recv_into(ch, *kept, {TIMEOUT})
+                                                                    : receiver.recv(ch, {TIMEOUT});
         if (!r) {
           print_timeline(index, received_us, dropped_us);
-          if (kind != "recv-set")
+          if (kind == "into")
+            std::printf("consumer %ld: %llu of %llu sets came into the tensors of the set before\n", index,
+                        (unsigned long long)receiver.received_into(), (unsigned long long)sets);
+          else if (kind != "recv-set")
             std::printf("consumer %ld: %llu of %llu sets came with their tensors made ahead (SetReceiver)\n", index,
                         (unsigned long long)receiver.ready_made(), (unsigned long long)sets);
           std::fflush(stdout);
@@ -217,7 +225,12 @@ static int consumer(int fd, bool as_set, const std::string &kind, long index) {
         sets++;
         double sent_at = timeline_start(r->meta);
         if (sent_at >= 0) received_us.push_back(now_us() - sent_at);
-        r.reset(); // every tensor dropped: the release goes out
+        if (kind == "into") {
+          tt::release(*r); // its tensors stay for the next version; the release goes out with the next call
+          kept = std::move(r);
+        } else {
+          r.reset(); // every tensor dropped: the release goes out
+        }
         if (sent_at >= 0) dropped_us.push_back(now_us() - sent_at);
         continue;
       }
@@ -316,9 +329,10 @@ int main(int argc, char **argv) {
   long consumers = std::max(1L, std::min(16L, arg_long(argc, argv, "--consumers", 1)));
   bool cuda = device == "cuda", as_set = way != "loop";
   std::string consumer_kind = arg_str(argc, argv, "--consumer", "bridge");
-  if (consumer_kind != "bridge" && consumer_kind != "recv-set" && consumer_kind != "core" && consumer_kind != "read" &&
+  if (consumer_kind != "bridge" && consumer_kind != "into" && consumer_kind != "recv-set" && consumer_kind != "core" &&
+      consumer_kind != "read" &&
       consumer_kind != "split") {
-    std::printf("error: --consumer %s: bridge, recv-set, core, read or split\n", consumer_kind.c_str());
+    std::printf("error: --consumer %s: bridge, into, recv-set, core, read or split\n", consumer_kind.c_str());
     return 2;
   }
   if (way != "set" && way != "set-free" && way != "loop") {

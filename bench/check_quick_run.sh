@@ -54,7 +54,8 @@ for scene in ["pinned", "busy"]:  # both ends on one CPU; a busy loop on every C
 # row; CPU ones measured wherever the program could run (torch present),
 # CUDA ones skipped without a GPU, and a measured set row has its torch.mp ratio.
 for dev in ["cpu", "cuda"]:
-    for impl, counts in [("bridge", [1, 4]), ("bridge_packed", [1]), ("bridge_rebuilt", [1]), ("bridge_loop", [1]),
+    for impl, counts in [("bridge", [1, 4]), ("bridge_packed", [1]), ("bridge_into", [1]), ("bridge_packed_into", [1]),
+                         ("bridge_rebuilt", [1]), ("bridge_loop", [1]),
                          ("python", [1, 4]), ("python_packed", [1]), ("python_into", [1]), ("python_packed_into", [1]),
                          ("python_loop", [1]), ("torch_mp", [1, 4])]:
         for mode in ["first", "update"]:
@@ -80,7 +81,7 @@ if not rows["ucx_same_host_native"]["skipped"] and "ucx]" in rows["ucx_same_host
     fail("a same-host channel by name went over UCX")
 if len(doc["targets"]) != 26: fail("targets missing")
 for start in ("sets: repeated update >= 100x", "sets: first hand-off of a packed module",
-              "sets: repeated update, a Python consumer receiving into", "sets: repeated update of a packed module"):
+              "sets: repeated update, a consumer receiving into", "sets: repeated update of a packed module"):
     if not any(t["target"].startswith(start) for t in doc["targets"]): fail(f"target '{start}...' missing")
 with open(f"{out}/bench.csv") as f:
     lines = list(csv.DictReader(f))

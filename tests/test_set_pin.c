@@ -81,11 +81,15 @@ static void *release_pins(void *arg) {
   return NULL;
 }
 
-TS_TEST(a_pinned_set_goes_back_while_its_memory_stays_mapped_for_the_next_version_and_past_its_retire) {
+/* The consumer: each round's set released while its memory stays pinned,
+ * one pin per member view (tshare_set_view_release_pinned) or one pin of
+ * the whole set (whole: tshare_set_pin_memories). */
+static void pinned_consumer(bool whole) {
   int sock;
   pid_t pid = fork_with_socket(producer, &sock);
   tshare_channel *ch = open_socket_channel(sock, "pin consumer", NULL, NULL);
   tshare_set_pin *pins[MEMBERS] = {0};
+  void *data[MEMBERS] = {0};
   uint64_t layout = 0;
   for (int round = 0; round < ROUNDS; round++) {
     tshare_set *s = NULL;
@@ -96,11 +100,24 @@ TS_TEST(a_pinned_set_goes_back_while_its_memory_stays_mapped_for_the_next_versio
       CHECK(layout != 0); /* a builder's set is kept by its layout: the next ones are at the same addresses */
     } else {
       CHECK_EQ(tshare_set_layout(s), layout);
-      for (int m = 0; m < MEMBERS; m++) CHECK(tshare_set_data(s, (size_t)m) == tshare_set_pin_data(pins[m]));
+      for (int m = 0; m < MEMBERS; m++) CHECK(tshare_set_data(s, (size_t)m) == data[m]);
+      if (!whole)
+        for (int m = 0; m < MEMBERS; m++) CHECK(tshare_set_pin_data(pins[m]) == data[m]);
+    }
+    for (int m = 0; m < MEMBERS; m++) data[m] = tshare_set_data(s, (size_t)m);
+    if (whole) {
+      for (int m = 0; m < MEMBERS; m++) check_member(data[m], round, m);
+      tshare_set_pin *next = NULL;
+      CHECK_RC(tshare_set_pin_memories(s, &next), TSHARE_OK, "");
+      CHECK(tshare_set_pin_data(next) == data[0]);
+      tshare_set_release(s);
+      tshare_set_pin_release(pins[0]); /* the pin of this version holds the memory now */
+      pins[0] = next;
+      continue;
     }
     tshare_view *views[MEMBERS];
     for (int m = 0; m < MEMBERS; m++) {
-      check_member(tshare_set_data(s, (size_t)m), round, m);
+      check_member(data[m], round, m);
       CHECK_RC(tshare_set_view(s, (size_t)m, &views[m]), TSHARE_OK, "");
     }
     tshare_set_release(s);
@@ -119,6 +136,7 @@ TS_TEST(a_pinned_set_goes_back_while_its_memory_stays_mapped_for_the_next_versio
   CHECK_EQ(tshare_set_view_release_pinned(single, &not_a_pin), TSHARE_E_INVALID_ARG);
   CHECK(not_a_pin == NULL);
   CHECK_EQ(tshare_set_view_release_pinned(NULL, &not_a_pin), TSHARE_E_INVALID_ARG);
+  CHECK_EQ(tshare_set_pin_memories(NULL, &not_a_pin), TSHARE_E_INVALID_ARG);
   check_member(tshare_view_data(single), ROUNDS, 0); /* the refused view is still held and usable */
   tshare_view_release(single);
 
@@ -128,7 +146,7 @@ TS_TEST(a_pinned_set_goes_back_while_its_memory_stays_mapped_for_the_next_versio
    * end's bye, so the channel is live throughout. */
   for (int turn = 0; turn < 20 && tshare_channel_poll(ch, 10) != TSHARE_E_PEER_CLOSED; turn++) {
   }
-  for (int m = 0; m < MEMBERS; m++) check_member(tshare_set_pin_data(pins[m]), ROUNDS, m);
+  for (int m = 0; m < MEMBERS; m++) check_member(data[m], ROUNDS, m);
   CHECK(count_mappings(MEMFD_NAME) > 0);
   pthread_t t;
   CHECK(pthread_create(&t, NULL, release_pins, pins) == 0);
@@ -143,5 +161,11 @@ TS_TEST(a_pinned_set_goes_back_while_its_memory_stays_mapped_for_the_next_versio
   CHECK(tshare_set_pin_data(NULL) == NULL);
   tshare_channel_close(ch);
 }
+
+TS_TEST(a_pinned_set_goes_back_while_its_memory_stays_mapped_for_the_next_version_and_past_its_retire) {
+  pinned_consumer(false);
+}
+
+TS_TEST(a_whole_set_pinned_in_one_goes_back_while_its_memory_stays_mapped_past_its_retire) { pinned_consumer(true); }
 
 TS_TEST_MAIN

@@ -906,6 +906,18 @@ static void describe_member(tshare_view *v, const tshare_set *s, size_t i) {
   v->desc = e->desc;
 }
 
+uint32_t ts_set_memory_count(const tshare_set *s, tshare_channel **ch) {
+  *ch = s->ch;
+  return s->mems_got;
+}
+
+void ts_set_memory_at(const tshare_set *s, uint32_t i, const ts_backend **backend, void **memory) {
+  *backend = s->mems[i].backend;
+  *memory = s->mems[i].memory;
+}
+
+void ts_set_ref(tshare_set *s) { atomic_fetch_add(&s->refs, 1); }
+
 const ts_backend *ts_set_view_memory_backend(const tshare_view *v) {
   if (!v || (v->backend != &member_backend && v->backend != &member_copy_backend)) return NULL;
   return ((const set_view *)v)->mem_backend;

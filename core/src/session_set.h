@@ -5,6 +5,7 @@
 #define TSHARE_TENSOR_SET_INTERNAL_H
 
 #include "session.h"
+#include "tshare/set.h"
 #include "tshare/wire.h"
 
 #include <string.h>
@@ -17,6 +18,13 @@ tshare_view *ts_view_described(tshare_view *v);
 /* The backend of the memory a set member's view maps, or NULL for any other
  * view (session_set_pin.c). */
 const struct ts_backend *ts_set_view_memory_backend(const tshare_view *v);
+
+/* The number of s's memories, and its channel; memory i's backend and
+ * mapping, as the set holds them. */
+uint32_t ts_set_memory_count(const tshare_set *s, tshare_channel **ch);
+void ts_set_memory_at(const tshare_set *s, uint32_t i, const struct ts_backend **backend, void **memory);
+/* One more reference on s (tshare_set_release lets go of it). */
+void ts_set_ref(tshare_set *s);
 
 /* A set frame from the peer, with the fd that came with it (or -1 and
  * fd_lost, as ts_session_recv_by says). The fd is always consumed. A set the

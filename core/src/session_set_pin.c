@@ -16,36 +16,79 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 
-struct tshare_set_pin {
-  tshare_channel *ch; /* a reference, as the view held */
+/* One memory's pin, or every memory of a set's (tshare_set_pin_memories):
+ * one reference on each mapping, taken under one lock. */
+typedef struct pinned_memory {
   const ts_backend *backend;
   void *memory;
+} pinned_memory;
+
+struct tshare_set_pin {
+  tshare_channel *ch; /* a reference, as the view held */
   void *data;
   tshare_view *child_view; /* in a forked child: the view itself (its release touches only the child's copy) */
+  tshare_set *child_set;   /* in a forked child, a whole set's: the set itself, likewise */
+  size_t n;
+  pinned_memory mems[];
 };
+
+static tshare_set_pin *pin_new(tshare_channel *ch, void *data, size_t n) {
+  tshare_set_pin *pin = malloc(sizeof *pin + (n ? n : 1) * sizeof pin->mems[0]);
+  if (!pin) return NULL;
+  pin->ch = ch;
+  pin->data = data;
+  pin->child_view = NULL;
+  pin->child_set = NULL;
+  pin->n = n;
+  return pin;
+}
+
+/* The pin's references taken (the caller holds what keeps the mappings
+ * until then: a view, or the set). */
+static void pin_take(tshare_set_pin *pin) {
+  atomic_fetch_add(&pin->ch->refs, 1);
+  pthread_mutex_lock(&pin->ch->lock);
+  for (size_t i = 0; i < pin->n; i++) pin->mems[i].backend->memory_ref_locked(pin->ch, pin->mems[i].memory);
+  pthread_mutex_unlock(&pin->ch->lock);
+}
 
 int tshare_set_view_release_pinned(tshare_view *view, tshare_set_pin **out) {
   if (out) *out = NULL;
   const ts_backend *be = ts_set_view_memory_backend(view);
   if (!out || !be || !be->memory_ref_locked || !view->memory) return TSHARE_E_INVALID_ARG;
-  tshare_set_pin *pin = malloc(sizeof *pin);
+  tshare_set_pin *pin = pin_new(view->ch, view->data, 1);
   if (!pin) return TSHARE_E_NOMEM;
-  tshare_channel *ch = view->ch;
-  pin->ch = ch;
-  pin->backend = be;
-  pin->memory = view->memory;
-  pin->data = view->data;
-  pin->child_view = NULL;
-  if (ts_channel_foreign(ch)) { /* a forked child tells the producer nothing: the view is the pin */
+  pin->mems[0] = (pinned_memory){be, view->memory};
+  if (ts_channel_foreign(view->ch)) { /* a forked child tells the producer nothing: the view is the pin */
     pin->child_view = view;
     *out = pin;
     return TSHARE_OK;
   }
-  atomic_fetch_add(&ch->refs, 1);
-  pthread_mutex_lock(&ch->lock);
-  be->memory_ref_locked(ch, view->memory);
-  pthread_mutex_unlock(&ch->lock);
+  pin_take(pin);
   tshare_view_release(view);
+  *out = pin;
+  return TSHARE_OK;
+}
+
+int tshare_set_pin_memories(tshare_set *set, tshare_set_pin **out) {
+  if (out) *out = NULL;
+  if (!set || !out) return TSHARE_E_INVALID_ARG;
+  tshare_channel *ch;
+  uint32_t n = ts_set_memory_count(set, &ch);
+  tshare_set_pin *pin = pin_new(ch, tshare_set_count(set) ? tshare_set_data(set, 0) : NULL, n);
+  if (!pin) return TSHARE_E_NOMEM;
+  for (uint32_t i = 0; i < n; i++) ts_set_memory_at(set, i, &pin->mems[i].backend, &pin->mems[i].memory);
+  for (uint32_t i = 0; i < n; i++)
+    if (!pin->mems[i].backend->memory_ref_locked) { /* memory no pin can hold (none of a same-host set's) */
+      free(pin);
+      return TSHARE_E_INVALID_ARG;
+    }
+  if (ts_channel_foreign(ch)) { /* a forked child tells the producer nothing: the set is the pin */
+    ts_set_ref(set);
+    pin->child_set = set;
+  } else {
+    pin_take(pin);
+  }
   *out = pin;
   return TSHARE_OK;
 }
@@ -55,18 +98,23 @@ void *tshare_set_pin_data(const tshare_set_pin *pin) { return pin ? pin->data : 
 void tshare_set_pin_release(tshare_set_pin *pin) {
   if (!pin) return;
   tshare_channel *ch = pin->ch;
-  if (pin->child_view) {
+  if (pin->child_view || pin->child_set) {
     tshare_view_release(pin->child_view);
+    tshare_set_release(pin->child_set);
     free(pin);
     return;
   }
   if (ts_channel_foreign(ch)) { /* pinned in the parent, let go of in a child it forked */
-    if (pin->backend->memory_unref_in_child) pin->backend->memory_unref_in_child(ch, pin->memory);
+    for (size_t i = 0; i < pin->n; i++)
+      if (pin->mems[i].backend->memory_unref_in_child)
+        pin->mems[i].backend->memory_unref_in_child(ch, pin->mems[i].memory);
   } else {
     /* GPU work queued on the tensors since the set's release still reads the mapping. */
-    if (pin->backend->memory_wait_before_last_unref) pin->backend->memory_wait_before_last_unref(pin->memory);
+    for (size_t i = 0; i < pin->n; i++)
+      if (pin->mems[i].backend->memory_wait_before_last_unref)
+        pin->mems[i].backend->memory_wait_before_last_unref(pin->mems[i].memory);
     pthread_mutex_lock(&ch->lock);
-    pin->backend->memory_unref_locked(ch, pin->memory);
+    for (size_t i = 0; i < pin->n; i++) pin->mems[i].backend->memory_unref_locked(ch, pin->mems[i].memory);
     pthread_mutex_unlock(&ch->lock);
   }
   free(pin);

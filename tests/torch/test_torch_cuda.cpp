@@ -403,17 +403,31 @@ static int role_set_reader(tshare_channel *ch) {
 // version on, nothing new is mapped (the same set, sent again).
 // With a SetReceiver (ahead): the versions sent again come with their tensors
 // made ahead, and read right (ordered after the producer's stream all the same).
-static int read_versions(tshare_channel *ch, tt::SetReceiver *receiver) {
+// With into: each version after the first is received into the tensors of the
+// one before (release, recv_into): the same tensor objects while the layout
+// holds, read right after the producer's work.
+static int read_versions(tshare_channel *ch, tt::SetReceiver *receiver, bool into = false) {
   c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
   int v = 0;
   unsigned long long opens;
+  std::optional<tt::ReceivedSet> last; // into: the set whose tensors take the next
+  std::vector<at::Tensor> before;      // its tensors, to compare the next's with
+  int same = 0;                        // versions that came into the tensors before them
   auto next = [&]() -> std::optional<tt::ReceivedSet> {
     if (!receiver) return recv_set_counting_opens(ch, &opens);
     tshare_cuda_export_stats st0, st;
     tshare_cuda_stats(&st0);
-    auto r = receiver->recv(ch, {TIMEOUT});
+    auto r = into && last ? receiver->recv_into(ch, *last, {TIMEOUT}) : receiver->recv(ch, {TIMEOUT});
     tshare_cuda_stats(&st);
     opens = (st.imports + st.fd_imports) - (st0.imports + st0.fd_imports);
+    if (into && r) {
+      bool kept = before.size() == r->tensors.size();
+      for (size_t k = 0; kept && k < before.size(); k++) kept = r->tensors[k].value().is_same(before[k]);
+      same += kept;
+      before.clear();
+      for (auto &item : r->tensors) before.push_back(item.value());
+      last = *r; // the same tensors: the next comes into them
+    }
     return r;
   };
   while (auto r = next()) {
@@ -433,7 +447,13 @@ static int read_versions(tshare_channel *ch, tt::SetReceiver *receiver) {
   // Versions 20 and 21 are ordered after another stream than the one before
   // them: the set goes whole then (a layout of its own), made when it comes;
   // of the others, those that came while recv() waited were made ahead.
-  if (receiver) {
+  if (receiver && into) {
+    // 27 versions sent again, each into the tensors before it; 20 and 21 new.
+    printf("consumer: %d of 27 versions sent again came into the tensors before them\n", same);
+    CHECK_EQ(same, 27);
+    CHECK_EQ(receiver->received_into(), 27);
+    CHECK_EQ(receiver->ready_made(), 0);
+  } else if (receiver) {
     printf("consumer: %llu of 27 versions sent again were made ahead\n", (unsigned long long)receiver->ready_made());
     CHECK(receiver->ready_made() >= 1 && receiver->ready_made() <= 27);
   }
@@ -445,6 +465,11 @@ static int role_versions_reader(tshare_channel *ch) { return read_versions(ch, n
 static int role_versions_reader_ahead(tshare_channel *ch) {
   tt::SetReceiver receiver;
   return read_versions(ch, &receiver);
+}
+
+static int role_versions_reader_into(tshare_channel *ch) {
+  tt::SetReceiver receiver;
+  return read_versions(ch, &receiver, true);
 }
 
 static int role_set_killed(tshare_channel *ch) {
@@ -474,6 +499,7 @@ static int role_main(int argc, char **argv) {
            : role == "set_killed"         ? role_set_killed(ch)
            : role == "versions_reader"    ? role_versions_reader(ch)
            : role == "versions_reader_ahead" ? role_versions_reader_ahead(ch)
+           : role == "versions_reader_into" ? role_versions_reader_into(ch)
                                           : 2;
   tshare_channel_close(ch);
   fflush(stdout);
@@ -863,6 +889,11 @@ TS_TEST(cuda_set_sender_sends_the_kept_set_again) { send_versions("versions_read
 // The same versions to a SetReceiver: each set sent again gets the tensors
 // it made while it waited, version 20 (behind the sleep) read right too.
 TS_TEST(cuda_set_receiver_makes_the_tensors_of_versions_ahead) { send_versions("versions_reader_ahead"); }
+
+// The same versions received each into the tensors of the one before
+// (release, recv_into): version 10 behind the default stream's sleep and
+// version 20 behind a pool stream's read right in the same tensors.
+TS_TEST(cuda_set_receiver_brings_each_version_into_the_tensors_before_it) { send_versions("versions_reader_into"); }
 
 // A consumer killed while it holds a set: released as one, nothing left.
 TS_TEST(cuda_set_consumer_killed_frees_everything) {

@@ -4,7 +4,8 @@
 // version's names, values and metadata right, writes reaching the producer,
 // one release per set), and makes anew a set whose tensors changed. Two sets
 // of one layout held at once, a receive that times out, reset(), and sets
-// dropped on other threads while the next is received.
+// dropped on other threads while the next is received. A consumer that keeps
+// its tensors: release() and recv_into(), each version in the same tensors.
 #include "set_test_util.h"
 
 #include <c10/core/InferenceMode.h>
@@ -242,6 +243,88 @@ TS_TEST(sets_made_ahead_and_dropped_on_other_threads_are_released_each_once) {
   }
   c.finish();
   for (uint64_t id : ids) CHECK_EQ(c.releases.of(id), 1);
+}
+
+// ---- one set's tensors kept across versions: release, recv_into -------------------
+
+// Versions 2 to 30 come into version 1's tensors, the same objects, each
+// released first (on another thread every fifth time); a released tensor is
+// not sent on; writes reach the producer as with any set.
+static void into_consumer(int fd) {
+  tshare_channel *ch = open_channel(fd, "into consumer");
+  tt::SetReceiver receiver;
+  auto r = receiver.recv(ch, {TIMEOUT});
+  CHECK(r && r->meta == "version=1");
+  std::vector<at::Tensor> first;
+  for (auto &item : r->tensors) first.push_back(item.value());
+  int v = 1;
+  for (;;) {
+    for (size_t k = 0; k < 290; k++)
+      if (!at::equal(r->tensors[k].value(), version_values(v, k))) TS_FAIL("version %d: member %zu differs", v, k);
+    r->tensors[size_t(v)].value()[0] = float(-v); // the producer reads it after the release
+    if (v % 5 == 0)
+      std::thread([&r] { tt::release(*r); }).join();
+    else
+      tt::release(*r);
+    tt::release(*r); // again: nothing more
+    CHECK_THROWS_CODE(tt::send(ch, r->tensors[0].value()), TSHARE_E_STATE, "release");
+    auto next = receiver.recv_into(ch, *r, {TIMEOUT});
+    if (!next) break;
+    v++;
+    CHECK(next->meta == "version=" + std::to_string(v) && next->set_id != r->set_id);
+    for (size_t k = 0; k < 290; k++)
+      if (!next->tensors[k].value().is_same(first[k])) TS_FAIL("version %d: member %zu is a new tensor", v, k);
+    r = std::move(next);
+  }
+  CHECK_EQ(v, 30);
+  CHECK_EQ(receiver.received_into(), 29);
+  CHECK_EQ(receiver.ready_made(), 0);
+  r.reset();
+  first.clear();
+  tshare_channel_close(ch);
+}
+
+TS_TEST(each_version_comes_into_the_tensors_of_the_one_before) { send_30_versions(into_consumer, true); }
+
+// An offer no set took (a timeout) leaves the tensors released, mapped and
+// intact; a set of another layout then comes as new tensors; tensors that are
+// not one set's as it came are refused.
+static void offer_consumer(int fd) {
+  tshare_channel *ch = open_channel(fd, "consumer");
+  tt::SetReceiver receiver;
+  auto r = receiver.recv(ch, {TIMEOUT});
+  CHECK(r && r->meta == "version=1");
+  CHECK_THROWS_CODE(receiver.recv_into(ch, *r, {0}), TSHARE_E_TIMEOUT, ""); // the producer waits 100 ms
+  auto other = receiver.recv_into(ch, *r, {TIMEOUT});
+  CHECK(other && other->meta == "other" && other->tensors.size() == 3);
+  CHECK(!other->tensors[0].value().is_same(r->tensors[0].value()));
+  CHECK_EQ(receiver.received_into(), 0);
+  for (size_t k = 0; k < 290; k++) // the producer's memory, still mapped, as version 1 left it
+    if (!at::equal(r->tensors[k].value(), version_values(1, k))) TS_FAIL("member %zu differs", k);
+  CHECK_THROWS_CODE(tt::send(ch, r->tensors[3].value()), TSHARE_E_STATE, "release");
+  other.reset();
+  tt::ReceivedSet changed = *r;
+  changed.tensors[0].value() = at::zeros({4});
+  CHECK_THROWS_CODE(tt::release(changed), TSHARE_E_INVALID_ARG, "not one received set");
+  CHECK_THROWS_CODE(receiver.recv_into(ch, changed, {0}), TSHARE_E_INVALID_ARG, "not one received set");
+  tt::ReceivedSet none;
+  CHECK_THROWS_CODE(tt::release(none), TSHARE_E_INVALID_ARG, "not one received set");
+  r.reset();
+  changed = tt::ReceivedSet();
+  CHECK(!receiver.recv(ch, {TIMEOUT}));
+  tshare_channel_close(ch);
+}
+
+TS_TEST(an_offer_no_set_took_leaves_the_tensors_released_and_mapped) {
+  ForkedConsumer c(offer_consumer);
+  tt::NamedTensors state = model_in_7_memories();
+  write_version(state, 1);
+  tt::SetSender sender;
+  c.wait_released(sender.send(c.ch, state, {"version=1", TIMEOUT}));
+  usleep(100000); // the consumer's recv_into that sent the release times out first
+  tt::NamedTensors other = {{"x", tt::empty_shared({2})}, {"y", tt::empty_shared({3})}, {"z", tt::empty_shared({1})}};
+  c.wait_released(tt::send_set(c.ch, other, {"other", TIMEOUT}));
+  c.finish();
 }
 
 TS_TEST_MAIN

@@ -7,6 +7,11 @@
 // on it (the device given, so nothing asks the driver where the pointer
 // lives) and one count on the hold: no view, lock or allocation of the
 // core's per member. A member sent on with send() gets its view then, on demand.
+//
+// release() gives the set back while the tensors stay: the hold trades the
+// set handle for a pin of its memories (tshare_set_pin_memories), and a
+// SetReceiver's recv_into puts the next set of the same layout into the
+// same hold, under the same tensors.
 #include "tshare/torch_set.h"
 
 #include "bridge_internal.h"
@@ -45,18 +50,27 @@ struct MemberContext {
 };
 
 // What a received set's tensors share: the set handle and one count per
-// tensor, plus recv_set's own while it builds them.
+// tensor, plus recv_set's own while it builds them; or, once released with
+// release(), the pins that keep its memories mapped under the tensors.
 struct SetHold {
   std::atomic<size_t> refs{1};
-  tshare_set *set; // nullptr while a SetReceiver's prepared tensors wait for their set
+  // nullptr while a SetReceiver's prepared tensors wait for their set, or
+  // while released; written under lock, and read without it only by drop()
+  // (the last count: no one else can reach the hold then).
+  tshare_set *set;
   std::unique_ptr<MemberContext[]> members;
+  size_t count;
+  uint64_t layout = 0; // tshare_set_layout of the sets it holds (0: none kept), for recv_into
+  std::mutex lock;     // set and pin: release(), a hand-over and a member sent on
+  tshare_set_pin *pin = nullptr; // while released: every memory of the set, kept mapped
 
-  SetHold(tshare_set *s, size_t count) : set(s), members(new MemberContext[count]) {
-    for (size_t i = 0; i < count; i++) members[i] = {this, i};
+  SetHold(tshare_set *s, size_t n) : set(s), members(new MemberContext[n]), count(n) {
+    for (size_t i = 0; i < n; i++) members[i] = {this, i};
   }
   void drop() noexcept {
     if (refs.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
     tshare_set_release(set); // never blocks: the release goes out from here or the channel's next call
+    tshare_set_pin_release(pin);
     delete this;
   }
 };
@@ -162,17 +176,61 @@ SetHold *hold_of(const at::Tensor &t) {
   return p.get_deleter() == &drop_member ? static_cast<MemberContext *>(p.get_context())->hold : nullptr;
 }
 
+// The hold under every tensor of r, each tensor its member of r's place,
+// or nullptr where r's tensors are not one received set's as it came (one
+// replaced, or pointed elsewhere with set_()).
+SetHold *hold_of_set(const ReceivedSet &r) {
+  if (r.tensors.is_empty()) return nullptr;
+  SetHold *hold = hold_of(r.tensors[0].value());
+  if (!hold || hold->count != r.tensors.size()) return nullptr;
+  for (size_t i = 0; i < r.tensors.size(); i++) {
+    const at::Tensor &t = r.tensors[i].value();
+    if (hold_of(t) != hold || static_cast<MemberContext *>(t.storage().data_ptr().get_context())->index != i)
+      return nullptr;
+  }
+  return hold;
+}
+
+// The set under hold given back, its memories kept mapped (release()).
+void release_hold(SetHold &hold) {
+  std::lock_guard<std::mutex> guard(hold.lock);
+  if (!hold.set) return; // released already, and no newer version came since
+  tshare_set_pin *pin = nullptr;
+  int rc = tshare_set_pin_memories(hold.set, &pin);
+  if (rc != TSHARE_OK)
+    fail(rc, "release: set " + std::to_string(tshare_set_id(hold.set)) +
+                 (rc == TSHARE_E_NOMEM ? ": out of memory" : ": its memory cannot be kept mapped past its release"));
+  tshare_set *set = hold.set;
+  hold.set = nullptr;
+  hold.pin = pin;
+  tshare_set_release(set); // never blocks; the pin holds every memory, the tensors' counts hold the hold
+}
+
 } // namespace
+
+void release(ReceivedSet &r) {
+  SetHold *hold = hold_of_set(r);
+  if (!hold)
+    fail(TSHARE_E_INVALID_ARG, "release: the tensors are not one received set's as recv_set or SetReceiver gave them "
+                               "(a single tensor is released when it goes)");
+  release_hold(*hold);
+}
 
 namespace detail {
 
 bool is_set_member(const at::Tensor &t) { return hold_of(t) != nullptr; }
 
 tshare_view *set_member_view(const at::Tensor &t) {
-  if (!hold_of(t)) return nullptr;
+  SetHold *hold = hold_of(t);
+  if (!hold) return nullptr;
   auto *member = static_cast<MemberContext *>(t.storage().data_ptr().get_context());
   tshare_view *view = nullptr;
-  if (tshare_set_view(member->hold->set, member->index, &view) != TSHARE_OK)
+  std::lock_guard<std::mutex> guard(hold->lock);
+  if (!hold->set)
+    fail(TSHARE_E_STATE, "send: the tensor is of a received set released with release(): its memory is the "
+                         "producer's to change until the next version comes into it (SetReceiver::recv_into); send "
+                         "it after that, or a copy");
+  if (tshare_set_view(hold->set, member->index, &view) != TSHARE_OK)
     fail(TSHARE_E_NOMEM, "send (a tensor of a received set): out of memory");
   return view;
 }
@@ -188,6 +246,7 @@ ReceivedSet adopt_set(tshare_set *set) {
     tshare_set_release(set);
     throw;
   }
+  hold->layout = tshare_set_layout(set);
   ReceivedSet r;
   size_t count = tshare_set_count(set);
   try {
@@ -250,6 +309,7 @@ struct SetReceiver::Kept {
   int device = -1;
   Ahead ahead, stale; // stale: made for a set that came otherwise; let go before the next wait
   std::atomic<uint64_t> ready{0}; // read without the lock: a recv() may be waiting
+  std::atomic<uint64_t> into{0};  // sets recv_into brought into the caller's tensors
 
   ~Kept() {
     stale.clear();
@@ -267,6 +327,7 @@ struct SetReceiver::Kept {
     if (!layout || ahead.hold || c10::InferenceMode::is_enabled()) return;
     try {
       ahead.hold = new SetHold(nullptr, members.size());
+      ahead.hold->layout = layout;
       ahead.tensors.reserve(members.size());
       for (size_t i = 0; i < members.size(); i++) {
         const Member &m = members[i];
@@ -280,8 +341,11 @@ struct SetReceiver::Kept {
 
   // The set is one of the kept layout, each member at the address its
   // tensor made ahead points to.
-  bool fits(const tshare_set *set) const {
-    if (!layout || !ahead.hold || tshare_set_layout(set) != layout || tshare_set_count(set) != members.size())
+  bool fits(const tshare_set *set) const { return ahead.hold && of_kept_layout(set); }
+
+  // The set is one of the kept layout, each member at the address kept.
+  bool of_kept_layout(const tshare_set *set) const {
+    if (!layout || tshare_set_layout(set) != layout || tshare_set_count(set) != members.size())
       return false;
     for (size_t i = 0; i < members.size(); i++)
       if (tshare_set_data(set, i) != members[i].data || tshare_set_cuda_device(set, i) != members[i].cuda_device)
@@ -301,6 +365,52 @@ struct SetReceiver::Kept {
     describe_received(r, set);
     if (device >= 0) order_current_after_default(device);
     ready++;
+    return r;
+  }
+
+  // The released set's tensors (hold, r's), now set's: the hold takes the
+  // handle and lets go of its pins after it, and the tensors move to the
+  // result.
+  ReceivedSet hand_into(SetHold &hold, ReceivedSet &r, tshare_set *set) {
+    tshare_set_pin *pin;
+    {
+      std::lock_guard<std::mutex> guard(hold.lock);
+      hold.set = set;
+      pin = hold.pin;
+      hold.pin = nullptr;
+    }
+    tshare_set_pin_release(pin); // the set holds the same memories now: nothing is unmapped, nothing waits
+    ReceivedSet out;
+    out.tensors = std::move(r.tensors);
+    r.tensors = TensorDict();
+    describe_received(out, set);
+    if (device >= 0) order_current_after_default(device);
+    into++;
+    return out;
+  }
+
+  // r's tensors (of hold) can take the next set of the kept layout: made
+  // for a set of it, each still on its member's memory.
+  bool can_take(const SetHold &hold, const ReceivedSet &r) const {
+    if (!layout || hold.layout != layout || r.tensors.size() != members.size()) return false;
+    for (size_t i = 0; i < members.size(); i++)
+      if (r.tensors[i].value().storage().data_ptr().get() != members[i].data) return false;
+    return true;
+  }
+
+  // A set that is not the kept layout's (or came with nothing made for it):
+  // made as recv_set makes it, and its layout kept for the next.
+  ReceivedSet adopt_anew(tshare_set *set) {
+    stale.clear(); // (there is one only where no call made tensors ahead since)
+    std::swap(stale, ahead); // let go of after the set is handed over: not on its way
+    layout = 0; // a set adopt_set refuses leaves nothing kept
+    ReceivedSet r = adopt_set(set);
+    try {
+      remember(set, r);
+    } catch (...) {
+      layout = 0; // out of memory: the next set is made as this one was
+      members.clear();
+    }
     return r;
   }
 
@@ -334,17 +444,27 @@ struct SetReceiver::Kept {
     if (rc == TSHARE_END) return std::nullopt;
     if (rc != TSHARE_OK) fail_channel(ch, rc, "SetReceiver::recv");
     if (fits(set)) return hand_over(set);
-    stale.clear(); // (there is one only where no call made tensors ahead since)
-    std::swap(stale, ahead); // let go of after the set is handed over: not on its way
-    layout = 0; // a set adopt_set refuses leaves nothing kept
-    ReceivedSet r = adopt_set(set);
-    try {
-      remember(set, r);
-    } catch (...) {
-      layout = 0; // out of memory: the next set is made as this one was
-      members.clear();
+    return adopt_anew(set);
+  }
+
+  std::optional<ReceivedSet> recv_into(tshare_channel *ch, ReceivedSet &r, const RecvOptions &options) {
+    SetHold *hold = hold_of_set(r);
+    if (!hold)
+      fail(TSHARE_E_INVALID_ARG, "SetReceiver::recv_into: r's tensors are not one received set's as recv_set or "
+                                 "SetReceiver gave them");
+    release_hold(*hold);
+    if (ahead.hold) { // made for nothing: r's tensors take the next set (rare: a recv() made them)
+      stale.clear();
+      std::swap(stale, ahead);
     }
-    return r;
+    tshare_set *set = nullptr;
+    // A plain receive, nothing made while it waits: the look it starts with
+    // sends the release above, which the producer waits for.
+    int rc = tshare_set_recv(ch, options.timeout_ms, &set);
+    if (rc == TSHARE_END) return std::nullopt; // r's tensors stay released
+    if (rc != TSHARE_OK) fail_channel(ch, rc, "SetReceiver::recv_into");
+    if (can_take(*hold, r) && of_kept_layout(set)) return hand_into(*hold, r, set);
+    return adopt_anew(set);
   }
 };
 
@@ -369,7 +489,16 @@ void SetReceiver::reset() {
   kept_->members.clear();
 }
 
+std::optional<ReceivedSet> SetReceiver::recv_into(tshare_channel *ch, ReceivedSet &r, const RecvOptions &options) {
+  if (!ch) fail(TSHARE_E_INVALID_ARG, "SetReceiver::recv_into: no channel");
+  if (!kept_) kept_.reset(new Kept);
+  std::lock_guard<std::mutex> guard(kept_->lock);
+  return kept_->recv_into(ch, r, options);
+}
+
 uint64_t SetReceiver::ready_made() const { return kept_ ? kept_->ready.load() : 0; }
+
+uint64_t SetReceiver::received_into() const { return kept_ ? kept_->into.load() : 0; }
 
 } // namespace torch
 } // namespace tshare

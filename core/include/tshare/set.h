@@ -216,6 +216,14 @@ typedef struct tshare_set_pin tshare_set_pin;
  * (nothing released) for a view that is not a set member's or a NULL
  * argument, TSHARE_E_NOMEM (nothing released) without memory for the pin. */
 TSHARE_API int tshare_set_view_release_pinned(tshare_view *view, tshare_set_pin **pin);
+/* Every memory of the set kept mapped where it is until
+ * tshare_set_pin_release(*pin), as one pin: what a consumer that keeps a
+ * set's tensors across versions takes before it releases the set (with
+ * tshare_set_release), in one call and one lock, without a view per member.
+ * The set handle stays the caller's. tshare_set_pin_data() is the first
+ * member's data. TSHARE_E_INVALID_ARG for a NULL argument or a set whose
+ * memory no pin can hold, TSHARE_E_NOMEM (nothing pinned). */
+TSHARE_API int tshare_set_pin_memories(tshare_set *set, tshare_set_pin **pin);
 /* The address the pinned view's data was at. */
 TSHARE_API void *tshare_set_pin_data(const tshare_set_pin *pin);
 /* Let go of the mapping: unmapped here if nothing else maps it (any thread;

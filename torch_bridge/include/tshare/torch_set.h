@@ -178,6 +178,19 @@ struct ReceivedSet {
 // producer) is released back and reported as an Error; the channel stays usable.
 TSHARE_TORCH_API std::optional<ReceivedSet> recv_set(tshare_channel *ch, const RecvOptions &options = {});
 
+// Done reading this version of a set: it is released now (it goes to the
+// producer with this thread's next call on the channel, as a dropped set's
+// release does; SetReceiver::recv_into is one), while r.tensors stay on the
+// same memory, kept mapped. From then on the producer may write that memory:
+// the tensors no longer hold this version, and sending one on is refused
+// (TSHARE_E_STATE) until SetReceiver::recv_into brought the next version into
+// them. Releasing again does nothing while no newer version came. Error
+// TSHARE_E_INVALID_ARG where r.tensors are not one received set's as they
+// came (one replaced or pointed elsewhere). A CUDA set is released after the
+// work queued on the default stream so far, as a set dropped is; the memory
+// stays mapped until the last tensor goes (synchronize other streams first).
+TSHARE_TORCH_API void release(ReceivedSet &r);
+
 // The tensors of a set received through the C API (tshare_set_recv): the
 // same as recv_set gives. Takes over the handle: the tensors release the set
 // (on an Error, it is released at once). For a program that looks at a set
@@ -214,11 +227,27 @@ class TSHARE_TORCH_API SetReceiver {
 
   std::optional<ReceivedSet> recv(tshare_channel *ch, const RecvOptions &options = {});
 
+  // A consumer that keeps one set's tensors across versions (its model runs
+  // on them): r, a set this receiver gave, is released as release(r) does,
+  // and the next set, where it is of r's layout (the producer's same set
+  // sent again), comes into r's own tensors: they move to the result (r is
+  // left with none), the same at::Tensor objects (is_same with r's before),
+  // with the new version's id and metadata. Between the release and the
+  // return the tensors hold whatever the producer writes. A set of another
+  // layout comes as new tensors, and r keeps its tensors, their memory
+  // mapped until they go. Ending without a set (a timeout, the peer's bye,
+  // an Error) leaves r as it was, released. No tensors are made ahead for
+  // this call. The loop: r = std::move(*receiver.recv_into(ch, r)), or stop
+  // at std::nullopt.
+  std::optional<ReceivedSet> recv_into(tshare_channel *ch, ReceivedSet &r, const RecvOptions &options = {});
+
   // Forget the kept layout and the tensors made ahead.
   void reset();
   // How many sets came with their tensors made ahead: what shows that a
   // layout was recognised.
   uint64_t ready_made() const;
+  // How many sets recv_into brought into the caller's tensors.
+  uint64_t received_into() const;
 
  private:
   struct Kept;
