@@ -219,11 +219,6 @@ typedef struct ts_backend {
   void (*memory_unref_locked)(tshare_channel *ch, void *memory);
   /* The same in a forked child: only its own copy of the mapping goes. */
   void (*memory_unref_in_child)(tshare_channel *ch, void *memory);
-  /* Optional, device memory: before a reference that is not a view's goes
-   * (a set member's pin, session_set_pin.c), without ch->lock: if it is the
-   * last one, wait for the work queued on the memory's default stream so
-   * far, which may still read the mapping its unref lets go of. */
-  void (*memory_wait_before_last_unref)(void *memory);
   /* Optional: a set this end took whole (not refused) offered to let it
    * keep memory mapped (its memory frame's share_flags): kept as a share's
    * would be (ch->lock held). A refused set keeps nothing new. */
@@ -283,7 +278,9 @@ typedef struct ts_backend {
   /* Consumer: the set's n memories of this backend are done with (its last
    * reference went; any thread, never blocks). TS_RELEASE_NOW: let go of
    * here, the session queues the release; TS_RELEASE_LATER: work queued on
-   * them still runs, and the backend queues set_id's release once it ran. */
+   * them still runs, and the backend queues set_id's release once it ran.
+   * set_id 0: a pin's references (session_set_pin.c), let go of the same
+   * way once that work ran, with no release to queue. */
   ts_release_done (*set_release)(tshare_channel *ch, void *const *memories, size_t n, uint64_t set_id);
 } ts_backend;
 

@@ -185,7 +185,6 @@ const ts_backend ts_cuda_backend = {
     .release = ts_cuda_view_release,
     .share_view = ts_cuda_share_view,
     .memory_ref_locked = ts_cuda_memory_ref_locked,
-    .memory_wait_before_last_unref = ts_cuda_memory_wait_before_last_unref,
     .memory_unref_locked = ts_cuda_memory_unref_locked,
     .set_source_new = ts_cuda_set_source_new,
     .set_source_free = ts_cuda_set_source_free,

@@ -216,7 +216,6 @@ ts_keep_state ts_cuda_set_keep_state(tshare_channel *ch, const ts_set_source *sr
 int ts_cuda_set_again_hold(tshare_channel *ch, const ts_set_source *src, ts_keep_ref *hold);
 void ts_cuda_memory_ref_locked(tshare_channel *ch, void *memory);
 void ts_cuda_memory_unref_locked(tshare_channel *ch, void *memory);
-void ts_cuda_memory_wait_before_last_unref(void *memory);
 
 /* backend_cuda_keep.c */
 /* The fds of a VMM run's chunks for a share, watching the run (see there). */

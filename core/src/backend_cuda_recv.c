@@ -413,7 +413,7 @@ void ts_cuda_finish_drains(tshare_channel *ch, struct ts_cuda_chan *c, const ts_
     }
     if (cu) spare_put_locked(c, cu, d.ctx, d.done);
     ts_cuda_drain_put(&d);
-    ts_share_queue_release_locked(ch, d.share_id);
+    if (d.share_id) ts_share_queue_release_locked(ch, d.share_id); /* 0: a pin's, nothing to tell */
   }
   c->drains.len = keep;
   if (keep) *busy = ts_now_us() - newest < GPU_SPIN_US ? TS_BACKEND_SOON : TS_BACKEND_LATER;

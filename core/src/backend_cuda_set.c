@@ -305,19 +305,6 @@ void ts_cuda_memory_unref_locked(tshare_channel *ch, void *memory) {
   ts_cuda_import_put(memory);
 }
 
-/* A pin's release (session_set_pin.c): the tensors kept past their set's
- * release may have work queued on them; where this hold is the mapping's
- * last, it may be unmapped at once (retired, or not kept idle), so that
- * work finishes first. Another hold going at the same moment is a set's
- * release, which waits on the same stream itself. */
-void ts_cuda_memory_wait_before_last_unref(void *memory) {
-  const ts_cuda_api *cu = ts_cuda_if_loaded();
-  if (!cu || !ts_cuda_import_is_last_hold(memory)) return;
-  if (!ts_cuda_push(ts_cuda_import_ctx(memory))) return;
-  cu->cuStreamSynchronize(NULL);
-  ts_cuda_pop();
-}
-
 /* Memories mapped in other contexts than the first's (a set over several
  * devices): their default streams are waited for here. */
 static void sync_other_contexts(const ts_cuda_api *cu, CUcontext first, void *const *memories, size_t n) {
@@ -335,7 +322,9 @@ static void put_all(void *const *memories, size_t n) {
 
 /* The consumer may have queued work on the set's tensors on the default
  * stream: the producer gets the release once it ran (one event for the
- * whole set, its mappings let go of together). */
+ * whole set, its mappings let go of together). set_id 0, a pin's
+ * references (the tensors kept past their set's release, with work queued
+ * on them since): let go of once that work ran, no release queued. */
 ts_release_done ts_cuda_set_release(tshare_channel *ch, void *const *memories, size_t n, uint64_t set_id) {
   struct ts_cuda_chan *c = ts_cuda_chan_if_used(ch);
   const ts_cuda_api *cu = ts_cuda_if_loaded();

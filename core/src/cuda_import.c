@@ -352,13 +352,6 @@ void ts_cuda_import_hold(ts_cuda_mapping *imp, bool hit) {
 size_t ts_cuda_import_size(const ts_cuda_mapping *imp) { return imp->size; }
 CUcontext ts_cuda_import_ctx(const ts_cuda_mapping *imp) { return imp->ctx; }
 
-bool ts_cuda_import_is_last_hold(ts_cuda_mapping *imp) {
-  pthread_mutex_lock(&ts_cuda_lock);
-  bool last = imp->views == 1;
-  pthread_mutex_unlock(&ts_cuda_lock);
-  return last;
-}
-
 void ts_cuda_import_put(ts_cuda_mapping *imp) {
   pthread_mutex_lock(&ts_cuda_lock);
   if (--imp->views == 0) {

@@ -108,7 +108,6 @@ int ts_cuda_import_get(uint64_t origin, uint64_t alloc_id, CUcontext ctx, const 
 CUdeviceptr ts_cuda_import_ptr(const ts_cuda_mapping *imp);
 int ts_cuda_import_fd(const ts_cuda_mapping *imp); /* VMM: the capability the mapping came with; else -1 */
 void ts_cuda_import_put(ts_cuda_mapping *imp);     /* a view is gone */
-bool ts_cuda_import_is_last_hold(ts_cuda_mapping *imp); /* the next put would be the last */
 /* One more reference to a mapping already held (a pin, or a share of memory
  * the consumer keeps mapped: counted as a cache hit when hit). */
 void ts_cuda_import_hold(ts_cuda_mapping *imp, bool hit);

@@ -279,7 +279,10 @@ static int send_bye(tshare_channel *ch, uint32_t reason, int timeout_ms) {
    * until it closes, however long that is after the bye), and the releases. */
   ts_backend_wait wait;
   int rc = ts_backends_housekeeping(ch, deadline, &wait);
-  if (rc == TSHARE_OK) rc = ts_share_flush_pending(ch, deadline);
+  if (rc == TSHARE_E_PEER_CLOSED) return rc;
+  if (rc != TSHARE_OK) /* best effort: the bye goes all the same (what is left goes with the close) */
+    TS_LOG(TS_LOG_INFO, "bye on channel '%s': what it owed did not all go first: %s", ch->name, ch->err);
+  rc = ts_share_flush_pending(ch, deadline);
   if (rc != TSHARE_OK) return rc;
   tshare_frame f;
   memset(&f, 0, sizeof f);

@@ -17,7 +17,8 @@
 #include <stdlib.h>
 
 /* One memory's pin, or every memory of a set's (tshare_set_pin_memories):
- * one reference on each mapping, taken under one lock. */
+ * one reference on each mapping, taken under one lock; backend NULL once
+ * let go of. */
 typedef struct pinned_memory {
   const ts_backend *backend;
   void *memory;
@@ -95,6 +96,40 @@ int tshare_set_pin_memories(tshare_set *set, tshare_set_pin **out) {
 
 void *tshare_set_pin_data(const tshare_set_pin *pin) { return pin ? pin->data : NULL; }
 
+/* Device memories go as a set's do (set_release, with no release to send):
+ * once the work queued on their default stream so far ran, since the
+ * tensors kept past the set's release may have had work queued on them
+ * after it, which the set's own release did not wait for. Each is taken
+ * off the pin (backend NULL); the host ones stay for the caller. */
+static void unpin_device_memories(tshare_channel *ch, tshare_set_pin *pin) {
+  void **memories = NULL;
+  for (;;) {
+    const ts_backend *device = NULL;
+    size_t n = 0;
+    for (size_t i = 0; i < pin->n; i++) {
+      const ts_backend *be = pin->mems[i].backend;
+      if (!be || !be->set_release || (device && be != device)) continue;
+      if (!memories && !(memories = malloc(pin->n * sizeof *memories))) break;
+      device = be;
+      memories[n++] = pin->mems[i].memory;
+      pin->mems[i].backend = NULL;
+    }
+    if (!n) break;
+    (void)device->set_release(ch, memories, n, 0);
+  }
+  if (memories) {
+    free(memories);
+    return;
+  }
+  /* Out of memory for the list: one by one, each after the work queued so far. */
+  for (size_t i = 0; i < pin->n; i++) {
+    const ts_backend *be = pin->mems[i].backend;
+    if (!be || !be->set_release) continue;
+    pin->mems[i].backend = NULL;
+    (void)be->set_release(ch, &pin->mems[i].memory, 1, 0);
+  }
+}
+
 void tshare_set_pin_release(tshare_set_pin *pin) {
   if (!pin) return;
   tshare_channel *ch = pin->ch;
@@ -109,12 +144,10 @@ void tshare_set_pin_release(tshare_set_pin *pin) {
       if (pin->mems[i].backend->memory_unref_in_child)
         pin->mems[i].backend->memory_unref_in_child(ch, pin->mems[i].memory);
   } else {
-    /* GPU work queued on the tensors since the set's release still reads the mapping. */
-    for (size_t i = 0; i < pin->n; i++)
-      if (pin->mems[i].backend->memory_wait_before_last_unref)
-        pin->mems[i].backend->memory_wait_before_last_unref(pin->mems[i].memory);
+    unpin_device_memories(ch, pin);
     pthread_mutex_lock(&ch->lock);
-    for (size_t i = 0; i < pin->n; i++) pin->mems[i].backend->memory_unref_locked(ch, pin->mems[i].memory);
+    for (size_t i = 0; i < pin->n; i++)
+      if (pin->mems[i].backend) pin->mems[i].backend->memory_unref_locked(ch, pin->mems[i].memory);
     pthread_mutex_unlock(&ch->lock);
   }
   free(pin);

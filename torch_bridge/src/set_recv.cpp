@@ -61,6 +61,7 @@ struct SetHold {
   std::unique_ptr<MemberContext[]> members;
   size_t count;
   uint64_t layout = 0; // tshare_set_layout of the sets it holds (0: none kept), for recv_into
+  tshare_channel *ch = nullptr; // the channel a SetReceiver took it on (recv_into refuses another)
   std::mutex lock;     // set and pin: release(), a hand-over and a member sent on
   tshare_set_pin *pin = nullptr; // while released: every memory of the set, kept mapped
 
@@ -193,22 +194,28 @@ SetHold *hold_of_set(const ReceivedSet &r) {
 
 // The set under hold given back, its memories kept mapped (release()).
 void release_hold(SetHold &hold) {
-  std::lock_guard<std::mutex> guard(hold.lock);
-  if (!hold.set) return; // released already, and no newer version came since
-  tshare_set_pin *pin = nullptr;
-  int rc = tshare_set_pin_memories(hold.set, &pin);
-  if (rc != TSHARE_OK)
-    fail(rc, "release: set " + std::to_string(tshare_set_id(hold.set)) +
-                 (rc == TSHARE_E_NOMEM ? ": out of memory" : ": its memory cannot be kept mapped past its release"));
-  tshare_set *set = hold.set;
-  hold.set = nullptr;
-  hold.pin = pin;
-  tshare_set_release(set); // never blocks; the pin holds every memory, the tensors' counts hold the hold
+  tshare_set *set;
+  {
+    std::lock_guard<std::mutex> guard(hold.lock);
+    if (!hold.set) return; // released already, and no newer version came since
+    tshare_set_pin *pin = nullptr;
+    int rc = tshare_set_pin_memories(hold.set, &pin);
+    if (rc != TSHARE_OK)
+      fail(rc, "release: set " + std::to_string(tshare_set_id(hold.set)) +
+                   (rc == TSHARE_E_NOMEM ? ": out of memory" : ": its memory cannot be kept mapped past its release"));
+    set = hold.set;
+    hold.set = nullptr;
+    hold.pin = pin;
+  }
+  // Outside the lock (a send on of a member waits for it): the pin holds
+  // every memory, the tensors' counts hold the hold.
+  tshare_set_release(set);
 }
 
 } // namespace
 
 void release(ReceivedSet &r) {
+  if (r.tensors.is_empty()) return; // nothing held (moved into a later version by recv_into)
   SetHold *hold = hold_of_set(r);
   if (!hold)
     fail(TSHARE_E_INVALID_ARG, "release: the tensors are not one received set's as recv_set or SetReceiver gave them "
@@ -310,6 +317,7 @@ struct SetReceiver::Kept {
   Ahead ahead, stale; // stale: made for a set that came otherwise; let go before the next wait
   std::atomic<uint64_t> ready{0}; // read without the lock: a recv() may be waiting
   std::atomic<uint64_t> into{0};  // sets recv_into brought into the caller's tensors
+  tshare_channel *waiting_on = nullptr; // the channel of the recv() making tensors ahead
 
   ~Kept() {
     stale.clear();
@@ -328,6 +336,7 @@ struct SetReceiver::Kept {
     try {
       ahead.hold = new SetHold(nullptr, members.size());
       ahead.hold->layout = layout;
+      ahead.hold->ch = waiting_on;
       ahead.tensors.reserve(members.size());
       for (size_t i = 0; i < members.size(); i++) {
         const Member &m = members[i];
@@ -371,10 +380,13 @@ struct SetReceiver::Kept {
   // The released set's tensors (hold, r's), now set's: the hold takes the
   // handle and lets go of its pins after it, and the tensors move to the
   // result.
-  ReceivedSet hand_into(SetHold &hold, ReceivedSet &r, tshare_set *set) {
+  // nullopt where the hold has a set again (another recv_into took one for
+  // the same tensors meanwhile: the set is made anew instead).
+  std::optional<ReceivedSet> hand_into(SetHold &hold, ReceivedSet &r, tshare_set *set) {
     tshare_set_pin *pin;
     {
       std::lock_guard<std::mutex> guard(hold.lock);
+      if (hold.set) return std::nullopt;
       hold.set = set;
       pin = hold.pin;
       hold.pin = nullptr;
@@ -400,11 +412,12 @@ struct SetReceiver::Kept {
 
   // A set that is not the kept layout's (or came with nothing made for it):
   // made as recv_set makes it, and its layout kept for the next.
-  ReceivedSet adopt_anew(tshare_set *set) {
+  ReceivedSet adopt_anew(tshare_set *set, tshare_channel *ch) {
     stale.clear(); // (there is one only where no call made tensors ahead since)
     std::swap(stale, ahead); // let go of after the set is handed over: not on its way
     layout = 0; // a set adopt_set refuses leaves nothing kept
     ReceivedSet r = adopt_set(set);
+    if (!r.tensors.is_empty()) hold_of(r.tensors[0].value())->ch = ch;
     try {
       remember(set, r);
     } catch (...) {
@@ -440,11 +453,12 @@ struct SetReceiver::Kept {
     // the tensors made here; a set that came already is taken), and makes
     // them only where nothing came, inside the one call.
     tshare_set *set = nullptr;
+    waiting_on = ch;
     int rc = tshare_set_recv_idle(ch, options.timeout_ms, &Kept::make_ahead_of, this, &set);
     if (rc == TSHARE_END) return std::nullopt;
     if (rc != TSHARE_OK) fail_channel(ch, rc, "SetReceiver::recv");
     if (fits(set)) return hand_over(set);
-    return adopt_anew(set);
+    return adopt_anew(set, ch);
   }
 
   std::optional<ReceivedSet> recv_into(tshare_channel *ch, ReceivedSet &r, const RecvOptions &options) {
@@ -452,6 +466,8 @@ struct SetReceiver::Kept {
     if (!hold)
       fail(TSHARE_E_INVALID_ARG, "SetReceiver::recv_into: r's tensors are not one received set's as recv_set or "
                                  "SetReceiver gave them");
+    if (hold->ch && hold->ch != ch)
+      fail(TSHARE_E_INVALID_ARG, "SetReceiver::recv_into: r was received on another channel");
     release_hold(*hold);
     if (ahead.hold) { // made for nothing: r's tensors take the next set (rare: a recv() made them)
       stale.clear();
@@ -463,8 +479,9 @@ struct SetReceiver::Kept {
     int rc = tshare_set_recv(ch, options.timeout_ms, &set);
     if (rc == TSHARE_END) return std::nullopt; // r's tensors stay released
     if (rc != TSHARE_OK) fail_channel(ch, rc, "SetReceiver::recv_into");
-    if (can_take(*hold, r) && of_kept_layout(set)) return hand_into(*hold, r, set);
-    return adopt_anew(set);
+    if (can_take(*hold, r) && of_kept_layout(set))
+      if (auto into_r = hand_into(*hold, r, set)) return into_r;
+    return adopt_anew(set, ch);
   }
 };
 

@@ -227,10 +227,11 @@ TSHARE_API int tshare_set_pin_memories(tshare_set *set, tshare_set_pin **pin);
 /* The address the pinned view's data was at. */
 TSHARE_API void *tshare_set_pin_data(const tshare_set_pin *pin);
 /* Let go of the mapping: unmapped here if nothing else maps it (any thread;
- * NULL is a no-op). Host memory: never blocks (a mapping its producer
- * retired goes at the channel's next idle turn). CUDA memory: where this is
- * the mapping's last hold, the work queued on the default stream of its
- * device so far is waited for first, since it may still read the memory. */
+ * NULL is a no-op; never blocks). Host memory: a mapping its producer
+ * retired goes at the channel's next idle turn. CUDA memory: let go of once
+ * the work queued on the default stream of its device so far ran (looked
+ * at by the channel's next calls, as a dropped set's release is), since it
+ * may still read the memory. */
 TSHARE_API void tshare_set_pin_release(tshare_set_pin *pin);
 
 /* ---- fan-out: one set to many consumers --------------------------------- */

@@ -184,7 +184,8 @@ TSHARE_TORCH_API std::optional<ReceivedSet> recv_set(tshare_channel *ch, const R
 // same memory, kept mapped. From then on the producer may write that memory:
 // the tensors no longer hold this version, and sending one on is refused
 // (TSHARE_E_STATE) until SetReceiver::recv_into brought the next version into
-// them. Releasing again does nothing while no newer version came. Error
+// them. Releasing again does nothing while no newer version came, nor does
+// releasing an r without tensors (moved into a later version). Error
 // TSHARE_E_INVALID_ARG where r.tensors are not one received set's as they
 // came (one replaced or pointed elsewhere). A CUDA set is released after the
 // work queued on the default stream so far, as a set dropped is; the memory
@@ -237,8 +238,10 @@ class TSHARE_TORCH_API SetReceiver {
   // layout comes as new tensors, and r keeps its tensors, their memory
   // mapped until they go. Ending without a set (a timeout, the peer's bye,
   // an Error) leaves r as it was, released. No tensors are made ahead for
-  // this call. The loop: r = std::move(*receiver.recv_into(ch, r)), or stop
-  // at std::nullopt.
+  // this call. TSHARE_E_INVALID_ARG (nothing released) for an r whose
+  // tensors are not one set's as this receiver, or recv_set, gave them, or
+  // that came on another channel. The loop: auto next = recv_into(ch, *r);
+  // stop at std::nullopt, else r = std::move(next).
   std::optional<ReceivedSet> recv_into(tshare_channel *ch, ReceivedSet &r, const RecvOptions &options = {});
 
   // Forget the kept layout and the tensors made ahead.
