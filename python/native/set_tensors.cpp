@@ -423,42 +423,79 @@ PyObject *set_items_cuda(PyObject *, PyObject *args) {
 }
 
 template <typename T>
-void put(std::string *out, T value) {
-  out->append(reinterpret_cast<const char *>(&value), sizeof value);
+char *put(char *at, T value) {
+  std::memcpy(at, &value, sizeof value);
+  return at + sizeof value;
 }
 
-// set_key(pairs, plain_types) -> bytes: every field set_items reads of each
+// One member's part of a set key, appended to key: false (no Python error)
+// where the pair is not a plain member with a str name.
+bool add_to_key(std::string *key, PyObject *pair, PyObject *plain_types) {
+  Member m;
+  Py_ssize_t len;
+  const char *name = plain_member(pair, plain_types, &m) && PyUnicode_Check(m.name)
+                       ? PyUnicode_AsUTF8AndSize(m.name, &len)
+                       : nullptr;
+  if (!name) {
+    PyErr_Clear();
+    return false;
+  }
+  const at::Tensor &t = *m.tensor;
+  const at::IntArrayRef sizes = t.sizes(), strides = t.strides();
+  const size_t ndim = sizes.size();
+  // Written in place: one resize per member, not an append per field.
+  const size_t at = key->size();
+  key->resize(at + 4 + static_cast<size_t>(len) + 8 + 2 + 1 + 4 + 16 * ndim);
+  char *p = &(*key)[at];
+  p = put(p, static_cast<uint32_t>(len));
+  std::memcpy(p, name, static_cast<size_t>(len));
+  p += len;
+  p = put(p, reinterpret_cast<uint64_t>(t.data_ptr()));
+  p = put(p, static_cast<int16_t>(t.scalar_type()));
+  p = put(p, static_cast<uint8_t>(m.lazy));
+  p = put(p, static_cast<uint32_t>(ndim));
+  for (int64_t v : sizes) p = put(p, v);
+  for (int64_t v : strides) p = put(p, v);
+  return true;
+}
+
+// set_key(members, plain_types) -> bytes: every field set_items reads of each
 // member (its name's UTF-8, address, dtype, lazy bit, shape, strides), laid
 // end to end: equal keys are equal item lists, at a fraction of their cost.
-// None when a member is not plain (plain_member) or a name is not a str.
+// members: a list of (name, tensor) pairs, or a mapping, read through its
+// items() without a list of them. None when a member is not plain
+// (plain_member), a name is not a str, or items() fails.
 PyObject *set_key(PyObject *, PyObject *args) {
-  PyObject *pairs, *plain_types;
-  if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &pairs, &PyTuple_Type, &plain_types)) return nullptr;
-  const Py_ssize_t n = PyList_GET_SIZE(pairs);
+  PyObject *members, *plain_types;
+  if (!PyArg_ParseTuple(args, "OO!", &members, &PyTuple_Type, &plain_types)) return nullptr;
   std::string key;
   try {
-    key.reserve(static_cast<size_t>(n) * 64);
-    Member m;
-    for (Py_ssize_t i = 0; i < n; i++) {
-      Py_ssize_t len;
-      const char *name = plain_member(PyList_GET_ITEM(pairs, i), plain_types, &m) && PyUnicode_Check(m.name)
-                           ? PyUnicode_AsUTF8AndSize(m.name, &len)
-                           : nullptr;
-      if (!name) {
+    if (PyList_Check(members)) {
+      const Py_ssize_t n = PyList_GET_SIZE(members);
+      key.reserve(static_cast<size_t>(n) * 96);
+      for (Py_ssize_t i = 0; i < n; i++)
+        if (!add_to_key(&key, PyList_GET_ITEM(members, i), plain_types)) Py_RETURN_NONE;
+    } else {
+      Py_ssize_t n = PyObject_Length(members);
+      key.reserve(static_cast<size_t>(n > 0 ? n : 1) * 96);
+      PyObject *items = n >= 0 ? PyObject_CallMethod(members, "items", nullptr) : nullptr;
+      PyObject *it = items ? PyObject_GetIter(items) : nullptr;
+      Py_XDECREF(items);
+      bool plain = it != nullptr;
+      while (plain) {
+        PyObject *pair = PyIter_Next(it); // a dict's items reuse one tuple while no one else holds it
+        if (!pair) break;
+        plain = add_to_key(&key, pair, plain_types);
+        Py_DECREF(pair);
+      }
+      Py_XDECREF(it);
+      if (!plain || PyErr_Occurred()) {
         PyErr_Clear();
         Py_RETURN_NONE;
       }
-      const at::Tensor &t = *m.tensor;
-      put(&key, static_cast<uint32_t>(len));
-      key.append(name, static_cast<size_t>(len));
-      put(&key, reinterpret_cast<uintptr_t>(t.data_ptr()));
-      put(&key, static_cast<int16_t>(t.scalar_type()));
-      put(&key, static_cast<uint8_t>(m.lazy));
-      put(&key, static_cast<uint32_t>(t.dim()));
-      for (int64_t v : t.sizes()) put(&key, v);
-      for (int64_t v : t.strides()) put(&key, v);
     }
   } catch (const std::exception &) {
+    PyErr_Clear();
     Py_RETURN_NONE;
   }
   return PyBytes_FromStringAndSize(key.data(), static_cast<Py_ssize_t>(key.size()));

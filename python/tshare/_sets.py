@@ -186,12 +186,14 @@ def send_set(ch, tensors, meta, timeout_ms, copy, others=None):
     keep = not copy
     c, stream_now = ch._c, _torch._current_stream
     go = c._send_set if others is None else functools.partial(c._send_set_all, others)
-    pairs = _native_pairs(tensors)
-    key = _native.set_key(pairs, _PLAIN) if keep and pairs is not None else None
+    # The key straight off the mapping (no list of its items): the kept set
+    # goes on it alone; the pairs are made only to build a set.
+    key = _native.set_key(tensors, _PLAIN) if keep and _native is not None else None
     if key is not None:
         set_id, _ = go(None, _TO_DLPACK, meta, timeout_ms, stream_now, keep, key)
         if set_id is not None:
             return set_id
+    pairs = _native_pairs(tensors)
     try:
         items, device = _items(tensors, pairs)
     except (RuntimeError, AttributeError, TypeError):  # not a tensor; sparse, nested...

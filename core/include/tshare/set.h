@@ -210,9 +210,9 @@ typedef struct tshare_set_pin tshare_set_pin;
  * one set's tensors across versions holds between a version's release and
  * the arrival of the next: a set of the same layout (tshare_set_layout)
  * whose members are at the same addresses (tshare_set_data), whose views
- * its tensors then take (and let go of the pins). Any thread; it blocks
- * only as tshare_view_release() does where it lets the set go (CUDA: the
- * release waits for the default stream's work). TSHARE_E_INVALID_ARG
+ * its tensors then take (and let go of the pins). Any thread; never
+ * blocks (CUDA: where it lets the set go, the release goes to the producer
+ * once the work queued on the default stream so far ran). TSHARE_E_INVALID_ARG
  * (nothing released) for a view that is not a set member's or a NULL
  * argument, TSHARE_E_NOMEM (nothing released) without memory for the pin. */
 TSHARE_API int tshare_set_view_release_pinned(tshare_view *view, tshare_set_pin **pin);

@@ -231,16 +231,18 @@ class TSHARE_TORCH_API SetReceiver {
   // A consumer that keeps one set's tensors across versions (its model runs
   // on them): r, a set this receiver gave, is released as release(r) does,
   // and the next set, where it is of r's layout (the producer's same set
-  // sent again), comes into r's own tensors: they move to the result (r is
-  // left with none), the same at::Tensor objects (is_same with r's before),
+  // sent again, and r this receiver's last layout), comes into r's own
+  // tensors: they move to the result (r is left with none, and its old id
+  // and metadata), the same at::Tensor objects (is_same with r's before),
   // with the new version's id and metadata. Between the release and the
-  // return the tensors hold whatever the producer writes. A set of another
-  // layout comes as new tensors, and r keeps its tensors, their memory
-  // mapped until they go. Ending without a set (a timeout, the peer's bye,
-  // an Error) leaves r as it was, released. No tensors are made ahead for
-  // this call. TSHARE_E_INVALID_ARG (nothing released) for an r whose
-  // tensors are not one set's as this receiver, or recv_set, gave them, or
-  // that came on another channel. The loop: auto next = recv_into(ch, *r);
+  // return the tensors hold whatever the producer writes: do not poll with
+  // it. Any other set comes as new tensors, and r keeps its tensors,
+  // released, their memory mapped until they go. Ending without a set (a
+  // timeout, the peer's bye, a refused set's Error) leaves r released with
+  // its tensors. No tensors are made ahead for this call; no other thread
+  // may use r itself meanwhile. TSHARE_E_INVALID_ARG (nothing released) for
+  // an r whose tensors are not one set's as received, or that came to this
+  // receiver on another channel. The loop: auto next = recv_into(ch, *r);
   // stop at std::nullopt, else r = std::move(next).
   std::optional<ReceivedSet> recv_into(tshare_channel *ch, ReceivedSet &r, const RecvOptions &options = {});
 
