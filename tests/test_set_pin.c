@@ -81,10 +81,33 @@ static void *release_pins(void *arg) {
   return NULL;
 }
 
+/* A forked child's whole-set pin of the set its parent holds: it reads the
+ * memory through it and lets go of its copies of the pin and the set, which
+ * tells the producer nothing. */
+static void child_pins_and_lets_go(tshare_set *s) {
+  fflush(stdout);
+  fflush(stderr);
+  pid_t pid = fork();
+  CHECK(pid >= 0);
+  if (pid == 0) {
+    tshare_set_pin *pin = NULL;
+    CHECK_RC(tshare_set_pin_memories(s, &pin), TSHARE_OK, "");
+    for (int m = 0; m < MEMBERS; m++) check_member(tshare_set_data(s, (size_t)m), 0, m);
+    tshare_set_release(s);
+    check_member(tshare_set_pin_data(pin), 0, 0); /* the pin holds the child's copy */
+    tshare_set_pin_release(pin);
+    fflush(stdout);
+    _exit(0);
+  }
+  CHECK_CHILD_OK(pid);
+}
+
 /* The consumer: each round's set released while its memory stays pinned,
  * one pin per member view (tshare_set_view_release_pinned) or one pin of
- * the whole set (whole: tshare_set_pin_memories). */
-static void pinned_consumer(bool whole) {
+ * the whole set (whole: tshare_set_pin_memories). fork_first: a child
+ * forked with round 0's set pins and releases its copy first; the
+ * producer, waiting for round 0's release, sends nothing until this end's. */
+static void pinned_consumer(bool whole, bool fork_first) {
   int sock;
   pid_t pid = fork_with_socket(producer, &sock);
   tshare_channel *ch = open_socket_channel(sock, "pin consumer", NULL, NULL);
@@ -105,6 +128,12 @@ static void pinned_consumer(bool whole) {
         for (int m = 0; m < MEMBERS; m++) CHECK(tshare_set_pin_data(pins[m]) == data[m]);
     }
     for (int m = 0; m < MEMBERS; m++) data[m] = tshare_set_data(s, (size_t)m);
+    if (fork_first && round == 0) {
+      child_pins_and_lets_go(s);
+      tshare_set *early = NULL;
+      CHECK_RC(tshare_set_recv(ch, 200, &early), TSHARE_E_TIMEOUT, "round 1 came before round 0's release");
+      for (int m = 0; m < MEMBERS; m++) check_member(data[m], 0, m); /* the child's going left this end's intact */
+    }
     if (whole) {
       for (int m = 0; m < MEMBERS; m++) check_member(data[m], round, m);
       tshare_set_pin *next = NULL;
@@ -163,9 +192,13 @@ static void pinned_consumer(bool whole) {
 }
 
 TS_TEST(a_pinned_set_goes_back_while_its_memory_stays_mapped_for_the_next_version_and_past_its_retire) {
-  pinned_consumer(false);
+  pinned_consumer(false, false);
 }
 
-TS_TEST(a_whole_set_pinned_in_one_goes_back_while_its_memory_stays_mapped_past_its_retire) { pinned_consumer(true); }
+TS_TEST(a_whole_set_pinned_in_one_goes_back_while_its_memory_stays_mapped_past_its_retire) {
+  pinned_consumer(true, false);
+}
+
+TS_TEST(a_whole_set_pin_in_a_forked_child_lets_go_of_the_childs_copy_alone) { pinned_consumer(true, true); }
 
 TS_TEST_MAIN
